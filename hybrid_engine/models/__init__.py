@@ -1,0 +1,1 @@
+"""Per-architecture HF <-> vLLM name maps and tiny random-init test models."""

@@ -1,0 +1,274 @@
+"""Random-init HF model folders (Qwen2, Llama, Qwen3) for tests and benchmarks.
+
+``write_tiny_model(path, spec)`` writes ``model.safetensors``,
+``config.json``, ``generation_config.json`` and the tokenizer files of
+``hybrid_engine.models.tokenizer``; nothing is fetched from a hub. The folder
+loads with ``AutoModelForCausalLM.from_pretrained`` (no missing or unexpected
+keys) and with vLLM.
+
+Invariant protected: the weights are a pure function of the spec. Each tensor
+is drawn from its own generator, seeded from ``spec.seed`` and the tensor's
+name, so the same spec gives a byte-identical ``model.safetensors``, and a
+tensor's values do not depend on which other tensors exist (a tied and an
+untied model share their embedding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save_file
+
+from hybrid_engine.models.tokenizer import (
+    EOS_TOKEN_ID,
+    TOKENIZER_VOCAB_SIZE,
+    build_tokenizer,
+    write_tokenizer_files,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+__all__ = [
+    "PRESETS",
+    "TinyModelSpec",
+    "VLLM_CPU_HEAD_DIMS",
+    "build_tokenizer",
+    "hf_config",
+    "hf_param_shapes",
+    "random_state_dict",
+    "write_tiny_model",
+]
+
+_ARCHS = ("qwen2", "llama", "qwen3")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM 0.32's CPU attention accepts (others fail at the first
+forward with "Unsupported CPU attention configuration")."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TinyModelSpec:
+    """Shape and init of a random-init decoder-only model."""
+
+    arch: str = "qwen2"
+    """Architecture: "qwen2" (q/k/v biases), "llama" or "qwen3" (q_norm/k_norm)."""
+    hidden_size: int = 128
+    """Model width. The default gives head_dim 32: vLLM's CPU attention only
+    supports head sizes in VLLM_CPU_HEAD_DIMS (64 / 4 heads = 16 fails)."""
+    num_layers: int = 2
+    """Number of decoder layers."""
+    num_heads: int = 4
+    """Number of query heads."""
+    num_kv_heads: int = 2
+    """Number of key/value heads (GQA); must divide num_heads; may be 1."""
+    intermediate_size: int = 256
+    """Width of the SwiGLU MLP."""
+    vocab_size: int = 1000
+    """Model vocabulary (embedding rows); >= the tokenizer's TOKENIZER_VOCAB_SIZE,
+    need not be a multiple of 64. Ids past the tokenizer's are never produced
+    by encoding but may be sampled."""
+    tie_word_embeddings: bool = False
+    """Share embed_tokens and lm_head; the file then has no lm_head.weight."""
+    max_position_embeddings: int = 512
+    """Longest supported sequence (also the tokenizer's model_max_length)."""
+    head_dim: int | None = None
+    """Per-head width; None means hidden_size // num_heads. Only llama and
+    qwen3 may set another value (vLLM's Qwen2 ignores config.head_dim)."""
+    seed: int = 0
+    """Seed of the weights; same spec -> byte-identical safetensors."""
+    init_std: float = 0.02
+    """Std of the normal init of every matrix and bias; norm weights are 1."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    dtype: str = "float32"
+    """Storage dtype of the safetensors file: "float32" or "bfloat16" (drawn in
+    fp32 then rounded, so a bf16 file is the rounded fp32 one)."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in _ARCHS:
+            raise ValueError(f"arch must be one of {_ARCHS}, got {self.arch!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}")
+        if self.arch == "qwen2" and self.head_dim not in (None, self.hidden_size // self.num_heads):
+            raise ValueError("qwen2 needs head_dim == hidden_size // num_heads (vLLM derives it so)")
+        if self.vocab_size < TOKENIZER_VOCAB_SIZE:
+            raise ValueError(f"vocab_size={self.vocab_size} < tokenizer size {TOKENIZER_VOCAB_SIZE}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """head_dim, or hidden_size // num_heads when it is None."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def num_params(self) -> int:
+        """Number of parameters (a tied embedding counted once)."""
+        return sum(math.prod(s) for s in hf_param_shapes(self).values())
+
+
+PRESETS: dict[str, TinyModelSpec] = {
+    # ~0.5M params: unit tests.
+    "tiny": TinyModelSpec(),
+    # ~15M params: integration tests that want non-trivial GEMMs.
+    "small": TinyModelSpec(
+        arch="qwen2",
+        hidden_size=384,
+        num_layers=4,
+        num_heads=6,
+        num_kv_heads=2,
+        intermediate_size=1536,
+        vocab_size=8192,
+        max_position_embeddings=2048,
+    ),
+    # ~181M params (Qwen2-style, head_dim 64, GQA 3:1): benchmarks.
+    "qwen2-180m": TinyModelSpec(
+        arch="qwen2",
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=4,
+        intermediate_size=4096,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+}
+"""Named specs; use ``dataclasses.replace(PRESETS[name], ...)`` for variants."""
+
+
+def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and shapes of the checkpoint, in a fixed order.
+
+    Names are those of ``<Arch>ForCausalLM.state_dict()``; with tied
+    embeddings there is no ``lm_head.weight``.
+
+    Args:
+        spec: the model.
+
+    Returns:
+        Ordered ``{name: shape}``.
+    """
+    h, d = spec.hidden_size, spec.resolved_head_dim
+    q_dim, kv_dim = spec.num_heads * d, spec.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_dim, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_dim, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_dim, h)
+        if spec.arch == "qwen2":
+            shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_dim,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_dim,)
+        if spec.arch == "qwen3":
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q_dim)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
+    shapes["model.norm.weight"] = (h,)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
+def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
+    """The transformers config (Qwen2Config, LlamaConfig or Qwen3Config) of ``spec``.
+
+    Args:
+        spec: the model.
+
+    Returns:
+        A config with ``architectures`` set, eos/bos/pad = the tokenizer's EOS.
+    """
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}[spec.arch]
+    arch_name = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    return config_cls(
+        architectures=[arch_name[spec.arch]],
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.resolved_head_dim,
+        hidden_act="silu",
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std,
+        rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        bos_token_id=EOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=EOS_TOKEN_ID,
+        dtype=spec.dtype,
+    )
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], spec: TinyModelSpec) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    # Per-tensor seed: values depend only on (seed, name), not on draw order.
+    gen = torch.Generator().manual_seed((spec.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
+    return torch.empty(shape).normal_(0.0, spec.init_std, generator=gen)
+
+
+def random_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
+    """Draws the weights of ``spec`` (the tensors ``write_tiny_model`` saves).
+
+    Args:
+        spec: the model; ``spec.dtype`` is the dtype of the returned tensors.
+
+    Returns:
+        ``{hf_name: tensor}`` in ``hf_param_shapes`` order.
+    """
+    dtype = _DTYPES[spec.dtype]
+    return {n: _init_tensor(n, s, spec).to(dtype) for n, s in hf_param_shapes(spec).items()}
+
+
+def write_tiny_model(path: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Writes a random-init HF model folder.
+
+    Files: ``model.safetensors`` (deterministic bytes), ``config.json``,
+    ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``
+    and ``tiny_spec.json`` (the spec, for humans and for reproduction).
+
+    Args:
+        path: the folder; created if missing, existing files overwritten.
+        spec: shape, init and seed of the model.
+
+    Returns:
+        The folder, as a ``Path``.
+    """
+    from transformers import GenerationConfig
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(random_state_dict(spec), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    hf_config(spec).save_pretrained(folder)
+    GenerationConfig(
+        bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID
+    ).save_pretrained(folder)
+    write_tokenizer_files(folder, model_max_length=spec.max_position_embeddings)
+    spec_json = json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True)
+    (folder / "tiny_spec.json").write_text(spec_json + "\n")
+    return folder

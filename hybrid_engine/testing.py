@@ -1,0 +1,279 @@
+"""Runs code on N real ranks in fresh processes, for tests and benchmarks.
+
+Invariant: nothing here can hang its caller. Every run has a deadline; on an
+error, a crash or the deadline, every rank's process group is killed and the
+caller gets an exception naming the rank(s) with their traceback and log tail.
+
+- `run_ranks(fn, world_size, ...)`: fn(*args) on each of N spawned ranks with
+  torch.distributed initialised (gloo by default, free TCP port); returns the
+  list of per-rank results.
+- `run_in_subprocess(fn, ...)`: fn(*args) in one fresh process, no process
+  group. vLLM must run this way in tests: it takes over torch.set_num_threads,
+  destroys the default process group when the engine is deleted, and names its
+  shared-memory segments per job.
+- `run_torchrun(argv, nproc, ...)`: a script or module under
+  `torchrun --standalone --nproc_per_node=N`.
+
+fn must be importable by name (a module-level function); it is imported in
+the child only after the rank's environment is set, so env vars that a module
+reads at import time (OMP_NUM_THREADS, VLLM_*) take effect.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+__all__ = ["RankError", "free_port", "run_in_subprocess", "run_ranks", "run_torchrun"]
+
+_LOG_TAIL_CHARS = 4000
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed, crashed or did not finish in time."""
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return text[-_LOG_TAIL_CHARS:]
+
+
+def _worker(
+    fn_ref: tuple[str, str], rank: int, world_size: int, args: tuple, env: dict[str, str],
+    backend: str | None, log_path: str, results: Any, dump_after_s: float,
+) -> None:
+    os.setpgrp()  # a Ctrl-C at the terminal reaches the parent, which cleans up
+    with open(log_path, "ab", buffering=0) as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.update(env)
+    # A hung rank prints where it is stuck shortly before the parent kills it.
+    faulthandler.dump_traceback_later(dump_after_s, exit=False)
+    try:
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        if backend is not None:
+            import torch.distributed as dist
+
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        fn = getattr(importlib.import_module(fn_ref[0]), fn_ref[1])
+        out = fn(*args)
+        results.put((rank, "ok", out))
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown after a reported result
+        pass
+
+
+def _fn_ref(fn: Callable[..., Any]) -> tuple[str, str]:
+    module, name = fn.__module__, fn.__qualname__
+    if "<" in name or "." in name:
+        raise ValueError(f"{name} must be a module-level function to run in a fresh process")
+    if module == "__main__":
+        raise ValueError("functions defined in __main__ cannot be imported by child processes")
+    return module, name
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILLs pid and all its descendants, including ones in other sessions
+    (torchrun starts its workers with start_new_session)."""
+    try:
+        root = psutil.Process(pid)
+        family = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=10)
+
+
+def _kill(procs: Sequence[mp.process.BaseProcess]) -> None:
+    for p in procs:
+        if p.pid is not None:
+            _kill_tree(p.pid)
+    for p in procs:
+        p.join(timeout=10)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str | None = "gloo",
+    env: Mapping[str, str] | None = None,
+    log_dir: str | os.PathLike | None = None,
+) -> list[Any]:
+    """Runs fn(*args) on world_size fresh ranks and returns their results by rank.
+
+    Args:
+        fn: module-level function; return value must be picklable.
+        world_size: number of ranks (processes).
+        timeout: seconds for the whole run; past it every rank is killed.
+        backend: torch.distributed backend, or None for no process group.
+        env: extra environment for every rank (RANK, WORLD_SIZE, LOCAL_RANK,
+            MASTER_ADDR, MASTER_PORT and OMP_NUM_THREADS are set here unless given).
+        log_dir: where each rank's stdout+stderr goes (rank{r}.log); a
+            temporary folder when None.
+
+    Raises:
+        RankError: a rank raised (its traceback is in the message), exited
+            without a result, or the run passed its deadline.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    fn_ref = _fn_ref(fn)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    tmp = None if log_dir is not None else tempfile.TemporaryDirectory(prefix="he_ranks_")
+    logs = Path(log_dir if log_dir is not None else tmp.name)
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    try:
+        for rank in range(world_size):
+            rank_env = {
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads),
+            }
+            rank_env.update(env or {})
+            p = ctx.Process(
+                target=_worker,
+                args=(fn_ref, rank, world_size, args, rank_env, backend,
+                      str(logs / f"rank{rank}.log"), results, max(1.0, timeout - 3.0)),
+                daemon=False,  # ranks may start processes of their own
+            )
+            p.start()
+            procs.append(p)
+        return _collect(procs, results, world_size, timeout, logs)
+    finally:
+        _kill(procs)
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _collect(procs, results, world_size: int, timeout: float, logs: Path) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    outs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    grace_end: float | None = None  # after a first error, wait briefly for others
+    while len(outs) + len(errors) < world_size:
+        now = time.monotonic()
+        if now > deadline or (grace_end is not None and now > grace_end):
+            break
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            for r, p in enumerate(procs):  # died without a result (segfault, kill)
+                if r not in outs and r not in errors and not p.is_alive():
+                    try:  # its result may still be in flight through the queue
+                        rank, status, payload = results.get(timeout=1.0)
+                    except queue.Empty:
+                        errors[r] = f"exited with code {p.exitcode} without a result"
+                        break
+                    (outs if status == "ok" else errors)[rank] = payload
+                    break
+            else:
+                continue
+        else:
+            (outs if status == "ok" else errors)[rank] = payload
+        if errors and grace_end is None:
+            grace_end = time.monotonic() + 5.0
+    if not errors and len(outs) == world_size:
+        return [outs[r] for r in range(world_size)]
+    _kill(procs)
+    missing = [r for r in range(world_size) if r not in outs and r not in errors]
+    parts = []
+    if errors:  # dicts keep arrival order: the first error is the root cause
+        first = next(iter(errors))
+        parts.append(f"rank {first} failed first")
+        if len(errors) > 1:
+            parts.append(f"rank(s) {sorted(set(errors) - {first})} failed after it")
+    if missing and not errors:
+        parts.append(f"rank(s) {missing} did not finish within {timeout:.0f} s")
+    elif missing:
+        parts.append(f"rank(s) {missing} stopped after the failure")
+    lines = ["; ".join(parts)]
+    for r in errors:
+        lines.append(f"--- rank {r} ---\n{errors[r]}")
+    for r in sorted(set(missing) | set(errors)):
+        tail = _tail(logs / f"rank{r}.log")
+        if tail:
+            lines.append(f"--- rank {r} log (tail) ---\n{tail}")
+    raise RankError("\n".join(lines))
+
+
+def run_in_subprocess(
+    fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+) -> Any:
+    """Runs fn(*args) in one fresh process without a process group; returns its result."""
+    return run_ranks(fn, 1, *args, timeout=timeout, backend=None, env=env)[0]
+
+
+def run_torchrun(
+    argv: Sequence[str], nproc: int, *, timeout: float = 300.0,
+    env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Runs `torchrun --standalone --nproc_per_node=nproc ARGV...` and returns its output.
+
+    argv is what follows torchrun's own flags: a script path and its
+    arguments, or ["-m", "module", ...]. Raises RankError on a non-zero exit or
+    on the deadline (the whole process tree is killed), with the output tail.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", *argv]
+    full_env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=cwd, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        raise RankError(f"torchrun did not finish within {timeout:.0f} s: {' '.join(cmd)}\n"
+                        f"{out[-_LOG_TAIL_CHARS:]}") from None
+    if proc.returncode != 0:
+        raise RankError(f"torchrun exited with code {proc.returncode}: {' '.join(cmd)}\n"
+                        f"{out[-_LOG_TAIL_CHARS:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")

@@ -1,0 +1,175 @@
+"""Tests of hybrid_engine.models.tiny: deterministic folders that load in HF and vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybrid_engine.models.tiny import (
+    PRESETS,
+    TinyModelSpec,
+    build_tokenizer,
+    hf_param_shapes,
+    random_state_dict,
+    write_tiny_model,
+)
+from hybrid_engine.models.tokenizer import EOS_TOKEN_ID, TOKENIZER_VOCAB_SIZE
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXTS = (
+    "12+345=357\n",
+    "Hello, world!  It's 3:45 pm.\n\n\tindented  trailing ",
+    "a=[1, 2.5, -3e4]; print(a)  # done",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "caf\u00e9 na\u00efve \u4e2d\u6587 \U0001f600",
+    "",
+)
+
+# (id, spec) of the HF load tests; the default vocab_size 1000 is not a
+# multiple of 64.
+HF_CASES = [
+    ("qwen2", TinyModelSpec(arch="qwen2")),
+    ("llama", TinyModelSpec(arch="llama")),
+    ("qwen3", TinyModelSpec(arch="qwen3")),
+    ("qwen2-tied", TinyModelSpec(arch="qwen2", tie_word_embeddings=True)),
+    ("llama-tied-kv1", TinyModelSpec(arch="llama", tie_word_embeddings=True, num_kv_heads=1)),
+    ("qwen3-kv1-hd64", TinyModelSpec(arch="qwen3", num_kv_heads=1, head_dim=64)),
+    ("qwen2-bf16-v1001", TinyModelSpec(arch="qwen2", dtype="bfloat16", vocab_size=1001)),
+]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: write_tiny_model(root / name, spec) for name, spec in HF_CASES}
+
+
+def test_same_seed_same_bytes_other_seed_other_weights(tmp_path: Path) -> None:
+    spec = TinyModelSpec(arch="qwen3", num_layers=1)
+    a = (write_tiny_model(tmp_path / "a", spec) / "model.safetensors").read_bytes()
+    b = (write_tiny_model(tmp_path / "b", spec) / "model.safetensors").read_bytes()
+    assert a == b
+    w0 = load_file(tmp_path / "a" / "model.safetensors")
+    w1 = random_state_dict(dataclasses.replace(spec, seed=1))
+    for name, t in w0.items():
+        if name.endswith("norm.weight"):
+            assert torch.equal(t, w1[name])
+        else:
+            assert not torch.equal(t, w1[name]), name
+    # Per-tensor seeding: tying drops lm_head but keeps the embedding.
+    tied = random_state_dict(dataclasses.replace(spec, tie_word_embeddings=True))
+    assert "lm_head.weight" not in tied
+    assert torch.equal(tied["model.embed_tokens.weight"], w0["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("name", [n for n, _ in HF_CASES])
+def test_loads_in_transformers(name: str, folders: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    spec = dict(HF_CASES)[name]
+    model, info = AutoModelForCausalLM.from_pretrained(folders[name], output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert model.dtype == {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params
+    sd = model.state_dict()
+    expected = random_state_dict(spec)
+    assert set(expected) <= set(sd) and set(sd) - set(expected) <= {"lm_head.weight"}
+    for key, t in expected.items():
+        assert torch.equal(sd[key], t), key
+    if spec.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ids_BT = torch.tensor([[1, 2, 3, EOS_TOKEN_ID], [4, 5, 6, spec.vocab_size - 1]])
+    with torch.no_grad():
+        logits_BTV = model(ids_BT).logits
+    assert logits_BTV.shape == (2, 4, spec.vocab_size) and torch.isfinite(logits_BTV).all()
+
+
+def test_param_shapes_and_presets() -> None:
+    assert PRESETS["tiny"] == TinyModelSpec()
+    assert 10e6 <= PRESETS["small"].num_params <= 20e6
+    assert 170e6 <= PRESETS["qwen2-180m"].num_params <= 190e6
+    shapes = hf_param_shapes(TinyModelSpec(arch="qwen3", head_dim=64))
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (4 * 64, 128)
+    assert shapes["model.layers.1.self_attn.k_norm.weight"] == (64,)
+    with pytest.raises(ValueError):
+        TinyModelSpec(arch="qwen2", head_dim=64)
+    with pytest.raises(ValueError):
+        TinyModelSpec(vocab_size=TOKENIZER_VOCAB_SIZE - 1)
+    with pytest.raises(ValueError):
+        TinyModelSpec(num_heads=4, num_kv_heads=3)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3"])
+def test_auto_tokenizer_matches_raw_tokenizer(name: str, folders: dict[str, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    folder = folders[name]
+    tok = AutoTokenizer.from_pretrained(folder)
+    raw = build_tokenizer()
+    for text in TEXTS:
+        ids = tok(text)["input_ids"]
+        assert ids == raw.encode(text).ids, text
+        assert tok.decode(ids) == text
+        assert raw.decode(ids, skip_special_tokens=False) == text
+    assert tok("12+345=357\n")["input_ids"] == [ord(c) for c in "12+345=357\n"]
+    # Whatever class AutoTokenizer picked, its backend is the file's pipeline.
+    got = json.loads(tok.backend_tokenizer.to_str())
+    want = json.loads(raw.to_str())
+    for key in ("normalizer", "pre_tokenizer", "model", "decoder", "added_tokens"):
+        assert got[key] == want[key], key
+    assert tok.eos_token_id == tok.pad_token_id == EOS_TOKEN_ID and tok.bos_token_id is None
+    assert len(tok) == TOKENIZER_VOCAB_SIZE
+    config = json.loads((folder / "config.json").read_text())
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert config["eos_token_id"] == generation["eos_token_id"] == EOS_TOKEN_ID
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+# vLLM cases: one engine each, all in one fresh process.
+VLLM_CASES = [
+    ("qwen2", TinyModelSpec(arch="qwen2")),
+    ("llama", TinyModelSpec(arch="llama")),
+    ("qwen3", TinyModelSpec(arch="qwen3")),
+    ("qwen2-tied", TinyModelSpec(arch="qwen2", tie_word_embeddings=True)),
+    ("qwen3-tied-kv1-hd64", TinyModelSpec(arch="qwen3", tie_word_embeddings=True, num_kv_heads=1, head_dim=64)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_matches_transformers(tmp_path: Path) -> None:
+    paths = [str(write_tiny_model(tmp_path / name, spec)) for name, spec in VLLM_CASES]
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+    )
+    script = Path(__file__).with_name("_vllm_check.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), *paths],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for path in paths:
+        r = results[path]
+        assert r["prompt_ids_equal"], path
+        assert r["num_tokens"] == 4 * 16, path
+        # fp32 vs fp32: measured ~5e-7; a wrong weight gives ~1e-1.
+        assert r["max_abs_diff"] < 1e-4, (path, r["max_abs_diff"])
