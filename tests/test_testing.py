@@ -73,15 +73,12 @@ def test_failing_rank_surfaces_its_traceback(world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_hung_rank_fails_within_timeout(world_size):
     t0 = time.monotonic()
-    with pytest.raises(RankError, match=rf"rank\(s\) \[{world_size - 1}\] did not finish within 8 s"):
-        run_ranks(_hang_on_last_rank, world_size, timeout=8)
-    assert time.monotonic() - t0 < 25
-
-
-def test_hung_rank_log_shows_where_it_hangs():
     with pytest.raises(RankError) as info:
-        run_ranks(_hang_on_last_rank, 2, timeout=8)
-    assert "_hang_on_last_rank" in str(info.value)  # faulthandler dump in the log tail
+        run_ranks(_hang_on_last_rank, world_size, timeout=6)
+    assert time.monotonic() - t0 < 20
+    msg = str(info.value)
+    assert msg.startswith(f"rank(s) [{world_size - 1}] did not finish within 6 s")
+    assert "_hang_on_last_rank" in msg  # the hung rank's stack, dumped into its log
 
 
 def test_crashed_rank_is_reported_with_exit_code():
@@ -129,6 +126,6 @@ def test_torchrun_timeout_kills_the_job(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import time\ntime.sleep(3600)\n")
     t0 = time.monotonic()
-    with pytest.raises(RankError, match="did not finish within 10 s"):
-        run_torchrun([str(script)], nproc=2, timeout=10)
+    with pytest.raises(RankError, match="did not finish within 6 s"):
+        run_torchrun([str(script)], nproc=2, timeout=6)
     assert time.monotonic() - t0 < 30

@@ -1,0 +1,74 @@
+"""The hybrid-engine console script, run as a user would (fresh processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hybrid_engine.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_env_reports_versions_and_kernels():
+    out = _cli("env", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    import torch
+
+    assert info["torch"] == torch.__version__
+    assert info["kernels_cpu"] is True and info["native_error"] is None
+    assert info["kernels_cuda"] == (torch.cuda.is_available() and torch.version.cuda is not None)
+    assert info["vllm"] is not None and info["transformers"] is not None
+    assert info["world_size"] is None  # not launched
+
+
+def test_config_applies_overrides_and_rejects_typos(tmp_path):
+    yaml_file = tmp_path / "o.yaml"
+    yaml_file.write_text("train:\n  lr: 3.0e-5\nrollout.temperature: 0.5\n")
+    out = _cli("config", "--recipe", "tiny_grpo_debug", "--config", str(yaml_file),
+               "--train.lr=1e-6", "--rollout.max_tokens", "8")
+    assert out.returncode == 0, out.stderr
+    import yaml
+
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["train"]["lr"] == 1e-6  # CLI beats YAML
+    assert cfg["rollout"]["temperature"] == 0.5 and cfg["rollout"]["max_tokens"] == 8
+    bad = _cli("config", "--trian.lr=1e-6")
+    assert bad.returncode != 0 and "train" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_config_keys_lists_documented_fields():
+    out = _cli("config", "--keys")
+    assert out.returncode == 0, out.stderr
+    assert "--train.lr=" in out.stdout and "--rollout.tensor_parallel_size=" in out.stdout
+
+
+def test_tiny_model_writes_a_loadable_folder(tmp_path):
+    out = _cli("tiny-model", str(tmp_path / "m"), "--arch", "llama", "--tie")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info["arch"] == "llama" and info["tie_word_embeddings"] is True
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(tmp_path / "m").model_type == "llama"
+
+
+def test_unknown_preset_is_a_clear_error(tmp_path):
+    out = _cli("tiny-model", str(tmp_path / "m"), "--preset", "huge")
+    assert out.returncode != 0 and "unknown preset 'huge'" in out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_demo_samples_on_two_ranks(tmp_path):
+    out = _cli("demo", "--output-dir", str(tmp_path), "--max-tokens", "8", timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["world_size"] == 2 and result["tp"] == 2
+    assert result["completions"] == 16 and 0 < result["tokens"] <= 16 * 8
+    assert (tmp_path / "tiny-qwen2" / "model.safetensors").exists()
