@@ -202,6 +202,27 @@ class AlgorithmConfig:
     )
     gamma: float = _field(1.0, "Discount factor (GAE, REINFORCE++).", ge=0, le=1)
     lam: float = _field(1.0, "GAE lambda.", ge=0, le=1)
+    policy_loss: Literal["ppo", "gspo"] = _field(
+        "ppo", "Policy loss: token-level PPO clip, or GSPO's sequence-level ratio."
+    )
+    loss_agg_constant: float | None = _field(
+        None,
+        "Normaliser of loss_agg='constant' (Dr.GRPO); None uses rollout.max_tokens.",
+        gt=0,
+    )
+    value_coef: float = _field(0.5, "Weight of the critic's value loss (PPO with GAE).", ge=0)
+    value_clip: float | None = _field(
+        0.2, "Clip range of the value loss around the old values; None disables it.", gt=0
+    )
+    dynamic_sampling: bool = _field(
+        False, "DAPO: drop groups whose rewards are all equal (counted as degenerate)."
+    )
+    overlong_buffer: int = _field(
+        0, "DAPO overlong shaping: penalty ramp length in tokens before max_tokens; 0 = off.", ge=0
+    )
+    overlong_penalty_factor: float = _field(
+        1.0, "DAPO overlong shaping: penalty at max_tokens (reward -= factor at the limit).", ge=0
+    )
 
     def __post_init__(self) -> None:
         _validate_fields(self)

@@ -26,6 +26,7 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -64,7 +65,7 @@ def _tail(path: Path) -> str:
 
 def _worker(
     fn_ref: tuple[str, str], rank: int, world_size: int, args: tuple, env: dict[str, str],
-    backend: str | None, log_path: str, results: Any, dump_after_s: float,
+    backend: str | None, log_path: str, results: Any,
 ) -> None:
     os.setpgrp()  # a Ctrl-C at the terminal reaches the parent, which cleans up
     with open(log_path, "ab", buffering=0) as log:
@@ -73,8 +74,9 @@ def _worker(
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.update(env)
-    # A hung rank prints where it is stuck shortly before the parent kills it.
-    faulthandler.dump_traceback_later(dump_after_s, exit=False)
+    # On the deadline the parent sends SIGUSR1 before SIGKILL: the rank then
+    # writes every thread's stack to its log, showing where it hung.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         import torch
 
@@ -88,8 +90,6 @@ def _worker(
         results.put((rank, "ok", out))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        faulthandler.cancel_dump_traceback_later()
     try:
         import torch.distributed as dist
 
@@ -122,6 +122,18 @@ def _kill_tree(pid: int) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(family, timeout=10)
+
+
+def _dump_stacks(procs: Sequence[mp.process.BaseProcess]) -> None:
+    """Asks live ranks to write their stacks to their logs (see _worker)."""
+    alive = [p for p in procs if p.is_alive() and p.pid is not None]
+    for p in alive:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if alive:
+        time.sleep(1.0)
 
 
 def _kill(procs: Sequence[mp.process.BaseProcess]) -> None:
@@ -179,7 +191,7 @@ def run_ranks(
             p = ctx.Process(
                 target=_worker,
                 args=(fn_ref, rank, world_size, args, rank_env, backend,
-                      str(logs / f"rank{rank}.log"), results, max(1.0, timeout - 3.0)),
+                      str(logs / f"rank{rank}.log"), results),
                 daemon=False,  # ranks may start processes of their own
             )
             p.start()
@@ -220,8 +232,9 @@ def _collect(procs, results, world_size: int, timeout: float, logs: Path) -> lis
             grace_end = time.monotonic() + 5.0
     if not errors and len(outs) == world_size:
         return [outs[r] for r in range(world_size)]
-    _kill(procs)
     missing = [r for r in range(world_size) if r not in outs and r not in errors]
+    _dump_stacks([procs[r] for r in missing])
+    _kill(procs)
     parts = []
     if errors:  # dicts keep arrival order: the first error is the root cause
         first = next(iter(errors))

@@ -74,10 +74,10 @@ def test_failing_rank_surfaces_its_traceback(world_size):
 def test_hung_rank_fails_within_timeout(world_size):
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_ranks(_hang_on_last_rank, world_size, timeout=6)
-    assert time.monotonic() - t0 < 20
+        run_ranks(_hang_on_last_rank, world_size, timeout=10)
+    assert time.monotonic() - t0 < 25
     msg = str(info.value)
-    assert msg.startswith(f"rank(s) [{world_size - 1}] did not finish within 6 s")
+    assert msg.startswith(f"rank(s) [{world_size - 1}] did not finish within 10 s")
     assert "_hang_on_last_rank" in msg  # the hung rank's stack, dumped into its log
 
 
