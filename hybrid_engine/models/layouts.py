@@ -1,0 +1,220 @@
+"""Where every HF weight lands in vLLM's tensor-parallel layout, per architecture.
+
+Job: for a HF decoder config and a TP rank r of T, list vLLM's parameters on
+that rank (names, local shapes) and, for each, the pieces of HF tensors that
+fill it: `Segment(hf_name, rows, cols, dst_row, dst_col)`. This mirrors vLLM's
+own weight loaders (QKVParallelLinear, MergedColumnParallelLinear,
+RowParallelLinear, VocabParallelEmbedding / ParallelLMHead):
+
+| vLLM parameter | rank r of T holds |
+| --- | --- |
+| qkv_proj.weight/bias | q rows of r's heads, then k, then v rows of r's kv heads (a kv head is replicated on T/num_kv ranks when num_kv < T) |
+| gate_up_proj.weight | rows r/T of gate, then rows r/T of up |
+| o_proj, down_proj .weight | all rows, columns r/T |
+| embed_tokens, lm_head .weight | rows [r*Vp/T, (r+1)*Vp/T) of the vocab padded to Vp (multiple of 64); padding rows zero |
+| norms, q_norm/k_norm | replicated |
+
+Invariant: every tensor is seen as 2-D (a 1-D tensor of n is [n, 1]); the
+segments of a parameter never overlap and, with the zero padding rows, cover
+it exactly; segment rows/cols are ranges of the FULL HF tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ModelDims",
+    "Segment",
+    "TargetParam",
+    "hf_shapes",
+    "model_dims",
+    "tp_layout",
+]
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM")
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Rows [r0, r1) x cols [c0, c1) of HF tensor hf_name, placed at (dst_row, dst_col)."""
+
+    hf_name: str
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    dst_row: int
+    dst_col: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TargetParam:
+    """One vLLM parameter on one TP rank: local 2-D shape and its segments."""
+
+    name: str
+    shape: tuple[int, int]
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDims:
+    """The shape facts of a HF config that the layout depends on."""
+
+    arch: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+
+def model_dims(config: Any) -> ModelDims:
+    """Reads ModelDims from a transformers config (or anything with its fields).
+
+    Raises:
+        ValueError: the architecture is not supported (lists the supported ones).
+    """
+    archs = list(getattr(config, "architectures", None) or [])
+    arch = archs[0] if archs else ""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {arch or config.model_type!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    heads = config.num_attention_heads
+    # vLLM's Qwen2 derives head_dim from hidden/heads and ignores config.head_dim.
+    head_dim = config.hidden_size // heads
+    if arch != "Qwen2ForCausalLM" and getattr(config, "head_dim", None):
+        head_dim = config.head_dim
+    qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported")
+    return ModelDims(
+        arch=arch, num_layers=config.num_hidden_layers, hidden=config.hidden_size,
+        num_heads=heads, num_kv_heads=config.num_key_value_heads or heads, head_dim=head_dim,
+        intermediate=config.intermediate_size, vocab=config.vocab_size,
+        tied=bool(config.tie_word_embeddings), qkv_bias=qkv_bias,
+        qk_norm=arch == "Qwen3ForCausalLM",
+    )
+
+
+def hf_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
+    """Every HF parameter as a 2-D shape (1-D tensors as [n, 1]), in file order."""
+    out: dict[str, tuple[int, int]] = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
+    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    for i in range(d.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (d.hidden, 1)
+        out[p + "self_attn.q_proj.weight"] = (q, d.hidden)
+        out[p + "self_attn.k_proj.weight"] = (kv, d.hidden)
+        out[p + "self_attn.v_proj.weight"] = (kv, d.hidden)
+        if d.qkv_bias:
+            out[p + "self_attn.q_proj.bias"] = (q, 1)
+            out[p + "self_attn.k_proj.bias"] = (kv, 1)
+            out[p + "self_attn.v_proj.bias"] = (kv, 1)
+        if d.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (d.head_dim, 1)
+            out[p + "self_attn.k_norm.weight"] = (d.head_dim, 1)
+        out[p + "self_attn.o_proj.weight"] = (d.hidden, q)
+        out[p + "post_attention_layernorm.weight"] = (d.hidden, 1)
+        out[p + "mlp.gate_proj.weight"] = (d.intermediate, d.hidden)
+        out[p + "mlp.up_proj.weight"] = (d.intermediate, d.hidden)
+        out[p + "mlp.down_proj.weight"] = (d.hidden, d.intermediate)
+    out["model.norm.weight"] = (d.hidden, 1)
+    if not d.tied:
+        out["lm_head.weight"] = (d.vocab, d.hidden)
+    return out
+
+
+def _check_tp(d: ModelDims, tp: int) -> None:
+    if d.num_heads % tp or d.intermediate % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide num_attention_heads={d.num_heads} "
+            f"and intermediate_size={d.intermediate}"
+        )
+    if d.num_kv_heads % tp and tp % d.num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp} and num_key_value_heads={d.num_kv_heads}: "
+            "one must divide the other"
+        )
+
+
+def _kv_heads(d: ModelDims, tp: int, r: int) -> tuple[int, int]:
+    """[first, last) kv head of TP rank r (one replicated head when num_kv < T)."""
+    if d.num_kv_heads >= tp:
+        n = d.num_kv_heads // tp
+        return r * n, (r + 1) * n
+    h = r // (tp // d.num_kv_heads)
+    return h, h + 1
+
+
+def _qkv(d: ModelDims, tp: int, r: int, prefix: str, suffix: str, cols: int) -> TargetParam:
+    nq = d.num_heads // tp * d.head_dim
+    k0, k1 = (h * d.head_dim for h in _kv_heads(d, tp, r))
+    nkv = k1 - k0
+    segs = (
+        Segment(f"{prefix}q_proj.{suffix}", (r * nq, (r + 1) * nq), (0, cols), 0),
+        Segment(f"{prefix}k_proj.{suffix}", (k0, k1), (0, cols), nq),
+        Segment(f"{prefix}v_proj.{suffix}", (k0, k1), (0, cols), nq + nkv),
+    )
+    return TargetParam(f"{prefix}qkv_proj.{suffix}", (nq + 2 * nkv, cols), segs)
+
+
+def _vocab(name: str, hf_name: str, d: ModelDims, tp: int, r: int) -> TargetParam:
+    padded = -(-d.vocab // VOCAB_PADDING) * VOCAB_PADDING
+    per_rank = padded // tp
+    v0, v1 = r * per_rank, min((r + 1) * per_rank, d.vocab)
+    segs = (Segment(hf_name, (v0, v1), (0, d.hidden), 0),) if v1 > v0 else ()
+    return TargetParam(name, (per_rank, d.hidden), segs)
+
+
+def _full(name: str, rows: int, cols: int) -> TargetParam:
+    return TargetParam(name, (rows, cols), (Segment(name, (0, rows), (0, cols), 0),))
+
+
+def _layer(d: ModelDims, tp: int, r: int, i: int) -> Iterator[TargetParam]:
+    p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    yield _full(p + "input_layernorm.weight", d.hidden, 1)
+    yield _qkv(d, tp, r, a, "weight", d.hidden)
+    if d.qkv_bias:
+        yield _qkv(d, tp, r, a, "bias", 1)
+    if d.qk_norm:
+        yield _full(a + "q_norm.weight", d.head_dim, 1)
+        yield _full(a + "k_norm.weight", d.head_dim, 1)
+    nq = d.num_heads // tp * d.head_dim
+    yield TargetParam(a + "o_proj.weight", (d.hidden, nq),
+                      (Segment(a + "o_proj.weight", (0, d.hidden), (r * nq, (r + 1) * nq), 0),))
+    yield _full(p + "post_attention_layernorm.weight", d.hidden, 1)
+    ni = d.intermediate // tp
+    yield TargetParam(m + "gate_up_proj.weight", (2 * ni, d.hidden), (
+        Segment(m + "gate_proj.weight", (r * ni, (r + 1) * ni), (0, d.hidden), 0),
+        Segment(m + "up_proj.weight", (r * ni, (r + 1) * ni), (0, d.hidden), ni),
+    ))
+    yield TargetParam(m + "down_proj.weight", (d.hidden, ni),
+                      (Segment(m + "down_proj.weight", (0, d.hidden), (r * ni, (r + 1) * ni), 0),))
+
+
+def tp_layout(d: ModelDims, tp: int, r: int) -> list[TargetParam]:
+    """vLLM's parameters on TP rank r of tp, with the HF segments that fill them.
+
+    With tied embeddings vLLM's lm_head shares embed_tokens' parameter, so it
+    is not listed.
+    """
+    _check_tp(d, tp)
+    if not 0 <= r < tp:
+        raise ValueError(f"TP rank {r} out of range for tensor_parallel_size={tp}")
+    out = [_vocab("model.embed_tokens.weight", "model.embed_tokens.weight", d, tp, r)]
+    for i in range(d.num_layers):
+        out.extend(_layer(d, tp, r, i))
+    out.append(_full("model.norm.weight", d.hidden, 1))
+    if not d.tied:
+        out.append(_vocab("lm_head.weight", "lm_head.weight", d, tp, r))
+    return out

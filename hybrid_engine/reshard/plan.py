@@ -1,0 +1,191 @@
+"""The resharding plan: FSDP2 Shard(0) row ranges -> vLLM tensor-parallel blocks.
+
+Job: for a world of N ranks (FSDP2 over all N) and rollout TP size T dividing
+N (N/T replicas; global rank g is TP rank g % T of replica g // T), list every
+block that must move: from which source rank's shard of which HF tensor, to
+which destination rank's vLLM parameter at which offset. A block whose source
+and destination rank coincide is *local* (copied directly, never through a
+buffer); the others are *remote* and go through per-peer buffers exchanged
+with all_to_all_single, in buckets of bounded size.
+
+Invariant: every element of every destination parameter (padding aside)
+comes from exactly one block, and that block's source is the rank that owns
+the element's row in FSDP2's layout. So the bytes a rank receives are exactly
+the elements it needs and does not own: the theoretical minimum. The plan is
+a pure function of (HF dims, N, T, bucket size), computed identically on
+every rank, so all ranks agree on buffer layouts without exchanging metadata.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from hybrid_engine.models.layouts import ModelDims, TargetParam, hf_shapes, tp_layout
+
+__all__ = ["Block", "ReshardPlan", "build_plan", "shard_rows"]
+
+
+def shard_rows(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, end) rows of a rank under FSDP2's Shard(0) (torch.chunk semantics)."""
+    chunk = -(-num_rows // world_size)
+    start = min(rank * chunk, num_rows)
+    return start, min(start + chunk, num_rows)
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """rows x cols elements moving from src_rank's shard to dst_rank's target.
+
+    src_row is relative to the source rank's local shard; cols are columns of
+    the HF tensor; (dst_row, dst_col) is the offset in the TP-local target.
+    """
+
+    src_rank: int
+    dst_rank: int
+    hf_name: str
+    src_row: int
+    cols: tuple[int, int]
+    target: str
+    dst_row: int
+    dst_col: int
+    rows: int
+    bucket: int = -1
+
+    @property
+    def numel(self) -> int:
+        return self.rows * (self.cols[1] - self.cols[0])
+
+
+@dataclass
+class ReshardPlan:
+    """All blocks of one resharding, grouped for execution.
+
+    Attributes:
+        world_size, tp: N and T.
+        hf_shapes: every HF parameter as 2-D (rows, cols).
+        targets: per global rank, its vLLM parameters (layout order).
+        local: per rank, blocks with src_rank == dst_rank == rank.
+        buckets: per bucket, the remote blocks in canonical order; within a
+            bucket a rank packs the blocks it sends, grouped by destination
+            rank (ascending), and unpacks what it receives grouped by source.
+    """
+
+    world_size: int
+    tp: int
+    hf_shapes: dict[str, tuple[int, int]]
+    targets: list[list[TargetParam]]
+    local: list[list[Block]] = field(default_factory=list)
+    buckets: list[list[Block]] = field(default_factory=list)
+
+    def sends(self, bucket: int, rank: int) -> list[Block]:
+        """Blocks rank sends in a bucket, grouped by destination rank."""
+        out = [b for b in self.buckets[bucket] if b.src_rank == rank]
+        return sorted(out, key=lambda b: b.dst_rank)  # stable: keeps canonical order
+
+    def recvs(self, bucket: int, rank: int) -> list[Block]:
+        """Blocks rank receives in a bucket, grouped by source rank."""
+        out = [b for b in self.buckets[bucket] if b.dst_rank == rank]
+        return sorted(out, key=lambda b: b.src_rank)
+
+    def elements_received(self, rank: int) -> int:
+        """Elements rank receives from other ranks (remote blocks), all buckets."""
+        return sum(b.numel for bk in self.buckets for b in bk if b.dst_rank == rank)
+
+    def elements_sent(self, rank: int) -> int:
+        return sum(b.numel for bk in self.buckets for b in bk if b.src_rank == rank)
+
+    def naive_elements_received(self, rank: int) -> int:
+        """Elements rank receives when every HF tensor is all-gathered (naive path)."""
+        total = 0
+        for rows, cols in self.hf_shapes.values():
+            r0, r1 = shard_rows(rows, self.world_size, rank)
+            total += (rows - (r1 - r0)) * cols
+        return total
+
+    def target_elements(self, rank: int) -> int:
+        """Elements of all vLLM parameters of rank (padding included)."""
+        return sum(t.shape[0] * t.shape[1] for t in self.targets[rank])
+
+
+def _blocks_for(d_rank: int, target: TargetParam, shapes: dict[str, tuple[int, int]],
+                world: int) -> list[Block]:
+    out = []
+    for seg in target.segments:
+        rows = shapes[seg.hf_name][0]
+        for s in range(world):
+            s0, s1 = shard_rows(rows, world, s)
+            r0, r1 = max(seg.rows[0], s0), min(seg.rows[1], s1)
+            if r1 <= r0:
+                continue
+            out.append(Block(s, d_rank, seg.hf_name, r0 - s0, seg.cols, target.name,
+                             seg.dst_row + (r0 - seg.rows[0]), seg.dst_col, r1 - r0))
+    return out
+
+
+def _split_rows(b: Block, max_elems: int) -> list[Block]:
+    """Splits a block by rows so each piece has at most max_elems (>= 1 row)."""
+    width = b.cols[1] - b.cols[0]
+    step = max(1, max_elems // max(width, 1))
+    if b.rows <= step:
+        return [b]
+    return [Block(b.src_rank, b.dst_rank, b.hf_name, b.src_row + i, b.cols, b.target,
+                  b.dst_row + i, b.dst_col, min(step, b.rows - i)) for i in range(0, b.rows, step)]
+
+
+def _bucketize(remote: list[Block], world: int, bucket_elems: int) -> list[list[Block]]:
+    """Greedy, in canonical order: a bucket closes when some rank's send or
+    receive volume would pass bucket_elems. Every rank computes the same."""
+    buckets: list[list[Block]] = []
+    cur: list[Block] = []
+    sent, recv = [0] * world, [0] * world
+    for big in remote:
+        for b in _split_rows(big, bucket_elems):
+            if cur and (sent[b.src_rank] + b.numel > bucket_elems
+                        or recv[b.dst_rank] + b.numel > bucket_elems):
+                buckets.append(cur)
+                cur, sent, recv = [], [0] * world, [0] * world
+            sent[b.src_rank] += b.numel
+            recv[b.dst_rank] += b.numel
+            cur.append(b)
+    if cur:
+        buckets.append(cur)
+    return [[Block(**{**_asdict(b), "bucket": i}) for b in bk] for i, bk in enumerate(buckets)]
+
+
+def _asdict(b: Block) -> dict:
+    return {f: getattr(b, f) for f in Block.__slots__}
+
+
+def build_plan(dims: ModelDims, world_size: int, tp: int, *,
+               bucket_elems: int = 1 << 24) -> ReshardPlan:
+    """Builds the plan for N = world_size ranks and rollout TP size tp.
+
+    Args:
+        dims: model dimensions (`hybrid_engine.models.layouts.model_dims`).
+        world_size: N, FSDP2 shards every HF tensor's rows over all N ranks.
+        tp: T, must divide N.
+        bucket_elems: most elements any rank sends, or receives, per bucket;
+            bigger blocks are split by rows (at least one row per piece).
+
+    Raises:
+        ValueError: T does not divide N, or T does not fit the model's heads.
+    """
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the world size {world_size}")
+    if bucket_elems < 1:
+        raise ValueError(f"bucket size must be positive, got {bucket_elems} elements")
+    shapes = hf_shapes(dims)
+    layouts = [tp_layout(dims, tp, r) for r in range(tp)]
+    targets = [layouts[g % tp] for g in range(world_size)]
+    local: list[list[Block]] = [[] for _ in range(world_size)]
+    by_target: dict[str, list[Block]] = defaultdict(list)
+    for g in range(world_size):
+        for t in targets[g]:
+            for b in _blocks_for(g, t, shapes, world_size):
+                (local[g].append(b) if b.src_rank == g else by_target[t.name].append(b))
+    # Canonical order: layout order of targets, then destination rank.
+    order = [t.name for t in layouts[0]]
+    remote = [b for name in order for b in sorted(by_target[name], key=lambda b: b.dst_rank)]
+    return ReshardPlan(world_size, tp, shapes, targets, local,
+                       _bucketize(remote, world_size, bucket_elems))
