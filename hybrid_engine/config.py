@@ -155,6 +155,18 @@ class TrainConfig:
     micro_batch_size: int = _field(
         4, "Sequences per forward/backward on one rank (gradient accumulation splits).", ge=1
     )
+    max_tokens_per_micro_batch: int | None = _field(
+        None,
+        "If set, micro-batches are cut by padded tokens instead of micro_batch_size "
+        "(length-sorted, so padding stays bounded).",
+        ge=1,
+    )
+    logits_chunk_tokens: int = _field(
+        1024,
+        "Token positions per chunk of the vocab projection in logprob computation "
+        "(full-vocab fp32 logits exist for one chunk at a time).",
+        ge=1,
+    )
     activation_checkpointing: bool = _field(
         False, "Recompute decoder-layer activations in backward to save memory."
     )

@@ -25,6 +25,7 @@ import faulthandler
 import importlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -86,7 +87,9 @@ def _worker(
 
             dist.init_process_group(backend, rank=rank, world_size=world_size)
         fn = getattr(importlib.import_module(fn_ref[0]), fn_ref[1])
-        out = fn(*args)
+        # Plain pickle: the queue's own pickler would pass tensors through
+        # shared-memory fds that die with this process.
+        out = pickle.dumps(fn(*args))
         results.put((rank, "ok", out))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -231,7 +234,7 @@ def _collect(procs, results, world_size: int, timeout: float, logs: Path) -> lis
         if errors and grace_end is None:
             grace_end = time.monotonic() + 5.0
     if not errors and len(outs) == world_size:
-        return [outs[r] for r in range(world_size)]
+        return [pickle.loads(outs[r]) for r in range(world_size)]
     missing = [r for r in range(world_size) if r not in outs and r not in errors]
     _dump_stacks([procs[r] for r in missing])
     _kill(procs)

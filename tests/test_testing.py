@@ -129,3 +129,14 @@ def test_torchrun_timeout_kills_the_job(tmp_path):
     with pytest.raises(RankError, match="did not finish within 6 s"):
         run_torchrun([str(script)], nproc=2, timeout=6)
     assert time.monotonic() - t0 < 30
+
+
+def _return_tensor():
+    import torch
+
+    return {"t": torch.arange(5) * (1 + int(os.environ["RANK"]))}
+
+
+def test_tensors_come_back_after_the_rank_exits():
+    outs = run_ranks(_return_tensor, 2, timeout=60)
+    assert [o["t"].tolist() for o in outs] == [[0, 1, 2, 3, 4], [0, 2, 4, 6, 8]]

@@ -14,9 +14,12 @@ group when the engine is deleted, so the engine lives as long as the process).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from hybrid_engine.config import RolloutConfig
 
@@ -81,6 +84,27 @@ def _isolate_cpu_shm_names() -> None:
     shm._hybrid_engine_patched = True
 
 
+_FUSED = {
+    "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+    "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+}
+
+
+def _hf_sources(vllm_name: str) -> list[tuple[str, str | int | None]]:
+    """HF tensors (and vLLM shard ids) that a vLLM parameter is loaded from."""
+    parts = vllm_name.rsplit(".", 2)
+    if len(parts) == 3 and parts[1] in _FUSED:
+        prefix, module, suffix = parts
+        return [(f"{prefix}.{hf}.{suffix}", sid) for hf, sid in _FUSED[module]]
+    return [(vllm_name, None)]
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 class VLLMRollout:
     """A vLLM engine colocated with the trainer in this process.
 
@@ -118,6 +142,7 @@ class VLLMRollout:
             **kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self._staging: dict[str, torch.Tensor] = {}
         self._max_prompt_len = cfg.max_model_len - cfg.max_tokens
         self.num_truncated = 0
 
@@ -172,6 +197,114 @@ class VLLMRollout:
             token_ids.append(list(comp.token_ids))
             logprobs.append([lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)])
         return Completions(prompt_ids, token_ids, logprobs, k)
+
+    # --- weights --------------------------------------------------------------
+    # vLLM's CPU build packs linear weights into oneDNN / sgl handles after
+    # loading: those parameters become empty tensors and writes into them are
+    # lost. The sync writes such weights into staging tensors, and
+    # commit_weights() installs them and re-runs vLLM's per-layer CPU GEMM
+    # preparation. Every other parameter (and all of them on GPU) is plain and
+    # written in place.
+
+    def _model(self) -> torch.nn.Module:
+        executor = self.llm.llm_engine.engine_core.engine_core.model_executor
+        return executor.driver_worker.worker.model_runner.model
+
+    def weight_targets(self, shapes: Mapping[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """The tensors a sync writes this rank's TP-local weights into.
+
+        Args:
+            shapes: vLLM parameter name -> TP-local 2-D shape (the plan's
+                targets; 1-D parameters as [n, 1]).
+
+        Returns:
+            name -> contiguous tensor of that shape in the model dtype: the
+            vLLM parameter itself when it is a plain tensor of that dtype, else
+            a staging tensor that commit_weights installs (so every weight is
+            rounded to the model dtype exactly once, as in vLLM's own loading).
+        """
+        params = dict(self._model().named_parameters())
+        dtype = self.llm.llm_engine.model_config.dtype
+        out = {}
+        for name, (rows, cols) in shapes.items():
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"vLLM model has no parameter {name!r}")
+            if p.numel() == rows * cols and p.dtype == dtype:
+                out[name] = p.data.view(rows, cols)
+            else:  # packed away by the CPU GEMM dispatch, or kept in another dtype
+                out[name] = self._staging.setdefault(
+                    name, torch.empty(rows, cols, dtype=dtype, device=p.device))
+        return out
+
+    def commit_weights(self) -> float:
+        """Installs staged weights (CPU re-pack), refreshes packed copies, resets
+        the prefix cache. Returns the seconds spent re-packing."""
+        t0 = time.perf_counter()
+        if self._staging or _is_cpu():
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            modules = dict(self._model().named_modules())
+            params = dict(self._model().named_parameters())
+            for name, staged in self._staging.items():
+                p = params[name]
+                if p.numel() == staged.numel():  # e.g. a bias vLLM-CPU keeps in fp32
+                    p.data.copy_(staged.view(p.shape))
+                    continue
+                layer = modules[name.rsplit(".", 1)[0]]
+                layer.weight = torch.nn.Parameter(staged, requires_grad=False)
+                dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+            # Vocab-parallel layers keep their weight but GEMM through a packed
+            # copy of it (lm_head, and embed_tokens when tied): refresh it.
+            for layer in modules.values():
+                if hasattr(layer, "cpu_linear") and layer.weight.numel() > 0:
+                    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            self._staging = {}  # freed: the packed handles hold the weights now
+        repack_s = time.perf_counter() - t0
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        return repack_s
+
+    def load_full_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The naive path: full HF tensors through vLLM's own loading (what
+        TRL and verl do). Re-packs on CPU; resets the prefix cache."""
+        executor = self.llm.llm_engine.engine_core.engine_core.model_executor
+        runner = executor.driver_worker.worker.model_runner
+        runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        self.llm.reset_prefix_cache()
+
+    def reference_weights(
+        self, full: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, int]],
+    ) -> dict[str, torch.Tensor]:
+        """What vLLM's own weight loaders make of full HF tensors on this rank.
+
+        The oracle of the verify mode: each layer's `weight_loader` fills a
+        fresh tensor of the TP-local shape in the model dtype, as at load time
+        (vLLM's packed parameters cannot be read back on CPU). Compare with
+        what weight_targets received, which is in the model dtype too.
+        Returns vLLM name -> 2-D tensor.
+        """
+        from vllm.model_executor.utils import set_weight_attrs
+
+        modules = dict(self._model().named_modules())
+        out: dict[str, torch.Tensor] = {}
+        for name, (rows, cols) in shapes.items():
+            layer = modules[name.rsplit(".", 1)[0]]
+            shape = (rows,) if cols == 1 else (rows, cols)
+            shadow = torch.nn.Parameter(torch.zeros(shape, dtype=self.llm.llm_engine.model_config.dtype),
+                                        requires_grad=False)
+            sharded = cols > 1 or name.endswith(".bias")  # norms are replicated
+            if sharded:
+                set_weight_attrs(shadow, {"output_dim": 0, **({"input_dim": 1} if cols > 1 else {})})
+            for hf_name, shard_id in _hf_sources(name):
+                t = full[hf_name]
+                if not sharded:
+                    shadow.data.copy_(t.view(shape))
+                elif shard_id is None:
+                    layer.weight_loader(shadow, t)
+                else:
+                    layer.weight_loader(shadow, t, shard_id)
+            out[name] = shadow.data.view(rows, cols)
+        return out
 
     def shutdown(self) -> None:
         """Tears the engine down; idempotent.

@@ -1,0 +1,127 @@
+"""The roles' interfaces, as typing.Protocols: what the controller may call.
+
+Job: state the colocation contract between roles in one place, small enough
+to read at a glance. Implementations live one per module in `roles/`
+(vllm_rollout, trainer, reference, sync, environments); the controller and
+tests depend on these Protocols, never on an implementation's extras.
+
+Invariant: roles exchange dataclasses (`Trajectory`, `TrainBatch`,
+`Completions`) and tensors with documented shapes, not untyped dicts; only
+metrics travel as `dict[str, float]`. Methods documented as collective must be
+called by every rank, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+    from torch.distributed.tensor import DTensor
+
+    from hybrid_engine.algorithms.losses import LossFn, LossInputs
+    from hybrid_engine.roles.vllm_rollout import Completions
+    from hybrid_engine.trajectory import TrainBatch, Trajectory
+
+__all__ = ["Algorithm", "Environment", "Reference", "Rollout", "Trainer", "WeightSync"]
+
+
+@runtime_checkable
+class Rollout(Protocol):
+    """Samples completions; releases its memory while the trainer runs."""
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
+        seed: int = 0,
+    ) -> Completions:
+        """K completions per prompt with sampled-token log-probs (collective)."""
+        ...
+
+    def sleep(self) -> None:
+        """Frees weights and KV cache (a logged no-op where the backend cannot)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Re-allocates what `sleep` freed; weights are rewritten by the next sync."""
+        ...
+
+    def load_full_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Loads full HF-named tensors (the naive sync path)."""
+        ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """The task: prompts in, rewards out; never sees logits."""
+
+    def sample_prompts(self, num_prompts: int) -> list[list[int]]:
+        """The next num_prompts prompts, as token ids."""
+        ...
+
+    def score(self, trajs: Sequence[Trajectory]) -> None:
+        """Fills each trajectory's reward (and reward_components)."""
+        ...
+
+
+@runtime_checkable
+class Algorithm(Protocol):
+    """Advantages and the loss; knows neither the task nor the layout.
+
+    Attributes:
+        loss_agg: the aggregation mode of the loss (`AlgorithmConfig.loss_agg`),
+            which the trainer needs to compute the whole step's normaliser.
+        loss_agg_constant: its constant for loss_agg="constant", else None.
+    """
+
+    loss_agg: str
+    loss_agg_constant: float | None
+
+    def compute_advantages(self, trajs: Sequence[Trajectory]) -> None:
+        """Fills per-token advantages and info["degenerate"] of every trajectory."""
+        ...
+
+    def compute_loss(
+        self, inputs: LossInputs, normalizer: Tensor | float | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The per-micro-batch `LossFn` (contract in `algorithms.losses`)."""
+        ...
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """FSDP2 forward/backward/step; knows no loss formula (all collective)."""
+
+    def train_step(
+        self, batch: TrainBatch, loss_fn: LossFn, *, loss_agg: str = "token_mean",
+        loss_agg_constant: float | None = None, entropy_grad: bool = False,
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's rows of the global batch; global metrics."""
+        ...
+
+    def compute_logprobs(self, batch: TrainBatch) -> tuple[Tensor, Tensor]:
+        """(logp_BT, entropy_BT) under the current weights, no grad."""
+        ...
+
+    def state_dict_shards(self) -> dict[str, DTensor]:
+        """HF name -> this rank's Shard(0) parameter, for the weight sync (not collective)."""
+        ...
+
+
+@runtime_checkable
+class Reference(Protocol):
+    """Frozen reference policy (collective)."""
+
+    def score(self, batch: TrainBatch) -> Tensor:
+        """ref_logp_BT, aligned like TrainBatch's per-token fields."""
+        ...
+
+
+@runtime_checkable
+class WeightSync(Protocol):
+    """Moves fresh weights from the training layout into the inference layout."""
+
+    def sync(self, model: nn.Module, rollout: Rollout) -> dict[str, float]:
+        """Writes the training layout's current weights (`Trainer.module`) into the
+        rollout engine (collective); returns metrics (bytes moved, seconds)."""
+        ...

@@ -1,0 +1,320 @@
+"""FSDP2 layout of a HF causal LM, initialised shard by shard from safetensors.
+
+Job: build the training layout of the actor: a transformers causal LM
+(Qwen2, Llama, Qwen3) with `fully_shard` on every decoder layer and at the
+root, over a 1-D data-parallel DeviceMesh (gloo on CPU, NCCL on CUDA), fp32
+(master_dtype) parameters, optional bf16 compute through MixedPrecisionPolicy,
+and optional activation checkpointing. The trainer, the reference and the
+weight sync all build and read the model through this module.
+
+Invariant: every parameter of a built model is a DTensor placed `Shard(0)`
+over the mesh whose local tensor equals rows [start, end) of the checkpoint
+tensor, with (start, end) = `shard_rows(dim0, world_size, rank)` (torch.chunk
+semantics: ceil-sized chunks, the last ranks may hold fewer or zero rows).
+No rank ever holds a full parameter during init: the model is built on the
+meta device, sharded, materialised shard-only by `to_empty`, then each rank
+reads only its own rows from the file (`safe_open(...).get_slice(name)[a:b]`).
+`LoadStats` counts what each rank read so callers and tests can check it.
+
+Two layout details callers rely on:
+- `lm_head` is replaced by `HiddenStatesHead`, which owns the same `weight`
+  Parameter (same name, same tying) but returns the final hidden states: the
+  vocab projection is done by the caller in chunks, so full-vocab logits for
+  a whole batch never exist (see `trainer.token_logprobs`).
+- Parameter names are the HF checkpoint names (`hf_name` strips the
+  activation-checkpoint wrapper's prefix).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import safetensors
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from hybrid_engine.reshard.plan import shard_rows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = [
+    "DTYPES",
+    "HiddenStatesHead",
+    "LoadStats",
+    "assert_sharded",
+    "build_fsdp_model",
+    "default_device",
+    "dp_mesh",
+    "hf_name",
+    "load_sharded_safetensors",
+    "shard_rows",
+    "sharded_named_parameters",
+]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+# --------------------------------------------------------------------------
+# Mesh and row ranges
+# --------------------------------------------------------------------------
+
+
+def default_device() -> torch.device:
+    """The current CUDA device when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def dp_mesh(device: torch.device | None = None) -> DeviceMesh:
+    """A 1-D data-parallel mesh ("dp") over the whole default process group.
+
+    Raises:
+        ValueError: torch.distributed is not initialised (FSDP2 needs a group;
+            use `hybrid_engine.dist.init_distributed` or `run_ranks`).
+    """
+    if not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialised: FSDP2 needs a process group")
+    device = device or default_device()
+    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def hf_name(name: str) -> str:
+    """The checkpoint name of a module parameter (activation-checkpoint prefix removed)."""
+    return name.replace(_CHECKPOINT_PREFIX, "")
+
+
+# --------------------------------------------------------------------------
+# Model construction
+# --------------------------------------------------------------------------
+
+
+class HiddenStatesHead(nn.Module):
+    """Stands in for `lm_head`: holds its weight [V, H] but returns its input.
+
+    The HF forward then returns the final (normed) hidden states in
+    `.logits` (at the positions `logits_to_keep` selects); the caller projects
+    them onto the vocabulary chunk by chunk while the FSDP root is unsharded
+    (FSDP2 keeps the root's parameters unsharded from its forward until the
+    end of backward, so `module.lm_head.weight` is then the full weight).
+    """
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, hidden_BTH: Tensor) -> Tensor:
+        return hidden_BTH
+
+
+def _resolve_path(model_path: str) -> Path:
+    if os.path.isdir(model_path):
+        return Path(model_path)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
+
+
+def _build_meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
+        )
+    # Same Parameter object: a tied model stays tied (one FSDP parameter, one name).
+    model.lm_head = HiddenStatesHead(model.lm_head.weight)
+    # RL runs without dropout: train_step and compute_logprobs must agree exactly.
+    model.eval()
+    return model
+
+
+def _apply_fsdp(
+    model: PreTrainedModel, mesh: DeviceMesh, mp: MixedPrecisionPolicy, checkpointing: bool
+) -> None:
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        if checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper,
+            )
+
+            layer = checkpoint_wrapper(layer)
+            layers[i] = layer
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    # Root group: embed_tokens, final norm, lm_head (one parameter when tied).
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def _init_rotary_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recomputes non-persistent rotary buffers, left uninitialised by to_empty."""
+    for module in model.modules():
+        if not hasattr(module, "inv_freq"):
+            continue
+        with torch.device(device):
+            fresh = type(module)(module.config)
+        for name, buf in fresh.named_buffers(recurse=False):
+            setattr(module, name, buf)
+
+
+def build_fsdp_model(
+    model_path: str,
+    mesh: DeviceMesh,
+    *,
+    master_dtype: str = "float32",
+    compute_dtype: str = "float32",
+    activation_checkpointing: bool = False,
+    requires_grad: bool = True,
+    trust_remote_code: bool = False,
+) -> tuple[FSDPModule, LoadStats]:
+    """Builds the FSDP2 layout of a checkpoint without materialising it anywhere.
+
+    Args:
+        model_path: local HF folder (or hub id) with config.json and safetensors.
+        mesh: 1-D data-parallel mesh.
+        master_dtype: dtype of the sharded parameters (and of gradient reduction).
+        compute_dtype: dtype of the all-gathered parameters in forward/backward.
+        activation_checkpointing: recompute decoder layers in backward.
+        requires_grad: False freezes every parameter (reference model).
+        trust_remote_code: passed to transformers.
+
+    Returns:
+        (model, stats): the root FSDPModule (a HF `*ForCausalLM` whose lm_head
+        is a HiddenStatesHead), and what this rank read from the files.
+    """
+    folder = _resolve_path(model_path)
+    model = _build_meta_model(folder, DTYPES[master_dtype], trust_remote_code)
+    model.requires_grad_(requires_grad)
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=DTYPES[master_dtype])
+    _apply_fsdp(model, mesh, mp, activation_checkpointing)
+    device = default_device() if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    model.to_empty(device=device)
+    _init_rotary_buffers(model, device)
+    stats = load_sharded_safetensors(model, folder)
+    assert_sharded(model)
+    return model, stats
+
+
+# --------------------------------------------------------------------------
+# Sharded load
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStats:
+    """What one rank read from the checkpoint during a sharded load.
+
+    Attributes:
+        elements_read: tensor elements read by this rank (its rows only).
+        elements_total: elements of all the model's parameters in the file.
+        max_rows_read: the most rows read for any one tensor.
+    """
+
+    elements_read: int
+    elements_total: int
+    max_rows_read: int
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Checkpoint name -> safetensors file, from the index or the single file."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise ValueError(f"{folder} has no model.safetensors(.index.json)")
+    with safetensors.safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no iter
+
+
+def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> LoadStats:
+    """Fills each rank's `Shard(0)` rows of every parameter from the safetensors files.
+
+    Reads only rows `shard_rows(dim0, world, rank)` of each tensor (file
+    dtype, cast on copy). Tied parameters are loaded once, from the name
+    `named_parameters` reports (the embedding's).
+
+    Args:
+        model: a module whose parameters are DTensors placed Shard(0) on a 1-D mesh.
+        folder: the checkpoint folder.
+
+    Returns:
+        LoadStats of this rank.
+
+    Raises:
+        ValueError: a parameter is missing from the checkpoint or has another shape.
+    """
+    files = _tensor_files(Path(folder))
+    by_file: dict[Path, list[tuple[str, DTensor]]] = {}
+    for name, param in sharded_named_parameters(model):
+        if name not in files:
+            raise ValueError(f"parameter {name} is not in the checkpoint {folder}")
+        by_file.setdefault(files[name], []).append((name, param))
+    read = total = max_rows = 0
+    for file, params in by_file.items():
+        with safetensors.safe_open(file, "pt") as f:
+            for name, param in params:
+                sl = f.get_slice(name)
+                if tuple(sl.get_shape()) != tuple(param.shape):
+                    raise ValueError(
+                        f"{name}: file shape {sl.get_shape()} != model {tuple(param.shape)}"
+                    )
+                mesh = param.device_mesh
+                start, end = shard_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
+                local = param.to_local()
+                assert local.shape[0] == end - start, (name, local.shape, start, end)
+                if end > start:
+                    with torch.no_grad():
+                        local.copy_(sl[start:end])
+                read += local.numel()
+                total += param.numel()
+                max_rows = max(max_rows, end - start)
+    return LoadStats(elements_read=read, elements_total=total, max_rows_read=max_rows)
+
+
+# --------------------------------------------------------------------------
+# Access for the trainer, the reference and the weight sync
+# --------------------------------------------------------------------------
+
+
+def sharded_named_parameters(model: nn.Module) -> Iterator[tuple[str, DTensor]]:
+    """(checkpoint name, sharded DTensor parameter) pairs; tied parameters once.
+
+    Raises:
+        AssertionError: a parameter is not a Shard(0) DTensor (see `assert_sharded`).
+    """
+    for name, param in model.named_parameters():
+        _check_param(name, param)
+        yield hf_name(name), param
+
+
+def _check_param(name: str, param: Tensor) -> None:
+    assert isinstance(param, DTensor) and param.placements == (Shard(0),), (
+        f"{name} is a {type(param).__name__}, not a Shard(0) DTensor: the FSDP root is "
+        "unsharded (a forward without backward leaves it so); call module.reshard()"
+    )
+
+
+def assert_sharded(model: nn.Module) -> None:
+    """Asserts every parameter of model is registered as its Shard(0) DTensor.
+
+    After a forward with no backward FSDP2 leaves the root unsharded: the
+    module then exposes plain full tensors for embed/norm/lm_head, and
+    anything built from `parameters()` (an optimizer, a weight sync, a
+    checkpoint) silently holds the wrong tensors.
+    """
+    for name, param in model.named_parameters():
+        _check_param(name, param)

@@ -1,0 +1,416 @@
+"""Trainer role: FSDP2 forward/backward/step and chunked log-probabilities.
+
+Job: own the training layout (`fsdp.build_fsdp_model`), the AdamW optimizer
+and LR schedule, and run one optimizer step per `train_step(batch, loss_fn)`:
+micro-batches with gradient accumulation, the loss normalised by the TRUE
+count of the whole step over all data-parallel ranks (the trainer knows no
+formula: `algorithms.losses` documents the contract), gradient clipping on
+DTensor gradients. `compute_logprobs` gives per-token log-probs and entropy
+without ever holding full-vocab logits for a whole micro-batch: the final
+hidden states are projected onto the vocabulary `logits_chunk_tokens` rows
+at a time (`token_logprobs`), and in training each chunk is recomputed in
+backward, so peak logits memory is one chunk, not B x T x V.
+
+Invariant (FSDP2 root-unshard guard): the optimizer is built in __init__
+over the sharded DTensor parameters, before any forward, and every forward
+without backward ends with `module.reshard()`. FSDP2 keeps the root group
+(embed, final norm, lm_head) unsharded from its forward until the end of
+backward; without a backward it stays unsharded, `parameters()` then returns
+plain full tensors, and an optimizer, weight sync or checkpoint built from
+them silently misses those parameters. `train_step` reshards and asserts
+that the module's parameters are exactly the optimizer's DTensors.
+
+Shape legend: B sequences, T positions, H hidden size, V vocabulary,
+N selected (loss) positions, C positions of one chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from hybrid_engine.algorithms.aggregation import loss_normalizer
+from hybrid_engine.algorithms.losses import ADDITIVE_METRICS, LossFn, LossInputs, combine_metrics
+from hybrid_engine.roles.fsdp import (
+    assert_sharded,
+    build_fsdp_model,
+    default_device,
+    dp_mesh,
+    sharded_named_parameters,
+)
+
+if TYPE_CHECKING:
+    from hybrid_engine.config import ModelConfig, TrainConfig
+    from hybrid_engine.trajectory import TrainBatch
+
+__all__ = ["Trainer", "batch_logprobs", "lr_lambda", "micro_batch_logprobs", "token_logprobs"]
+
+
+# --------------------------------------------------------------------------
+# Log-probabilities, chunked over positions x vocabulary
+# --------------------------------------------------------------------------
+
+
+def _chunk_logprobs(
+    h_CH: Tensor, weight_VH: Tensor, targets_C: Tensor, temperature: float
+) -> tuple[Tensor, Tensor]:
+    logits_CV = (h_CH @ weight_VH.t()).float()
+    if temperature != 1.0:
+        logits_CV = logits_CV / temperature
+    lse_C = logits_CV.logsumexp(-1)
+    logp_C = logits_CV.gather(-1, targets_C[:, None]).squeeze(-1) - lse_C
+    entropy_C = lse_C - (logits_CV.softmax(-1) * logits_CV).sum(-1)
+    return logp_C, entropy_C
+
+
+def token_logprobs(
+    hidden_NH: Tensor,
+    weight_VH: Tensor,
+    targets_N: Tensor,
+    *,
+    chunk_tokens: int,
+    temperature: float = 1.0,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """log softmax(h W^T / temperature)[target] and the entropy, chunk_tokens rows at a time.
+
+    The matmul runs in the weight's dtype and the softmax in float32. With
+    autograd on, each chunk is checkpointed: only its inputs are saved and
+    its [C, V] logits are recomputed in backward, so neither pass ever holds
+    more than one chunk of logits.
+
+    Args:
+        hidden_NH: [N, H] final hidden states at the positions that predict the targets.
+        weight_VH: [V, H] output embedding (the unsharded lm_head weight).
+        targets_N: [N] int64 target ids.
+        chunk_tokens: rows per chunk (C).
+        temperature: logits are divided by it (the rollout's sampling temperature).
+        entropy_grad: keep the entropy in the graph (entropy bonus); else detached.
+
+    Returns:
+        (logp_N, entropy_N), float32.
+    """
+    grad = torch.is_grad_enabled() and (hidden_NH.requires_grad or weight_VH.requires_grad)
+    logps, entropies = [], []
+    for start in range(0, max(hidden_NH.shape[0], 1), chunk_tokens):
+        args = (hidden_NH[start : start + chunk_tokens], weight_VH,
+                targets_N[start : start + chunk_tokens], temperature)
+        if grad:
+            logp_C, entropy_C = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            logp_C, entropy_C = _chunk_logprobs(*args)
+        logps.append(logp_C)
+        entropies.append(entropy_C if entropy_grad else entropy_C.detach())
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def micro_batch_logprobs(
+    module: FSDPModule,
+    mb: TrainBatch,
+    device: torch.device,
+    *,
+    chunk_tokens: int,
+    temperature: float = 1.0,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """One forward of a micro-batch: log-prob and entropy of every loss token.
+
+    Only loss positions are projected onto the vocabulary, and the model
+    returns hidden states only from the first position any row needs
+    (`logits_to_keep`), so prompt and padding cost nothing past the decoder.
+
+    Args:
+        module: a model from `fsdp.build_fsdp_model` (forward returns hidden states).
+        mb: the micro-batch (CPU or device tensors).
+        device: where the model lives.
+        chunk_tokens, temperature, entropy_grad: see `token_logprobs`.
+
+    Returns:
+        (logp_BT, entropy_BT): float32 on device, logp_BT[b, t] = log
+        p(tokens[b, t] | tokens[b, :t]); both 0 outside loss_mask_BT.
+    """
+    tokens_BT = mb.tokens_BT.to(device)
+    rows_N, cols_N = mb.loss_mask_BT.to(device).nonzero(as_tuple=True)
+    # Target at column t is predicted by the output at t - 1 (t = 0 is never a target).
+    first = int(cols_N.min()) - 1 if cols_N.numel() else 0
+    keep_K = torch.arange(first, tokens_BT.shape[1] - 1, device=device)
+    hidden_BKH = module(
+        input_ids=tokens_BT,
+        attention_mask=mb.attention_mask_BT.to(device),
+        position_ids=mb.position_ids_BT.to(device),
+        use_cache=False,
+        logits_to_keep=keep_K,
+    ).logits
+    logp_N, entropy_N = token_logprobs(
+        hidden_BKH[rows_N, cols_N - 1 - first], module.lm_head.weight, tokens_BT[rows_N, cols_N],
+        chunk_tokens=chunk_tokens, temperature=temperature, entropy_grad=entropy_grad,
+    )
+    zeros_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32, device=device)
+    return (zeros_BT.index_put((rows_N, cols_N), logp_N),
+            zeros_BT.index_put((rows_N, cols_N), entropy_N))
+
+
+def _num_micro_batches(batch: TrainBatch, mesh: DeviceMesh) -> int:
+    """The most micro-batches any rank has: every rank runs that many forwards
+    (FSDP2 collectives must match), padding with loss-free ones."""
+    n = torch.tensor([len(batch.bounds)], device=_comm_device(mesh))
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return int(n)
+
+
+def _comm_device(mesh: DeviceMesh) -> torch.device:
+    return default_device() if mesh.device_type == "cuda" else torch.device("cpu")
+
+
+@torch.no_grad()
+def batch_logprobs(
+    module: FSDPModule, batch: TrainBatch, mesh: DeviceMesh, *, chunk_tokens: int,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropy of a whole batch, micro-batch by micro-batch, no grad.
+
+    Collective: every rank of mesh must call it (with its own batch). Ends
+    with `module.reshard()` (see the module docstring).
+
+    Returns:
+        (logp_BT, entropy_BT): float32 on the batch's device, 0 outside loss_mask_BT.
+    """
+    device = _comm_device(mesh)
+    logp_BT = torch.zeros(batch.tokens_BT.shape, dtype=torch.float32)
+    entropy_BT = torch.zeros_like(logp_BT)
+    try:
+        for i in range(_num_micro_batches(batch, mesh)):
+            if i >= len(batch.bounds):
+                micro_batch_logprobs(module, batch.empty_like(), device, chunk_tokens=chunk_tokens)
+                continue
+            start, end = batch.bounds[i]
+            mb = batch.rows(start, end)
+            lp, ent = micro_batch_logprobs(
+                module, mb, device, chunk_tokens=chunk_tokens, temperature=temperature
+            )
+            width = mb.tokens_BT.shape[1]
+            logp_BT[start:end, :width] = lp.cpu()
+            entropy_BT[start:end, :width] = ent.cpu()
+    finally:
+        # The guard: a forward without backward leaves the FSDP root unsharded.
+        module.reshard()
+    return logp_BT.to(batch.tokens_BT.device), entropy_BT.to(batch.tokens_BT.device)
+
+
+# --------------------------------------------------------------------------
+# Schedule and metrics
+# --------------------------------------------------------------------------
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """LambdaLR factor: linear warmup (step + 1) / (warmup + 1), then constant or
+    cosine decaying to 0 at cfg.num_steps."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, cfg.num_steps - cfg.warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def _reduce_metrics(local: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, float]:
+    """Combines per-rank step metrics like `combine_metrics` does micro-batches:
+    additive keys summed, _max/_min extremes, the rest num_tokens-weighted means."""
+    device = _comm_device(mesh)
+    keys = sorted(local)
+    w = local["num_tokens"].float()
+    sums = [local[k] if k in ADDITIVE_METRICS else local[k] * w for k in keys] + [w]
+    sum_t = torch.stack([s.float() for s in sums]).to(device)
+    ext_keys = [k for k in keys if k.endswith("_max") or k.endswith("_min")]
+    has = bool(w > 0)
+    # Min as max of the negation; a rank without loss tokens has no extreme (-inf).
+    ext = [(local[k] if k.endswith("_max") else -local[k]).float() if has
+           else torch.tensor(-math.inf) for k in ext_keys]
+    ext_t = torch.stack(ext).to(device) if ext else torch.zeros(1, device=device)
+    dist.all_reduce(sum_t, group=mesh.get_group())
+    dist.all_reduce(ext_t, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    total_w = max(float(sum_t[-1]), 1.0)
+    out = {k: float(v) if k in ADDITIVE_METRICS else float(v) / total_w
+           for k, v in zip(keys, sum_t.tolist())}
+    for k, v in zip(ext_keys, ext_t.tolist()):
+        out[k] = 0.0 if math.isinf(v) else (v if k.endswith("_max") else -v)
+    return out
+
+
+# --------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------
+
+
+class Trainer:
+    """FSDP2 policy trainer: one optimizer step per `train_step`.
+
+    Collective: every method except `state_dict_shards` must be called by
+    every rank of the mesh, each with its own rows of the global batch.
+
+    Attributes:
+        module: the root FSDPModule (HF `*ForCausalLM`, lm_head returns hidden states).
+        mesh: the 1-D data-parallel mesh.
+        optimizer: AdamW over the sharded DTensor parameters (fp32 state).
+        scheduler: LambdaLR with `lr_lambda(train_cfg)`.
+        step: optimizer steps taken.
+        load_stats: what this rank read from the checkpoint (`fsdp.LoadStats`).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        train_cfg: TrainConfig,
+        model_cfg: ModelConfig,
+        mesh: DeviceMesh | None = None,
+        *,
+        logits_chunk_tokens: int = 1024,
+        temperature: float = 1.0,
+    ) -> None:
+        """Builds the sharded model, the optimizer and the schedule.
+
+        Args:
+            model_path: HF folder or id (usually model_cfg.path).
+            train_cfg: optimizer, schedule, clipping, activation checkpointing.
+            model_cfg: master_dtype (parameters, optimizer, gradient reduction)
+                and compute_dtype (forward/backward).
+            mesh: 1-D data-parallel mesh; None = the whole default group.
+            logits_chunk_tokens: positions per vocabulary-projection chunk.
+            temperature: sampling temperature; logits are divided by it.
+        """
+        if logits_chunk_tokens < 1 or temperature <= 0:
+            raise ValueError(f"need logits_chunk_tokens >= 1 and temperature > 0, got "
+                             f"{logits_chunk_tokens}, {temperature}")
+        self.train_cfg = train_cfg
+        self.chunk_tokens, self.temperature = logits_chunk_tokens, temperature
+        self.mesh = mesh if mesh is not None else dp_mesh()
+        self.device = _comm_device(self.mesh)
+        self.module, self.load_stats = build_fsdp_model(
+            model_path, self.mesh, master_dtype=model_cfg.master_dtype,
+            compute_dtype=model_cfg.compute_dtype,
+            activation_checkpointing=train_cfg.activation_checkpointing,
+            trust_remote_code=model_cfg.trust_remote_code,
+        )
+        # Guard, part 1: built before any forward, over the sharded DTensors.
+        params = [p for _, p in sharded_named_parameters(self.module)]
+        self._param_ids = frozenset(id(p) for p in params)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for p in params if p.ndim >= 2]},
+             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+            lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train_cfg))
+        self.step = 0
+
+    def _check_sharded(self) -> None:
+        """Guard, part 2: the module exposes exactly the optimizer's sharded parameters."""
+        self.module.reshard()
+        assert_sharded(self.module)
+        assert {id(p) for p in self.module.parameters()} == self._param_ids, (
+            "the module's parameters are not the optimizer's sharded DTensors")
+
+    def state_dict_shards(self) -> dict[str, DTensor]:
+        """Checkpoint name -> this rank's Shard(0) DTensor parameter (no copy; tied once)."""
+        return dict(sharded_named_parameters(self.module))
+
+    def compute_logprobs(self, batch: TrainBatch) -> tuple[Tensor, Tensor]:
+        """Per-token log-probs and entropy under the current weights, no grad.
+
+        Returns:
+            (logp_BT, entropy_BT) float32 like batch.tokens_BT, 0 outside
+            loss_mask_BT; logp_BT[b, t] = log p(tokens[b, t] | tokens[b, :t]).
+        """
+        return batch_logprobs(self.module, batch, self.mesh, chunk_tokens=self.chunk_tokens,
+                              temperature=self.temperature)
+
+    def train_step(
+        self,
+        batch: TrainBatch,
+        loss_fn: LossFn,
+        *,
+        loss_agg: str = "token_mean",
+        loss_agg_constant: float | None = None,
+        entropy_grad: bool = False,
+    ) -> dict[str, float]:
+        """One optimizer step over this rank's rows of the global batch.
+
+        The micro-batches are `batch.bounds` (chosen by collate_trajectories).
+        The normaliser is `loss_normalizer(loss_mask of the whole step,
+        loss_agg, constant=loss_agg_constant)` summed over the dp ranks, so
+        neither the micro-batch split nor the rank count changes the update.
+
+        Args:
+            batch: this rank's rows (old_logp_BT None = on-policy).
+            loss_fn: `policy_loss_fn(cfg.algorithm, ...)` or any LossFn.
+            loss_agg: the aggregation mode loss_fn was built with.
+            loss_agg_constant: its constant (loss_agg="constant").
+            entropy_grad: pass entropy with grad (entropy bonus in the loss).
+
+        Returns:
+            Global metrics (floats): loss, grad_norm (before clipping), lr (of
+            this step), tokens (real tokens processed), num_micro_batches,
+            skipped (1.0 when the gradient was not finite and no step was
+            taken), and loss_fn's metrics combined over micro-batches and ranks.
+        """
+        self._check_sharded()
+        group = self.mesh.get_group()
+        norm = loss_normalizer(batch.loss_mask_BT, loss_agg, constant=loss_agg_constant)
+        norm = norm.to(self.device)
+        dist.all_reduce(norm, group=group)
+        num_mb = _num_micro_batches(batch, self.mesh)
+        self.optimizer.zero_grad(set_to_none=True)
+        per_mb = [self._accumulate(batch, i, loss_fn, norm, entropy_grad) for i in range(num_mb)]
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for g in self.optimizer.param_groups for p in g["params"]], self.train_cfg.grad_clip
+        )
+        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = _reduce_metrics(combine_metrics(per_mb), self.mesh)
+        tokens = torch.tensor(float(batch.attention_mask_BT.sum()), device=self.device)
+        dist.all_reduce(tokens, group=group)
+        metrics.update(grad_norm=grad_norm, lr=lr, tokens=float(tokens),
+                       num_micro_batches=float(num_mb), skipped=float(skipped))
+        return metrics
+
+    def _accumulate(
+        self, batch: TrainBatch, i: int, loss_fn: LossFn, norm: Tensor, entropy_grad: bool
+    ) -> dict[str, Tensor]:
+        """Forward + backward of micro-batch i (a loss-free one past this rank's last)."""
+        mb = batch.rows(*batch.bounds[i]) if i < len(batch.bounds) else batch.empty_like()
+        logp_BT, entropy_BT = micro_batch_logprobs(
+            self.module, mb, self.device, chunk_tokens=self.chunk_tokens,
+            temperature=self.temperature, entropy_grad=entropy_grad,
+        )
+
+        def dev(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x.to(self.device)
+
+        loss, metrics = loss_fn(LossInputs(
+            logp_BT=logp_BT, advantages_BT=dev(mb.advantages_BT), mask_BT=dev(mb.loss_mask_BT),
+            old_logp_BT=dev(mb.old_logp_BT), ref_logp_BT=dev(mb.ref_logp_BT),
+            entropy_BT=entropy_BT, rollout_logp_BT=dev(mb.rollout_logp_BT),
+        ), norm)
+        # Each rank's loss is its share of the global loss; FSDP2 AVERAGES
+        # gradients over the dp ranks, so scale by their count to get the
+        # gradient of the global loss (exact for power-of-two counts).
+        (loss * self.mesh.size()).backward()
+        return metrics
