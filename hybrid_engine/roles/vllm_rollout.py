@@ -139,10 +139,15 @@ class VLLMRollout:
             enforce_eager=cfg.enforce_eager,
             seed=cfg.seed,
             logprobs_mode="processed_logprobs",
+            # CPU: sleep mode is rejected ("not supported on current platform").
+            enable_sleep_mode=not _is_cpu(),
             **kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._staging: dict[str, torch.Tensor] = {}
+        self._released = False
+        self._kv_sizes: list[int] = []
+        self._kv_storage_list: list[torch.UntypedStorage] = []
         self._max_prompt_len = cfg.max_model_len - cfg.max_tokens
         self.num_truncated = 0
 
@@ -166,23 +171,55 @@ class VLLMRollout:
         self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
         seed: int = 0,
     ) -> Completions:
-        """Samples K completions per prompt.
+        """Samples K completions per prompt; collective over the whole world.
+
+        Every rank passes the same prompts. With N/T > 1 replicas, replica i
+        samples only its contiguous slice of the prompts and the results are
+        gathered, so every rank returns all completions.
 
         Args:
             prompts: texts or token id lists.
             num_samples: K; rollout.num_samples_per_prompt when None.
             seed: per-call seed; completion j of prompt p uses seed
-                (cfg.seed, seed, p, j), so runs repeat whatever the batching.
+                (cfg.seed, seed, p, j), so runs repeat whatever the batching
+                or the number of replicas.
 
         Returns:
-            Completions, prompt-major.
+            Completions, prompt-major, in the order of `prompts`.
         """
-        from vllm import SamplingParams, TokensPrompt
-
+        if self._released:
+            raise RuntimeError("generate() after release_memory(): call restore_memory() first")
         k = num_samples or self.cfg.num_samples_per_prompt
         prompt_ids = self._prompt_ids(prompts)
+        replica, num_replicas = self._replica()
+        bounds = [len(prompt_ids) * i // num_replicas for i in range(num_replicas + 1)]
+        mine = range(bounds[replica], bounds[replica + 1])
+        token_ids, logprobs = self._sample([prompt_ids[p] for p in mine], list(mine), k, seed)
+        if num_replicas > 1:
+            import torch.distributed as dist
+
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (token_ids, logprobs))
+            tp = self.cfg.tensor_parallel_size
+            token_ids = [t for r in range(num_replicas) for t in gathered[r * tp][0]]
+            logprobs = [lp for r in range(num_replicas) for lp in gathered[r * tp][1]]
+        return Completions(prompt_ids, token_ids, logprobs, k)
+
+    def _replica(self) -> tuple[int, int]:
+        """(this rank's replica, number of replicas): TP groups are contiguous ranks."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return 0, 1
+        tp = self.cfg.tensor_parallel_size
+        return dist.get_rank() // tp, dist.get_world_size() // tp
+
+    def _sample(self, prompt_ids: list[list[int]], indices: list[int], k: int,
+                seed: int) -> tuple[list[list[int]], list[list[float]]]:
+        from vllm import SamplingParams, TokensPrompt
+
         requests, params = [], []
-        for p, ids in enumerate(prompt_ids):
+        for p, ids in zip(indices, prompt_ids, strict=True):
             for j in range(k):
                 requests.append(TokensPrompt(prompt_token_ids=ids))
                 params.append(SamplingParams(
@@ -190,13 +227,13 @@ class VLLMRollout:
                     top_k=self.cfg.top_k, max_tokens=self.cfg.max_tokens, logprobs=0,
                     seed=hash((self.cfg.seed, seed, p, j)) & 0x7FFFFFFF,
                 ))
-        outs = self.llm.generate(requests, params, use_tqdm=False)
+        outs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
         token_ids, logprobs = [], []
         for out in outs:
             comp = out.outputs[0]
             token_ids.append(list(comp.token_ids))
             logprobs.append([lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)])
-        return Completions(prompt_ids, token_ids, logprobs, k)
+        return token_ids, logprobs
 
     # --- weights --------------------------------------------------------------
     # vLLM's CPU build packs linear weights into oneDNN / sgl handles after
@@ -305,6 +342,67 @@ class VLLMRollout:
                     layer.weight_loader(shadow, t, shard_id)
             out[name] = shadow.data.view(rows, cols)
         return out
+
+    # --- memory between phases ------------------------------------------------
+
+    def release_memory(self) -> int:
+        """Frees what the rollout does not need while the trainer runs.
+
+        GPU: vLLM sleep level 2 (KV cache and weights dropped: the next sync
+        rewrites the weights). CPU, where vLLM has no sleep mode: the KV cache
+        storage is resized to 0 (weights stay: vLLM-CPU cannot drop them).
+        Returns the bytes actually released (0 if already released).
+        """
+        if self._released:
+            return 0
+        if not _is_cpu():
+            before = torch.cuda.memory_reserved()
+            self.llm.sleep(level=2)
+            torch.cuda.empty_cache()
+            self._released = True
+            return max(0, before - torch.cuda.memory_reserved())
+        freed = 0
+        for st in self._kv_storages():
+            freed += st.nbytes()
+            self._kv_sizes.append(st.nbytes())
+            st.resize_(0)
+        self._released = True
+        return freed
+
+    def wake_weights(self) -> None:
+        """GPU: re-allocate the weights before a sync writes them (no-op on CPU)."""
+        if self._released and not _is_cpu():
+            self.llm.wake_up(tags=["weights"])
+
+    def restore_memory(self) -> int:
+        """Re-allocates what release_memory freed, before generation. Returns bytes."""
+        if not self._released:
+            return 0
+        self._released = False
+        if not _is_cpu():
+            before = torch.cuda.memory_reserved()
+            self.llm.wake_up(tags=["kv_cache"])
+            return max(0, torch.cuda.memory_reserved() - before)
+        grown = 0
+        for st, n in zip(self._kv_storages(), self._kv_sizes, strict=True):
+            st.resize_(n)
+            torch.empty(0, dtype=torch.uint8).set_(st).zero_()  # commit the pages, as at start
+            grown += n
+        self._kv_sizes = []
+        self.llm.reset_prefix_cache()  # the cached blocks' contents are gone
+        return grown
+
+    def _kv_storages(self) -> list[torch.UntypedStorage]:
+        """The distinct storages behind vLLM's KV cache tensors (found once,
+        while they are allocated: layers may share one)."""
+        if not self._kv_storage_list:
+            executor = self.llm.llm_engine.engine_core.engine_core.model_executor
+            caches = executor.driver_worker.worker.model_runner.kv_caches
+            seen: dict[int, torch.UntypedStorage] = {}
+            for t in caches:
+                seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+            self._kv_storage_list = list(seen.values())
+        return self._kv_storage_list
 
     def shutdown(self) -> None:
         """Tears the engine down; idempotent.
