@@ -244,7 +244,7 @@ def main(argv=None) -> None:
 
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0).replace(" ", "-")
     stamp = datetime.date.today().strftime("%Y%m")
-    path = out_dir / f"sync_{device}_{stamp}{'_quick' if args.quick else ''}.md"
+    path = out_dir / f"sync_{device}_n{args.nproc}_{stamp}{'_quick' if args.quick else ''}.md"
     from hybrid_engine.cli import env_info
 
     info = env_info()
