@@ -1,7 +1,9 @@
 // CUDA backend of copy_blocks. Blocks are grouped by (source, destination)
 // dtype pair; each group is one kernel launch over (block, row, column chunk)
 // work items, one thread block per item.
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -79,7 +81,7 @@ void copy_blocks_cuda(const std::vector<at::Tensor>& srcs,
   if (blocks.size(0) == 0) return;
   const at::Tensor& any = srcs.empty() ? dsts[0] : srcs[0];
   const c10::cuda::OptionalCUDAGuard guard(any.device());
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   // Group blocks by dtype pair: one launch per pair (usually exactly one).
   std::map<std::pair<at::ScalarType, at::ScalarType>, std::vector<BlockDesc>>

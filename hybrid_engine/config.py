@@ -126,6 +126,12 @@ class RolloutConfig:
         "What to do with a prompt longer than max_model_len - max_tokens: "
         "'reject' raises, 'truncate' keeps its last tokens.",
     )
+    stop: tuple[str, ...] = _field(
+        (), "Strings that end a completion (not included in it); comma-separated on the CLI."
+    )
+    stop_token_ids: tuple[int, ...] = _field(
+        (), "Token ids that end a completion, besides the tokenizer's EOS."
+    )
     enforce_eager: bool = _field(False, "Disable CUDA graphs / compilation in vLLM.")
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ group when the engine is deleted, so the engine lives as long as the process).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from vllm import LLM
 
 __all__ = ["Completions", "VLLMRollout"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +240,8 @@ class VLLMRollout:
                 params.append(SamplingParams(
                     n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                     top_k=self.cfg.top_k, max_tokens=self.cfg.max_tokens, logprobs=0,
+                    stop=list(self.cfg.stop) or None,
+                    stop_token_ids=list(self.cfg.stop_token_ids) or None,
                     seed=hash((self.cfg.seed, seed, p, j)) & 0x7FFFFFFF,
                 ))
         outs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
@@ -407,13 +412,18 @@ class VLLMRollout:
             self.llm.sleep(level=2)
             torch.cuda.empty_cache()
             self._released = True
-            return max(0, before - torch.cuda.memory_reserved())
+            freed = max(0, before - torch.cuda.memory_reserved())
+            _log.info("rollout released %.1f MiB (vLLM sleep level 2: weights + KV cache)",
+                      freed / 2**20)
+            return freed
         freed = 0
         for st in self._kv_storages():
             freed += st.nbytes()
             self._kv_sizes.append(st.nbytes())
             st.resize_(0)
         self._released = True
+        _log.info("rollout released %.1f MiB of KV cache; vLLM-CPU has no sleep mode, so its "
+                  "weights (%.1f MiB) stay resident", freed / 2**20, self._weight_bytes() / 2**20)
         return freed
 
     def wake_weights(self) -> None:
@@ -437,7 +447,12 @@ class VLLMRollout:
             grown += n
         self._kv_sizes = []
         self.llm.reset_prefix_cache()  # the cached blocks' contents are gone
+        _log.info("rollout regrew %.1f MiB of KV cache", grown / 2**20)
         return grown
+
+    def _weight_bytes(self) -> int:
+        """Bytes of vLLM's parameters as seen by torch (packed CPU handles excluded)."""
+        return sum(p.nbytes for p in self._model().parameters())
 
     def _kv_storages(self) -> list[torch.UntypedStorage]:
         """The distinct storages behind vLLM's KV cache tensors (found once,

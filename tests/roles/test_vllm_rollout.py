@@ -22,6 +22,7 @@ def _sample(model_dir: str, tp: int, max_tokens: int) -> dict:
                         max_model_len=64, kv_cache_gib=1.0, temperature=TEMPERATURE,
                         enforce_eager=True, seed=3)
     rollout = VLLMRollout(model_dir, cfg, dtype="float32")
+    stopped = _stop_check(rollout)
     first = rollout.generate(PROMPTS, seed=11)
     again = rollout.generate(PROMPTS, seed=11)
     other = rollout.generate(PROMPTS, seed=12)
@@ -35,9 +36,26 @@ def _sample(model_dir: str, tp: int, max_tokens: int) -> dict:
         "prompt_ids": first.prompt_ids, "token_ids": first.token_ids, "logprobs": first.logprobs,
         "repeat_equal": again.token_ids == first.token_ids and again.logprobs == first.logprobs,
         "other_seed_differs": other.token_ids != first.token_ids, "errors": errors,
+        "stopped": stopped,
     }
     rollout.shutdown()
     return out
+
+
+def _stop_check(rollout) -> bool:
+    """A stop token id ends completions right before it: rerun with the 3rd
+    sampled token as a stop id and compare (same seeds, same draws)."""
+    from dataclasses import replace
+
+    base = rollout.generate(PROMPTS[:1], num_samples=1, seed=5).token_ids[0]
+    cfg = rollout.cfg
+    rollout.cfg = replace(cfg, stop_token_ids=(base[2],))
+    try:
+        cut = rollout.generate(PROMPTS[:1], num_samples=1, seed=5).token_ids[0]
+    finally:
+        rollout.cfg = cfg
+    first = base.index(base[2])
+    return cut == base[: first + 1]  # vLLM keeps the stop token itself in token_ids
 
 
 def _reference_logprobs(model_dir: str, prompt_ids, token_ids, k: int) -> float:
@@ -74,7 +92,7 @@ def test_spmd_sampling_matches_transformers(tmp_path, world_size, tp):
     assert ref["prompt_ids"] == [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
     for o in outs:
         assert len(o["token_ids"]) == len(PROMPTS) * 2
-        assert o["repeat_equal"] and o["other_seed_differs"]
+        assert o["repeat_equal"] and o["other_seed_differs"] and o["stopped"]
         assert "more than rollout.max_model_len" in o["errors"]["reject"]
         diff = _reference_logprobs(model_dir, o["prompt_ids"],
                                    list(zip(o["token_ids"], o["logprobs"])), 2)

@@ -1,0 +1,332 @@
+"""Resumable training checkpoints (sharded DCP) and HF export of the policy.
+
+Job: `save_training_state` / `load_training_state` write and restore
+everything a run needs to continue as if it had never stopped: the FSDP2
+policy and its AdamW state (torch.distributed.checkpoint, every rank writing
+its own shards), the LR schedule and step count, the critic's model,
+optimizer and schedule when there is one, every rank's RNG states, and the
+controller's JSON-able `extra`. `export_hf` writes the policy as a plain HF
+folder that `AutoModelForCausalLM.from_pretrained` loads.
+
+Invariant (atomic commit): a folder at `path` is a complete checkpoint. All
+ranks write into `<path>.tmp-<token>`; after a barrier rank 0 writes the
+`COMPLETE` marker, then renames the folder to `path`. A crash at any point
+before that leaves only a `.tmp-` folder (no marker), which
+`load_training_state` rejects with a ValueError; a previous checkpoint at
+another path is never touched.
+
+Layout of a checkpoint folder:
+    dcp/            DCP shards + metadata: "model", "optim" (+ "critic_model",
+                    "critic_optim"), keyed by HF parameter names
+    rng/rank{r}.pt  torch CPU (+ CUDA), python `random` and numpy states of rank r
+    meta.json       world size, trainer step + scheduler (+ critic's), extra
+    COMPLETE        written last
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
+
+from hybrid_engine.roles.fsdp import sharded_named_parameters
+
+if TYPE_CHECKING:
+    from hybrid_engine.roles.critic import Critic
+    from hybrid_engine.roles.trainer import Trainer
+
+__all__ = ["COMPLETE_MARKER", "export_hf", "load_training_state", "save_training_state"]
+
+logger = logging.getLogger(__name__)
+
+COMPLETE_MARKER = "COMPLETE"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+# --------------------------------------------------------------------------
+# Atomic folders
+# --------------------------------------------------------------------------
+
+
+def _tmp_folder(path: Path) -> Path:
+    """`<path>.tmp-<token>`, the same on every rank (rank 0 draws the token)."""
+    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    return path.with_name(f"{path.name}.tmp-{token[0]}")
+
+
+def _commit(tmp: Path, path: Path) -> None:
+    """Collective: barrier, then rank 0 marks tmp complete and renames it to path.
+
+    An existing folder at path is moved aside first and deleted after the
+    rename, so path holds either the old or the new complete checkpoint."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (tmp / COMPLETE_MARKER).write_text("ok\n")
+        old = None
+        if path.exists():
+            old = path.with_name(f"{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old)
+    dist.barrier()
+
+
+def _check_complete(path: Path) -> None:
+    if not (path / COMPLETE_MARKER).is_file():
+        raise ValueError(
+            f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker): the save "
+            "was interrupted or the path is wrong; load an earlier checkpoint"
+        )
+
+
+# --------------------------------------------------------------------------
+# RNG states
+# --------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors and plain values (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------
+# Save / load
+# --------------------------------------------------------------------------
+
+
+def _dcp_state(trainer: Trainer, critic: Critic | None) -> dict[str, Any]:
+    """The DCP state dict: sharded model and optimizer state of the policy (and critic).
+
+    Both roles keep their FSDP root resharded outside a step, so the
+    optimizer's DTensors are the module's (the trainer's guard)."""
+    trainer.module.reshard()
+    model_sd, optim_sd = get_state_dict(trainer.module, trainer.optimizer)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    if critic is not None:
+        critic.module.reshard()
+        state["critic_model"], state["critic_optim"] = get_state_dict(
+            critic.module, critic.optimizer
+        )
+    return state
+
+
+def _write_state(
+    folder: Path, trainer: Trainer, critic: Critic | None, extra: dict | None
+) -> None:
+    """Collective: every rank writes its DCP shards and RNG file, rank 0 meta.json.
+
+    Leaves folder without the COMPLETE marker (that is `_commit`'s job)."""
+    rank = dist.get_rank()
+    if rank == 0:
+        (folder / "rng").mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dcp.save(_dcp_state(trainer, critic), checkpoint_id=folder / "dcp")
+    torch.save(_rng_state(), folder / "rng" / f"rank{rank}.pt")
+    if rank == 0:
+        meta = {
+            "world_size": dist.get_world_size(),
+            "step": trainer.step,
+            "scheduler": trainer.scheduler.state_dict(),
+            "critic": None if critic is None else {
+                "step": critic.step, "scheduler": critic.scheduler.state_dict()},
+            "extra": extra,
+        }
+        (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def save_training_state(
+    path: str | os.PathLike,
+    *,
+    trainer: Trainer,
+    critic: Critic | None = None,
+    extra: dict | None = None,
+) -> None:
+    """Writes a resumable checkpoint of the policy (and critic) to path, atomically.
+
+    Collective: every rank of the default group calls it. Each rank writes
+    only its own shards; path may already hold an older checkpoint, which is
+    replaced.
+
+    Args:
+        path: the checkpoint folder (on a file system all ranks share).
+        trainer: the policy trainer (module, optimizer, scheduler, step).
+        critic: the value model, if the run has one.
+        extra: controller state (JSON-able), taken from rank 0.
+    """
+    path = Path(path)
+    tmp = _tmp_folder(path)
+    _write_state(tmp, trainer, critic, extra)
+    _commit(tmp, path)
+
+
+def load_training_state(
+    path: str | os.PathLike, *, trainer: Trainer, critic: Critic | None = None
+) -> dict | None:
+    """Restores a checkpoint written by `save_training_state` in place.
+
+    Collective. The roles must be freshly built with the same model and
+    config. Model and optimizer state reshard to any rank count (DCP); RNG
+    states are restored only when the rank count matches (else a warning).
+
+    Args:
+        path: a complete checkpoint folder.
+        trainer: the policy trainer to fill.
+        critic: the critic to fill; must be given iff the checkpoint has one.
+
+    Returns:
+        The `extra` dict passed to save (None if none was).
+
+    Raises:
+        ValueError: path is not a complete checkpoint, or critic presence differs.
+    """
+    path = Path(path)
+    _check_complete(path)
+    meta = json.loads((path / "meta.json").read_text())
+    if (meta["critic"] is None) != (critic is None):
+        raise ValueError(f"{path}: checkpoint has critic={meta['critic'] is not None}, "
+                         f"but critic={'given' if critic is not None else 'None'}")
+    state = _dcp_state(trainer, critic)
+    dcp.load(state, checkpoint_id=path / "dcp")
+    set_state_dict(trainer.module, trainer.optimizer,
+                   model_state_dict=state["model"], optim_state_dict=state["optim"])
+    trainer.scheduler.load_state_dict(meta["scheduler"])
+    trainer.step = meta["step"]
+    if critic is not None:
+        set_state_dict(critic.module, critic.optimizer, model_state_dict=state["critic_model"],
+                       optim_state_dict=state["critic_optim"])
+        critic.scheduler.load_state_dict(meta["critic"]["scheduler"])
+        critic.step = meta["critic"]["step"]
+    if meta["world_size"] == dist.get_world_size():
+        _set_rng_state(torch.load(path / "rng" / f"rank{dist.get_rank()}.pt", weights_only=True))
+    elif dist.get_rank() == 0:
+        logger.warning("checkpoint %s was written by %d ranks, loading on %d: RNG states "
+                       "not restored", path, meta["world_size"], dist.get_world_size())
+    return meta["extra"]
+
+
+# --------------------------------------------------------------------------
+# HF export
+# --------------------------------------------------------------------------
+
+
+def _copy_side_files(source: Path, dest: Path) -> None:
+    """Copies tokenizer, generation config and other non-weight files (not config.json)."""
+    for f in sorted(source.iterdir()):
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(f, dest / f.name)
+
+
+def _write_shard(folder: Path, tensors: dict[str, Tensor], index: int,
+                 weight_map: dict[str, str]) -> None:
+    name = f"model-{index:05d}.safetensors"
+    save_file(tensors, str(folder / name), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(tensors, name))
+
+
+def _gather_and_write(module: FSDPModule, folder: Path, dtype: torch.dtype | None,
+                      max_shard_bytes: int) -> None:
+    """Collective: all-gathers one parameter at a time; rank 0 buffers at most
+    about one shard of full tensors and writes it."""
+    is_writer = dist.get_rank() == 0
+    weight_map: dict[str, str] = {}
+    buf: dict[str, Tensor] = {}
+    buf_bytes, num_shards = 0, 0
+    for name, param in sharded_named_parameters(module):
+        full = param.full_tensor()
+        if not is_writer:
+            continue
+        t = full.detach().to("cpu", dtype=dtype or full.dtype).contiguous()
+        if buf and buf_bytes + t.nbytes > max_shard_bytes:
+            num_shards += 1
+            _write_shard(folder, buf, num_shards, weight_map)
+            buf, buf_bytes = {}, 0
+        buf[name] = t
+        buf_bytes += t.nbytes
+    if not is_writer:
+        return
+    if num_shards == 0:  # everything fits in one file: the HF single-file layout
+        save_file(buf, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    _write_shard(folder, buf, num_shards + 1, weight_map)
+    num = num_shards + 1
+    renames = {f"model-{i:05d}.safetensors": f"model-{i:05d}-of-{num:05d}.safetensors"
+               for i in range(1, num + 1)}
+    for old, new in renames.items():
+        os.replace(folder / old, folder / new)
+    index = {"metadata": {}, "weight_map": {k: renames[v] for k, v in weight_map.items()}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+def export_hf(
+    path: str | os.PathLike,
+    *,
+    model: Trainer | FSDPModule,
+    hf_config_source: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> None:
+    """Writes the policy as a HF folder that `AutoModelForCausalLM.from_pretrained` loads.
+
+    Collective. Parameters are all-gathered one at a time (`full_tensor()`)
+    and only rank 0 keeps them, at most about max_shard_bytes at once. Names
+    are the HF checkpoint names; a tied lm_head is one parameter, written
+    once as the embedding (no lm_head.weight), as HF expects. The folder is
+    committed atomically like a checkpoint (COMPLETE marker, rename).
+
+    Args:
+        path: destination folder (replaced if it exists).
+        model: a Trainer or a root FSDPModule from `fsdp.build_fsdp_model`.
+        hf_config_source: the HF folder the model was built from: config.json
+            (dtype updated), tokenizer and generation config are copied from it.
+        dtype: dtype of the written weights; None keeps the parameters' (master) dtype.
+        max_shard_bytes: split the weights into indexed files past this size.
+    """
+    from transformers import AutoConfig
+
+    module = model.module if hasattr(model, "module") else model
+    module.reshard()  # the guard: a forward without backward leaves the root unsharded
+    path, source = Path(path), Path(hf_config_source)
+    tmp = _tmp_folder(path)
+    if dist.get_rank() == 0:
+        tmp.mkdir(parents=True)
+    _gather_and_write(module, tmp, dtype, max_shard_bytes)
+    if dist.get_rank() == 0:
+        config = AutoConfig.from_pretrained(source)
+        config.dtype = dtype or next(module.parameters()).dtype
+        config.save_pretrained(tmp)
+        _copy_side_files(source, tmp)
+    _commit(tmp, path)

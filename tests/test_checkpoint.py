@@ -1,0 +1,244 @@
+"""Training checkpoints and HF export on real gloo ranks.
+
+One 2-rank run (`_two_rank_checks`) does everything the tests assert on, so the rank
+start-up is paid once:
+- round trip: 2 steps (warmup + cosine schedule, so the LR state matters), save
+  policy + critic + extra; one more step ("continued"). A fresh trainer and critic
+  then load the checkpoint; parameters, AdamW state, scheduler state and the RNG
+  streams must match the saved ones BITWISE, and the next step must give the same
+  loss and weights as the continued run, bitwise (same ranks, same kernels, same
+  reduction order: nothing may differ).
+- an interrupted save (the shards written, no COMPLETE marker, no rename) is
+  rejected; the previous complete checkpoint still loads.
+- export of a trained untied and a tied model: the HF folder's tensors equal the
+  full tensors bitwise, and its logits equal the FSDP model's (max diff 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_engine.testing import run_ranks
+from tests.roles.test_trainer import full_weights, make_trajs, rank_batch
+
+SPECS = {
+    "untied": dict(arch="qwen2", vocab_size=1001),
+    "tied": dict(arch="llama", tie_word_embeddings=True),
+}
+TRAIN_KW = dict(lr=1e-3, warmup_steps=3, lr_schedule="cosine", num_steps=10, grad_clip=1.0)
+
+
+# --------------------------------------------------------------------------
+# Helpers (run inside the ranks)
+# --------------------------------------------------------------------------
+
+
+def _roles(path: str, vocab: int, with_critic: bool = True):
+    from hybrid_engine.algorithms import policy_loss_fn
+    from hybrid_engine.config import AlgorithmConfig, ModelConfig, TrainConfig
+    from hybrid_engine.roles.critic import Critic
+    from hybrid_engine.roles.trainer import Trainer
+
+    model_cfg = ModelConfig(compute_dtype="float32")
+    trainer = Trainer(path, TrainConfig(**TRAIN_KW), model_cfg, logits_chunk_tokens=16)
+    critic = Critic(path, TrainConfig(**TRAIN_KW), model_cfg) if with_critic else None
+    batch = rank_batch(make_trajs(8, vocab), micro_batch_size=2)
+    batch = dataclasses.replace(batch, old_logp_BT=trainer.compute_logprobs(batch)[0])
+    return trainer, critic, batch, policy_loss_fn(AlgorithmConfig())
+
+
+def _step(trainer, critic, batch, loss_fn) -> tuple[float, float]:
+    returns = torch.where(batch.loss_mask_BT, (batch.tokens_BT % 7).float() / 7 - 0.5, 0.0)
+    old = critic.values(batch)
+    critic_loss = critic.train_step(batch, returns, old, clip=0.2, coef=0.5)["vf_loss"]
+    return trainer.train_step(batch, loss_fn)["loss"], critic_loss
+
+
+def _optim_state(optimizer) -> dict[str, torch.Tensor]:
+    """Flat param-index/key -> full tensor of the AdamW state (collective)."""
+    out = {}
+    for i, (_, st) in enumerate(optimizer.state.items()):
+        for k, v in st.items():
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[f"{i}.{k}"] = v.detach().clone()
+    return out
+
+
+def _rng_draws() -> list[float]:
+    return [*torch.rand(3).tolist(), random.random(), float(np.random.rand())]
+
+
+def _snapshot(trainer, critic) -> dict:
+    return dict(weights=full_weights(trainer.module), optim=_optim_state(trainer.optimizer),
+                sched=trainer.scheduler.state_dict(), step=trainer.step,
+                critic_weights=full_weights(critic.module),
+                critic_optim=_optim_state(critic.optimizer), critic_step=critic.step)
+
+
+def _same(a: dict, b: dict) -> list[str]:
+    """Keys of two snapshots that differ (tensors bitwise)."""
+    bad = []
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict) and x and isinstance(next(iter(x.values())), torch.Tensor):
+            bad += [f"{k}.{n}" for n in x if n not in y or not torch.equal(x[n], y[n])]
+            bad += [f"{k}.{n}" for n in y if n not in x]
+        elif x != y:
+            bad.append(k)
+    return bad
+
+
+def _check_roundtrip(path: str, vocab: int, root: str) -> dict:
+    from hybrid_engine.checkpoint import _tmp_folder, _write_state, load_training_state, \
+        save_training_state
+
+    trainer, critic, batch, loss_fn = _roles(path, vocab)
+    torch.manual_seed(1234 + torch.distributed.get_rank())
+    for _ in range(2):
+        _step(trainer, critic, batch, loss_fn)
+    ckpt = f"{root}/ckpt"
+    save_training_state(ckpt, trainer=trainer, critic=critic, extra={"rl_step": 2, "x": [1.5]})
+    saved = _snapshot(trainer, critic)
+    draws = _rng_draws()
+    continued = _step(trainer, critic, batch, loss_fn)
+    continued_weights = full_weights(trainer.module)
+    # A save killed after writing its shards: no marker, never renamed.
+    from pathlib import Path
+
+    tmp = _tmp_folder(Path(ckpt))
+    _write_state(tmp, trainer, critic, {"rl_step": 3})
+    torch.distributed.barrier()
+
+    fresh, fresh_critic, _, _ = _roles(path, vocab)
+    try:
+        load_training_state(tmp, trainer=fresh, critic=fresh_critic)
+        partial_error = ""
+    except ValueError as e:
+        partial_error = str(e)
+    extra = load_training_state(ckpt, trainer=fresh, critic=fresh_critic)
+    loaded = _snapshot(fresh, fresh_critic)
+    loaded_draws = _rng_draws()
+    resumed = _step(fresh, fresh_critic, batch, loss_fn)
+    return dict(extra=extra, mismatched=_same(saved, loaded), draws=draws == loaded_draws,
+                continued=continued, resumed=resumed, partial_error=partial_error,
+                weights_equal=_same({"w": continued_weights}, {"w": full_weights(fresh.module)}),
+                saved_step=saved["step"], lr=saved["sched"]["_last_lr"])
+
+
+def _check_export(path: str, vocab: int, out: str) -> dict:
+    """Trains 2 steps, exports, compares the HF folder with the FSDP model on rank 0."""
+    import torch.distributed as dist
+
+    from hybrid_engine.checkpoint import export_hf
+
+    trainer, _, batch, loss_fn = _roles(path, vocab, with_critic=False)
+    for _ in range(2):
+        trainer.train_step(batch, loss_fn)
+    export_hf(out, model=trainer, hf_config_source=path)
+    full = full_weights(trainer.module)
+    with torch.no_grad():
+        hidden = trainer.module(input_ids=batch.tokens_BT, attention_mask=batch.attention_mask_BT,
+                                position_ids=batch.position_ids_BT, use_cache=False).logits
+        fsdp_logits = hidden @ trainer.module.lm_head.weight.t()
+    trainer.module.reshard()
+    if dist.get_rank() != 0:
+        return {}
+    import os
+
+    import safetensors
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with safetensors.safe_open(f"{out}/model.safetensors", "pt") as f:
+        file_names = sorted(f.keys())
+    model = AutoModelForCausalLM.from_pretrained(out)
+    loaded = {n: p.detach() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        hf_logits = model(input_ids=batch.tokens_BT, attention_mask=batch.attention_mask_BT,
+                          position_ids=batch.position_ids_BT).logits
+    return dict(file_names=file_names, expected_names=sorted(full), dtype=str(model.dtype),
+                weights_equal=all(torch.equal(loaded[n], full[n]) for n in full),
+                tied=model.lm_head.weight is model.model.embed_tokens.weight,
+                logits_diff=float((hf_logits - fsdp_logits).abs().max()),
+                tokenizer_vocab=len(AutoTokenizer.from_pretrained(out)),
+                files=sorted(os.listdir(out)))
+
+
+def _two_rank_checks(root: str) -> dict:
+    import torch.distributed as dist
+
+    from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
+
+    if dist.get_rank() == 0:
+        for name, kw in SPECS.items():
+            write_tiny_model(f"{root}/{name}", TinyModelSpec(**kw))
+    dist.barrier()
+    vocab = {name: TinyModelSpec(**kw).vocab_size for name, kw in SPECS.items()}
+    return dict(
+        roundtrip=_check_roundtrip(f"{root}/untied", vocab["untied"], root),
+        export={name: _check_export(f"{root}/{name}", vocab[name], f"{root}/export_{name}")
+                for name in SPECS},
+    )
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("checkpoint")
+    return run_ranks(_two_rank_checks, 2, str(root), timeout=300)
+
+
+# --------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------
+
+
+def test_load_rejects_folder_without_marker(tmp_path):
+    from hybrid_engine.checkpoint import load_training_state
+
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        load_training_state(tmp_path / "ckpt", trainer=None)
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        load_training_state(tmp_path / "missing", trainer=None)
+
+
+def test_roundtrip_is_bitwise(two_ranks):
+    for r in two_ranks:
+        rt = r["roundtrip"]
+        assert rt["extra"] == {"rl_step": 2, "x": [1.5]}
+        assert rt["saved_step"] == 2 and rt["lr"][0] != TRAIN_KW["lr"]  # inside the schedule
+        assert rt["mismatched"] == []
+        assert rt["draws"]
+
+
+def test_step_after_load_equals_continuing(two_ranks):
+    for r in two_ranks:
+        rt = r["roundtrip"]
+        assert rt["resumed"] == rt["continued"]  # (policy loss, critic loss), bitwise
+        assert rt["weights_equal"] == []
+
+
+def test_interrupted_save_is_rejected_and_previous_loads(two_ranks):
+    for r in two_ranks:
+        rt = r["roundtrip"]
+        assert "not a complete checkpoint" in rt["partial_error"]
+        assert ".tmp-" in rt["partial_error"]
+        assert rt["extra"]["rl_step"] == 2  # the earlier checkpoint, not the partial one
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_export_loads_in_transformers_with_identical_logits(two_ranks, name):
+    ex = two_ranks[0]["export"][name]
+    assert ex["file_names"] == ex["expected_names"]
+    assert ("lm_head.weight" in ex["file_names"]) == (name == "untied")
+    assert ex["tied"] == (name == "tied")
+    assert ex["weights_equal"]
+    assert ex["dtype"] == "torch.float32"
+    assert ex["logits_diff"] == 0.0
+    assert ex["tokenizer_vocab"] > 0
+    assert {"config.json", "generation_config.json", "tokenizer.json", "COMPLETE"} <= set(
+        ex["files"])
