@@ -127,10 +127,9 @@ def _rank_job(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
 
     from hybrid_engine.config import RolloutConfig, SyncConfig
+    from hybrid_engine.roles.fsdp import build_fsdp_model
     from hybrid_engine.roles.sync import WeightSync
     from hybrid_engine.roles.vllm_rollout import VLLMRollout
 
@@ -138,11 +137,8 @@ def _rank_job(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     tp = args.tp or world
     model_dir = args.rank_job
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    # The trainer's own FSDP2 layout, built shard by shard from the file.
+    model, _ = build_fsdp_model(model_dir, init_device_mesh("cpu", (world,)))
     rollout = VLLMRollout(model_dir, RolloutConfig(
         tensor_parallel_size=tp, max_model_len=256, max_tokens=16, kv_cache_gib=1.0,
         enforce_eager=True), dtype="bfloat16")
