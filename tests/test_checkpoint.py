@@ -62,8 +62,9 @@ def _step(trainer, critic, batch, loss_fn) -> tuple[float, float]:
 def _optim_state(optimizer) -> dict[str, torch.Tensor]:
     """Flat param-index/key -> full tensor of the AdamW state (collective)."""
     out = {}
-    for i, (_, st) in enumerate(optimizer.state.items()):
-        for k, v in st.items():
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        for k, v in optimizer.state[p].items():
             v = v.full_tensor() if hasattr(v, "full_tensor") else v
             out[f"{i}.{k}"] = v.detach().clone()
     return out
@@ -76,6 +77,8 @@ def _rng_draws() -> list[float]:
 def _snapshot(trainer, critic) -> dict:
     return dict(weights=full_weights(trainer.module), optim=_optim_state(trainer.optimizer),
                 sched=trainer.scheduler.state_dict(), step=trainer.step,
+                lrs=[g["lr"] for g in trainer.optimizer.param_groups],
+                critic_lrs=[g["lr"] for g in critic.optimizer.param_groups],
                 critic_weights=full_weights(critic.module),
                 critic_optim=_optim_state(critic.optimizer), critic_step=critic.step)
 
@@ -94,6 +97,7 @@ def _same(a: dict, b: dict) -> list[str]:
 
 
 def _check_roundtrip(path: str, vocab: int, root: str) -> dict:
+    """Save after 2 steps, an interrupted save, load into fresh roles, one more step."""
     from hybrid_engine.checkpoint import _tmp_folder, _write_state, load_training_state, \
         save_training_state
 
@@ -102,6 +106,7 @@ def _check_roundtrip(path: str, vocab: int, root: str) -> dict:
     for _ in range(2):
         _step(trainer, critic, batch, loss_fn)
     ckpt = f"{root}/ckpt"
+    save_training_state(ckpt, trainer=trainer, critic=critic, extra={"rl_step": 1})  # replaced
     save_training_state(ckpt, trainer=trainer, critic=critic, extra={"rl_step": 2, "x": [1.5]})
     saved = _snapshot(trainer, critic)
     draws = _rng_draws()
@@ -127,7 +132,9 @@ def _check_roundtrip(path: str, vocab: int, root: str) -> dict:
     return dict(extra=extra, mismatched=_same(saved, loaded), draws=draws == loaded_draws,
                 continued=continued, resumed=resumed, partial_error=partial_error,
                 weights_equal=_same({"w": continued_weights}, {"w": full_weights(fresh.module)}),
-                saved_step=saved["step"], lr=saved["sched"]["_last_lr"])
+                saved_step=saved["step"], lr=saved["sched"]["_last_lr"],
+                folders=sorted(p.name.split("-")[0] for p in Path(root).iterdir()),
+                saved_weights=saved["weights"], saved_optim=saved["optim"])
 
 
 def _check_export(path: str, vocab: int, out: str) -> dict:
@@ -140,6 +147,7 @@ def _check_export(path: str, vocab: int, out: str) -> dict:
     for _ in range(2):
         trainer.train_step(batch, loss_fn)
     export_hf(out, model=trainer, hf_config_source=path)
+    export_hf(f"{out}_split", model=trainer.module, hf_config_source=path, max_shard_bytes=100_000)
     full = full_weights(trainer.module)
     with torch.no_grad():
         hidden = trainer.module(input_ids=batch.tokens_BT, attention_mask=batch.attention_mask_BT,
@@ -155,6 +163,8 @@ def _check_export(path: str, vocab: int, out: str) -> dict:
 
     with safetensors.safe_open(f"{out}/model.safetensors", "pt") as f:
         file_names = sorted(f.keys())
+    split = AutoModelForCausalLM.from_pretrained(f"{out}_split")
+    split_equal = all(torch.equal(p, full[n]) for n, p in split.named_parameters())
     model = AutoModelForCausalLM.from_pretrained(out)
     loaded = {n: p.detach() for n, p in model.named_parameters()}
     with torch.no_grad():
@@ -165,7 +175,8 @@ def _check_export(path: str, vocab: int, out: str) -> dict:
                 tied=model.lm_head.weight is model.model.embed_tokens.weight,
                 logits_diff=float((hf_logits - fsdp_logits).abs().max()),
                 tokenizer_vocab=len(AutoTokenizer.from_pretrained(out)),
-                files=sorted(os.listdir(out)))
+                files=sorted(os.listdir(out)), split_equal=split_equal,
+                split_files=sum(f.endswith(".safetensors") for f in os.listdir(f"{out}_split")))
 
 
 def _two_rank_checks(root: str) -> dict:
@@ -179,16 +190,31 @@ def _two_rank_checks(root: str) -> dict:
     dist.barrier()
     vocab = {name: TinyModelSpec(**kw).vocab_size for name, kw in SPECS.items()}
     return dict(
-        roundtrip=_check_roundtrip(f"{root}/untied", vocab["untied"], root),
+        roundtrip={name: _check_roundtrip(f"{root}/{name}", vocab[name], f"{root}/rt_{name}")
+                   for name in SPECS},
         export={name: _check_export(f"{root}/{name}", vocab[name], f"{root}/export_{name}")
                 for name in SPECS},
     )
 
 
+def _one_rank_load(root: str) -> dict:
+    """Loads the 2-rank checkpoint on 1 rank (DCP reshards model and optimizer)."""
+    from hybrid_engine.checkpoint import load_training_state
+
+    trainer, critic, _, _ = _roles(f"{root}/untied", SPECS["untied"]["vocab_size"])
+    extra = load_training_state(f"{root}/rt_untied/ckpt", trainer=trainer, critic=critic)
+    return dict(extra=extra, weights=full_weights(trainer.module),
+                optim=_optim_state(trainer.optimizer), step=trainer.step)
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> list[dict]:
-    root = tmp_path_factory.mktemp("checkpoint")
-    return run_ranks(_two_rank_checks, 2, str(root), timeout=300)
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(root) -> list[dict]:
+    return run_ranks(_two_rank_checks, 2, root, timeout=300)
 
 
 # --------------------------------------------------------------------------
@@ -206,28 +232,41 @@ def test_load_rejects_folder_without_marker(tmp_path):
         load_training_state(tmp_path / "missing", trainer=None)
 
 
-def test_roundtrip_is_bitwise(two_ranks):
+@pytest.mark.parametrize("name", list(SPECS))
+def test_roundtrip_is_bitwise(two_ranks, name):
     for r in two_ranks:
-        rt = r["roundtrip"]
+        rt = r["roundtrip"][name]
         assert rt["extra"] == {"rl_step": 2, "x": [1.5]}
         assert rt["saved_step"] == 2 and rt["lr"][0] != TRAIN_KW["lr"]  # inside the schedule
         assert rt["mismatched"] == []
+        assert sum(k.endswith("exp_avg_sq") for k in rt["saved_optim"]) == len(rt["saved_weights"])
         assert rt["draws"]
 
 
-def test_step_after_load_equals_continuing(two_ranks):
+@pytest.mark.parametrize("name", list(SPECS))
+def test_step_after_load_equals_continuing(two_ranks, name):
     for r in two_ranks:
-        rt = r["roundtrip"]
+        rt = r["roundtrip"][name]
         assert rt["resumed"] == rt["continued"]  # (policy loss, critic loss), bitwise
         assert rt["weights_equal"] == []
 
 
 def test_interrupted_save_is_rejected_and_previous_loads(two_ranks):
     for r in two_ranks:
-        rt = r["roundtrip"]
+        rt = r["roundtrip"]["untied"]
         assert "not a complete checkpoint" in rt["partial_error"]
         assert ".tmp-" in rt["partial_error"]
         assert rt["extra"]["rl_step"] == 2  # the earlier checkpoint, not the partial one
+        # The replaced checkpoint was deleted; only the interrupted save's folder is left.
+        assert rt["folders"] == ["ckpt", "ckpt.tmp"]
+
+
+def test_load_on_another_rank_count(two_ranks, root):
+    one = run_ranks(_one_rank_load, 1, root, timeout=120)[0]
+    saved = two_ranks[0]["roundtrip"]["untied"]
+    assert one["extra"]["rl_step"] == 2 and one["step"] == 2
+    assert all(torch.equal(one["weights"][k], v) for k, v in saved["saved_weights"].items())
+    assert all(torch.equal(one["optim"][k], v) for k, v in saved["saved_optim"].items())
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -237,6 +276,7 @@ def test_export_loads_in_transformers_with_identical_logits(two_ranks, name):
     assert ("lm_head.weight" in ex["file_names"]) == (name == "untied")
     assert ex["tied"] == (name == "tied")
     assert ex["weights_equal"]
+    assert ex["split_equal"] and ex["split_files"] > 1  # indexed multi-file layout
     assert ex["dtype"] == "torch.float32"
     assert ex["logits_diff"] == 0.0
     assert ex["tokenizer_vocab"] > 0

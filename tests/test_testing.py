@@ -51,14 +51,14 @@ def _process_info(x):
     return x * 2, dist.is_initialized(), os.getpid()
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_results_come_back_by_rank(world_size):
     out = run_ranks(_all_reduce_rank, world_size, timeout=60)
     total = world_size * (world_size + 1) / 2
     assert [o[:3] for o in out] == [(r, world_size, total) for r in range(world_size)]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_failing_rank_surfaces_its_traceback(world_size):
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
@@ -70,7 +70,7 @@ def test_failing_rank_surfaces_its_traceback(world_size):
     assert time.monotonic() - t0 < 30  # ranks stuck in the barrier were killed
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_hung_rank_fails_within_timeout(world_size):
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:

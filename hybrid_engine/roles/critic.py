@@ -21,6 +21,7 @@ Shape legend: B sequences, T positions, H hidden size.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +38,7 @@ from hybrid_engine.roles.fsdp import (
     _init_rotary_buffers,
     _resolve_path,
     assert_sharded,
+    dp_mesh,
     load_sharded_safetensors,
     sharded_named_parameters,
 )
@@ -82,6 +84,12 @@ def build_value_model(
 
     A zero head makes the first values exactly 0 on every rank count; its
     gradient (the hidden state times dL/dV) is not zero, so it learns at once.
+
+    Args:
+        model_path: the policy's HF folder (or hub id).
+        mesh: 1-D data-parallel mesh.
+        master_dtype, compute_dtype, activation_checkpointing, trust_remote_code:
+            as in `fsdp.build_fsdp_model`.
 
     Returns:
         The root FSDPModule (a ValueModel); every parameter a Shard(0) DTensor.
@@ -141,8 +149,6 @@ class Critic:
             model_cfg: master_dtype and compute_dtype as for the policy.
             mesh: 1-D data-parallel mesh; None = the whole default group.
         """
-        from hybrid_engine.roles.fsdp import dp_mesh
-
         self.train_cfg = train_cfg
         self.mesh = mesh if mesh is not None else dp_mesh()
         self.device = _comm_device(self.mesh)
@@ -231,7 +237,7 @@ class Critic:
         )
         grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        skipped = not torch.isfinite(torch.tensor(grad_norm))
+        skipped = not math.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
             self.scheduler.step()
@@ -269,6 +275,7 @@ class Critic:
         # result is the gradient of the global loss (as the trainer does).
         (loss * self.mesh.size()).backward()
         n = float(mask_BT.sum())
-        return torch.tensor([float(loss), float(metrics["vf_clip_frac"]) * n,
+        # The clipped-token count is an integer: round off the float32 mean's error.
+        return torch.tensor([float(loss), round(float(metrics["vf_clip_frac"]) * n),
                              float(metrics["values_mean"]) * n,
                              float(metrics["vf_error_mean"]) * n], dtype=torch.float64)
