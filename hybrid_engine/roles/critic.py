@@ -40,9 +40,8 @@ from hybrid_engine.roles.fsdp import (
     assert_sharded,
     dp_mesh,
     load_sharded_safetensors,
-    sharded_named_parameters,
 )
-from hybrid_engine.roles.trainer import _comm_device, _num_micro_batches, lr_lambda
+from hybrid_engine.roles.trainer import _comm_device, _num_micro_batches, build_optimizer
 
 if TYPE_CHECKING:
     from hybrid_engine.config import ModelConfig, TrainConfig
@@ -158,14 +157,7 @@ class Critic:
             activation_checkpointing=train_cfg.activation_checkpointing,
             trust_remote_code=model_cfg.trust_remote_code,
         )
-        params = [p for _, p in sharded_named_parameters(self.module)]
-        self._param_ids = frozenset(id(p) for p in params)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": [p for p in params if p.ndim >= 2]},
-             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-            lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train_cfg))
+        self._param_ids, self.optimizer, self.scheduler = build_optimizer(self.module, train_cfg)
         self.step = 0
 
     def _forward(self, mb: TrainBatch) -> Tensor:

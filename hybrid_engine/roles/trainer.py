@@ -255,6 +255,22 @@ def _reduce_metrics(local: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, flo
 # --------------------------------------------------------------------------
 
 
+def build_optimizer(
+    module: torch.nn.Module, train_cfg: TrainConfig,
+) -> tuple[frozenset[int], torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over a module's sharded parameters (no weight decay on 1-D ones)
+    and its LR schedule. Returns (ids of the optimized parameters, optimizer,
+    scheduler). Call before any forward (FSDP2 root-unshard guard)."""
+    params = [p for _, p in sharded_named_parameters(module)]
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.ndim >= 2]},
+         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+        lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train_cfg))
+    return frozenset(id(p) for p in params), optimizer, scheduler
+
+
 class Trainer:
     """FSDP2 policy trainer: one optimizer step per `train_step`.
 
@@ -305,14 +321,7 @@ class Trainer:
             trust_remote_code=model_cfg.trust_remote_code,
         )
         # Guard, part 1: built before any forward, over the sharded DTensors.
-        params = [p for _, p in sharded_named_parameters(self.module)]
-        self._param_ids = frozenset(id(p) for p in params)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": [p for p in params if p.ndim >= 2]},
-             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-            lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train_cfg))
+        self._param_ids, self.optimizer, self.scheduler = build_optimizer(self.module, train_cfg)
         self.step = 0
 
     def _check_sharded(self) -> None:
