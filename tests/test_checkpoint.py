@@ -282,3 +282,17 @@ def test_export_loads_in_transformers_with_identical_logits(two_ranks, name):
     assert ex["tokenizer_vocab"] > 0
     assert {"config.json", "generation_config.json", "tokenizer.json", "COMPLETE"} <= set(
         ex["files"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_export_loads_in_vllm(two_ranks, root):
+    """The exported folders serve in vLLM (CPU, fp32) with the same ids and
+    logprobs as transformers computes from them."""
+    from tests.models._vllm_check import check_in_fresh_process
+
+    paths = [f"{root}/export_{name}" for name in SPECS]
+    results = check_in_fresh_process(paths)
+    for path in paths:
+        assert results[path]["prompt_ids_equal"], path
+        assert results[path]["max_abs_diff"] < 1e-4, (path, results[path]["max_abs_diff"])

@@ -120,5 +120,18 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
+def check_in_fresh_process(folders: list[str], *, timeout: float = 300) -> dict:
+    """Runs this script on folders in a fresh interpreter; returns its JSON result."""
+    import subprocess
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.run([sys.executable, __file__, *folders], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM check failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -6,8 +6,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -150,23 +148,10 @@ VLLM_CASES = [
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_vllm_matches_transformers(tmp_path: Path) -> None:
+    from tests.models._vllm_check import check_in_fresh_process
+
     paths = [str(write_tiny_model(tmp_path / name, spec)) for name, spec in VLLM_CASES]
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-    )
-    script = Path(__file__).with_name("_vllm_check.py")
-    proc = subprocess.run(
-        [sys.executable, str(script), *paths],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = check_in_fresh_process(paths)
     for path in paths:
         r = results[path]
         assert r["prompt_ids_equal"], path
