@@ -34,14 +34,14 @@ from torch.distributed.tensor import DTensor
 from hybrid_engine.algorithms.losses import value_loss
 from hybrid_engine.roles.fsdp import (
     DTYPES,
-    _apply_fsdp,
-    _init_rotary_buffers,
-    _resolve_path,
+    apply_fsdp,
     assert_sharded,
     dp_mesh,
+    init_rotary_buffers,
     load_sharded_safetensors,
+    resolve_model_path,
 )
-from hybrid_engine.roles.trainer import _comm_device, _num_micro_batches, build_optimizer
+from hybrid_engine.roles.trainer import build_optimizer, comm_device, num_micro_batches
 
 if TYPE_CHECKING:
     from hybrid_engine.config import ModelConfig, TrainConfig
@@ -95,7 +95,7 @@ def build_value_model(
     """
     from transformers import AutoConfig, AutoModel
 
-    folder = _resolve_path(model_path)
+    folder = resolve_model_path(model_path)
     dtype = DTYPES[master_dtype]
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
@@ -104,10 +104,10 @@ def build_value_model(
         model = ValueModel(backbone, config.hidden_size, dtype)
     model.eval()  # no dropout: values() and train_step() must agree exactly
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=dtype)
-    _apply_fsdp(model, mesh, mp, activation_checkpointing)
-    device = _comm_device(mesh)
+    apply_fsdp(model, mesh, mp, activation_checkpointing)
+    device = comm_device(mesh)
     model.to_empty(device=device)
-    _init_rotary_buffers(model, device)
+    init_rotary_buffers(model, device)
     # Load the backbone through a holder whose names are the checkpoint's ("model.*").
     holder = nn.Module()
     holder.model = model.model
@@ -150,7 +150,7 @@ class Critic:
         """
         self.train_cfg = train_cfg
         self.mesh = mesh if mesh is not None else dp_mesh()
-        self.device = _comm_device(self.mesh)
+        self.device = comm_device(self.mesh)
         self.module: FSDPModule = build_value_model(
             model_path, self.mesh, master_dtype=model_cfg.master_dtype,
             compute_dtype=model_cfg.compute_dtype,
@@ -179,7 +179,7 @@ class Critic:
         """
         out_BT = torch.zeros(batch.tokens_BT.shape, dtype=torch.float32)
         try:
-            for i in range(_num_micro_batches(batch, self.mesh)):
+            for i in range(num_micro_batches(batch, self.mesh)):
                 if i >= len(batch.bounds):
                     self._forward(batch.empty_like())
                     continue
@@ -218,7 +218,7 @@ class Critic:
         group = self.mesh.get_group()
         norm = batch.loss_mask_BT.sum().float().to(self.device)
         dist.all_reduce(norm, group=group)
-        num_mb = _num_micro_batches(batch, self.mesh)
+        num_mb = num_micro_batches(batch, self.mesh)
         self.optimizer.zero_grad(set_to_none=True)
         # Sums over this rank's tokens: loss (already / norm), clipped, values, err^2.
         sums = torch.zeros(4, dtype=torch.float64)

@@ -51,12 +51,15 @@ __all__ = [
     "DTYPES",
     "HiddenStatesHead",
     "LoadStats",
+    "apply_fsdp",
     "assert_sharded",
     "build_fsdp_model",
     "default_device",
     "dp_mesh",
     "hf_name",
+    "init_rotary_buffers",
     "load_sharded_safetensors",
+    "resolve_model_path",
     "shard_rows",
     "sharded_named_parameters",
 ]
@@ -118,7 +121,7 @@ class HiddenStatesHead(nn.Module):
         return hidden_BTH
 
 
-def _resolve_path(model_path: str) -> Path:
+def resolve_model_path(model_path: str) -> Path:
     if os.path.isdir(model_path):
         return Path(model_path)
     from huggingface_hub import snapshot_download
@@ -141,7 +144,7 @@ def _build_meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool)
     return model
 
 
-def _apply_fsdp(
+def apply_fsdp(
     model: PreTrainedModel, mesh: DeviceMesh, mp: MixedPrecisionPolicy, checkpointing: bool
 ) -> None:
     layers = model.model.layers
@@ -158,7 +161,7 @@ def _apply_fsdp(
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
-def _init_rotary_buffers(model: nn.Module, device: torch.device) -> None:
+def init_rotary_buffers(model: nn.Module, device: torch.device) -> None:
     """Recomputes non-persistent rotary buffers, left uninitialised by to_empty."""
     for module in model.modules():
         if not hasattr(module, "inv_freq"):
@@ -194,14 +197,14 @@ def build_fsdp_model(
         (model, stats): the root FSDPModule (a HF `*ForCausalLM` whose lm_head
         is a HiddenStatesHead), and what this rank read from the files.
     """
-    folder = _resolve_path(model_path)
+    folder = resolve_model_path(model_path)
     model = _build_meta_model(folder, DTYPES[master_dtype], trust_remote_code)
     model.requires_grad_(requires_grad)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=DTYPES[master_dtype])
-    _apply_fsdp(model, mesh, mp, activation_checkpointing)
+    apply_fsdp(model, mesh, mp, activation_checkpointing)
     device = default_device() if mesh.device_type == "cuda" else torch.device(mesh.device_type)
     model.to_empty(device=device)
-    _init_rotary_buffers(model, device)
+    init_rotary_buffers(model, device)
     stats = load_sharded_safetensors(model, folder)
     assert_sharded(model)
     return model, stats

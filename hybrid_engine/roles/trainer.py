@@ -52,7 +52,10 @@ if TYPE_CHECKING:
     from hybrid_engine.config import ModelConfig, TrainConfig
     from hybrid_engine.trajectory import TrainBatch
 
-__all__ = ["Trainer", "batch_logprobs", "lr_lambda", "micro_batch_logprobs", "token_logprobs"]
+__all__ = [
+    "Trainer", "batch_logprobs", "build_optimizer", "comm_device", "lr_lambda",
+    "micro_batch_logprobs", "num_micro_batches", "token_logprobs",
+]
 
 
 # --------------------------------------------------------------------------
@@ -159,15 +162,15 @@ def micro_batch_logprobs(
             zeros_BT.index_put((rows_N, cols_N), entropy_N))
 
 
-def _num_micro_batches(batch: TrainBatch, mesh: DeviceMesh) -> int:
+def num_micro_batches(batch: TrainBatch, mesh: DeviceMesh) -> int:
     """The most micro-batches any rank has: every rank runs that many forwards
     (FSDP2 collectives must match), padding with loss-free ones."""
-    n = torch.tensor([len(batch.bounds)], device=_comm_device(mesh))
+    n = torch.tensor([len(batch.bounds)], device=comm_device(mesh))
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=mesh.get_group())
     return int(n)
 
 
-def _comm_device(mesh: DeviceMesh) -> torch.device:
+def comm_device(mesh: DeviceMesh) -> torch.device:
     return default_device() if mesh.device_type == "cuda" else torch.device("cpu")
 
 
@@ -184,11 +187,11 @@ def batch_logprobs(
     Returns:
         (logp_BT, entropy_BT): float32 on the batch's device, 0 outside loss_mask_BT.
     """
-    device = _comm_device(mesh)
+    device = comm_device(mesh)
     logp_BT = torch.zeros(batch.tokens_BT.shape, dtype=torch.float32)
     entropy_BT = torch.zeros_like(logp_BT)
     try:
-        for i in range(_num_micro_batches(batch, mesh)):
+        for i in range(num_micro_batches(batch, mesh)):
             if i >= len(batch.bounds):
                 micro_batch_logprobs(module, batch.empty_like(), device, chunk_tokens=chunk_tokens)
                 continue
@@ -229,7 +232,7 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 def _reduce_metrics(local: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, float]:
     """Combines per-rank step metrics like `combine_metrics` does micro-batches:
     additive keys summed, _max/_min extremes, the rest num_tokens-weighted means."""
-    device = _comm_device(mesh)
+    device = comm_device(mesh)
     keys = sorted(local)
     w = local["num_tokens"].float()
     sums = [local[k] if k in ADDITIVE_METRICS else local[k] * w for k in keys] + [w]
@@ -313,7 +316,7 @@ class Trainer:
         self.train_cfg = train_cfg
         self.chunk_tokens, self.temperature = logits_chunk_tokens, temperature
         self.mesh = mesh if mesh is not None else dp_mesh()
-        self.device = _comm_device(self.mesh)
+        self.device = comm_device(self.mesh)
         self.module, self.load_stats = build_fsdp_model(
             model_path, self.mesh, master_dtype=model_cfg.master_dtype,
             compute_dtype=model_cfg.compute_dtype,
@@ -379,7 +382,7 @@ class Trainer:
         norm = loss_normalizer(batch.loss_mask_BT, loss_agg, constant=loss_agg_constant)
         norm = norm.to(self.device)
         dist.all_reduce(norm, group=group)
-        num_mb = _num_micro_batches(batch, self.mesh)
+        num_mb = num_micro_batches(batch, self.mesh)
         self.optimizer.zero_grad(set_to_none=True)
         per_mb = [self._accumulate(batch, i, loss_fn, norm, entropy_grad) for i in range(num_mb)]
         grad_norm = torch.nn.utils.clip_grad_norm_(
