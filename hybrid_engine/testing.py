@@ -127,16 +127,24 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(family, timeout=10)
 
 
-def _dump_stacks(procs: Sequence[mp.process.BaseProcess]) -> None:
-    """Asks live ranks to write their stacks to their logs (see _worker)."""
-    alive = [p for p in procs if p.is_alive() and p.pid is not None]
-    for p in alive:
+def _dump_stacks(ranks: Mapping[int, mp.process.BaseProcess], logs: Path) -> None:
+    """Asks live ranks to write their stacks to their logs (see _worker) and
+    waits, at most 2 s, until every such log has grown."""
+    pending = {}
+    for r, p in ranks.items():
+        if not (p.is_alive() and p.pid is not None):
+            continue
+        log = logs / f"rank{r}.log"
+        size = log.stat().st_size if log.exists() else 0
         try:
             os.kill(p.pid, signal.SIGUSR1)
         except ProcessLookupError:
-            pass
-    if alive:
-        time.sleep(1.0)
+            continue
+        pending[log] = size
+    deadline = time.monotonic() + 2.0
+    while pending and time.monotonic() < deadline:
+        pending = {f: n for f, n in pending.items() if not (f.exists() and f.stat().st_size > n)}
+        time.sleep(0.02)  # polling the logs, not waiting for a guess
 
 
 def _kill(procs: Sequence[mp.process.BaseProcess]) -> None:
@@ -236,7 +244,7 @@ def _collect(procs, results, world_size: int, timeout: float, logs: Path) -> lis
     if not errors and len(outs) == world_size:
         return [pickle.loads(outs[r]) for r in range(world_size)]
     missing = [r for r in range(world_size) if r not in outs and r not in errors]
-    _dump_stacks([procs[r] for r in missing])
+    _dump_stacks({r: procs[r] for r in missing}, logs)
     _kill(procs)
     parts = []
     if errors:  # dicts keep arrival order: the first error is the root cause

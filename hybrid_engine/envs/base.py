@@ -15,6 +15,7 @@ construction: a prompt is held out iff a stable hash of its text says so.
 
 from __future__ import annotations
 
+import abc
 import math
 import numbers
 import random
@@ -213,7 +214,7 @@ class ProblemBank:
         self.index = int(state["index"])
 
 
-class ProblemEnv:
+class ProblemEnv(abc.ABC):
     """Shared part of environments built on a ProblemBank.
 
     Subclasses set `name`, `tokenizer`, `bank` and implement
@@ -239,11 +240,13 @@ class ProblemEnv:
             raise ValueError(f"environment {self.name!r}: unknown prompt {prompt_text!r}")
         return answer
 
+    @abc.abstractmethod
     def _answer_from_prompt(self, prompt_text: str) -> str | None:
-        raise NotImplementedError
+        """The answer of a generated prompt, or None if it is not one."""
 
+    @abc.abstractmethod
     def _reward(self, traj: Any, prompt_text: str) -> dict[str, float]:
-        raise NotImplementedError
+        """Named reward parts of one trajectory (summed by the guard)."""
 
     def sample_prompts(self, num_prompts: int) -> list[list[int]]:
         """The next num_prompts training prompts, as token ids."""
