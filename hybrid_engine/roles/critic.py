@@ -21,7 +21,6 @@ Shape legend: B sequences, T positions, H hidden size.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +28,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
 from hybrid_engine.algorithms.losses import value_loss
 from hybrid_engine.roles.fsdp import (
@@ -41,7 +39,12 @@ from hybrid_engine.roles.fsdp import (
     load_sharded_safetensors,
     resolve_model_path,
 )
-from hybrid_engine.roles.trainer import build_optimizer, comm_device, num_micro_batches
+from hybrid_engine.roles.trainer import (
+    build_optimizer,
+    clip_and_step,
+    comm_device,
+    num_micro_batches,
+)
 
 if TYPE_CHECKING:
     from hybrid_engine.config import ModelConfig, TrainConfig
@@ -224,17 +227,9 @@ class Critic:
         sums = torch.zeros(4, dtype=torch.float64)
         for i in range(num_mb):
             sums += self._accumulate(batch, returns_BT, old_values_BT, i, norm, clip, coef)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for g in self.optimizer.param_groups for p in g["params"]], self.train_cfg.grad_clip
-        )
-        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
-        skipped = not math.isfinite(grad_norm)
-        if not skipped:
-            self.optimizer.step()
-            self.scheduler.step()
-            self.step += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, lr, skipped = clip_and_step(self.optimizer, self.scheduler,
+                                               self.train_cfg.grad_clip)
+        self.step += not skipped
         sums = sums.to(self.device)
         dist.all_reduce(sums, group=group)
         n = max(float(norm), 1.0)

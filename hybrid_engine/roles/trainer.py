@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from hybrid_engine.trajectory import TrainBatch
 
 __all__ = [
-    "Trainer", "batch_logprobs", "build_optimizer", "comm_device", "lr_lambda",
+    "Trainer", "batch_logprobs", "build_optimizer", "clip_and_step", "comm_device", "lr_lambda",
     "micro_batch_logprobs", "num_micro_batches", "token_logprobs",
 ]
 
@@ -274,6 +274,29 @@ def build_optimizer(
     return frozenset(id(p) for p in params), optimizer, scheduler
 
 
+def clip_and_step(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+    grad_clip: float,
+) -> tuple[float, float, bool]:
+    """Clips the (DTensor) gradients to grad_clip, steps optimizer and schedule
+    unless the norm is not finite, zeroes the gradients.
+
+    Returns:
+        (grad_norm before clipping, lr used, skipped).
+    """
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        [p for g in optimizer.param_groups for p in g["params"]], grad_clip
+    )
+    grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+    lr = scheduler.get_last_lr()[0]
+    skipped = not math.isfinite(grad_norm)
+    if not skipped:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr, skipped
+
+
 class Trainer:
     """FSDP2 policy trainer: one optimizer step per `train_step`.
 
@@ -385,17 +408,9 @@ class Trainer:
         num_mb = num_micro_batches(batch, self.mesh)
         self.optimizer.zero_grad(set_to_none=True)
         per_mb = [self._accumulate(batch, i, loss_fn, norm, entropy_grad) for i in range(num_mb)]
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for g in self.optimizer.param_groups for p in g["params"]], self.train_cfg.grad_clip
-        )
-        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
-        skipped = not math.isfinite(grad_norm)
-        if not skipped:
-            self.optimizer.step()
-            self.scheduler.step()
-            self.step += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, lr, skipped = clip_and_step(self.optimizer, self.scheduler,
+                                               self.train_cfg.grad_clip)
+        self.step += not skipped
         metrics = _reduce_metrics(combine_metrics(per_mb), self.mesh)
         tokens = torch.tensor(float(batch.attention_mask_BT.sum()), device=self.device)
         dist.all_reduce(tokens, group=group)

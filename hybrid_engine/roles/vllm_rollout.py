@@ -260,9 +260,12 @@ class VLLMRollout:
     # preparation. Every other parameter (and all of them on GPU) is plain and
     # written in place.
 
-    def _model(self) -> torch.nn.Module:
+    def _runner(self):  # noqa: ANN202 - vLLM's model runner (in-process engine)
         executor = self.llm.llm_engine.engine_core.engine_core.model_executor
-        return executor.driver_worker.worker.model_runner.model
+        return executor.driver_worker.worker.model_runner
+
+    def _model(self) -> torch.nn.Module:
+        return self._runner().model
 
     def weight_targets(self, shapes: Mapping[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
         """The tensors a sync writes this rank's TP-local weights into.
@@ -356,9 +359,7 @@ class VLLMRollout:
     def load_full_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The naive path: full HF tensors through vLLM's own loading (what
         TRL and verl do). Re-packs on CPU; resets the prefix cache."""
-        executor = self.llm.llm_engine.engine_core.engine_core.model_executor
-        runner = executor.driver_worker.worker.model_runner
-        runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        self._runner().reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         self.llm.reset_prefix_cache()
 
     def reference_weights(
@@ -458,8 +459,7 @@ class VLLMRollout:
         """The distinct storages behind vLLM's KV cache tensors (found once,
         while they are allocated: layers may share one)."""
         if not self._kv_storage_list:
-            executor = self.llm.llm_engine.engine_core.engine_core.model_executor
-            caches = executor.driver_worker.worker.model_runner.kv_caches
+            caches = self._runner().kv_caches
             seen: dict[int, torch.UntypedStorage] = {}
             for t in caches:
                 seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
