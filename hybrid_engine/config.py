@@ -273,6 +273,14 @@ class EnvConfig:
     name: str = _field("arithmetic", "Environment registry name.")
     dataset_path: str = _field("", "Dataset file for the environment; '' = generated prompts.")
     seed: int = _field(0, "Seed of prompt generation / dataset shuffling.", ge=0)
+    reward_model_path: str = _field(
+        "",
+        "HF sequence-classification model folder whose score (logit 0) replaces the "
+        "environment's reward function; '' = the environment's own reward.",
+    )
+    num_eval_prompts: int = _field(
+        64, "Held-out prompts per evaluation (greedy, one sample each).", ge=1
+    )
 
     def __post_init__(self) -> None:
         _validate_fields(self)

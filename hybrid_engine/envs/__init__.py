@@ -4,6 +4,10 @@ Job: map `EnvConfig.name` to a constructor `(cfg, tokenizer) -> Environment`
 (`roles.base.Environment`: `sample_prompts`, `score`), so a recipe picks the
 task by name and the controller never imports a task module.
 
+With `EnvConfig.reward_model_path` set, the named environment is wrapped in
+`reward_model.RewardModelEnv`: prompts come from the task, the reward from
+the reward model (imported lazily, so importing this package stays light).
+
 Invariant: a name is registered once; an unknown name is a `ValueError`
 listing the registered names and the closest one, never a silent default.
 """
@@ -43,14 +47,24 @@ def make_env(cfg: EnvConfig, tokenizer: Any) -> Environment:
     """Builds the environment cfg.name names.
 
     Args:
-        cfg: name, dataset_path ('' = generated problems), seed.
+        cfg: name, dataset_path ('' = generated problems), seed, and
+            reward_model_path ('' = the task's reward; else the reward model's
+            score replaces it: see `envs.reward_model.RewardModelEnv`).
         tokenizer: the policy's tokenizer (`tokenizers.Tokenizer` or transformers).
+
+    Collective when cfg.reward_model_path is set under a process group (the
+    reward model is FSDP2-sharded over the whole default group).
 
     Raises:
         ValueError: unknown name (lists the registered ones and the closest),
-            or a bad dataset file.
+            a bad dataset file, or a reward model that is not num_labels=1.
     """
-    return ENVS.get(cfg.name)(cfg, tokenizer)
+    env = ENVS.get(cfg.name)(cfg, tokenizer)
+    if cfg.reward_model_path:
+        from hybrid_engine.envs.reward_model import RewardModel, RewardModelEnv
+
+        env = RewardModelEnv(env, RewardModel(cfg.reward_model_path), tokenizer)
+    return env
 
 
 @register_env("arithmetic")

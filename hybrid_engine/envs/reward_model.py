@@ -1,0 +1,425 @@
+"""Reward from a reward model: a HF sequence-classification model on the same devices.
+
+Job: (1) `RewardModel` loads a `num_labels=1` `AutoModelForSequenceClassification`
+checkpoint (Qwen2 / Llama / Qwen3 backbone + `score` Linear) next to the
+policy and scores token sequences: the score of a sequence is logit 0 of the
+`score` head read at its LAST token; (2) `RewardModelEnv` wraps a task
+environment so that this score replaces the task's reward function; (3)
+`write_tiny_reward_model` writes a random-init reward-model folder for tests
+and demos.
+
+Layout (memory trade-off). Under a process group the reward model uses the
+trainer's layout: FSDP2 `fully_shard` per decoder layer and at the root over
+the data-parallel mesh, every parameter a `Shard(0)` DTensor read row range
+by row range from the safetensors (`roles.fsdp`), so a rank holds 1/N of the
+model plus, during a forward, one gathered decoder layer and the root
+(embeddings, final norm, score head). The alternative, a full replica per
+rank, needs no all-gather but costs N times the memory, next to the policy,
+the reference and vLLM on the same device: the memory is the scarce resource
+of a colocated job, so the reward model is sharded like the reference. The
+price is one all-gather of the weights per micro-batch (a larger
+`micro_batch_size` amortises it). Every rank holds the whole step's
+trajectories (the rollout gathers them): rank r scores its contiguous slice
+`shard_rows(n, N, r)` of the sequences, running as many micro-batches as the
+busiest rank (dummy one-token forwards past its own last, so FSDP2's
+collectives match), and one all-reduce (a sum over disjoint slices, exact)
+gives every rank all n scores. With no process group the model is a plain
+single-process module (no mesh, no collective).
+
+Pooling: HF's own `*ForSequenceClassification.forward` reads the rightmost
+token that is not `pad_token_id`; with pad == EOS (Qwen-style tokenizers, and
+ours) that silently skips a response's trailing EOS. Here the read position
+is the sequence's real last token, by length (right padding + attention
+mask), so a trailing EOS is scored like any token. Both agree whenever the
+sequence contains no pad id; the tests compare with an unpadded HF forward
+of each sequence alone.
+
+Invariants: a sequence's score does not depend on the rank count, the
+micro-batching or the padding (up to float round-off: the tests check 1e-5);
+`RewardModel.score` and `RewardModelEnv.score` are collective under a process
+group (every rank calls them with the same sequences, in the same order) and
+leave the FSDP root resharded; a non-finite score is a `RewardError` naming
+the sample, raised on every rank (all hold the same scores), before any
+trajectory is modified.
+
+Reward invariant of `RewardModelEnv`: `reward_components == {"rm": score}`
+and `reward == score` (so "reward is the sum of reward_components" still
+holds). The task's own reward, which evaluation accuracy needs, is kept out
+of the components (it must not be summed into the reward) and stored for
+metrics in `traj.info`: "task_reward" (float), "task_reward_components"
+(dict) and, when the task has one, "correct" (float).
+
+Shape legend: B sequences (rows), T token positions, H hidden size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hybrid_engine.envs.base import RewardError, decode, encode
+from hybrid_engine.models.tiny import TinyModelSpec, hf_config, random_state_dict
+from hybrid_engine.models.tokenizer import EOS_TOKEN_ID, write_tokenizer_files
+from hybrid_engine.reshard.plan import shard_rows
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hybrid_engine.trajectory import Trajectory
+
+__all__ = ["RewardModel", "RewardModelEnv", "ScoreModel", "write_tiny_reward_model"]
+
+_SEQ_CLS_ARCH = {
+    "qwen2": "Qwen2ForSequenceClassification",
+    "llama": "LlamaForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
+}
+
+
+class ScoreModel(nn.Module):
+    """HF backbone + `score` head, returning logit 0 at each row's last real token.
+
+    Parameter names are the sequence-classification checkpoint's ("model.*",
+    "score.weight"), so the sharded loader reads them unchanged. One module
+    for the whole forward, so FSDP2's root hooks gather the root's
+    parameters (embeddings, norm, head) around it.
+    """
+
+    def __init__(self, backbone: nn.Module, score: nn.Linear) -> None:
+        super().__init__()
+        self.model = backbone
+        self.score = score
+
+    def forward(self, tokens_BT: Tensor, attention_mask_BT: Tensor, position_ids_BT: Tensor,
+                last_B: Tensor) -> Tensor:
+        """Returns [B] float32: score(hidden state at column last_B[b]) logit 0."""
+        hidden_BTH = self.model(input_ids=tokens_BT, attention_mask=attention_mask_BT,
+                                position_ids=position_ids_BT, use_cache=False).last_hidden_state
+        rows_B = torch.arange(hidden_BTH.shape[0], device=hidden_BTH.device)
+        return self.score(hidden_BTH[rows_B, last_B])[:, 0].float()
+
+
+def _check_config(config: Any, folder: Path) -> None:
+    if getattr(config, "num_labels", None) != 1:
+        raise ValueError(
+            f"{folder}: a reward model needs num_labels=1 (one score), "
+            f"config has num_labels={getattr(config, 'num_labels', None)}"
+        )
+
+
+class RewardModel:
+    """A frozen `num_labels=1` sequence-classification model scoring token sequences.
+
+    Collective under a process group: construction and `score` must be
+    called by every rank of the mesh (see the module docstring).
+
+    Attributes:
+        module: the `ScoreModel` (the FSDP2 root when sharded).
+        mesh: the 1-D data-parallel mesh, or None (single process, plain module).
+        config: the transformers config.
+        tokenizer: the folder's tokenizer (transformers), or None if it has none.
+        micro_batch_size: rows per forward.
+        device: where inputs are placed.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        mesh: DeviceMesh | None = None,
+        *,
+        dtype: str = "float32",
+        micro_batch_size: int = 16,
+        trust_remote_code: bool = False,
+    ) -> None:
+        """Loads the model: sharded over mesh, or whole when there is no process group.
+
+        Args:
+            path: HF folder (or hub id) with config.json and safetensors.
+            mesh: 1-D data-parallel mesh; None = the whole default group when
+                torch.distributed is initialised, else no mesh.
+            dtype: parameter and compute dtype, "float32" or "bfloat16"
+                (scores are returned in float32).
+            micro_batch_size: rows per forward (>= 1).
+            trust_remote_code: passed to transformers.
+
+        Raises:
+            ValueError: num_labels != 1, an unknown dtype, micro_batch_size < 1,
+                or a checkpoint that does not match the config.
+        """
+        from transformers import AutoConfig
+
+        from hybrid_engine.roles.fsdp import DTYPES, default_device, dp_mesh, resolve_model_path
+
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        folder = resolve_model_path(path)
+        self.config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        _check_config(self.config, folder)
+        self.micro_batch_size = micro_batch_size
+        if mesh is None and dist.is_initialized():
+            mesh = dp_mesh()
+        self.mesh = mesh
+        if mesh is None:
+            self.device = default_device()
+            self.module = self._build_plain(folder, DTYPES[dtype], trust_remote_code)
+        else:
+            self.device = default_device() if mesh.device_type == "cuda" else torch.device("cpu")
+            self.module = self._build_sharded(folder, mesh, DTYPES[dtype], trust_remote_code)
+        self.module.requires_grad_(False)
+        self.module.eval()
+        self.tokenizer = _load_tokenizer(folder, trust_remote_code)
+        pad = getattr(self.config, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else 0  # any id: the mask hides it
+        self.max_len = getattr(self.config, "max_position_embeddings", None)
+
+    def _build_plain(self, folder: Path, dtype: torch.dtype, trust_remote_code: bool) -> ScoreModel:
+        from transformers import AutoModelForSequenceClassification
+
+        hf = AutoModelForSequenceClassification.from_pretrained(
+            folder, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+        return ScoreModel(getattr(hf, hf.base_model_prefix), hf.score).to(self.device)
+
+    def _build_sharded(self, folder: Path, mesh: DeviceMesh, dtype: torch.dtype,
+                       trust_remote_code: bool) -> ScoreModel:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from transformers import AutoModelForSequenceClassification
+
+        from hybrid_engine.roles.fsdp import (
+            apply_fsdp,
+            assert_sharded,
+            init_rotary_buffers,
+            load_sharded_safetensors,
+        )
+
+        with torch.device("meta"):
+            hf = AutoModelForSequenceClassification.from_config(
+                self.config, dtype=dtype, attn_implementation="sdpa",
+                trust_remote_code=trust_remote_code)
+        if hf.base_model_prefix != "model" or not hasattr(hf.model, "layers"):
+            raise ValueError(f"{folder}: unsupported architecture {type(hf).__name__} "
+                             "(needs a decoder backbone at .model.layers)")
+        module = ScoreModel(hf.model, hf.score)
+        apply_fsdp(module, mesh, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype),
+                   checkpointing=False)
+        module.to_empty(device=self.device)
+        init_rotary_buffers(module, self.device)
+        self.load_stats = load_sharded_safetensors(module, folder)
+        assert_sharded(module)
+        return module
+
+    @property
+    def world_size(self) -> int:
+        """Ranks sharing the scoring (1 without a mesh)."""
+        return 1 if self.mesh is None else self.mesh.size()
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the mesh (0 without a mesh)."""
+        return 0 if self.mesh is None else self.mesh.get_local_rank()
+
+    @torch.no_grad()
+    def score(self, seqs: Sequence[Sequence[int]]) -> Tensor:
+        """Scores of whole token sequences (collective under a mesh).
+
+        Args:
+            seqs: n non-empty token-id sequences, the same list on every rank.
+
+        Returns:
+            float32 [n] on the CPU, in seqs' order, identical on every rank:
+            logit 0 of the score head at each sequence's last token.
+
+        Raises:
+            ValueError: an empty sequence, or one longer than the model's
+                max_position_embeddings (raised on every rank, before any
+                collective).
+        """
+        n = len(seqs)
+        for i, s in enumerate(seqs):
+            if not s or (self.max_len is not None and len(s) > self.max_len):
+                raise ValueError(f"sequence {i} has {len(s)} tokens; the reward model takes "
+                                 f"1 to {self.max_len}")
+        out_B = torch.zeros(n, dtype=torch.float32)
+        if n == 0:
+            return out_B
+        world, mbs = self.world_size, self.micro_batch_size
+        start, end = shard_rows(n, world, self.rank)
+        # Longest first: a micro-batch pads to its first row.
+        mine = sorted(range(start, end), key=lambda i: -len(seqs[i]))
+        # torch.chunk semantics: rank 0 holds the most rows, hence the most micro-batches.
+        busiest = -(-(shard_rows(n, world, 0)[1]) // mbs)
+        try:
+            for k in range(busiest):
+                rows = mine[k * mbs:(k + 1) * mbs]
+                if rows:
+                    out_B[rows] = self._forward([seqs[i] for i in rows]).cpu()
+                else:  # keep FSDP2's all-gathers in step with busier ranks
+                    self._forward([[self.pad_id]])
+        finally:
+            if self.mesh is not None:
+                self.module.reshard()  # a forward without backward leaves the root unsharded
+        if self.mesh is not None:
+            buf = out_B.to(self.device)
+            dist.all_reduce(buf, group=self.mesh.get_group())  # disjoint slices: exact sum
+            out_B = buf.cpu()
+        return out_B
+
+    def _forward(self, rows: Sequence[Sequence[int]]) -> Tensor:
+        """[B] scores of one right-padded micro-batch."""
+        lens_B = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+        width = int(lens_B.max())
+        tokens_BT = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)
+        for b, r in enumerate(rows):
+            tokens_BT[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
+        mask_BT = torch.arange(width)[None, :] < lens_B[:, None]
+        pos_BT = torch.arange(width, dtype=torch.int64).expand(len(rows), width)
+        dev = self.device
+        return self.module(tokens_BT.to(dev), mask_BT.to(dev), pos_BT.to(dev), (lens_B - 1).to(dev))
+
+
+def _load_tokenizer(folder: Path, trust_remote_code: bool) -> Any:
+    """The folder's transformers tokenizer, or None when it has no tokenizer files."""
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                  "vocab.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+
+
+def _vocab(tokenizer: Any) -> dict[str, int] | None:
+    get = getattr(tokenizer, "get_vocab", None)
+    return None if get is None else dict(get())
+
+
+class RewardModelEnv:
+    """An `Environment` whose reward is a reward model's score.
+
+    Prompts, evaluation prompts, checkpoint state and any other attribute
+    (e.g. a multi-turn env's `reset` / `step` / `build_trajectory`) come from
+    base_env. `score` sets `reward_components = {"rm": s}` and `reward = s`,
+    and keeps the task's own reward in `info` for metrics (see the module
+    docstring). Collective under a process group, like `RewardModel.score`.
+
+    Token ids: when the reward model's tokenizer has the policy tokenizer's
+    vocabulary (or the folder has none), prompt + response ids are scored as
+    they are; otherwise the prompt and the response are decoded with the
+    policy tokenizer and their concatenated text encoded with the reward
+    model's tokenizer (its own special-token conventions, e.g. a BOS).
+
+    Args:
+        base_env: the task environment (prompts, task reward).
+        reward_model: the scorer (`RewardModel`, or anything with
+            `score(seqs) -> Tensor [n]` and a `tokenizer` attribute).
+        tokenizer: the policy's tokenizer.
+        task_metrics: run base_env's reward for info["task_reward"] etc.
+            (False skips it, e.g. for a task with no reference answers).
+    """
+
+    def __init__(self, base_env: Any, reward_model: RewardModel, tokenizer: Any, *,
+                 task_metrics: bool = True) -> None:
+        self.base_env = base_env
+        self.reward_model = reward_model
+        self.tokenizer = tokenizer
+        self.task_metrics = task_metrics
+        self.name = f"{getattr(base_env, 'name', type(base_env).__name__)}+rm"
+        rm_tok = getattr(reward_model, "tokenizer", None)
+        self.same_tokens = rm_tok is None or _vocab(rm_tok) == _vocab(tokenizer)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes not found normally: delegate to the task.
+        if name == "base_env":  # not set yet (e.g. during unpickling)
+            raise AttributeError(name)
+        return getattr(self.base_env, name)
+
+    def sample_prompts(self, num_prompts: int) -> list[list[int]]:
+        """The base environment's next training prompts."""
+        return self.base_env.sample_prompts(num_prompts)
+
+    def eval_prompts(self, num_prompts: int) -> list[list[int]]:
+        """The base environment's held-out prompts."""
+        return self.base_env.eval_prompts(num_prompts)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base environment's prompt-stream state."""
+        return self.base_env.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the base environment's prompt-stream state."""
+        self.base_env.load_state_dict(state)
+
+    def _rm_ids(self, traj: Trajectory) -> list[int]:
+        if self.same_tokens:
+            return list(traj.prompt_ids) + list(traj.response_ids)
+        text = decode(self.tokenizer, traj.prompt_ids) + decode(self.tokenizer, traj.response_ids)
+        return list(self.reward_model.tokenizer(text)["input_ids"])
+
+    def score(self, trajs: Sequence[Trajectory]) -> None:
+        """Fills reward = reward_components["rm"] = the reward model's score.
+
+        Raises:
+            RewardError: a non-finite score (naming the sample's prompt), or
+                the task's reward failing when task_metrics is on. No
+                trajectory's reward is changed when a score is not finite.
+        """
+        if not trajs:
+            return
+        if self.task_metrics:
+            self.base_env.score(trajs)
+            for t in trajs:
+                t.info["task_reward"] = float(t.reward)
+                t.info["task_reward_components"] = dict(t.reward_components)
+                if "correct" in t.reward_components:
+                    t.info["correct"] = float(t.reward_components["correct"])
+        scores = self.reward_model.score([self._rm_ids(t) for t in trajs]).tolist()
+        for t, s in zip(trajs, scores, strict=True):
+            if not math.isfinite(s):
+                prompt = decode(self.tokenizer, t.prompt_ids)
+                raise RewardError(f"environment {self.name!r}, sample with prompt "
+                                  f"{prompt[:200]!r}: reward model score {s} is not finite")
+        for t, s in zip(trajs, scores, strict=True):
+            t.reward_components = {"rm": float(s)}
+            t.reward = float(s)
+
+
+def write_tiny_reward_model(path: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Writes a random-init `<Arch>ForSequenceClassification` folder (num_labels=1).
+
+    The backbone is `write_tiny_model`'s for the same spec (same names and
+    values), the score head [1, H] is drawn like any matrix (seeded by spec
+    and name); the tokenizer is the byte-level one of `models.tokenizer`,
+    pad_token_id = EOS. spec.vocab_size / tie_word_embeddings concern the
+    causal-LM head only: there is no lm_head here.
+
+    Returns:
+        The folder, as a `Path`.
+    """
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    lm = random_state_dict(dataclasses.replace(spec, tie_word_embeddings=True))
+    weights = {n: t for n, t in lm.items() if n.startswith("model.")}
+    gen = torch.Generator().manual_seed(spec.seed * 0x9E3779B1 % 2**63 + 1)
+    weights["score.weight"] = torch.empty(1, spec.hidden_size).normal_(
+        0.0, spec.init_std, generator=gen).to(weights["model.norm.weight"].dtype)
+    from safetensors.torch import save_file
+
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = hf_config(spec)
+    config.architectures = [_SEQ_CLS_ARCH[spec.arch]]
+    config.num_labels = 1
+    config.pad_token_id = EOS_TOKEN_ID
+    config.save_pretrained(folder)
+    write_tokenizer_files(folder, model_max_length=spec.max_position_embeddings)
+    spec_json = json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True)
+    (folder / "tiny_spec.json").write_text(spec_json + "\n")
+    return folder
