@@ -49,7 +49,16 @@ if TYPE_CHECKING:
     from hybrid_engine.roles.critic import Critic
     from hybrid_engine.roles.trainer import Trainer
 
-__all__ = ["COMPLETE_MARKER", "export_hf", "load_training_state", "save_training_state"]
+__all__ = [
+    "COMPLETE_MARKER",
+    "export_hf",
+    "latest_checkpoint",
+    "load_training_state",
+    "prune_checkpoints",
+    "save_training_state",
+    "step_checkpoint_path",
+    "step_checkpoints",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -330,3 +339,48 @@ def export_hf(
         config.save_pretrained(tmp)
         _copy_side_files(source, tmp)
     _commit(tmp, path)
+
+
+# --------------------------------------------------------------------------
+# A run's checkpoint folder: step_<n> subfolders, newest k kept
+# --------------------------------------------------------------------------
+
+_STEP_PREFIX = "step_"
+
+
+def step_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete `step_<n>` checkpoint under root, oldest first."""
+    root = Path(root)
+    found = []
+    for p in root.glob(f"{_STEP_PREFIX}*") if root.is_dir() else ():
+        tail = p.name[len(_STEP_PREFIX):]
+        if tail.isdigit() and (p / COMPLETE_MARKER).is_file():
+            found.append((int(tail), p))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under root, or None."""
+    found = step_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def step_checkpoint_path(root: str | os.PathLike, step: int) -> Path:
+    """root/step_<step, 8 digits>."""
+    return Path(root) / f"{_STEP_PREFIX}{step:08d}"
+
+
+def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[Path]:
+    """Deletes all but the newest keep complete checkpoints (rank 0 deletes;
+    collective-free). Incomplete `.tmp-` folders are left for inspection.
+
+    Returns:
+        The folders deleted (on every rank, computed the same way).
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    doomed = [p for _, p in step_checkpoints(root)[:-keep]]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for p in doomed:
+            shutil.rmtree(p, ignore_errors=True)
+    return doomed

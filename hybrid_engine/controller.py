@@ -1,0 +1,209 @@
+"""The controller: calls the roles in order, step after step, until a stop condition.
+
+Job: the RL loop of DESIGN.md and nothing else --
+
+    generate K per prompt -> score (reward, reference, critic values)
+    -> advantages -> skip if no sample carries signal -> train -> sync -> metrics
+
+plus exit conditions (steps, wall time, reward EMA), evaluation on held-out
+prompts, periodic checkpoints and a clean stop on SIGINT/SIGTERM.
+
+It never learns the placement (the policy object hides its layouts and how
+weights move), the algorithm (advantages, sample selection and the loss come
+from the algorithm object), the task (prompts and rewards come from the
+environment) or the number of devices (every collective is inside a role,
+except `any_rank`, which makes all ranks agree to stop).
+
+Invariant: every rank runs the same sequence of role calls: all decisions
+(skip, stop, eval, save) depend only on values that are identical on every
+rank (gathered rewards, the step counter) or are agreed through `any_rank`.
+A stop request finishes the current step, then saves a checkpoint (when
+checkpointing is on), so nothing is written half-done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from hybrid_engine.config import RunConfig
+from hybrid_engine.metrics import PhaseTimer, trajectory_metrics
+
+__all__ = ["Controller", "Checkpointer", "any_rank"]
+
+
+class Checkpointer(Protocol):
+    """Saves and restores the job (policy, critic, ...) with the controller's state."""
+
+    def save(self, step: int, extra: dict) -> None: ...
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if flag is True on any rank (collective when distributed)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+@dataclass
+class _State:
+    step: int = 0
+    reward_ema: float | None = None
+    wall_s: float = 0.0  # accumulated over resumed segments
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class Controller:
+    """Drives policy, environment, algorithm and the other scorers (collective).
+
+    Args:
+        policy: `collect(env, prompts, num_samples=, seed=, greedy=)`,
+            `train_step(trajs, loss_fn)`, `sync_weights()` (e.g. `HybridActor`).
+        env: `sample_prompts(n)`, `eval_prompts(n)`, `score(trajs)`,
+            `state_dict()`, `load_state_dict()`.
+        algorithm: `compute_advantages(trajs)`, `select(trajs)`, `compute_loss`.
+        cfg: the run config (steps, K, prompts per step, eval/checkpoint cadence).
+        scorers: roles whose `score(trajs)` runs after the reward (reference, critic).
+        learners: roles whose `train_step(trajs)` runs after the policy's (critic).
+        checkpointer: saves job state every cfg.checkpoint_every steps; None = never.
+        on_metrics: called with (step, metrics) after every step and eval.
+    """
+
+    def __init__(self, policy: Any, env: Any, algorithm: Any, cfg: RunConfig, *,
+                 scorers: Sequence[Any] = (), learners: Sequence[Any] = (),
+                 checkpointer: Checkpointer | None = None,
+                 on_metrics: Callable[[int, dict[str, float]], None] | None = None) -> None:
+        self.policy, self.env, self.algorithm, self.cfg = policy, env, algorithm, cfg
+        self.scorers, self.learners = list(scorers), list(learners)
+        self.checkpointer, self.on_metrics = checkpointer, on_metrics or (lambda s, m: None)
+        self.state = _State()
+        self._stop_signal: int | None = None
+
+    # --- state ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        s = self.state
+        return {"step": s.step, "reward_ema": s.reward_ema, "wall_s": s.wall_s,
+                "history": s.history, "env": self.env.state_dict()}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.state = _State(d["step"], d["reward_ema"], d["wall_s"], list(d["history"]))
+        self.env.load_state_dict(d["env"])
+
+    # --- one step ------------------------------------------------------------------
+
+    def step(self) -> dict[str, float]:
+        """One RL step; returns its metrics (identical on every rank)."""
+        timer, k = PhaseTimer(), self.cfg.rollout.num_samples_per_prompt
+        prompts = self.env.sample_prompts(self.cfg.train.prompts_per_step)
+        with timer.phase("generate"):
+            trajs = self.policy.collect(self.env, prompts, num_samples=k,
+                                        seed=self.cfg.seed * 1_000_003 + self.state.step)
+        with timer.phase("score"):
+            self.env.score(trajs)
+            for scorer in self.scorers:
+                scorer.score(trajs)
+        m = {**trajectory_metrics(trajs), **self.algorithm.compute_advantages(trajs)}
+        train = self.algorithm.select(trajs)
+        m["skipped_degenerate"] = float(not train)
+        if train:
+            with timer.phase("train"):
+                m.update(self.policy.train_step(train, self.algorithm.compute_loss))
+                for learner in self.learners:
+                    m.update(learner.train_step(train))
+            with timer.phase("sync"):
+                m.update(self.policy.sync_weights())
+        m.update(timer.metrics)
+        tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+        m["tok_s"] = tokens / max(sum(v for key, v in timer.metrics.items() if key.endswith("_s")), 1e-9)
+        return m
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions of the held-out prompts (one each): accuracy and reward."""
+        timer = PhaseTimer()
+        with timer.phase("eval"):
+            prompts = self.env.eval_prompts(self.cfg.env.num_eval_prompts)
+            trajs = self.policy.collect(self.env, prompts, num_samples=1, seed=0, greedy=True)
+            self.env.score(trajs)
+        tm = trajectory_metrics(trajs)
+        out = {f"eval/{key}": v for key, v in tm.items() if key in ("reward_mean", "accuracy")}
+        return {**out, "eval_s": timer.metrics["eval_s"]}
+
+    # --- the run -------------------------------------------------------------------
+
+    def _done(self, t_start: float) -> str | None:
+        """Why to stop now (None: go on); the same answer on every rank."""
+        s, cfg = self.state, self.cfg
+        wall = s.wall_s + time.monotonic() - t_start
+        if any_rank(self._stop_signal is not None):
+            return "signal"
+        if s.step >= cfg.train.num_steps:
+            return "num_steps"
+        if any_rank(cfg.max_wall_s is not None and wall >= cfg.max_wall_s):
+            return "max_wall_s"
+        if cfg.target_reward_ema is not None and (s.reward_ema or -float("inf")) >= cfg.target_reward_ema:
+            return "target_reward_ema"
+        return None
+
+    def run(self, *, handle_signals: bool = True) -> dict[str, Any]:
+        """Steps until a stop condition; returns {"steps", "stop_reason", "wall_s", "history"}.
+
+        handle_signals: catch SIGINT/SIGTERM during the run (restored after) and
+        stop after the current step instead of dying mid-step.
+        """
+        s, cfg = self.state, self.cfg
+        t_start = time.monotonic()
+        with self._signals(handle_signals):
+            if cfg.eval_every and s.step == 0 and not s.history:
+                self._record(0, self.evaluate())
+            while (reason := self._done(t_start)) is None:
+                m = self.step()
+                s.step += 1
+                r = m["reward_mean"]
+                s.reward_ema = r if s.reward_ema is None else 0.9 * s.reward_ema + 0.1 * r
+                m["reward_ema"] = s.reward_ema
+                if cfg.eval_every and s.step % cfg.eval_every == 0:
+                    m.update(self.evaluate())
+                self._record(s.step, m)
+                if cfg.checkpoint_every and s.step % cfg.checkpoint_every == 0:
+                    self._save(t_start)
+            if reason == "signal" and cfg.checkpoint_every and s.step % cfg.checkpoint_every:
+                self._save(t_start)  # the finished steps are not lost
+        s.wall_s += time.monotonic() - t_start
+        return {"steps": s.step, "stop_reason": reason, "wall_s": s.wall_s, "history": s.history}
+
+    def _record(self, step: int, m: dict[str, float]) -> None:
+        self.state.history.append({"step": step, **m})
+        self.on_metrics(step, m)
+
+    def _save(self, t_start: float) -> None:
+        if self.checkpointer is None:
+            return
+        extra = self.state_dict()
+        extra["wall_s"] = self.state.wall_s + time.monotonic() - t_start
+        self.checkpointer.save(self.state.step, extra)
+
+    @contextlib.contextmanager
+    def _signals(self, enabled: bool) -> Iterator[None]:
+        if not enabled:
+            yield
+            return
+
+        def request_stop(signum: int, frame: Any) -> None:  # noqa: ARG001
+            self._stop_signal = signum
+
+        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

@@ -1,0 +1,162 @@
+"""A training job: builds every role from a RunConfig, runs the controller, saves.
+
+Job: the wiring that `hybrid-engine train` and `hybrid-engine demo` share --
+the colocated `HybridActor`, the environment, the algorithm, the reference
+(when the KL needs it) and the critic (when the estimator needs values), the
+checkpointer (DCP, newest k kept, resume from the latest complete one), the
+metrics sink and progress bar, then the final HF export and plot.
+
+Output folder layout (cfg.output_dir):
+    config.yaml        the resolved config of the run
+    metrics.jsonl      one JSON object per step (and step 0: the first eval)
+    tb/                TensorBoard event files
+    checkpoints/       step_<n>/ complete DCP checkpoints (newest keep_checkpoints)
+    final/             the policy as a HF folder
+    metrics.png        reward and accuracy over steps
+
+Invariant: the controller is built the same way for every placement, algorithm
+and task; this module is the only place that knows which roles exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybrid_engine.actor import HybridActor
+from hybrid_engine.algorithms.algorithm import Algorithm
+from hybrid_engine.checkpoint import latest_checkpoint, prune_checkpoints, step_checkpoint_path
+from hybrid_engine.config import RunConfig, to_dict
+from hybrid_engine.controller import Controller
+from hybrid_engine.envs import make_env
+from hybrid_engine.metrics import MetricsSink, plot_metrics
+
+__all__ = ["Job", "JobCheckpointer"]
+
+log = logging.getLogger("hybrid_engine.train")
+
+
+class JobCheckpointer:
+    """Saves policy (+ critic) and controller state to checkpoints/step_<n>, keeps the newest k."""
+
+    def __init__(self, actor: HybridActor, critic: Any, root: Path, keep: int) -> None:
+        self.actor, self.critic, self.root, self.keep = actor, critic, root, keep
+
+    def save(self, step: int, extra: dict) -> None:
+        path = step_checkpoint_path(self.root, step)
+        self.actor.save(path, extra=extra, critic=self.critic)
+        prune_checkpoints(self.root, self.keep)
+        log.info("saved checkpoint %s", path)
+
+    def load_latest(self) -> dict:
+        """Restores the newest complete checkpoint; returns the controller state.
+
+        Raises:
+            ValueError: no complete checkpoint under the folder.
+        """
+        path = latest_checkpoint(self.root)
+        if path is None:
+            raise ValueError(f"--resume: no complete checkpoint under {self.root} "
+                             "(a save that was interrupted leaves only a .tmp- folder)")
+        extra = self.actor.load(path, critic=self.critic)
+        log.info("resumed from %s (step %d)", path, extra["step"])
+        return extra
+
+
+class Job:
+    """Every role of a run, built collectively from cfg.
+
+    Args:
+        cfg: the run config (validated for launch here).
+        resume: continue from the newest complete checkpoint in output_dir.
+        progress: show a tqdm bar on rank 0.
+    """
+
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> None:
+        cfg.validate_for_run()
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.out = cfg, Path(cfg.output_dir)
+        self.actor = HybridActor(cfg)
+        self.rank0 = dist.get_rank() == 0
+        self.env = make_env(cfg.env, self.actor.tokenizer)
+        self.algorithm = Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,
+                                   max_tokens=cfg.rollout.max_tokens)
+        scorers, learners, self.critic = [], [], None
+        if self.algorithm.needs_reference:
+            from hybrid_engine.roles.reference import Reference
+            from hybrid_engine.roles.scorers import ReferenceScorer
+
+            ref = Reference(self.actor.model_path, cfg.model,
+                            logits_chunk_tokens=cfg.train.logits_chunk_tokens,
+                            temperature=cfg.rollout.temperature)
+            scorers.append(ReferenceScorer(ref, pad_id=self.actor.pad_id, train_cfg=cfg.train))
+        if self.algorithm.needs_values:
+            from hybrid_engine.roles.critic import Critic
+            from hybrid_engine.roles.scorers import CriticScorer
+
+            self.critic = Critic(self.actor.model_path, cfg.train, cfg.model)
+            critic = CriticScorer(self.critic, pad_id=self.actor.pad_id, algorithm_cfg=cfg.algorithm)
+            scorers.append(critic)
+            learners.append(critic)
+        self.checkpointer = JobCheckpointer(self.actor, self.critic, self.out / "checkpoints",
+                                            cfg.keep_checkpoints)
+        self.controller = Controller(self.actor, self.env, self.algorithm, cfg, scorers=scorers,
+                                     learners=learners, checkpointer=self.checkpointer,
+                                     on_metrics=self._on_metrics)
+        start = None
+        if resume:
+            self.controller.load_state_dict(self.checkpointer.load_latest())
+            start = self.controller.state.step + 1
+        self.sink = MetricsSink(self.out, log_every=cfg.log_every, resume=start)
+        self.bar = None
+        if progress and self.rank0:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.train.num_steps, initial=self.controller.state.step,
+                            desc="GRPO" if cfg.algorithm.advantage == "grpo" else "RL",
+                            unit="step", dynamic_ncols=True)
+        if self.rank0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            import yaml
+
+            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    def _on_metrics(self, step: int, m: dict[str, float]) -> None:
+        self.sink.write(step, m)
+        if self.bar is not None and step > 0:
+            post = {k: f"{m[k]:.3f}" for k in ("reward_mean", "accuracy", "eval/accuracy") if k in m}
+            self.bar.set_postfix(post, refresh=False)
+            self.bar.update(step - self.bar.n)
+
+    def run(self) -> dict[str, Any]:
+        """Runs the controller, exports the final policy and plots; returns the summary."""
+        try:
+            summary = self.controller.run()
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            self.sink.close()
+        final = self.out / "final"
+        self.actor.export_hf(final)
+        if self.rank0 and self.sink.path.exists():
+            plot_metrics(self.sink.path, self.out / "metrics.png")
+        evals = [h for h in summary["history"] if "eval/accuracy" in h]
+        summary.update(final_model=str(final.resolve()), output_dir=str(self.out.resolve()))
+        if evals:
+            summary.update(acc_start=evals[0]["eval/accuracy"], acc_end=evals[-1]["eval/accuracy"])
+        return summary
+
+    def shutdown(self) -> None:
+        self.actor.shutdown()
+
+
+def configure_logging() -> None:
+    """INFO on rank 0, warnings elsewhere (the CLI's choice; HybridActor never does this)."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -1,0 +1,169 @@
+"""Per-step metrics: phase timing and memory, rollout statistics, and where they go.
+
+Job: `PhaseTimer` measures seconds and memory of each phase of a step
+(generate, score, train, sync, eval); `trajectory_metrics` summarises a
+step's samples (reward, accuracy, lengths); `MetricsSink` writes each step to
+`metrics.jsonl`, TensorBoard and one log line (rank 0 only), and
+`plot_metrics` draws reward and accuracy over steps to a PNG.
+
+Memory per phase: on CUDA the allocator's peak during the phase
+(`max_memory_allocated`, reset at phase start); on CPU the process RSS at the
+end of the phase (what the OS sees, including vLLM's KV cache and weights).
+
+Invariant: only rank 0 writes files; every rank may call everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MetricsSink", "PhaseTimer", "plot_metrics", "trajectory_metrics"]
+
+log = logging.getLogger("hybrid_engine.train")
+
+# Keys of the one-line step log, in order, with their format.
+_LINE_KEYS = (
+    ("reward_mean", "reward {:.3f}"), ("accuracy", "acc {:.3f}"), ("eval/accuracy", "eval_acc {:.3f}"),
+    ("kl", "kl {:.4f}"), ("entropy", "ent {:.3f}"), ("clip_frac", "clip {:.3f}"),
+    ("grad_norm", "gnorm {:.3f}"), ("mismatch_abs_mean", "mis {:.1e}"),
+    ("response_len_mean", "len {:.1f}"), ("tok_s", "tok/s {:.0f}"),
+)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _memory_bytes() -> float:
+    if torch.cuda.is_available():
+        return float(torch.cuda.max_memory_allocated())
+    import psutil
+
+    return float(psutil.Process().memory_info().rss)
+
+
+class PhaseTimer:
+    """Collects `<phase>_s` and `mem_<phase>_bytes` for the phases of one step."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        yield
+        self.metrics[f"{name}_s"] = self.metrics.get(f"{name}_s", 0.0) + time.perf_counter() - t0
+        self.metrics[f"mem_{name}_bytes"] = _memory_bytes()
+
+
+def trajectory_metrics(trajs: Sequence[Any]) -> dict[str, float]:
+    """Reward mean/std, accuracy (mean of the "correct" component when the
+    environment gives one), response length, and each reward component's mean."""
+    n = max(len(trajs), 1)
+    rewards = [t.reward for t in trajs]
+    mean = sum(rewards) / n
+    out = {
+        "reward_mean": mean,
+        "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
+        "response_len_mean": sum(sum(t.loss_mask) for t in trajs) / n,
+        "samples": float(len(trajs)),
+    }
+    keys = sorted({k for t in trajs for k in t.reward_components})
+    for k in keys:
+        out[f"reward/{k}"] = sum(t.reward_components.get(k, 0.0) for t in trajs) / n
+    # A reward-model environment keeps the task's correctness in info (not in the reward).
+    correct = [t.info.get("correct", t.reward_components.get("correct")) for t in trajs]
+    if trajs and all(c is not None for c in correct):
+        out["accuracy"] = sum(float(c) for c in correct) / n
+    return out
+
+
+class MetricsSink:
+    """metrics.jsonl + TensorBoard + one log line per step, on rank 0.
+
+    Args:
+        output_dir: run folder; metrics.jsonl and tb/ go there.
+        log_every: write the log line every this many steps (files get every step).
+        resume: keep an existing metrics.jsonl up to (excluding) this step; None = start fresh.
+    """
+
+    def __init__(self, output_dir: str | Path, *, log_every: int = 1, resume: int | None = None) -> None:
+        self.dir, self.log_every = Path(output_dir), log_every
+        self.writer = None
+        self.path = self.dir / "metrics.jsonl"
+        if not _rank0():
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume is not None and self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln)["step"] < resume]
+        self.path.write_text("".join(ln + "\n" for ln in kept))
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(self.dir / "tb"), purge_step=resume)
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not _rank0():
+            return
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, float(v), step)
+        self.writer.flush()
+        if step % self.log_every == 0 or "eval/accuracy" in metrics:
+            log.info("%s", format_line(step, metrics))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def format_line(step: int, m: Mapping[str, float]) -> str:
+    """The one-line step summary (absent keys skipped)."""
+    parts = [f"step {step}"] + [fmt.format(m[k]) for k, fmt in _LINE_KEYS if k in m]
+    phases = [f"{p} {m[p + '_s']:.2f}s" for p in ("generate", "score", "train", "sync", "eval")
+              if p + "_s" in m]
+    mem = [f"{p} {m['mem_' + p + '_bytes'] / 2**30:.2f}" for p in ("generate", "train", "sync")
+           if f"mem_{p}_bytes" in m]
+    if m.get("skipped_degenerate"):
+        parts.append("skipped: all groups degenerate")
+    line = [f"{parts[0]}: " + ", ".join(parts[1:]), " ".join(phases)]
+    return " | ".join(line + (["mem GiB " + " ".join(mem)] if mem else []))
+
+
+def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> None:
+    """Training reward and accuracy, and eval accuracy, over steps, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(ln) for ln in Path(metrics_path).read_text().splitlines() if ln.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label, style in (("reward_mean", "train reward", "-"),
+                              ("accuracy", "train accuracy", "-"),
+                              ("eval/accuracy", "held-out accuracy (greedy)", "o-")):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), style, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,64 @@
+"""Adapters that let the controller call the reference and the critic on trajectories.
+
+Job: the FSDP2 roles work on TrainBatches of this rank's rows; the
+controller works on the step's trajectories (the same list on every rank).
+`ReferenceScorer.score` fills every trajectory's ref_logp, `CriticScorer.score`
+its info["values"], `CriticScorer.train_step` trains the critic on
+info["returns"] -- each computing its slice and gathering the rest.
+
+Invariant: after `score`, every rank's trajectories carry identical values
+(gathered), so the algorithm computes identical advantages everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybrid_engine.config import AlgorithmConfig, TrainConfig
+from hybrid_engine.roles.critic import Critic
+from hybrid_engine.roles.reference import Reference
+from hybrid_engine.roles.shards import gather_response_field, local_batch, scatter_response_field
+from hybrid_engine.trajectory import Trajectory
+
+__all__ = ["CriticScorer", "ReferenceScorer"]
+
+
+class ReferenceScorer:
+    """Fills ref_logp from a frozen `Reference` (collective)."""
+
+    def __init__(self, reference: Reference, *, pad_id: int, train_cfg: TrainConfig) -> None:
+        self.reference, self.pad_id, self.train_cfg = reference, pad_id, train_cfg
+
+    def score(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        batch, idx = local_batch(trajs, pad_id=self.pad_id,
+                                 micro_batch_size=self.train_cfg.micro_batch_size)
+        for t, v in zip(trajs, gather_response_field(trajs, idx, batch, self.reference.score(batch)),
+                        strict=True):
+            t.ref_logp = v
+        return {}
+
+
+class CriticScorer:
+    """The value model: values before the advantages, one update after the policy's."""
+
+    def __init__(self, critic: Critic, *, pad_id: int, algorithm_cfg: AlgorithmConfig) -> None:
+        self.critic, self.pad_id, self.cfg = critic, pad_id, algorithm_cfg
+
+    def _batch(self, trajs: Sequence[Trajectory]):  # noqa: ANN202
+        return local_batch(trajs, pad_id=self.pad_id,
+                           micro_batch_size=self.critic.train_cfg.micro_batch_size)
+
+    def score(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        batch, idx = self._batch(trajs)
+        for t, v in zip(trajs, gather_response_field(trajs, idx, batch, self.critic.values(batch)),
+                        strict=True):
+            t.info["values"] = v
+        return {}
+
+    def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        batch, idx = self._batch(trajs)
+        returns_BT = scatter_response_field(batch, idx, [t.info["returns"] for t in trajs])
+        old_BT = scatter_response_field(batch, idx, [t.info["values"] for t in trajs])
+        m = self.critic.train_step(batch, returns_BT, old_BT, clip=self.cfg.value_clip,
+                                   coef=self.cfg.value_coef)
+        return {f"critic/{k}": v for k, v in m.items()}
