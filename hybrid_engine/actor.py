@@ -83,12 +83,14 @@ class HybridActor:
         tokenizer: the policy's tokenizer (vLLM's).
         pad_id: id written in padding positions of training batches.
         phase: "inference" or "training": which layout holds the memory now.
+        rank: this process's rank in the default group.
     """
 
     def __init__(self, cfg: RunConfig) -> None:
         cfg.validate_for_run()
         self.cfg = cfg
         self._owns_group = init_distributed(single_process=True)
+        self.rank = dist.get_rank()
         self.model_path = str(resolve_model_path(cfg.model.path))
         t0 = time.perf_counter()
         self.trainer = Trainer(self.model_path, cfg.train, cfg.model,
