@@ -166,25 +166,33 @@ class VLLMRollout:
         self._max_prompt_len = cfg.max_model_len - cfg.max_tokens
         self.num_truncated = 0
 
-    def _prompt_ids(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+    def _prompt_ids(self, prompts: Sequence[str | Sequence[int]],
+                    max_tokens: Sequence[int] | None = None) -> list[list[int]]:
+        """Token ids of each prompt, checked against max_model_len minus that
+        prompt's max_tokens (rollout.max_tokens when max_tokens is None)."""
         out = []
         for i, p in enumerate(prompts):
             ids = self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
-            if len(ids) > self._max_prompt_len:
+            limit = self._max_prompt_len
+            what = "rollout.max_tokens"
+            if max_tokens is not None:
+                limit, what = self.cfg.max_model_len - max_tokens[i], f"max_tokens={max_tokens[i]}"
+            if len(ids) > limit:
                 if self.cfg.prompt_too_long == "reject":
                     raise ValueError(
                         f"prompt {i} has {len(ids)} tokens, more than rollout.max_model_len - "
-                        f"rollout.max_tokens = {self._max_prompt_len} (set "
+                        f"{what} = {limit} (set "
                         f"rollout.prompt_too_long=truncate to keep its last tokens)"
                     )
-                ids = ids[-self._max_prompt_len :]
+                ids = ids[-limit:]
                 self.num_truncated += 1
             out.append(ids)
         return out
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
-        seed: int = 0,
+        seed: int = 0, stop: Sequence[str] | None = None, include_stop_str: bool = False,
+        max_tokens: int | Sequence[int] | None = None,
     ) -> Completions:
         """Samples K completions per prompt; collective over the whole world.
 
@@ -198,6 +206,15 @@ class VLLMRollout:
             seed: per-call seed; completion j of prompt p uses seed
                 (cfg.seed, seed, p, j), so runs repeat whatever the batching
                 or the number of replicas.
+            stop: stop strings for this call, replacing rollout.stop; None
+                keeps rollout.stop. token_ids always run through the token
+                that completes the stop string (see `_sample`).
+            include_stop_str: vLLM's include_stop_str_in_output (affects
+                vLLM's output text only, not token_ids; see `_sample`).
+            max_tokens: new-token limit for this call: one int for every
+                prompt, or one per prompt; None = rollout.max_tokens. A
+                prompt's length is checked against max_model_len minus its
+                own limit (rollout.prompt_too_long says what happens beyond).
 
         Returns:
             Completions, prompt-major, in the order of `prompts`.
@@ -205,11 +222,24 @@ class VLLMRollout:
         if self._released:
             raise RuntimeError("generate() after release_memory(): call restore_memory() first")
         k = num_samples or self.cfg.num_samples_per_prompt
-        prompt_ids = self._prompt_ids(prompts)
+        limits: list[int] | None = None
+        if max_tokens is not None:
+            limits = ([int(max_tokens)] * len(prompts) if isinstance(max_tokens, int)
+                      else [int(m) for m in max_tokens])
+            if len(limits) != len(prompts):
+                raise ValueError(f"max_tokens has {len(limits)} entries, {len(prompts)} prompts")
+            if any(not 1 <= m < self.cfg.max_model_len for m in limits):
+                raise ValueError(f"max_tokens must lie in [1, max_model_len="
+                                 f"{self.cfg.max_model_len}), got {limits}")
+        prompt_ids = self._prompt_ids(prompts, limits)
         replica, num_replicas = self._replica()
         bounds = [len(prompt_ids) * i // num_replicas for i in range(num_replicas + 1)]
         mine = range(bounds[replica], bounds[replica + 1])
-        token_ids, logprobs = self._sample([prompt_ids[p] for p in mine], list(mine), k, seed)
+        token_ids, logprobs = self._sample(
+            [prompt_ids[p] for p in mine], list(mine), k, seed, stop=stop,
+            include_stop_str=include_stop_str,
+            max_tokens=None if limits is None else [limits[p] for p in mine],
+        )
         if num_replicas > 1:
             import torch.distributed as dist
 
@@ -230,17 +260,32 @@ class VLLMRollout:
         return dist.get_rank() // tp, dist.get_world_size() // tp
 
     def _sample(self, prompt_ids: list[list[int]], indices: list[int], k: int,
-                seed: int) -> tuple[list[list[int]], list[list[float]]]:
+                seed: int, *, stop: Sequence[str] | None = None,
+                include_stop_str: bool = False, max_tokens: Sequence[int] | None = None,
+                ) -> tuple[list[list[int]], list[list[float]]]:
+        """Samples this replica's share; stop / include_stop_str / max_tokens
+        (one per prompt) as in `generate`.
+
+        Stop strings on vLLM 0.32 (measured, tests/test_episodes.py): a
+        completion ended by a stop string has token_ids (and logprobs) through
+        the token that completes the string, with include_stop_str_in_output
+        True or False alike; the flag only decides whether vLLM's output text
+        keeps the string. (vLLM's source: tokens sampled after that one in the
+        same step are dropped; an EOS or stop token id, by contrast, is the
+        last token id, as tests/roles/test_vllm_rollout.py checks.)
+        """
         from vllm import SamplingParams, TokensPrompt
 
+        stop_strs = list(self.cfg.stop if stop is None else stop) or None
         requests, params = [], []
-        for p, ids in zip(indices, prompt_ids, strict=True):
+        for i, (p, ids) in enumerate(zip(indices, prompt_ids, strict=True)):
             for j in range(k):
                 requests.append(TokensPrompt(prompt_token_ids=ids))
                 params.append(SamplingParams(
                     n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                    top_k=self.cfg.top_k, max_tokens=self.cfg.max_tokens, logprobs=0,
-                    stop=list(self.cfg.stop) or None,
+                    top_k=self.cfg.top_k,
+                    max_tokens=self.cfg.max_tokens if max_tokens is None else max_tokens[i],
+                    logprobs=0, stop=stop_strs, include_stop_str_in_output=include_stop_str,
                     stop_token_ids=list(self.cfg.stop_token_ids) or None,
                     seed=hash((self.cfg.seed, seed, p, j)) & 0x7FFFFFFF,
                 ))

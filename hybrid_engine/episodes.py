@@ -1,0 +1,248 @@
+"""The rollout loop: prompts in, unscored Trajectories out, single- or multi-turn.
+
+Job: `collect(rollout, env, prompt_ids, num_samples=K, seed=s)` samples K
+episodes per prompt and returns len(prompt_ids) * K `Trajectory`s,
+prompt-major (index p * K + k), `group_id` = p, `rollout_logp` filled,
+reward left to the caller (`env.score(trajs)`).
+
+- Single-turn environment (no `step`): one `rollout.generate` call; each
+  completion is one trajectory (all tokens in the loss).
+- Multi-turn environment (`MultiTurnEnvironment`: `reset` / `step` /
+  `build_trajectory`, e.g. `envs.tool.ToolEnv`): generation and environment
+  steps alternate. Turn 0 is one `generate(prompts, num_samples=K, seed=s)`
+  (so its draws are those of the single-turn call with the same seed and
+  stop strings); each later turn t is one `generate` over the episodes still
+  running, context = prompt + response so far (policy and env tokens), one
+  sample each, seed `turn_seed(s, t)`. Every call stops at the environment's
+  turn-ending strings (`env.turn_stop`, default `TOOL_CALL_STOP` =
+  ("</calc>",)) plus rollout.stop, and the stop string's tokens stay in the
+  segment handed to `env.step` (vLLM keeps them in token_ids; see
+  `VLLMRollout._sample`). A segment's new-token limit is
+  min(rollout.max_tokens, max_model_len - context length); an episode whose
+  context fills max_model_len is ended by `env.step(state, [])` without
+  another generation.
+
+Multi-turn environment protocol (what `step` must do):
+
+    state = env.reset(prompt_ids)                  # per episode
+    env_ids, done = env.step(state, segment)       # after each generated segment
+    traj = env.build_trajectory(state, policy_logp, group_id)
+
+`step` records the policy's segment and returns the environment tokens to
+append after it (maybe none) and whether the episode is over. A segment that
+does not end in a turn-ending string (it hit EOS, or the token limit, or is
+empty because the context is full) must end the episode. `build_trajectory`
+returns prompt_ids = the episode's prompt and response_ids = every segment and
+every env reply in order, loss_mask False exactly on env tokens, and
+rollout_logp = policy_logp on policy tokens (0 on env tokens). The
+environment must be deterministic: every rank runs the same loop on the same
+completions.
+
+Invariants: (1) collective: every rank makes the same sequence of `generate`
+calls with the same arguments (each rank gets all completions, the env is
+deterministic), so the loop works unchanged under torchrun. (2) The loop
+checks every multi-turn trajectory against the tokens it actually generated
+from: prompt_ids + response_ids is the final context, loss_mask is True
+exactly on the tokens the policy sampled, and rollout_logp on them is what
+vLLM reported; a disagreeing environment is a RuntimeError, never a silently
+misaligned loss. (3) Generation never exceeds max_model_len: a trajectory is
+at most max_model_len tokens plus the environment's last reply (which the
+policy never conditions on). (4) The loop ends: each generation adds >= 1
+token to a context bounded by max_model_len.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from hybrid_engine.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.roles.vllm_rollout import Completions
+
+__all__ = ["TOOL_CALL_STOP", "MultiTurnEnvironment", "collect", "turn_seed"]
+
+TOOL_CALL_STOP: tuple[str, ...] = ("</calc>",)
+"""Turn-ending strings of an environment without a `turn_stop` attribute
+(`envs.tool.ToolEnv`'s closing tag)."""
+
+
+@runtime_checkable
+class MultiTurnEnvironment(Protocol):
+    """An environment that answers between generation segments (see the module
+    docstring for the protocol). May also define `turn_stop: Sequence[str]`,
+    the strings that end a segment to be answered (default TOOL_CALL_STOP)."""
+
+    def reset(self, prompt_ids: Sequence[int]) -> Any:
+        """A fresh episode state for one prompt."""
+        ...
+
+    def step(self, state: Any, new_policy_tokens: Sequence[int]) -> tuple[list[int], bool]:
+        """Records a segment; returns (env token ids to append, episode done)."""
+        ...
+
+    def build_trajectory(
+        self, state: Any, policy_logp: Sequence[float] | None = None, group_id: int = 0
+    ) -> Trajectory:
+        """The finished episode as a Trajectory (env tokens with loss_mask False)."""
+        ...
+
+
+class _Rollout(Protocol):
+    """What the loop needs of a rollout (`roles.vllm_rollout.VLLMRollout`)."""
+
+    cfg: RolloutConfig
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, num_samples: int | None = None, seed: int = 0,
+        stop: Sequence[str] | None = None, include_stop_str: bool = False,
+        max_tokens: int | Sequence[int] | None = None,
+    ) -> Completions: ...
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """Seed of generation turn `turn` of `collect(..., seed=seed)`: seed itself
+    for turn 0, a stable 31-bit hash of (seed, turn) after (same on every rank
+    and every run, unlike Python's salted str hash)."""
+    if turn == 0:
+        return seed
+    digest = hashlib.blake2b(f"episodes:{seed}:{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+@dataclass(slots=True)
+class _Episode:
+    """The loop's own record of one episode (the env keeps its own state)."""
+
+    state: Any
+    group_id: int
+    context: list[int]  # prompt + every segment + every env reply so far
+    prompt_len: int
+    policy_mask: list[bool] = field(default_factory=list)  # response-local, True = sampled
+    policy_logp: list[float] = field(default_factory=list)  # one per sampled token
+    num_segments: int = 0
+    context_full: bool = False
+
+
+def collect(
+    rollout: _Rollout, env: Any, prompt_ids: list[list[int]], *, num_samples: int, seed: int,
+    stop: Sequence[str] | None = None,
+) -> list[Trajectory]:
+    """Samples num_samples episodes per prompt; collective over the world.
+
+    Args:
+        rollout: a `VLLMRollout` (or anything with its `cfg` and `generate`).
+        env: a `MultiTurnEnvironment`, or a single-turn environment (no `step`).
+        prompt_ids: the prompts' token ids (the same on every rank).
+        num_samples: K episodes per prompt (>= 1).
+        seed: sampling seed of this call; the same seed gives the same
+            trajectories (per-turn seeds from `turn_seed`).
+        stop: multi-turn only: turn-ending strings replacing env.turn_stop /
+            TOOL_CALL_STOP (rollout.stop is always added).
+
+    Returns:
+        len(prompt_ids) * K trajectories, prompt-major, group_id = prompt
+        index, reward not computed. info["num_segments"] = generated segments
+        (1 for single-turn); info["num_turns"] = env turns (tool calls; set by
+        the env, 0 when it does not); info["context_full"] = the episode ended
+        because max_model_len left no room.
+
+    Raises:
+        ValueError: num_samples < 1.
+        RuntimeError: a multi-turn env broke the protocol (see the module docstring).
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if not prompt_ids:
+        return []
+    if isinstance(env, MultiTurnEnvironment):
+        turn_stop = stop if stop is not None else getattr(env, "turn_stop", TOOL_CALL_STOP)
+        return _collect_multi_turn(rollout, env, prompt_ids, num_samples, seed, turn_stop)
+    out = rollout.generate(prompt_ids, num_samples=num_samples, seed=seed)
+    return [
+        Trajectory(
+            prompt_ids=list(out.prompt_ids[i // num_samples]), response_ids=list(tokens),
+            rollout_logp=list(logp), group_id=i // num_samples,
+            info={"num_turns": 0, "num_segments": 1, "context_full": False},
+        )
+        for i, (tokens, logp) in enumerate(zip(out.token_ids, out.logprobs, strict=True))
+    ]
+
+
+def _collect_multi_turn(
+    rollout: _Rollout, env: MultiTurnEnvironment, prompt_ids: list[list[int]], k: int, seed: int,
+    turn_stop: Sequence[str],
+) -> list[Trajectory]:
+    cfg = rollout.cfg
+    stops = list(dict.fromkeys([*cfg.stop, *turn_stop]))  # ordered, no duplicates
+    first = rollout.generate(prompt_ids, num_samples=k, seed=turn_seed(seed, 0), stop=stops,
+                             include_stop_str=True)
+    episodes = []
+    for i in range(len(prompt_ids) * k):
+        prompt = list(first.prompt_ids[i // k])  # as generated from (after any truncation)
+        episodes.append(_Episode(state=env.reset(prompt), group_id=i // k, context=list(prompt),
+                                 prompt_len=len(prompt)))
+    active, segments, logps = list(range(len(episodes))), first.token_ids, first.logprobs
+    turn = 0
+    while active:
+        still: list[int] = []
+        for e, segment, logp in zip(active, segments, logps, strict=True):
+            if _step(env, episodes[e], list(segment), list(logp)):
+                still.append(e)
+        turn += 1
+        active, budgets = [], []
+        for e in still:
+            ep = episodes[e]
+            room = cfg.max_model_len - len(ep.context)
+            if room >= 1:
+                active.append(e)
+                budgets.append(min(cfg.max_tokens, room))
+                continue
+            ep.context_full = True
+            if _step(env, ep, [], []):
+                raise RuntimeError(
+                    f"{type(env).__name__}.step() did not end an episode on an empty segment "
+                    f"(its context already fills max_model_len={cfg.max_model_len})"
+                )
+        if not active:
+            break
+        out = rollout.generate([episodes[e].context for e in active], num_samples=1,
+                               seed=turn_seed(seed, turn), stop=stops, include_stop_str=True,
+                               max_tokens=budgets)
+        segments, logps = out.token_ids, out.logprobs
+    return [_finish(env, ep) for ep in episodes]
+
+
+def _step(env: MultiTurnEnvironment, ep: _Episode, segment: list[int], logp: list[float]) -> bool:
+    """Feeds one segment to the env and extends the loop's record; True = still running."""
+    env_ids, done = env.step(ep.state, segment)
+    env_ids = list(env_ids)
+    ep.context += segment + env_ids
+    ep.policy_mask += [True] * len(segment) + [False] * len(env_ids)
+    ep.policy_logp += logp
+    ep.num_segments += bool(segment)
+    return not done
+
+
+def _finish(env: MultiTurnEnvironment, ep: _Episode) -> Trajectory:
+    """The env's trajectory of a finished episode, checked against the loop's record."""
+    traj = env.build_trajectory(ep.state, ep.policy_logp, ep.group_id)
+    name = type(env).__name__
+    if list(traj.prompt_ids) + list(traj.response_ids) != ep.context:
+        raise RuntimeError(f"{name}.build_trajectory(): prompt + response differ from the "
+                           f"context the policy generated from")
+    if list(traj.loss_mask) != ep.policy_mask:
+        raise RuntimeError(f"{name}.build_trajectory(): loss_mask is not True exactly on the "
+                           f"policy's sampled tokens")
+    sampled = [lp for lp, m in zip(traj.rollout_logp, ep.policy_mask, strict=True) if m]
+    if [float(x) for x in sampled] != ep.policy_logp:
+        raise RuntimeError(f"{name}.build_trajectory(): rollout_logp differs from the "
+                           f"sampling log-probs")
+    traj.info.setdefault("num_turns", 0)
+    traj.info["num_segments"] = ep.num_segments
+    traj.info["context_full"] = ep.context_full
+    return traj
