@@ -1,0 +1,90 @@
+"""`hybrid-engine train` under torchrun on 2 ranks: outputs, resume errors, and a
+clean stop on SIGINT/SIGTERM (the step finishes, a complete checkpoint is written)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid_engine.checkpoint import step_checkpoints
+from hybrid_engine.testing import RankError, run_torchrun
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"]))
+
+
+def _args(model_dir: str, out: Path, *extra: str) -> list[str]:
+    return ["-m", "hybrid_engine.cli", "train", "--recipe=tiny_grpo_debug", "--no-progress",
+            f"--model.path={model_dir}", f"--output_dir={out}", "--env.num_eval_prompts=4",
+            "--rollout.max_tokens=8", *extra]
+
+
+def _summary(stdout: str) -> dict:
+    """The JSON summary rank 0 prints last (torchrun may log after it)."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith('{"steps"')]
+    assert len(lines) == 1, stdout[-3000:]
+    return json.loads(lines[0])
+
+
+def test_train_writes_every_output(model_dir, tmp_path) -> None:
+    out = tmp_path / "run"
+    proc = run_torchrun(_args(model_dir, out, "--train.num_steps=2", "--eval_every=2"), 2,
+                        timeout=300)
+    summary = _summary(proc.stdout)
+    assert summary["steps"] == 2 and summary["stop_reason"] == "num_steps"
+    assert {"acc_start", "acc_end", "wall_s", "output_dir"} <= summary.keys()
+    # One log line per step, from rank 0 only.
+    lines = [ln for ln in proc.stdout.splitlines() if "hybrid_engine.train: step " in ln]
+    assert [ln.split("step ")[1].split(":")[0] for ln in lines] == ["0", "1", "2"]
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert {"generate_s", "score_s", "mem_generate_bytes", "reward_mean"} <= rows[1].keys()
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert (out / "metrics.png").stat().st_size > 0
+    assert (out / "final" / "COMPLETE").is_file() and (out / "config.yaml").is_file()
+    assert [s for s, _ in step_checkpoints(out / "checkpoints")] == [2]  # keep_checkpoints=1
+
+
+def test_resume_without_checkpoint_is_a_clear_error(model_dir, tmp_path) -> None:
+    with pytest.raises(RankError, match="no complete checkpoint under"):
+        run_torchrun(_args(model_dir, tmp_path / "empty", "--resume"), 2, timeout=300)
+
+
+def test_sigint_finishes_the_step_and_checkpoints(model_dir, tmp_path) -> None:
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           *_args(model_dir, out, "--train.num_steps=1000", "--checkpoint_every=1000")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "run did not start"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the job
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    summary = _summary(stdout)
+    assert summary["stop_reason"] == "signal", stdout[-3000:]
+    steps = [s for s, _ in step_checkpoints(out / "checkpoints")]
+    assert steps == [summary["steps"]]  # the finished steps were saved, completely
+    assert not list((out / "checkpoints").glob("*.tmp-*"))
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == summary["steps"]
