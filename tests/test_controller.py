@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from hybrid_engine.envs import register_env
+from hybrid_engine.envs import ENVS, register_env
 from hybrid_engine.envs.arithmetic import ArithmeticEnv
 from hybrid_engine.envs.base import decode
 from hybrid_engine.testing import run_ranks
@@ -31,9 +31,11 @@ class DigitEnv(ArithmeticEnv):
         return {**super()._reward(traj, prompt_text), "digits": digits}
 
 
-@register_env("test_digits")
-def _digits(cfg, tokenizer):  # noqa: ANN001, ANN202
-    return DigitEnv(tokenizer, seed=cfg.seed)
+def _register_digits() -> None:
+    """Registers the test env in this (rank) process only, so the registry seen by
+    other tests in the pytest process stays the product's."""
+    if "test_digits" not in ENVS:
+        register_env("test_digits")(lambda cfg, tokenizer: DigitEnv(tokenizer, seed=cfg.seed))
 
 
 def _config(model_dir: str, out_dir: str, overrides: dict):
@@ -54,6 +56,7 @@ def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False
 
     from hybrid_engine.job import Job
 
+    _register_digits()
     job = Job(_config(model_dir, out_dir, overrides), resume=resume, progress=False)
     try:
         before = {n: p.to_local().detach().clone()

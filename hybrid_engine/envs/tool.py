@@ -176,6 +176,7 @@ class ToolEnv(ProblemEnv):
     """
 
     name = "tool"
+    turn_stop = ("</calc>",)  # a generation segment ends at a tool call (episodes.collect)
 
     def __init__(
         self, tokenizer: Any, *, seed: int = 0, dataset_path: str = "", max_turns: int = 4,

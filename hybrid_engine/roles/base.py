@@ -24,30 +24,54 @@ if TYPE_CHECKING:
     from hybrid_engine.roles.vllm_rollout import Completions
     from hybrid_engine.trajectory import TrainBatch, Trajectory
 
-__all__ = ["Algorithm", "Environment", "Reference", "Rollout", "Trainer", "WeightSync"]
+__all__ = ["Algorithm", "Environment", "Policy", "Reference", "Rollout", "Trainer", "WeightSync"]
 
 
 @runtime_checkable
 class Rollout(Protocol):
-    """Samples completions; releases its memory while the trainer runs."""
+    """Samples completions; releases its memory while the trainer runs (`VLLMRollout`)."""
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
-        seed: int = 0,
+        seed: int = 0, stop: Sequence[str] | None = None, include_stop_str: bool = False,
+        max_tokens: int | Sequence[int] | None = None,
     ) -> Completions:
         """K completions per prompt with sampled-token log-probs (collective)."""
         ...
 
-    def sleep(self) -> None:
-        """Frees weights and KV cache (a logged no-op where the backend cannot)."""
+    def release_memory(self) -> int:
+        """Frees the KV cache (GPU: and the weights); returns the bytes freed."""
         ...
 
-    def wake_up(self) -> None:
-        """Re-allocates what `sleep` freed; weights are rewritten by the next sync."""
+    def wake_weights(self) -> None:
+        """Re-allocates the weights before a sync writes them (no-op where kept)."""
+        ...
+
+    def restore_memory(self) -> int:
+        """Re-allocates what `release_memory` freed, before generation."""
         ...
 
     def load_full_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Loads full HF-named tensors (the naive sync path)."""
+        ...
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """The policy in whatever placement (`actor.HybridActor`: colocated): what the
+    controller calls. All collective."""
+
+    def collect(self, env: Environment, prompts: Sequence[Sequence[int]], *, num_samples: int,
+                seed: int, greedy: bool = False) -> list[Trajectory]:
+        """Unscored trajectories, K per prompt (single- or multi-turn)."""
+        ...
+
+    def train_step(self, trajs: Sequence[Trajectory], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on the trajectories (each rank its slice)."""
+        ...
+
+    def sync_weights(self) -> dict[str, float]:
+        """Makes the sampling layout hold the trained weights."""
         ...
 
 
@@ -57,6 +81,18 @@ class Environment(Protocol):
 
     def sample_prompts(self, num_prompts: int) -> list[list[int]]:
         """The next num_prompts prompts, as token ids."""
+        ...
+
+    def eval_prompts(self, num_prompts: int) -> list[list[int]]:
+        """Held-out prompts (the same list every call)."""
+        ...
+
+    def state_dict(self) -> dict:
+        """Position of the prompt stream (for resume)."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores a position saved by `state_dict`."""
         ...
 
     def score(self, trajs: Sequence[Trajectory]) -> None:
@@ -77,8 +113,13 @@ class Algorithm(Protocol):
     loss_agg: str
     loss_agg_constant: float | None
 
-    def compute_advantages(self, trajs: Sequence[Trajectory]) -> None:
-        """Fills per-token advantages and info["degenerate"] of every trajectory."""
+    def compute_advantages(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        """Fills per-token advantages and info["degenerate"] of every trajectory;
+        returns metrics."""
+        ...
+
+    def select(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
+        """The trajectories to train on; [] skips the step (no signal)."""
         ...
 
     def compute_loss(
