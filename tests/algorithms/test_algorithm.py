@@ -1,0 +1,128 @@
+"""The algorithm role on hand-made trajectories: advantages, degenerate marks, selection."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybrid_engine.algorithms.algorithm import Algorithm
+from hybrid_engine.algorithms.mismatch import mismatch_metrics, with_mismatch_metrics
+from hybrid_engine.config import AlgorithmConfig
+from hybrid_engine.trajectory import Trajectory
+
+
+def _trajs(rewards: list[float], lens: list[int] | None = None, k: int = 2) -> list[Trajectory]:
+    lens = lens or [3] * len(rewards)
+    return [Trajectory(prompt_ids=[1, 2], response_ids=list(range(n)), rollout_logp=[-1.0] * n,
+                       reward=r, group_id=i // k) for i, (r, n) in enumerate(zip(rewards, lens))]
+
+
+def test_grpo_advantages_and_degenerate_groups() -> None:
+    algo = Algorithm(AlgorithmConfig(), num_samples=2, max_tokens=8)
+    trajs = _trajs([1.0, 0.0, 0.5, 0.5])  # group 0 informative, group 1 flat
+    m = algo.compute_advantages(trajs)
+    # GRPO: (r - mean) / (std + eps) with the unbiased std of [1, 0] = 0.7071.
+    expected = 0.5 / (math.sqrt(0.5) + 1e-6)
+    assert torch.allclose(torch.as_tensor(trajs[0].advantages), torch.full((3,), expected))
+    assert torch.allclose(torch.as_tensor(trajs[1].advantages), torch.full((3,), -expected))
+    assert [t.degenerate for t in trajs] == [False, False, True, True]
+    assert m["groups_flat"] == 1 and m["degenerate_frac"] == 0.5
+    assert algo.select(trajs) == trajs  # without dynamic sampling every sample trains
+
+
+def test_all_flat_groups_skip_the_step() -> None:
+    algo = Algorithm(AlgorithmConfig(), num_samples=2, max_tokens=8)
+    trajs = _trajs([1.0, 1.0, 0.0, 0.0])
+    algo.compute_advantages(trajs)
+    assert algo.select(trajs) == []
+
+
+def test_dynamic_sampling_drops_flat_groups_even_with_a_batch_baseline() -> None:
+    cfg = AlgorithmConfig(advantage="reinforce_pp", dynamic_sampling=True)
+    algo = Algorithm(cfg, num_samples=2, max_tokens=8)
+    trajs = _trajs([1.0, 0.0, 1.0, 1.0])
+    algo.compute_advantages(trajs)
+    # REINFORCE++ whitens over the batch, so group 1 has non-zero advantages...
+    # ...but dynamic sampling drops it.
+    assert [t.degenerate for t in trajs] == [False, False, True, True]
+    assert algo.select(trajs) == trajs[:2]
+
+
+def test_overlong_shaping_changes_rewards_before_advantages() -> None:
+    cfg = AlgorithmConfig(overlong_buffer=4, overlong_penalty_factor=1.0)
+    algo = Algorithm(cfg, num_samples=2, max_tokens=8)
+    trajs = _trajs([1.0, 1.0], lens=[2, 8])  # equal rewards, one sample at the limit
+    algo.compute_advantages(trajs)
+    assert not trajs[0].degenerate and float(trajs[0].advantages[0]) > 0
+    assert float(trajs[1].advantages[0]) < 0
+
+
+def test_kl_in_reward_needs_and_uses_ref_logp() -> None:
+    cfg = AlgorithmConfig(kl_coef=0.5, kl_in_reward=True, kl_estimator="k1")
+    algo = Algorithm(cfg, num_samples=2, max_tokens=8)
+    assert algo.needs_reference
+    trajs = _trajs([1.0, 1.0])
+    with pytest.raises(ValueError, match="ref_logp"):
+        algo.compute_advantages(trajs)
+    trajs[0].ref_logp = [-1.0] * 3          # k1 = 0
+    trajs[1].ref_logp = [-2.0] * 3          # k1 = logp - ref = 1 per token -> reward - 1.5
+    m = algo.compute_advantages(trajs)
+    assert float(trajs[0].advantages[0]) > 0 > float(trajs[1].advantages[0])
+    assert m["kl_in_reward"] == pytest.approx(0.5)
+
+
+def test_gae_needs_values_and_fills_returns() -> None:
+    algo = Algorithm(AlgorithmConfig(advantage="gae", lam=1.0, gamma=1.0), num_samples=1,
+                     max_tokens=8)
+    assert algo.needs_values
+    trajs = _trajs([1.0, 0.0], k=1)
+    with pytest.raises(ValueError, match="critic"):
+        algo.compute_advantages(trajs)
+    for t in trajs:
+        t.info["values"] = torch.zeros(3)
+    algo.compute_advantages(trajs)
+    # gamma = lam = 1, zero values: return and advantage = the outcome reward on every token.
+    assert torch.allclose(torch.as_tensor(trajs[0].info["returns"]), torch.ones(3))
+    assert torch.allclose(torch.as_tensor(trajs[0].advantages), torch.ones(3))
+    assert trajs[1].degenerate
+
+
+def test_group_estimator_rejects_k_1_and_bad_counts() -> None:
+    with pytest.raises(ValueError, match="samples per prompt"):
+        Algorithm(AlgorithmConfig(advantage="rloo"), num_samples=1, max_tokens=8)
+    algo = Algorithm(AlgorithmConfig(), num_samples=2, max_tokens=8)
+    with pytest.raises(ValueError, match="multiple of K=2"):
+        algo.compute_advantages(_trajs([1.0, 0.0, 1.0]))
+
+
+def test_drgrpo_constant_defaults_to_max_tokens() -> None:
+    algo = Algorithm(AlgorithmConfig(advantage="drgrpo", loss_agg="constant"), num_samples=2,
+                     max_tokens=16)
+    assert algo.loss_agg_constant == 16.0
+
+
+def test_mismatch_metrics_by_hand() -> None:
+    logp = torch.tensor([[0.0, -1.0, -2.0, 5.0]])
+    rollout = torch.tensor([[0.0, -1.5, -1.9, 0.0]])
+    mask = torch.tensor([[False, True, True, False]])
+    m = mismatch_metrics(logp, rollout, mask)
+    assert float(m["mismatch_abs_mean"]) == pytest.approx(0.3)
+    assert float(m["mismatch_abs_max"]) == pytest.approx(0.5)
+    # ratios exp(0.5) = 1.65 (out of [0.8, 1.25]) and exp(-0.1) = 0.905 (in).
+    assert float(m["mismatch_ratio_out"]) == pytest.approx(0.5)
+
+
+def test_with_mismatch_metrics_keeps_the_loss() -> None:
+    from hybrid_engine.algorithms.losses import LossInputs, policy_loss_fn
+
+    fn = policy_loss_fn(AlgorithmConfig())
+    logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    inputs = LossInputs(logp_BT=logp, advantages_BT=torch.tensor([[0.0, 1.0, -1.0]]),
+                        mask_BT=torch.tensor([[False, True, True]]),
+                        rollout_logp_BT=torch.tensor([[0.0, -1.0, -2.5]]))
+    loss_a, m_a = fn(inputs, None)
+    loss_b, m_b = with_mismatch_metrics(fn)(inputs, None)
+    assert torch.equal(loss_a, loss_b) and set(m_a) < set(m_b)
+    assert float(m_b["mismatch_abs_max"]) == pytest.approx(0.5)
