@@ -281,11 +281,22 @@ class EnvConfig:
     num_eval_prompts: int = _field(
         64, "Held-out prompts per evaluation (greedy, one sample each).", ge=1
     )
+    min_digits: int = _field(1, "arithmetic: fewest digits of a generated operand.", ge=1)
+    max_digits: int = _field(3, "arithmetic: most digits of a generated operand.", ge=1)
+    operators: tuple[str, ...] = _field(
+        ("+", "-"), "arithmetic: operators of generated problems (subset of + and -)."
+    )
+    allow_negative: bool = _field(
+        True, "arithmetic: False orders the operands of '-' so results are >= 0."
+    )
 
     def __post_init__(self) -> None:
         _validate_fields(self)
         if not self.name.strip():
             raise ValueError(f"{_prefix(self)}name must be non-empty")
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"{_prefix(self)}min_digits={self.min_digits} must be <= "
+                             f"{_prefix(self)}max_digits={self.max_digits}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

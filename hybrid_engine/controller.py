@@ -6,7 +6,8 @@ Job: the RL loop of DESIGN.md and nothing else --
     -> advantages -> skip if no sample carries signal -> train -> sync -> metrics
 
 plus exit conditions (steps, wall time, reward EMA), evaluation on held-out
-prompts, periodic checkpoints and a clean stop on SIGINT/SIGTERM.
+prompts (at step 0, every eval_every steps and after the last step), periodic
+checkpoints and a clean stop on SIGINT/SIGTERM.
 
 It never learns the placement (the policy object hides its layouts and how
 weights move), the algorithm (advantages, sample selection and the loss come
@@ -176,6 +177,8 @@ class Controller:
                 self._record(s.step, m)
                 if cfg.checkpoint_every and s.step % cfg.checkpoint_every == 0:
                     self._save(t_start)
+            if reason != "signal" and cfg.eval_every and s.step % cfg.eval_every:
+                self._record(s.step, self.evaluate())  # the final policy is always evaluated
             if reason == "signal" and cfg.checkpoint_every and s.step % cfg.checkpoint_every:
                 self._save(t_start)  # the finished steps are not lost
         s.wall_s += time.monotonic() - t_start

@@ -1,40 +1,65 @@
-"""`hybrid-engine demo`: the main job on the local CPU cores.
+"""`hybrid-engine demo` (`make demo`): a tiny model learns arithmetic with RL on the local CPU cores.
 
-What exists today: it writes a tiny random-init Qwen2 folder (weights,
-config, tokenizer), starts 2 SPMD ranks under torchrun, loads the folder into
-vLLM with tensor parallelism over both ranks through the package's rollout
-role, and samples arithmetic prompts. The model is untrained, so completions
-are noise; the RL demo (warm start, then GRPO through the hybrid engine)
-replaces this when the controller lands.
+What it does, on 2 ranks by default (it re-launches itself under torchrun):
+1. writes a random-init tiny Qwen2 folder (weights + byte-level tokenizer),
+2. a short supervised warm start on the task (`warmstart.py`), cached under
+   --cache-dir so a second run skips it,
+3. GRPO through the hybrid engine (`job.Job`: vLLM rollout with tensor
+   parallelism over the ranks, FSDP2 training, resharded weight sync), with
+   held-out greedy accuracy measured at step 0 and every few steps, for at most
+   --minutes of wall time.
 
-Last stdout line: JSON with the run's numbers.
+Outputs under --output-dir: metrics.jsonl, tb/ (TensorBoard), metrics.png
+(reward and accuracy over steps), final/ (the trained policy as a HF folder),
+checkpoints/. The last stdout line is JSON with acc_start, acc_end, steps,
+wall_s (the RL phase), output_dir and more.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import hashlib
 import json
-import logging
 import os
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "demo_config", "demo_spec", "run"]
 
-_PROMPTS = ["12+35=", "7+8=", "100-1=", "42+58="]
+
+
+def demo_spec():  # noqa: ANN201 - a TinyModelSpec (imported lazily: fast --help)
+    """The demo's model: `warmstart.DEMO_MODEL_SPEC` (a 4.1M-parameter Qwen2)."""
+    from hybrid_engine.warmstart import DEMO_MODEL_SPEC
+
+    return DEMO_MODEL_SPEC
+
+
+def _task(warm_start_steps: int | None = None):  # noqa: ANN202
+    """The warm start's config; its task (1-2 digit additions) is the RL task too."""
+    import dataclasses
+
+    from hybrid_engine.warmstart import WarmStartConfig
+
+    cfg = WarmStartConfig()
+    return cfg if warm_start_steps is None else dataclasses.replace(cfg, steps=warm_start_steps)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=2, help="ranks to start under torchrun (default 2)")
-    p.add_argument("--output-dir", default="runs/demo", help="where the model folder goes")
-    p.add_argument("--samples", type=int, default=4, help="completions per prompt (K)")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
+    p.add_argument("--output-dir", default="runs/demo", help="run folder (default runs/demo)")
+    p.add_argument("--cache-dir", default=".cache/demo",
+                   help="where the base model and the warm start are cached (default .cache/demo)")
+    p.add_argument("--minutes", type=float, default=9.0,
+                   help="wall-time limit of the RL phase (default 9)")
+    p.add_argument("--steps", type=int, default=600, help="most RL steps (default 600)")
+    p.add_argument("--warm-start-steps", type=int, default=None,
+                   help="supervised warm-start steps (default: WarmStartConfig's, 600)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Re-launches itself under torchrun unless already launched, then samples."""
+    """Re-launches itself under torchrun unless already launched, then runs."""
     from hybrid_engine.dist import is_launched
 
     if not is_launched():
@@ -47,59 +72,83 @@ def _relaunch(args: argparse.Namespace) -> int:
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={args.nproc}", "-m", "hybrid_engine.cli", "demo",
-           f"--output-dir={args.output_dir}", f"--samples={args.samples}",
-           f"--max-tokens={args.max_tokens}"]
+           f"--output-dir={args.output_dir}", f"--cache-dir={args.cache_dir}",
+           f"--minutes={args.minutes}", f"--steps={args.steps}"]
+    if args.warm_start_steps is not None:
+        cmd.append(f"--warm-start-steps={args.warm_start_steps}")
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
     return subprocess.call(cmd, env=env)
 
 
-def _rank_main(args: argparse.Namespace) -> int:
+def demo_config(model_path: str, output_dir: str, *, world: int, minutes: float, steps: int):  # noqa: ANN201
+    """The RL phase's RunConfig (recipe tiny_grpo_demo + this run's paths and limits)."""
+    from hybrid_engine.config import apply_overrides
+    from hybrid_engine.recipes import get_recipe
+
+    task = _task()
+    return apply_overrides(get_recipe("tiny_grpo_demo"), {
+        "model.path": model_path, "output_dir": output_dir,
+        "rollout.tensor_parallel_size": world, "max_wall_s": minutes * 60,
+        "train.num_steps": steps, "env.min_digits": task.min_digits,
+        "env.max_digits": task.max_digits, "env.operators": task.operators,
+        "env.allow_negative": task.allow_negative, "env.seed": task.seed,
+    })
+
+
+def _base_model(cache: Path, rank: int) -> Path:
+    """The random-init model folder, written once (by rank 0) per spec."""
+    import dataclasses
+
     import torch.distributed as dist
 
-    from hybrid_engine.config import RolloutConfig
-    from hybrid_engine.dist import init_distributed
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
-    from hybrid_engine.roles.vllm_rollout import VLLMRollout
+    from hybrid_engine.models.tiny import write_tiny_model
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    owns_group = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = demo_spec()
+    key = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode()).hexdigest()
+    path = cache / f"base-{key[:12]}"
+    if rank == 0 and not (path / "model.safetensors").is_file():
+        tmp = cache / f".base-{key[:12]}.tmp-{os.getpid()}"
+        write_tiny_model(tmp, spec)
+        os.replace(tmp, path)
+    dist.barrier()
+    return path
+
+
+def _rank_main(args: argparse.Namespace) -> int:
+    import logging
+
+    import torch.distributed as dist
+
+    from hybrid_engine.dist import init_distributed
+    from hybrid_engine.job import Job, configure_logging
+    from hybrid_engine.warmstart import warm_start
+
+    configure_logging()
+    init_distributed()
     log = logging.getLogger("hybrid_engine.demo")
-    if rank != 0:
-        log.setLevel(logging.WARNING)
-    with contextlib.ExitStack() as stack:
-        if owns_group:
-            stack.callback(lambda: dist.is_initialized() and dist.destroy_process_group())
-        model_dir = Path(args.output_dir) / "tiny-qwen2"
-        if rank == 0:
-            write_tiny_model(model_dir, PRESETS["tiny"])
-            log.info("wrote random-init model folder %s", model_dir)
-        dist.barrier()
-        cfg = RolloutConfig(tensor_parallel_size=world, num_samples_per_prompt=args.samples,
-                            max_tokens=args.max_tokens, max_model_len=128, kv_cache_gib=1.0,
-                            temperature=1.0, enforce_eager=True)
-        t0 = time.perf_counter()
-        rollout = VLLMRollout(str(model_dir), cfg, dtype="float32")
-        stack.callback(rollout.shutdown)  # before the group goes (it destroys it)
-        start_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = rollout.generate(_PROMPTS, seed=0)
-        gen_s = time.perf_counter() - t0
-        if rank == 0:
-            tok = rollout.tokenizer
-            for p, prompt in enumerate(_PROMPTS):
-                text = tok.decode(out.token_ids[p * out.num_samples])
-                log.info("%-8s -> %r  (mean logprob %.2f)", prompt, text,
-                         sum(out.logprobs[p * out.num_samples]) / max(1, len(out.token_ids[p * out.num_samples])))
-            log.info("random-init model: completions are noise until RL training lands")
-            result = {
-                "world_size": world, "tp": cfg.tensor_parallel_size,
-                "prompts": len(_PROMPTS), "completions": len(out.token_ids),
-                "tokens": out.num_tokens, "engine_start_s": round(start_s, 2),
-                "generate_s": round(gen_s, 3), "tok_s": round(out.num_tokens / gen_s, 1),
-                "output_dir": str(Path(args.output_dir).resolve()),
-            }
-    # After the engine's teardown, which logs to stdout: the JSON stays last.
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cache = Path(args.cache_dir)
     if rank == 0:
+        cache.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    warm = warm_start(_base_model(cache, rank), cache, _task(args.warm_start_steps))
+    warm_s = time.perf_counter() - t0
+    log.info("warm-started policy: %s (%.1f s)", warm, warm_s)
+    cfg = demo_config(str(warm), args.output_dir, world=world, minutes=args.minutes,
+                      steps=args.steps)
+    job = Job(cfg)
+    try:
+        summary = job.run()
+    finally:
+        job.shutdown()  # vLLM's teardown; it ends the process group too
+    if rank == 0:
+        result = {
+            "acc_start": summary.get("acc_start"), "acc_end": summary.get("acc_end"),
+            "steps": summary["steps"], "wall_s": round(summary["wall_s"], 1),
+            "output_dir": summary["output_dir"], "stop_reason": summary["stop_reason"],
+            "warm_start_s": round(warm_s, 1), "world_size": world,
+            "plot": str(Path(summary["output_dir"]) / "metrics.png"),
+            "final_model": summary["final_model"],
+        }
         print(json.dumps(result), flush=True)
     return 0

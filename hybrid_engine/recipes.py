@@ -112,23 +112,29 @@ def tiny_grpo_debug() -> RunConfig:
 
 @recipe
 def tiny_grpo_demo() -> RunConfig:
-    """The CPU demo: tiny Qwen2 on 2 ranks learning the toy task in minutes."""
+    """The CPU demo's RL phase: a warm-started 4M-parameter Qwen2 on 2 ranks
+    learning 1-2 digit additions (model.path and env task set by `hybrid-engine demo`)."""
     return apply_overrides(
         tiny_grpo_debug(),
         {
             "rollout.num_samples_per_prompt": 8,
-            "rollout.max_tokens": 32,
-            "train.num_steps": 60,
-            "train.prompts_per_step": 16,
-            "train.micro_batch_size": 16,
+            "rollout.max_tokens": 8,
+            "rollout.max_model_len": 64,
+            "train.lr": 3e-5,
+            "train.num_steps": 600,
+            "train.prompts_per_step": 32,
+            "train.micro_batch_size": 128,
             "sync.bucket_mb": 64.0,
             "sync.verify": False,
+            "env.max_digits": 2,
+            "env.operators": ("+",),
+            "env.allow_negative": False,
+            "env.num_eval_prompts": 200,
             "output_dir": "runs/tiny_grpo_demo",
             "eval_every": 10,
-            "checkpoint_every": 20,
+            "checkpoint_every": 50,
             "keep_checkpoints": 2,
-            "max_wall_s": 1800.0,
-            "target_reward_ema": 0.9,
+            "max_wall_s": 540.0,
         },
     )
 

@@ -69,7 +69,9 @@ def make_env(cfg: EnvConfig, tokenizer: Any) -> Environment:
 
 @register_env("arithmetic")
 def _arithmetic(cfg: EnvConfig, tokenizer: Any) -> Environment:
-    return ArithmeticEnv(tokenizer, seed=cfg.seed, dataset_path=cfg.dataset_path)
+    return ArithmeticEnv(tokenizer, seed=cfg.seed, dataset_path=cfg.dataset_path,
+                         min_digits=cfg.min_digits, max_digits=cfg.max_digits,
+                         operators=cfg.operators, allow_negative=cfg.allow_negative)
 
 
 @register_env("tool")

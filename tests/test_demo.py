@@ -1,0 +1,40 @@
+"""`hybrid-engine demo` plumbing on a fresh folder, shortened: warm start (then a
+cache hit), GRPO on 2 ranks, every output and the final JSON line. The full demo's
+learning claim is measured by `make demo` itself (README), not here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _demo(tmp_path, out: str) -> tuple[dict, str]:
+    cmd = [sys.executable, "-m", "hybrid_engine.cli", "demo", f"--output-dir={tmp_path / out}",
+           f"--cache-dir={tmp_path / 'cache'}", "--warm-start-steps=5", "--steps=2",
+           "--minutes=3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), text
+
+
+def test_demo_outputs_and_cached_warm_start(tmp_path) -> None:
+    first, log1 = _demo(tmp_path, "a")
+    assert {"acc_start", "acc_end", "steps", "wall_s", "output_dir"} <= first.keys()
+    assert first["steps"] == 2 and first["world_size"] == 2
+    out = tmp_path / "a"
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]
+    assert "eval/accuracy" in rows[-1] and rows[-1]["step"] == 2  # the final policy is evaluated
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert (out / "metrics.png").stat().st_size > 0
+    assert (out / "final" / "COMPLETE").is_file()
+    assert "warm start: 5 steps" in log1
+    second, log2 = _demo(tmp_path, "b")
+    assert "cache hit" in log2 and "warm start: 5 steps" not in log2
+    assert second["acc_start"] == first["acc_start"]  # same warm-started policy, same eval set
