@@ -325,6 +325,16 @@ class RunConfig:
         "Stop once the moving average of the mean training reward reaches this; "
         "None = run all num_steps.",
     )
+    mismatch_alarm: float | None = _field(
+        0.5,
+        "Warn when a step's mean |logp_trainer - logp_rollout| over the sampled tokens "
+        "exceeds this (healthy: ~1e-6 in fp32, ~1e-2 in bf16; a broken weight sync jumps "
+        "far above); None = off.",
+        gt=0,
+    )
+    mismatch_abort: bool = _field(
+        False, "Stop the run with an error (after the warning) when mismatch_alarm trips."
+    )
 
     def __post_init__(self) -> None:
         _validate_fields(self)

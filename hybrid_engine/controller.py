@@ -185,8 +185,8 @@ class Controller:
         return {"steps": s.step, "stop_reason": reason, "wall_s": s.wall_s, "history": s.history}
 
     def _record(self, step: int, m: dict[str, float]) -> None:
+        self.on_metrics(step, m)  # may add flags to m, or raise to stop the run
         self.state.history.append({"step": step, **m})
-        self.on_metrics(step, m)
 
     def _save(self, t_start: float) -> None:
         if self.checkpointer is None:

@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the base model and the warm start are cached (default .cache/demo)")
     p.add_argument("--minutes", type=float, default=9.0,
                    help="wall-time limit of the RL phase (default 9)")
-    p.add_argument("--steps", type=int, default=600, help="most RL steps (default 600)")
+    p.add_argument("--steps", type=int, default=450,
+                   help="RL steps (default 450; the cosine LR schedule ends there)")
     p.add_argument("--warm-start-steps", type=int, default=None,
                    help="supervised warm-start steps (default: WarmStartConfig's, 600)")
 

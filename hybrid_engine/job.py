@@ -127,11 +127,28 @@ class Job:
             (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     def _on_metrics(self, step: int, m: dict[str, float]) -> None:
+        alarm = self._mismatch_alarm(step, m)
         self.sink.write(step, m)
+        if alarm and self.cfg.mismatch_abort:
+            raise RuntimeError(alarm)
         if self.bar is not None and step > 0:
             post = {k: f"{m[k]:.3f}" for k in ("reward_mean", "accuracy", "eval/accuracy") if k in m}
             self.bar.set_postfix(post, refresh=False)
             self.bar.update(step - self.bar.n)
+
+    def _mismatch_alarm(self, step: int, m: dict[str, float]) -> str | None:
+        """The alarm message when the step's rollout/trainer mismatch is over the
+        threshold (also flagged in the metrics as mismatch_alarm = 1), else None.
+        Metrics are identical on every rank, so every rank decides the same."""
+        limit, value = self.cfg.mismatch_alarm, m.get("mismatch_abs_mean")
+        if limit is None or value is None or value <= limit:
+            return None
+        m["mismatch_alarm"] = 1.0
+        msg = (f"step {step}: rollout/trainer log-prob mismatch {value:.3g} (mean |diff| on "
+               f"sampled tokens, max {m.get('mismatch_abs_max', float('nan')):.3g}) exceeds "
+               f"mismatch_alarm={limit}: the weight sync or the dtypes are likely broken")
+        log.warning("%s", msg)
+        return msg
 
     def run(self) -> dict[str, Any]:
         """Runs the controller, exports the final policy and plots; returns the summary."""

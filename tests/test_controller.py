@@ -143,3 +143,43 @@ def test_resume_reproduces_the_straight_run(model_dir, tmp_path) -> None:
     assert [h["step"] for h in b] == [0, *range(1, 2 * k + 1)]
     assert a == b
     assert any(not h["skipped_degenerate"] for h in a if h["step"] > k)
+
+
+def _run_with_layer0_unsynced(model_dir: str, out_dir: str, overrides: dict) -> dict:
+    """A deliberately broken sync: layer 0's weights never reach vLLM (they are
+    written into scratch tensors instead), everything else syncs normally."""
+    import torch
+
+    from hybrid_engine.job import Job
+
+    _register_digits()
+    job = Job(_config(model_dir, out_dir, overrides), progress=False)
+    rollout = job.actor.rollout
+    real = rollout.weight_targets
+
+    def weight_targets(shapes):  # noqa: ANN001, ANN202
+        skip = {n: s for n, s in shapes.items() if ".layers.0." in n}
+        out = real({n: s for n, s in shapes.items() if n not in skip})
+        return {**out, **{n: torch.empty(s, dtype=job.actor.syncer.wire_dtype) for n, s in skip.items()}}
+
+    rollout.weight_targets = weight_targets
+    try:
+        job.run()
+        return {"error": None}
+    except RuntimeError as e:
+        return {"error": str(e), "history": job.controller.state.history}
+    finally:
+        job.shutdown()
+
+
+def test_broken_sync_trips_the_mismatch_alarm(model_dir, tmp_path) -> None:
+    overrides = {"rollout.tensor_parallel_size": 2, "train.num_steps": 4, "train.lr": 1e-2,
+                 "sync.verify": False, "mismatch_alarm": 1e-3, "mismatch_abort": True}
+    out = run_ranks(_run_with_layer0_unsynced, 2, model_dir, str(tmp_path / "run"), overrides,
+                    timeout=400)
+    for r in out:  # every rank stops, with the same message
+        assert r["error"] is not None and "log-prob mismatch" in r["error"], r
+    assert out[0]["error"] == out[1]["error"]
+    # The steps before the alarm were healthy: fp32 sync gives ~1e-6.
+    trained = [h for h in out[0]["history"] if h["step"] > 0 and not h["skipped_degenerate"]]
+    assert all(h["mismatch_abs_mean"] < 1e-3 for h in trained)

@@ -222,12 +222,7 @@ class AnyCharToolEnv(ToolEnv):
             return super().step(state, segment)  # no call: ends the episode
         state.response_ids += segment
         state.loss_mask += [True] * len(segment)
-        env_ids = encode(self.tokenizer, f"<result>{len(segment)}</result>")
-        state.response_ids += env_ids
-        state.loss_mask += [False] * len(env_ids)
-        state.num_turns += 1
-        state.done = state.num_turns >= self.max_turns
-        return env_ids, state.done
+        return self._reply(state, str(len(segment)))
 
 
 class Recorder:

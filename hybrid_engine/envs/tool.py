@@ -233,6 +233,10 @@ class ToolEnv(ProblemEnv):
             result = calculate(call[1])
         except CalcError as exc:
             result, state.num_tool_errors = f"error: {exc}", state.num_tool_errors + 1
+        return self._reply(state, result)
+
+    def _reply(self, state: ToolEpisode, result: str) -> tuple[list[int], bool]:
+        """Appends `<result>RESULT</result>` as env tokens (out of the loss); one turn."""
         env_ids = encode(self.tokenizer, f"<result>{result}</result>")
         state.response_ids += env_ids
         state.loss_mask += [False] * len(env_ids)
