@@ -110,13 +110,19 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg.validate_for_run()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    job = Job(cfg, resume=args.resume, progress=not args.no_progress)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
-        summary = job.run()
-    finally:
-        job.shutdown()  # vLLM's teardown; ends the process group too
+        job = Job(cfg, resume=args.resume, progress=not args.no_progress)
+        try:
+            summary = job.run()
+        finally:
+            job.shutdown()  # vLLM's teardown; ends the process group too
+    except ValueError as e:  # bad input, found the same way on every rank: say it once
+        if rank0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     summary.pop("history")
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank0:
         print(json.dumps(summary), flush=True)
     return 0
 

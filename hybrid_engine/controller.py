@@ -50,7 +50,8 @@ def any_rank(flag: bool) -> bool:
     """True on every rank if flag is True on any rank (collective when distributed)."""
     if not dist.is_initialized():
         return flag
-    t = torch.tensor([float(flag)])
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors
+    t = torch.tensor([float(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 

@@ -82,6 +82,14 @@ class Job:
         torch.manual_seed(cfg.seed)
         self.cfg, self.out = cfg, Path(cfg.output_dir)
         self.actor = HybridActor(cfg)
+        try:
+            self._build(cfg, resume, progress)
+        except BaseException:
+            self.actor.shutdown()  # the engine goes before the error does
+            raise
+
+    def _build(self, cfg: RunConfig, resume: bool, progress: bool) -> None:
+        """Every role but the actor, the checkpointer, the sink (and resume)."""
         self.rank0 = dist.get_rank() == 0
         self.env = make_env(cfg.env, self.actor.tokenizer)
         self.algorithm = Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,

@@ -88,3 +88,26 @@ def test_sigint_finishes_the_step_and_checkpoints(model_dir, tmp_path) -> None:
     assert not list((out / "checkpoints").glob("*.tmp-*"))
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == summary["steps"]
+
+
+def test_single_process_without_torchrun(model_dir, tmp_path) -> None:
+    out = tmp_path / "run"
+    cmd = [sys.executable, *_args(model_dir, out, "--train.num_steps=1",
+                                  "--rollout.tensor_parallel_size=1", "--checkpoint_every=0")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = _summary(proc.stdout)
+    assert summary["steps"] == 1 and (out / "final" / "COMPLETE").is_file()
+
+
+def test_missing_model_folder_is_one_clear_error(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         *_args(str(tmp_path / "no" / "such-model"), tmp_path / "run")],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "does not exist" in errors[0], proc.stderr[-3000:]
+    # No rank dumped a traceback (torchrun's own launcher report may follow).
+    assert "ValueError" not in proc.stdout + proc.stderr

@@ -121,9 +121,25 @@ class HiddenStatesHead(nn.Module):
         return hidden_BTH
 
 
+def _looks_local(model_path: str) -> bool:
+    """A path rather than a hub id ("org/name"): absolute, relative to ., ~, or deeper."""
+    return (os.path.isabs(model_path) or model_path.startswith((".", "~"))
+            or model_path.count("/") >= 2 or os.path.exists(model_path))
+
+
 def resolve_model_path(model_path: str) -> Path:
+    """The local HF folder of model_path (a folder, or a hub id fetched to the HF cache).
+
+    Raises:
+        ValueError: a local-looking path that is not a folder with a config.json.
+    """
     if os.path.isdir(model_path):
+        if not os.path.isfile(os.path.join(model_path, "config.json")):
+            raise ValueError(f"model folder {model_path!r} has no config.json "
+                             "(expected a HF model folder: config.json + *.safetensors)")
         return Path(model_path)
+    if _looks_local(model_path):
+        raise ValueError(f"model folder {model_path!r} does not exist or is not a folder")
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
