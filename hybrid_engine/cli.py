@@ -105,12 +105,14 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from hybrid_engine.recipes import build_config
 
     configure_logging()
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         cfg = build_config(args.recipe, args.config, parse_cli_overrides(overrides))
         cfg.validate_for_run()
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    except ValueError as e:  # every rank finds it: say it once
+        if rank0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     try:
         job = Job(cfg, resume=args.resume, progress=not args.no_progress)
         try:
