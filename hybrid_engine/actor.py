@@ -166,12 +166,17 @@ class HybridActor:
         Other keyword arguments go to `VLLMRollout.generate`.
         """
         self._to_inference()
-        if not greedy:
+        with self._sampling(greedy):
             return self.rollout.generate(prompts, num_samples=num_samples, seed=seed, **kwargs)
+
+    @contextlib.contextmanager
+    def _sampling(self, greedy: bool) -> Iterator[None]:
+        """Inside: the engine samples greedily (top_k=1) if greedy, else as configured."""
         cfg = self.rollout.cfg
-        self.rollout.cfg = dataclasses.replace(cfg, top_k=1)
+        if greedy:
+            self.rollout.cfg = dataclasses.replace(cfg, top_k=1)
         try:
-            return self.rollout.generate(prompts, num_samples=num_samples, seed=seed, **kwargs)
+            yield
         finally:
             self.rollout.cfg = cfg
 
@@ -181,16 +186,9 @@ class HybridActor:
         from hybrid_engine.episodes import collect
 
         self._to_inference()
-        if not greedy:
+        with self._sampling(greedy):
             return collect(self.rollout, env, [list(p) for p in prompts],
                            num_samples=num_samples, seed=seed)
-        cfg = self.rollout.cfg
-        self.rollout.cfg = dataclasses.replace(cfg, top_k=1)
-        try:
-            return collect(self.rollout, env, [list(p) for p in prompts],
-                           num_samples=num_samples, seed=seed)
-        finally:
-            self.rollout.cfg = cfg
 
     # --- training ----------------------------------------------------------------
 
