@@ -26,7 +26,9 @@ What it does to the host process, and nothing else:
 - vLLM's engine teardown destroys the default process group too (vLLM's
   behaviour, not ours): call `shutdown()` after your last collective;
 - installs no signal handler and configures no logging handler (it logs
-  through the `hybrid_engine` loggers).
+  through the `hybrid_engine` loggers);
+- sets `cfg.collective_timeout_s` on the process groups it creates (and on
+  the default group if it created it), never on a host's groups.
 
 Invariant: after `sync_weights()` (or inside `generate`), vLLM samples from
 exactly the trainer's current weights (cast to the rollout dtype).
@@ -49,7 +51,7 @@ from hybrid_engine.algorithms.losses import LossFn, policy_loss_fn
 from hybrid_engine.algorithms.mismatch import with_mismatch_metrics
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
 from hybrid_engine.config import RunConfig, apply_overrides
-from hybrid_engine.dist import init_distributed
+from hybrid_engine.dist import all_groups, init_distributed, set_collective_timeout
 from hybrid_engine.roles.fsdp import DTYPES, resolve_model_path
 from hybrid_engine.roles.shards import gather_response_field, local_batch
 from hybrid_engine.roles.sync import WeightSync
@@ -89,7 +91,8 @@ class HybridActor:
     def __init__(self, cfg: RunConfig) -> None:
         cfg.validate_for_run()
         self.cfg = cfg
-        self._owns_group = init_distributed(single_process=True)
+        self._owns_group = init_distributed(cfg.collective_timeout_s, single_process=True)
+        host_groups = [] if self._owns_group else all_groups()
         self.rank = dist.get_rank()
         self.model_path = str(resolve_model_path(cfg.model.path))
         t0 = time.perf_counter()
@@ -100,6 +103,9 @@ class HybridActor:
         self.syncer = WeightSync(self.trainer.module.config, cfg.sync,
                                  tp=cfg.rollout.tensor_parallel_size,
                                  wire_dtype=DTYPES[cfg.model.rollout_dtype])
+        # Groups made here (vLLM's, the FSDP mesh's) get cfg's timeout; a host's are its own.
+        set_collective_timeout(cfg.collective_timeout_s,
+                               [g for g in all_groups() if g not in host_groups])
         self.tokenizer = self.rollout.tokenizer
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)

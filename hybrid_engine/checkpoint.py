@@ -96,6 +96,21 @@ def _commit(tmp: Path, path: Path) -> None:
     dist.barrier()
 
 
+def _check_shapes(path: Path, state: dict[str, Any]) -> None:
+    """Every model tensor to load has the checkpoint's shape (else: another model)."""
+    saved = dcp.FileSystemReader(path / "dcp").read_metadata().state_dict_metadata
+    for section in ("model", "critic_model"):
+        for name, t in state.get(section, {}).items():
+            md = saved.get(f"{section}.{name}")
+            shape = tuple(getattr(md, "size", ()) or ())
+            if md is None or shape != tuple(t.shape):
+                raise ValueError(
+                    f"{path} was saved from a model of another shape: {name} is "
+                    f"{list(shape) if md is not None else 'absent'} there, {list(t.shape)} "
+                    "here; resume with the model.path the run started with"
+                )
+
+
 def _check_complete(path: Path) -> None:
     if not (path / COMPLETE_MARKER).is_file():
         raise ValueError(
@@ -220,7 +235,8 @@ def load_training_state(
         The `extra` dict passed to save (None if none was).
 
     Raises:
-        ValueError: path is not a complete checkpoint, or critic presence differs.
+        ValueError: path is not a complete checkpoint, critic presence differs, or
+            the checkpoint holds a model of another shape.
     """
     path = Path(path)
     _check_complete(path)
@@ -229,6 +245,7 @@ def load_training_state(
         raise ValueError(f"{path}: checkpoint has critic={meta['critic'] is not None}, "
                          f"but critic={'given' if critic is not None else 'None'}")
     state = _dcp_state(trainer, critic)
+    _check_shapes(path, state)
     dcp.load(state, checkpoint_id=path / "dcp")
     set_state_dict(trainer.module, trainer.optimizer,
                    model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -99,34 +99,73 @@ def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Builds the config, runs the job on this world (torchrun or one process)."""
+    """Builds the config, runs the job on this world (torchrun or one process).
+
+    Bad input (a ValueError: config, files, model, rewards, checkpoints) and a
+    run that aborts itself are one `error: ...` line and exit code 2; anything
+    else is a bug and keeps its traceback.
+    """
     from hybrid_engine.config import parse_cli_overrides
-    from hybrid_engine.job import Job, configure_logging
+    from hybrid_engine.dist import set_collective_timeout
+    from hybrid_engine.job import Job, RunAborted, configure_logging
     from hybrid_engine.recipes import build_config
 
     configure_logging()
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    store = _default_store()
     try:
         cfg = build_config(args.recipe, args.config, parse_cli_overrides(overrides))
         cfg.validate_for_run()
-    except ValueError as e:  # every rank finds it: say it once
-        if rank0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        job = Job(cfg, resume=args.resume, progress=not args.no_progress)
+        set_collective_timeout(cfg.collective_timeout_s)
+        job = Job(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
         try:
             summary = job.run()
         finally:
             job.shutdown()  # vLLM's teardown; ends the process group too
-    except ValueError as e:  # bad input, found the same way on every rank: say it once
-        if rank0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+    except (ValueError, RunAborted) as e:
+        _say_once(str(e), store)
         return 2
     summary.pop("history")
-    if rank0:
+    if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def _default_store():  # noqa: ANN202
+    """Joins (or makes) the default process group; returns its key-value store
+    (None for one rank), which outlives vLLM's teardown of the group."""
+    import torch.distributed as dist
+
+    from hybrid_engine.dist import init_distributed
+
+    init_distributed(single_process=True)
+    return dist.distributed_c10d._get_default_store() if dist.get_world_size() > 1 else None
+
+
+_ERROR_KEY = "hybrid_engine/error_rank0"
+
+
+def _say_once(msg: str, store) -> None:  # noqa: ANN001
+    """Prints `error: msg` on rank 0, then tells the others through the store.
+    Another rank stays silent if rank 0 failed with the same message (bad
+    input is found alike everywhere) and speaks for itself if rank 0 did not
+    within 10 s (the error was this rank's alone; rank 0 is likely waiting on
+    it in a collective). Waiting also keeps torchrun from killing rank 0
+    before it has printed."""
+    import datetime
+
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        if store is not None:
+            store.set(_ERROR_KEY, msg)
+        return
+    try:
+        store.wait([_ERROR_KEY], datetime.timedelta(seconds=10))
+        same = store.get(_ERROR_KEY).decode() == msg
+    except Exception:  # noqa: BLE001 -- rank 0 gone or silent: speak for ourselves
+        same = False
+    if not same:
+        print(f"error (rank {rank}): {msg}", file=sys.stderr, flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -150,6 +189,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", help="YAML file of overrides")
     tr.add_argument("--resume", action="store_true",
                     help="continue from the newest complete checkpoint in output_dir/checkpoints")
+    tr.add_argument("--overwrite", action="store_true",
+                    help="start over in an output_dir holding an earlier run's checkpoints "
+                         "(deletes them, its metrics and its final model)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     from hybrid_engine import demo

@@ -180,6 +180,12 @@ class TrainConfig:
     prompts_per_step: int = _field(
         32, "Prompts per RL step over all ranks; sequences = this * K.", ge=1
     )
+    max_nonfinite_in_a_row: int = _field(
+        3,
+        "A step whose loss or gradient norm is NaN/inf is skipped (no update) and counted; "
+        "the run aborts after this many such steps in a row (0 = never abort).",
+        ge=0,
+    )
 
     def __post_init__(self) -> None:
         _validate_fields(self)
@@ -278,6 +284,12 @@ class EnvConfig:
         "HF sequence-classification model folder whose score (logit 0) replaces the "
         "environment's reward function; '' = the environment's own reward.",
     )
+    reward_fn: str = _field(
+        "",
+        "Custom reward replacing the environment's: 'path/to/file.py:function' or "
+        "'package.module:function', called as function(prompt, completion, answer) -> "
+        "float or {name: float}; '' = the environment's own reward.",
+    )
     num_eval_prompts: int = _field(
         64, "Held-out prompts per evaluation (greedy, one sample each).", ge=1
     )
@@ -297,6 +309,9 @@ class EnvConfig:
         if self.min_digits > self.max_digits:
             raise ValueError(f"{_prefix(self)}min_digits={self.min_digits} must be <= "
                              f"{_prefix(self)}max_digits={self.max_digits}")
+        if self.reward_fn and self.reward_model_path:
+            raise ValueError(f"set at most one of {_prefix(self)}reward_fn and "
+                             f"{_prefix(self)}reward_model_path (each replaces the reward)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -334,6 +349,12 @@ class RunConfig:
     )
     mismatch_abort: bool = _field(
         False, "Stop the run with an error (after the warning) when mismatch_alarm trips."
+    )
+    collective_timeout_s: float = _field(
+        600.0,
+        "Timeout of every collective on every process group (ours, FSDP2's, vLLM's): a "
+        "rank waiting longer for a dead or stuck peer raises instead of hanging.",
+        gt=0,
     )
 
     def __post_init__(self) -> None:

@@ -137,7 +137,7 @@ def _rank_main(args: argparse.Namespace) -> int:
     log.info("warm-started policy: %s (%.1f s)", warm, warm_s)
     cfg = demo_config(str(warm), args.output_dir, world=world, minutes=args.minutes,
                       steps=args.steps)
-    job = Job(cfg)
+    job = Job(cfg, overwrite=True)  # a repeated `make demo` starts over
     try:
         summary = job.run()
     finally:

@@ -13,7 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "is_launched", "rank0_logger"]
+__all__ = ["all_groups", "collective_timeouts", "init_distributed", "is_launched", "rank0_logger",
+           "set_collective_timeout"]
 
 
 def is_launched() -> bool:
@@ -56,3 +57,38 @@ def rank0_logger(name: str) -> logging.Logger:
     if dist.is_initialized() and dist.get_rank() != 0:
         log.setLevel(logging.WARNING)
     return log
+
+
+def all_groups() -> list[dist.ProcessGroup]:
+    """Every process group this process is a member of (default group included)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return [pg for pg in list(c10d._world.pg_map) if isinstance(pg, dist.ProcessGroup)]
+
+
+def set_collective_timeout(timeout_s: float, groups: list[dist.ProcessGroup] | None = None) -> int:
+    """Sets the timeout of every collective on groups (default: all of them).
+
+    Groups made by `new_group` (vLLM's TP groups, device meshes) otherwise
+    keep torch's default (30 min for gloo, 10 for NCCL) whatever the default
+    group was given. Returns how many groups were set.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    groups = all_groups() if groups is None else groups
+    for pg in groups:
+        c10d._set_pg_timeout(timeout, pg)
+    return len(groups)
+
+
+def collective_timeouts() -> list[float]:
+    """The timeout in seconds of every backend of every group (for checks and tests)."""
+    out = []
+    for pg in all_groups():
+        for device in pg._device_types:
+            backend = pg._get_backend(device)
+            options = getattr(backend, "options", None)
+            if options is not None and hasattr(options, "_timeout"):
+                out.append(options._timeout.total_seconds())
+    return out

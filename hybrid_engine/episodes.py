@@ -149,7 +149,9 @@ def collect(
         index, reward not computed. info["num_segments"] = generated segments
         (1 for single-turn); info["num_turns"] = env turns (tool calls; set by
         the env, 0 when it does not); info["context_full"] = the episode ended
-        because max_model_len left no room.
+        because max_model_len left no room; info["source_prompt_ids"] = the
+        whole prompt, on trajectories whose prompt_ids the rollout truncated
+        (rollout.prompt_too_long='truncate'), for scoring.
 
     Raises:
         ValueError: num_samples < 1.
@@ -161,16 +163,21 @@ def collect(
         return []
     if isinstance(env, MultiTurnEnvironment):
         turn_stop = stop if stop is not None else getattr(env, "turn_stop", TOOL_CALL_STOP)
-        return _collect_multi_turn(rollout, env, prompt_ids, num_samples, seed, turn_stop)
-    out = rollout.generate(prompt_ids, num_samples=num_samples, seed=seed)
-    return [
-        Trajectory(
-            prompt_ids=list(out.prompt_ids[i // num_samples]), response_ids=list(tokens),
-            rollout_logp=list(logp), group_id=i // num_samples,
-            info={"num_turns": 0, "num_segments": 1, "context_full": False},
-        )
-        for i, (tokens, logp) in enumerate(zip(out.token_ids, out.logprobs, strict=True))
-    ]
+        trajs = _collect_multi_turn(rollout, env, prompt_ids, num_samples, seed, turn_stop)
+    else:
+        out = rollout.generate(prompt_ids, num_samples=num_samples, seed=seed)
+        trajs = [
+            Trajectory(
+                prompt_ids=list(out.prompt_ids[i // num_samples]), response_ids=list(tokens),
+                rollout_logp=list(logp), group_id=i // num_samples,
+                info={"num_turns": 0, "num_segments": 1, "context_full": False},
+            )
+            for i, (tokens, logp) in enumerate(zip(out.token_ids, out.logprobs, strict=True))
+        ]
+    for t in trajs:  # truncated to fit max_model_len: the reward still needs the whole prompt
+        if len(t.prompt_ids) < len(prompt_ids[t.group_id]):
+            t.info["source_prompt_ids"] = list(prompt_ids[t.group_id])
+    return trajs
 
 
 def _collect_multi_turn(

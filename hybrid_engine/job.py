@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,20 @@ from hybrid_engine.algorithms.algorithm import Algorithm
 from hybrid_engine.checkpoint import latest_checkpoint, prune_checkpoints, step_checkpoint_path
 from hybrid_engine.config import RunConfig, to_dict
 from hybrid_engine.controller import Controller
+from hybrid_engine.dist import set_collective_timeout
 from hybrid_engine.envs import make_env
 from hybrid_engine.metrics import MetricsSink, plot_metrics
+from hybrid_engine.preflight import preflight
 
-__all__ = ["Job", "JobCheckpointer"]
+__all__ = ["Job", "JobCheckpointer", "RunAborted"]
 
 log = logging.getLogger("hybrid_engine.train")
+
+
+class RunAborted(RuntimeError):
+    """The run stopped itself (mismatch alarm with mismatch_abort, too many
+    non-finite steps in a row). Raised on every rank alike: the metrics it is
+    decided from are identical on every rank."""
 
 
 class JobCheckpointer:
@@ -61,8 +70,7 @@ class JobCheckpointer:
         """
         path = latest_checkpoint(self.root)
         if path is None:
-            raise ValueError(f"--resume: no complete checkpoint under {self.root} "
-                             "(a save that was interrupted leaves only a .tmp- folder)")
+            raise ValueError(f"no complete checkpoint under {self.root} to resume from")
         extra = self.actor.load(path, critic=self.critic)
         log.info("resumed from %s (step %d)", path, extra["step"])
         return extra
@@ -72,25 +80,36 @@ class Job:
     """Every role of a run, built collectively from cfg.
 
     Args:
-        cfg: the run config (validated for launch here).
+        cfg: the run config (checked by `preflight` before any engine starts).
         resume: continue from the newest complete checkpoint in output_dir.
         progress: show a tqdm bar on rank 0.
+        overwrite: start over in an output_dir that holds an earlier run's
+            checkpoints (they, its metrics and its final model are deleted).
+
+    Raises:
+        ValueError: bad input (see `preflight`), found alike on every rank.
     """
 
-    def __init__(self, cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> None:
-        cfg.validate_for_run()
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, progress: bool = True,
+                 overwrite: bool = False) -> None:
+        preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                  resume=resume, overwrite=overwrite)
         torch.manual_seed(cfg.seed)
         self.cfg, self.out = cfg, Path(cfg.output_dir)
+        self.nonfinite_in_a_row = 0
         self.actor = HybridActor(cfg)
         try:
-            self._build(cfg, resume, progress)
+            self._build(cfg, resume, progress, overwrite)
         except BaseException:
             self.actor.shutdown()  # the engine goes before the error does
             raise
 
-    def _build(self, cfg: RunConfig, resume: bool, progress: bool) -> None:
+    def _build(self, cfg: RunConfig, resume: bool, progress: bool, overwrite: bool) -> None:
         """Every role but the actor, the checkpointer, the sink (and resume)."""
         self.rank0 = dist.get_rank() == 0
+        if overwrite and not resume:
+            self._clear_outputs()
         self.env = make_env(cfg.env, self.actor.tokenizer)
         self.algorithm = Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,
                                    max_tokens=cfg.rollout.max_tokens)
@@ -133,16 +152,50 @@ class Job:
             import yaml
 
             (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        set_collective_timeout(cfg.collective_timeout_s)  # the scorers' groups too
+
+    def _clear_outputs(self) -> None:
+        """--overwrite: rank 0 deletes an earlier run's outputs (collective)."""
+        if self.rank0:
+            for name in ("checkpoints", "final", "tb"):
+                shutil.rmtree(self.out / name, ignore_errors=True)
+            for name in ("metrics.jsonl", "metrics.png", "config.yaml"):
+                (self.out / name).unlink(missing_ok=True)
+        dist.barrier()
 
     def _on_metrics(self, step: int, m: dict[str, float]) -> None:
         alarm = self._mismatch_alarm(step, m)
+        aborted = self._nonfinite_streak(step, m)
         self.sink.write(step, m)
         if alarm and self.cfg.mismatch_abort:
-            raise RuntimeError(alarm)
+            raise RunAborted(alarm)
+        if aborted:
+            raise RunAborted(aborted)
         if self.bar is not None and step > 0:
             post = {k: f"{m[k]:.3f}" for k in ("reward_mean", "accuracy", "eval/accuracy") if k in m}
             self.bar.set_postfix(post, refresh=False)
             self.bar.update(step - self.bar.n)
+
+    def _nonfinite_streak(self, step: int, m: dict[str, float]) -> str | None:
+        """Counts steps the trainer skipped for a NaN/inf loss or gradient norm
+        (m["skipped"]; also reported as nonfinite_in_a_row); the abort message
+        once train.max_nonfinite_in_a_row are in a row, else None. Raised
+        before this step's checkpoint, so the newest checkpoint is a good one."""
+        if "skipped" not in m:
+            return None  # an eval row, or a step with nothing to train on
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if m["skipped"] else 0
+        m["nonfinite_in_a_row"] = float(self.nonfinite_in_a_row)
+        limit = self.cfg.train.max_nonfinite_in_a_row
+        if not limit or self.nonfinite_in_a_row < limit:
+            if m["skipped"]:
+                log.warning("step %d: non-finite loss or gradient norm (%s): step skipped, "
+                            "weights unchanged", step, m.get("grad_norm"))
+            return None
+        newest = latest_checkpoint(self.out / "checkpoints")
+        return (f"step {step}: {limit} steps in a row had a non-finite loss or gradient norm "
+                f"(skipped, weights unchanged); aborting. Newest checkpoint: "
+                f"{newest or 'none'}; lower train.lr, check the reward scale, or raise "
+                "train.max_nonfinite_in_a_row")
 
     def _mismatch_alarm(self, step: int, m: dict[str, float]) -> str | None:
         """The alarm message when the step's rollout/trainer mismatch is over the

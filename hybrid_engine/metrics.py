@@ -70,7 +70,8 @@ class PhaseTimer:
 
 def trajectory_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     """Reward mean/std, accuracy (mean of the "correct" component when the
-    environment gives one), response length, and each reward component's mean."""
+    environment gives one), response length, each reward component's mean, and
+    prompts_truncated (prompts the rollout cut to fit max_model_len)."""
     n = max(len(trajs), 1)
     rewards = [t.reward for t in trajs]
     mean = sum(rewards) / n
@@ -79,6 +80,8 @@ def trajectory_metrics(trajs: Sequence[Any]) -> dict[str, float]:
         "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
         "response_len_mean": sum(sum(t.loss_mask) for t in trajs) / n,
         "samples": float(len(trajs)),
+        "prompts_truncated": float(len({t.group_id for t in trajs
+                                        if "source_prompt_ids" in t.info})),
     }
     keys = sorted({k for t in trajs for k in t.reward_components})
     for k in keys:

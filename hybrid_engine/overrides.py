@@ -408,10 +408,14 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Reads a YAML file of overrides into a flat {dotted key: value} dict.
 
     Raises:
-        ValueError: the file is not valid YAML (with line) or its top level is
-            not a mapping; the message names the file.
+        ValueError: the file is missing or unreadable, is not valid YAML (with
+            line) or its top level is not a mapping; the message names the file.
     """
-    with open(path, encoding="utf-8") as fh:
+    try:
+        fh = open(path, encoding="utf-8")  # noqa: SIM115 -- closed by the with below
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the config file ({exc.strerror})") from None
+    with fh:
         try:
             data = yaml.safe_load(fh)
         except yaml.YAMLError as exc:

@@ -277,12 +277,14 @@ def run_in_subprocess(
 def run_torchrun(
     argv: Sequence[str], nproc: int, *, timeout: float = 300.0,
     env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
+    check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """Runs `torchrun --standalone --nproc_per_node=nproc ARGV...` and returns its output.
 
     argv is what follows torchrun's own flags: a script path and its
-    arguments, or ["-m", "module", ...]. Raises RankError on a non-zero exit or
-    on the deadline (the whole process tree is killed), with the output tail.
+    arguments, or ["-m", "module", ...]. Raises RankError on the deadline (the
+    whole process tree is killed) and, if check, on a non-zero exit, with the
+    output tail. stdout and stderr come merged, in `.stdout`.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", *argv]
@@ -297,7 +299,7 @@ def run_torchrun(
         out, _ = proc.communicate()
         raise RankError(f"torchrun did not finish within {timeout:.0f} s: {' '.join(cmd)}\n"
                         f"{out[-_LOG_TAIL_CHARS:]}") from None
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         raise RankError(f"torchrun exited with code {proc.returncode}: {' '.join(cmd)}\n"
                         f"{out[-_LOG_TAIL_CHARS:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")

@@ -7,6 +7,8 @@ task by name and the controller never imports a task module.
 With `EnvConfig.reward_model_path` set, the named environment is wrapped in
 `reward_model.RewardModelEnv`: prompts come from the task, the reward from
 the reward model (imported lazily, so importing this package stays light).
+With `EnvConfig.reward_fn` set, it is wrapped in `custom_reward.CustomRewardEnv`:
+the reward comes from the user's function.
 
 Invariant: a name is registered once; an unknown name is a `ValueError`
 listing the registered names and the closest one, never a silent default.
@@ -57,9 +59,14 @@ def make_env(cfg: EnvConfig, tokenizer: Any) -> Environment:
 
     Raises:
         ValueError: unknown name (lists the registered ones and the closest),
-            a bad dataset file, or a reward model that is not num_labels=1.
+            a bad dataset file, a reward model that is not num_labels=1, or a
+            reward_fn that cannot be loaded.
     """
     env = ENVS.get(cfg.name)(cfg, tokenizer)
+    if cfg.reward_fn:
+        from hybrid_engine.envs.custom_reward import CustomRewardEnv, load_reward_fn
+
+        env = CustomRewardEnv(env, load_reward_fn(cfg.reward_fn), tokenizer, fn_name=cfg.reward_fn)
     if cfg.reward_model_path:
         from hybrid_engine.envs.reward_model import RewardModel, RewardModelEnv
 

@@ -68,8 +68,11 @@ def eos_token_id(tokenizer: Any) -> int:
     return int(eos)
 
 
-class RewardError(RuntimeError):
-    """A reward function raised or returned a non-finite / non-numeric value."""
+class RewardError(ValueError):
+    """A reward function raised or returned a non-finite / non-numeric value.
+
+    A ValueError: like other bad input it is found the same way on every rank
+    (every rank scores the same trajectories) and reported once."""
 
 
 def _is_finite_real(x: object) -> bool:
@@ -95,8 +98,8 @@ def checked_reward(
         raise RewardError(f"{where}: reward function raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(components, Mapping) or not components:
         raise RewardError(
-            f"{where}: reward function must return a non-empty mapping of components, "
-            f"got {components!r}"
+            f"{where}: reward function must return a number or a non-empty mapping of "
+            f"components, got {components!r}"
         )
     bad = {k: v for k, v in components.items() if not _is_finite_real(v)}
     if bad:
@@ -108,8 +111,8 @@ def score_trajectories(
     env_name: str, tokenizer: Any, trajs: Sequence[Trajectory], fn: RewardFn
 ) -> None:
     """Fills reward_components (checked) and reward (their sum) of every trajectory."""
-    for traj in trajs:
-        prompt_text = decode(tokenizer, traj.prompt_ids)
+    for traj in trajs:  # the whole prompt, also when the rollout truncated it
+        prompt_text = decode(tokenizer, traj.info.get("source_prompt_ids", traj.prompt_ids))
         traj.reward_components = checked_reward(env_name, prompt_text, fn, traj)
         traj.reward = math.fsum(traj.reward_components.values())
 

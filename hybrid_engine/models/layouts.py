@@ -30,6 +30,7 @@ __all__ = [
     "ModelDims",
     "Segment",
     "TargetParam",
+    "check_tp",
     "hf_shapes",
     "model_dims",
     "tp_layout",
@@ -134,7 +135,8 @@ def hf_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _check_tp(d: ModelDims, tp: int) -> None:
+def check_tp(d: ModelDims, tp: int) -> None:
+    """Raises ValueError unless tp splits the heads and the MLP evenly."""
     if d.num_heads % tp or d.intermediate % tp:
         raise ValueError(
             f"tensor_parallel_size={tp} must divide num_attention_heads={d.num_heads} "
@@ -208,7 +210,7 @@ def tp_layout(d: ModelDims, tp: int, r: int) -> list[TargetParam]:
     With tied embeddings vLLM's lm_head shares embed_tokens' parameter, so it
     is not listed.
     """
-    _check_tp(d, tp)
+    check_tp(d, tp)
     if not 0 <= r < tp:
         raise ValueError(f"TP rank {r} out of range for tensor_parallel_size={tp}")
     out = [_vocab("model.embed_tokens.weight", "model.embed_tokens.weight", d, tp, r)]

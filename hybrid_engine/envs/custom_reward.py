@@ -1,0 +1,107 @@
+"""A user's reward function in place of an environment's own (`env.reward_fn`).
+
+Job: load `function` from 'path/to/file.py:function' or
+'package.module:function', and wrap an environment so its `score` calls
+
+    function(prompt: str, completion: str, answer: str | None) -> float | {name: float}
+
+on every sample (completion = the response text up to the first EOS; answer =
+the environment's reference answer when it has one). Everything else --
+prompts, evaluation prompts, checkpoint state, multi-turn hooks -- comes from
+the wrapped environment.
+
+Invariant: the user's function runs behind `checked_reward`, so a raise or a
+NaN / inf / non-number is a `RewardError` naming the function and the sample,
+identical on every rank (every rank scores the same trajectories), never a
+silent NaN in the advantages.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import numbers
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hybrid_engine.envs.base import decode, eos_token_id, score_trajectories
+
+__all__ = ["CustomRewardEnv", "load_reward_fn"]
+
+UserRewardFn = Callable[[str, str, "str | None"], "float | Mapping[str, float]"]
+
+
+def load_reward_fn(spec: str) -> UserRewardFn:
+    """The callable named by 'file.py:function' or 'module:function'.
+
+    Raises:
+        ValueError: malformed spec, missing file or module, a module that
+            fails to import (its error is quoted), or no callable of that name.
+    """
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ValueError(f"env.reward_fn={spec!r} must look like 'path/to/file.py:function' "
+                         "or 'package.module:function'")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise ValueError(f"env.reward_fn={spec!r}: file {where!r} does not exist")
+            mod_name = f"_hybrid_engine_reward_{abs(hash(str(path.resolve())))}"
+            module_spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[mod_name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ValueError:
+        raise
+    except Exception as exc:  # the user's module: say what broke, not a traceback
+        raise ValueError(f"env.reward_fn={spec!r}: importing {where!r} failed: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"env.reward_fn={spec!r}: {where!r} has no function {name!r}")
+    return fn
+
+
+class CustomRewardEnv:
+    """`base_env` with its reward replaced by a user function (see the module docstring).
+
+    Args:
+        base_env: the task environment (prompts, answers, state).
+        fn: the user's reward function.
+        tokenizer: the policy's tokenizer.
+        fn_name: how error messages name the function (the config spec).
+    """
+
+    def __init__(self, base_env: Any, fn: UserRewardFn, tokenizer: Any, *, fn_name: str) -> None:
+        self.base_env, self.fn, self.tokenizer = base_env, fn, tokenizer
+        self.eos_id = eos_token_id(tokenizer)
+        self.name = f"{getattr(base_env, 'name', type(base_env).__name__)} (reward_fn {fn_name})"
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes not found normally: delegate to the task.
+        if name == "base_env":
+            raise AttributeError(name)
+        return getattr(self.base_env, name)
+
+    def _reward(self, traj: Any, prompt_text: str) -> Any:
+        ids = list(traj.response_ids)
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        answer_for = getattr(self.base_env, "answer_for", None)
+        try:
+            answer = answer_for(prompt_text) if answer_for is not None else None
+        except ValueError:
+            answer = None
+        out = self.fn(prompt_text, decode(self.tokenizer, ids), answer)
+        if isinstance(out, numbers.Real) and not isinstance(out, bool):
+            return {"reward": out}
+        return out  # a mapping, or something checked_reward rejects with the value shown
+
+    def score(self, trajs: Sequence[Any]) -> None:
+        """Fills reward and reward_components of every trajectory from the user function."""
+        score_trajectories(self.name, self.tokenizer, trajs, self._reward)

@@ -1,0 +1,135 @@
+"""Checks a run's inputs before any engine starts, so bad input fails in seconds.
+
+Job: everything about a `RunConfig` that can be checked cheaply without
+building the trainer or vLLM: the output folder (and resume / overwrite
+intent), the model folder (config.json, a supported architecture, weights,
+a tokenizer that fits the vocabulary), the parallel layout, the KV cache
+against the machine's memory, the dataset file and the reward function.
+
+Invariant: no collective and no write; every rank runs the same checks on
+the same files and reaches the same verdict, a `ValueError` with one
+sentence that names the key or file to fix (the CLI prints it once, from
+rank 0). Later stages re-check what they own (the dataset is parsed again
+by the environment), so skipping preflight loses speed, not safety.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoints
+from hybrid_engine.config import RunConfig
+
+__all__ = ["check_kv_cache", "check_model_folder", "check_output_dir", "preflight"]
+
+
+def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume: bool,
+              overwrite: bool) -> None:
+    """Runs every check below; the first failure raises.
+
+    Raises:
+        ValueError: what is wrong and which key or file to fix.
+    """
+    from hybrid_engine.roles.fsdp import resolve_model_path
+
+    cfg.validate_for_run()
+    check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
+    hf = check_model_folder(resolve_model_path(cfg.model.path))
+    check_parallel(hf, cfg.rollout.tensor_parallel_size, world_size)
+    check_kv_cache(cfg.rollout.kv_cache_gib, local_world_size)
+    from hybrid_engine.envs import ENVS
+
+    ENVS.get(cfg.env.name)  # unknown name: lists the registered ones
+    if cfg.env.dataset_path:
+        from hybrid_engine.envs.dataset import load_jsonl
+
+        load_jsonl(cfg.env.dataset_path)
+    if cfg.env.reward_fn:
+        from hybrid_engine.envs.custom_reward import load_reward_fn
+
+        load_reward_fn(cfg.env.reward_fn)
+    if cfg.env.reward_model_path and not os.path.isdir(cfg.env.reward_model_path):
+        raise ValueError(f"env.reward_model_path={cfg.env.reward_model_path!r} is not a folder")
+
+
+def check_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """output_dir is a folder (or absent); --resume needs a complete checkpoint in
+    it; a fresh run refuses a folder holding another run's checkpoints unless
+    overwrite (so nothing is lost by a repeated command)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output_dir={str(out)!r} exists and is not a folder")
+    ckpts = out / "checkpoints"
+    if resume:
+        if latest_checkpoint(ckpts) is None:
+            raise ValueError(f"--resume: no complete checkpoint under {ckpts} "
+                             "(a save that was interrupted leaves only a .tmp- folder)")
+        return
+    if step_checkpoints(ckpts) and not overwrite:
+        raise ValueError(f"output_dir={str(out)!r} holds checkpoints of an earlier run: pass "
+                         "--resume to continue it, --overwrite to start over in it, or "
+                         "another --output_dir")
+
+
+def check_model_folder(folder: Path) -> Any:
+    """A HF causal-LM folder we can run: parseable config.json, supported
+    architecture, safetensors weights, and a tokenizer whose ids fit the
+    embedding. Returns the transformers config."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from hybrid_engine.models.layouts import model_dims
+
+    try:
+        json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"model folder {str(folder)!r}: config.json is unreadable: {e}") from None
+    try:
+        hf = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"model folder {str(folder)!r}: config.json is not a transformers "
+                         f"config: {e}") from None
+    model_dims(hf)  # unsupported architecture: lists the supported ones
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"model folder {str(folder)!r} has no *.safetensors weights")
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"model folder {str(folder)!r}: no usable tokenizer: {e}") from None
+    vocab = getattr(hf, "vocab_size", None) or hf.get_text_config().vocab_size
+    if len(tok) > vocab:
+        raise ValueError(f"model folder {str(folder)!r}: the tokenizer has {len(tok)} tokens but "
+                         f"the model's vocab_size is {vocab}: tokenizer and weights belong to "
+                         "different models")
+    return hf
+
+
+def check_parallel(hf: Any, tp: int, world_size: int) -> None:
+    """rollout.tensor_parallel_size divides the world and the model's heads."""
+    from hybrid_engine.models.layouts import check_tp, model_dims
+
+    if world_size % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the world size "
+                         f"{world_size}")
+    try:
+        check_tp(model_dims(hf), tp)
+    except ValueError as e:
+        raise ValueError(f"rollout.{e}") from None
+
+
+def check_kv_cache(kv_cache_gib: float, local_world_size: int) -> None:
+    """On CPU, the KV caches of this machine's ranks fit in its available memory
+    (vLLM-CPU allocates them up front; too large is an OOM kill, not an error).
+    On GPU vLLM sizes the cache itself from gpu_memory_utilization."""
+    import psutil
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    need = kv_cache_gib * local_world_size
+    total = psutil.virtual_memory().total / 2**30  # not .available: the same on every rank
+    if need > total:
+        raise ValueError(f"rollout.kv_cache_gib={kv_cache_gib:g} x {local_world_size} rank(s) on "
+                         f"this machine = {need:g} GiB, more than its {total:.1f} GiB of memory: "
+                         "lower rollout.kv_cache_gib")
