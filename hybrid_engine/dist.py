@@ -82,13 +82,17 @@ def set_collective_timeout(timeout_s: float, groups: list[dist.ProcessGroup] | N
     return len(groups)
 
 
-def collective_timeouts() -> list[float]:
-    """The timeout in seconds of every backend of every group (for checks and tests)."""
-    out = []
+def collective_timeouts() -> dict[str, float]:
+    """{group name: its timeout in seconds} over every backend of every group
+    (the shortest when a group has several); for checks and tests."""
+    from torch.distributed import distributed_c10d as c10d
+
+    out: dict[str, float] = {}
     for pg in all_groups():
+        name = c10d._world.pg_names.get(pg, str(pg))
         for device in pg._device_types:
-            backend = pg._get_backend(device)
-            options = getattr(backend, "options", None)
+            options = getattr(pg._get_backend(device), "options", None)
             if options is not None and hasattr(options, "_timeout"):
-                out.append(options._timeout.total_seconds())
+                t = options._timeout.total_seconds()
+                out[name] = min(t, out.get(name, t))
     return out

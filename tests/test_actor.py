@@ -20,13 +20,17 @@ def _max_diff(a, b) -> float:
 
 def _actor_case(model_dir: str, ckpt: str) -> dict:
     from hybrid_engine.actor import HybridActor, completions_to_trajectories
+    from hybrid_engine.dist import collective_timeouts
 
-    actor = HybridActor.from_pretrained(model_dir, overrides={
+    host = collective_timeouts()  # the host's (run_ranks') default group
+    actor = HybridActor.from_pretrained(model_dir, overrides={"collective_timeout_s": 123,
         "rollout.tensor_parallel_size": 2, "rollout.max_tokens": 6, "rollout.max_model_len": 64,
         "rollout.kv_cache_gib": 0.25, "rollout.enforce_eager": True, "train.lr": 1e-2,
         "model.compute_dtype": "float32", "model.rollout_dtype": "float32"})
     try:
-        out = {}
+        timeouts = collective_timeouts()
+        out = {"host_kept": all(timeouts[name] == t for name, t in host.items()),
+               "own_groups": {t for name, t in timeouts.items() if name not in host}}
         trajs = completions_to_trajectories(actor.generate(PROMPTS, num_samples=2, seed=1))
         # The trainer's log-probs of vLLM's samples = vLLM's own (same weights, fp32).
         out["layouts_agree"] = _max_diff(actor.compute_logprobs(trajs),
@@ -61,6 +65,8 @@ def test_hybrid_actor_switches_syncs_and_restores(tmp_path) -> None:
     model = write_tiny_model(tmp_path / "m", PRESETS["tiny"])
     out = run_ranks(_actor_case, 2, str(model), str(tmp_path / "ckpt"), timeout=300)
     for r in out:
+        # vLLM's and FSDP's groups got the configured timeout; the host's kept its own.
+        assert r["own_groups"] == {123.0} and r["host_kept"]
         assert r["layouts_agree"] < 1e-4
         assert r["phase_in_training"] == "training" and r["released"] > 0
         assert r["train_moved"] > 1e-3

@@ -1,0 +1,42 @@
+"""Process-group helpers on 2 real gloo ranks: the collective timeout reaches
+groups made after the default one, and a collective whose peer never comes
+raises after it instead of hanging."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_engine.testing import run_ranks
+
+
+def _timeout_case() -> dict:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from hybrid_engine.dist import collective_timeouts, set_collective_timeout
+
+    group = dist.new_group([0, 1])  # like vLLM's: torch gives it 30 min, whatever the default's
+    before = collective_timeouts()
+    set_collective_timeout(2.0)
+    out = {"before": sorted(before.values()), "after": sorted(collective_timeouts().values())}
+    if dist.get_rank() == 1:
+        time.sleep(8)  # a stuck peer: never joins the all_reduce below
+        return out
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+        out["raised"] = None
+    except RuntimeError as e:
+        out["raised"] = str(e)[:200]
+    out["waited_s"] = time.monotonic() - t0
+    return out
+
+
+def test_collective_timeout_covers_every_group() -> None:
+    r0, r1 = run_ranks(_timeout_case, 2, timeout=60)
+    assert 1800.0 in r0["before"]  # new_group's own default (gloo: 30 min)
+    assert r0["after"] == r1["after"] == [2.0, 2.0]  # the default group and the new one
+    assert r0["raised"] is not None and "timed out" in r0["raised"].lower(), r0["raised"]
+    assert 1.5 < r0["waited_s"] < 6.0

@@ -1,0 +1,122 @@
+"""Faults under torchrun on 2 ranks: a rank SIGKILLed during rollout, training,
+sync or a checkpoint save takes the job down within 60 s, the newest complete
+checkpoint loads, and resuming from it reproduces the uninterrupted run's
+per-step metrics; fixed seeds give identical runs; resuming refuses another
+model's checkpoint and a fresh run refuses to bury an earlier one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoint_path
+from hybrid_engine.testing import run_torchrun
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+STEPS = 4
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"])
+    # A random-init model never solves arithmetic: reward a coin flip hashed from
+    # the completion instead, so every group carries signal and every step trains.
+    (folder.parent / "reward.py").write_text(
+        "import zlib\n\n"
+        "def reward(prompt, completion, answer):\n"
+        "    return float(zlib.crc32(completion.encode()) % 2)\n")
+    return folder
+
+
+def _train(model: Path, out: Path, *extra: str, fault: str | None = None,
+           stamp: Path | None = None):  # noqa: ANN202
+    env = {"HE_FAULT": fault, "HE_FAULT_RANK": "1", "HE_FAULT_STAMP": str(stamp)} if fault else {}
+    return run_torchrun(
+        [str(HERE / "fault_train.py"), "train", "--recipe=tiny_grpo_debug", "--no-progress",
+         f"--model.path={model}", f"--output_dir={out}", "--rollout.max_tokens=8",
+         "--sync.verify=false", f"--train.num_steps={STEPS}", "--checkpoint_every=1",
+         "--keep_checkpoints=2", "--train.lr=1e-3",
+         f"--env.reward_fn={model.parent / 'reward.py'}:reward", *extra],
+        2, timeout=300, env=env, check=False)
+
+
+def _steps(out: Path) -> dict[int, dict]:
+    """Per-step metrics without wall times and memory (which vary run to run)."""
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not (k.endswith("_s") or k.startswith("mem_"))}
+            for r in rows}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "run"
+    proc = _train(model_dir, out)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return out
+
+
+def test_fixed_seeds_give_identical_runs(model_dir, reference, tmp_path) -> None:
+    out = tmp_path / "again"
+    proc = _train(model_dir, out)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    ref = _steps(reference)
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    assert _steps(out) == ref
+    assert all(r["skipped_degenerate"] == 0.0 for r in ref.values())  # every step trained
+    assert len({r["reward_mean"] for r in ref.values()}) > 1
+
+
+@pytest.mark.parametrize("phase", ["rollout", "train", "sync", "save"])
+def test_killed_rank_stops_the_job_and_resume_reproduces(model_dir, reference, tmp_path,
+                                                         phase) -> None:
+    out, stamp = tmp_path / "run", tmp_path / "killed_at"
+    proc = _train(model_dir, out, fault=f"{phase}:3", stamp=stamp)
+    exited = time.time()
+    assert proc.returncode != 0 and stamp.exists(), proc.stdout[-3000:]
+    assert exited - float(stamp.read_text()) < 60, proc.stdout[-3000:]
+    # Step 3 never completed: step 2's checkpoint is the newest complete one
+    # (a save killed after writing its shards left a .tmp- folder, never used).
+    ckpts = out / "checkpoints"
+    assert latest_checkpoint(ckpts) == step_checkpoint_path(ckpts, 2)
+    assert bool(list(ckpts.glob("*.tmp-*"))) == (phase == "save")
+    proc = _train(model_dir, out, "--resume")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert _steps(out) == _steps(reference)
+
+
+def test_resume_refuses_another_models_checkpoint(model_dir, reference, tmp_path) -> None:
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+
+    spec = dataclasses.replace(PRESETS["tiny"], intermediate_size=PRESETS["tiny"].intermediate_size * 2)
+    other = write_tiny_model(tmp_path / "wider", spec)
+    shutil.copy(model_dir.parent / "reward.py", tmp_path / "reward.py")
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    proc = _train(other, out, "--resume")
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stdout[-3000:]
+    assert "was saved from a model of another shape" in errors[0]
+    assert "mlp.up_proj.weight" in errors[0] or "mlp.gate_proj.weight" in errors[0]
+
+
+def test_fresh_run_refuses_an_earlier_runs_checkpoints(model_dir, reference, tmp_path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    proc = _train(model_dir, out)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stdout[-3000:]
+    assert "holds checkpoints of an earlier run" in errors[0] and "--overwrite" in errors[0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # nothing lost
+    proc = _train(model_dir, out, "--overwrite", "--train.num_steps=1")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]
