@@ -136,7 +136,8 @@ class HybridActor:
     def _to_training(self) -> None:
         if self.phase == "training":
             return
-        self.released_bytes = self.rollout.release_memory()
+        if self.cfg.rollout.release_memory:
+            self.released_bytes = self.rollout.release_memory()
         self.phase = "training"
 
     def _to_inference(self) -> None:
@@ -145,7 +146,7 @@ class HybridActor:
         if self._stale:
             self.sync_weights()
         if self.phase == "training":
-            self.rollout.restore_memory()
+            self.rollout.restore_memory()  # a no-op when nothing was released
             self.phase = "inference"
 
     @contextlib.contextmanager

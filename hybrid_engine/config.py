@@ -133,6 +133,11 @@ class RolloutConfig:
         (), "Token ids that end a completion, besides the tokenizer's EOS."
     )
     enforce_eager: bool = _field(False, "Disable CUDA graphs / compilation in vLLM.")
+    release_memory: bool = _field(
+        True,
+        "Release the engine's memory while the trainer runs (GPU: sleep; CPU: the KV cache); "
+        "False keeps both resident (the naive colocation, for comparison).",
+    )
 
     def __post_init__(self) -> None:
         _validate_fields(self)
