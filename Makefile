@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 CONSTRAINTS := requirements/constraints-cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo env lock clean
+.PHONY: install test test-fast demo bench env lock clean
 
 # --- install -----------------------------------------------------------------
 # Stamps make a second `make install` a no-op unless an input changed.
@@ -46,6 +46,10 @@ test-fast: install
 
 demo: install
 	$(VENV)/bin/hybrid-engine demo
+
+# Every benchmark (~30 min on 2 cores); writes benchmarks/results/<date>.md.
+bench: install
+	$(VENV)/bin/hybrid-engine bench all
 
 env: install
 	$(VENV)/bin/hybrid-engine env

@@ -6,6 +6,7 @@ Subcommands:
     demo         the main job on the local CPU cores (see hybrid_engine.demo)
     tiny-model   write a random-init HF model folder (Qwen2 / Llama / Qwen3)
     config       print the resolved config of a recipe + YAML + overrides
+    bench        run the benchmarks and write the dated report (from a clone)
 
 Works with or without torchrun. Heavy imports happen inside subcommands so
 `--help` is instant.
@@ -19,6 +20,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -168,6 +170,18 @@ def _say_once(msg: str, store) -> None:  # noqa: ANN001
         print(f"error (rank {rank}): {msg}", file=sys.stderr, flush=True)
 
 
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    """Runs benchmarks/report.py of this checkout (the scripts are not installed)."""
+    import subprocess
+
+    report = Path(__file__).resolve().parents[1] / "benchmarks" / "report.py"
+    if not report.is_file():
+        print(f"error: {report} not found: `hybrid-engine bench` runs from a clone of the "
+              "repository (pip install -e .)", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(report), *rest])
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybrid-engine", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -208,6 +222,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,
                    help="tie input and output embeddings")
 
+    b = sub.add_parser("bench", help="run every benchmark, write benchmarks/results/<date>.md",
+                       description="Runs benchmarks/report.py: bench_sync, bench_rollout, "
+                                   "bench_memory and bench_step with settings that fit 30 min "
+                                   "on 2 CPU cores, then writes one dated report with charts.",
+                       epilog="Further arguments go to report.py, e.g. --quick or "
+                              "--only bench_step.py.")
+    b.add_argument("what", choices=["all"], help="which benchmarks (all)")
+
     c = sub.add_parser("config", help="print the resolved config (recipe < YAML < --section.key=value)",
                        epilog="Any further --section.key=value arguments override config fields; "
                               "`hybrid-engine config --keys` lists every key with its doc.")
@@ -224,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_config(args, rest)
     if args.cmd == "train":
         return _cmd_train(args, rest)
+    if args.cmd == "bench":
+        return _cmd_bench(args, rest)
     if rest:
         _parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "env":
