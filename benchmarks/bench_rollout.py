@@ -276,19 +276,9 @@ class _Job:
 
     def kill(self) -> None:
         """Kills torchrun and its workers (which torchrun starts in sessions of their own)."""
-        import psutil
+        from hybrid_engine.testing import kill_tree
 
-        try:
-            root = psutil.Process(self.proc.pid)
-            family = [*root.children(recursive=True), root]
-        except psutil.NoSuchProcess:
-            family = []
-        for p in family:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(family, timeout=10)
+        kill_tree(self.proc.pid)
         self.proc.poll()
 
     def result(self, timeout: float = 600.0) -> dict:

@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["RankError", "free_port", "run_in_subprocess", "run_ranks", "run_torchrun"]
+__all__ = ["RankError", "free_port", "kill_tree", "run_in_subprocess", "run_ranks", "run_torchrun"]
 
 _LOG_TAIL_CHARS = 4000
 
@@ -111,7 +111,7 @@ def _fn_ref(fn: Callable[..., Any]) -> tuple[str, str]:
     return module, name
 
 
-def _kill_tree(pid: int) -> None:
+def kill_tree(pid: int) -> None:
     """SIGKILLs pid and all its descendants, including ones in other sessions
     (torchrun starts its workers with start_new_session)."""
     try:
@@ -150,7 +150,7 @@ def _dump_stacks(ranks: Mapping[int, mp.process.BaseProcess], logs: Path) -> Non
 def _kill(procs: Sequence[mp.process.BaseProcess]) -> None:
     for p in procs:
         if p.pid is not None:
-            _kill_tree(p.pid)
+            kill_tree(p.pid)
     for p in procs:
         p.join(timeout=10)
 
@@ -295,7 +295,7 @@ def run_torchrun(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         raise RankError(f"torchrun did not finish within {timeout:.0f} s: {' '.join(cmd)}\n"
                         f"{out[-_LOG_TAIL_CHARS:]}") from None
