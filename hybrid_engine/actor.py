@@ -59,7 +59,7 @@ from hybrid_engine.roles.trainer import Trainer
 from hybrid_engine.roles.vllm_rollout import Completions, VLLMRollout
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
-__all__ = ["HybridActor", "completions_to_trajectories"]
+__all__ = ["HybridActor", "completions_to_trajectories", "policy_step", "train_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,31 @@ def completions_to_trajectories(out: Completions) -> list[Trajectory]:
                    rollout_logp=list(lps), group_id=i // out.num_samples)
         for i, (toks, lps) in enumerate(zip(out.token_ids, out.logprobs, strict=True))
     ]
+
+
+def train_batch(trajs: Sequence[Trajectory] | TrainBatch, pad_id: int,
+                cfg: RunConfig) -> tuple[TrainBatch, range | None]:
+    """This rank's TrainBatch of the step's trajectories (and their indices);
+    a TrainBatch is passed through (indices None)."""
+    if isinstance(trajs, TrainBatch):
+        return trajs, None
+    return local_batch(trajs, pad_id=pad_id, micro_batch_size=cfg.train.micro_batch_size,
+                       max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch)
+
+
+def policy_step(trainer: Trainer, cfg: RunConfig, batch: TrainBatch, loss_fn: LossFn | None,
+                entropy_grad: bool | None) -> dict[str, float]:
+    """One optimizer step of the policy trainer on this rank's batch (collective
+    over the train group); loss_fn None = `policy_loss_fn(cfg.algorithm)`,
+    wrapped to also report the rollout/trainer mismatch."""
+    alg = cfg.algorithm
+    constant = alg.loss_agg_constant or float(cfg.rollout.max_tokens)
+    if loss_fn is None:
+        loss_fn = policy_loss_fn(alg, constant=constant if alg.loss_agg == "constant" else None)
+    return trainer.train_step(
+        batch, with_mismatch_metrics(loss_fn), loss_agg=alg.loss_agg,
+        loss_agg_constant=constant if alg.loss_agg == "constant" else None,
+        entropy_grad=alg.entropy_coef != 0 if entropy_grad is None else entropy_grad)
 
 
 class HybridActor:
@@ -200,10 +225,7 @@ class HybridActor:
     # --- training ----------------------------------------------------------------
 
     def _batch(self, trajs: Sequence[Trajectory] | TrainBatch) -> tuple[TrainBatch, range | None]:
-        if isinstance(trajs, TrainBatch):
-            return trajs, None
-        return local_batch(trajs, pad_id=self.pad_id, micro_batch_size=self.cfg.train.micro_batch_size,
-                           max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch)
+        return train_batch(trajs, self.pad_id, self.cfg)
 
     def compute_logprobs(self, trajs: Sequence[Trajectory] | TrainBatch) -> list[torch.Tensor] | tuple:
         """Trainer log-probs under the current weights (collective, no grad).
@@ -234,16 +256,8 @@ class HybridActor:
         Returns:
             The trainer's global metrics, plus mem_released_bytes.
         """
-        alg = self.cfg.algorithm
-        constant = alg.loss_agg_constant or float(self.cfg.rollout.max_tokens)
-        if loss_fn is None:
-            loss_fn = policy_loss_fn(alg, constant=constant if alg.loss_agg == "constant" else None)
         self._to_training()
-        batch, _ = self._batch(trajs)
-        metrics = self.trainer.train_step(
-            batch, with_mismatch_metrics(loss_fn), loss_agg=alg.loss_agg,
-            loss_agg_constant=constant if alg.loss_agg == "constant" else None,
-            entropy_grad=alg.entropy_coef != 0 if entropy_grad is None else entropy_grad)
+        metrics = policy_step(self.trainer, self.cfg, self._batch(trajs)[0], loss_fn, entropy_grad)
         self._stale = True
         metrics["mem_released_bytes"] = float(self.released_bytes)
         return metrics
@@ -254,6 +268,11 @@ class HybridActor:
         metrics = self.syncer.sync(self.trainer.module, self.rollout)
         self._stale = False
         return metrics
+
+    def trainer_side(self, role: Any) -> Any:
+        """A role that runs with the trainer (reference, critic), as the controller
+        should call it: colocated, every rank trains, so the role itself."""
+        return role
 
     # --- persistence -------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
 
+from hybrid_engine.dist import train_group
 from hybrid_engine.roles.fsdp import sharded_named_parameters
 
 if TYPE_CHECKING:
@@ -71,10 +72,15 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 # --------------------------------------------------------------------------
 
 
+def _rank() -> int:
+    """This process's rank in the train group (the group checkpoints run over)."""
+    return dist.get_rank(train_group())
+
+
 def _tmp_folder(path: Path) -> Path:
     """`<path>.tmp-<token>`, the same on every rank (rank 0 draws the token)."""
-    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
+    token = [uuid.uuid4().hex[:12] if _rank() == 0 else None]
+    dist.broadcast_object_list(token, group=train_group(), group_src=0)
     return path.with_name(f"{path.name}.tmp-{token[0]}")
 
 
@@ -83,8 +89,8 @@ def _commit(tmp: Path, path: Path) -> None:
 
     An existing folder at path is moved aside first and deleted after the
     rename, so path holds either the old or the new complete checkpoint."""
-    dist.barrier()
-    if dist.get_rank() == 0:
+    dist.barrier(group=train_group())
+    if _rank() == 0:
         (tmp / COMPLETE_MARKER).write_text("ok\n")
         old = None
         if path.exists():
@@ -93,7 +99,7 @@ def _commit(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
         if old is not None:
             shutil.rmtree(old)
-    dist.barrier()
+    dist.barrier(group=train_group())
 
 
 def _check_shapes(path: Path, state: dict[str, Any]) -> None:
@@ -174,15 +180,15 @@ def _write_state(
     """Collective: every rank writes its DCP shards and RNG file, rank 0 meta.json.
 
     Leaves folder without the COMPLETE marker (that is `_commit`'s job)."""
-    rank = dist.get_rank()
+    rank = _rank()
     if rank == 0:
         (folder / "rng").mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dcp.save(_dcp_state(trainer, critic), checkpoint_id=folder / "dcp")
+    dist.barrier(group=train_group())
+    dcp.save(_dcp_state(trainer, critic), checkpoint_id=folder / "dcp", process_group=train_group())
     torch.save(_rng_state(), folder / "rng" / f"rank{rank}.pt")
     if rank == 0:
         meta = {
-            "world_size": dist.get_world_size(),
+            "world_size": dist.get_world_size(train_group()),
             "step": trainer.step,
             "scheduler": trainer.scheduler.state_dict(),
             "critic": None if critic is None else {
@@ -201,7 +207,8 @@ def save_training_state(
 ) -> None:
     """Writes a resumable checkpoint of the policy (and critic) to path, atomically.
 
-    Collective: every rank of the default group calls it. Each rank writes
+    Collective over the train group (`dist.train_group`: every rank unless
+    placement is separate). Each rank writes
     only its own shards; path may already hold an older checkpoint, which is
     replaced.
 
@@ -246,7 +253,7 @@ def load_training_state(
                          f"but critic={'given' if critic is not None else 'None'}")
     state = _dcp_state(trainer, critic)
     _check_shapes(path, state)
-    dcp.load(state, checkpoint_id=path / "dcp")
+    dcp.load(state, checkpoint_id=path / "dcp", process_group=train_group())
     set_state_dict(trainer.module, trainer.optimizer,
                    model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer.scheduler.load_state_dict(meta["scheduler"])
@@ -256,11 +263,11 @@ def load_training_state(
                        optim_state_dict=state["critic_optim"])
         critic.scheduler.load_state_dict(meta["critic"]["scheduler"])
         critic.step = meta["critic"]["step"]
-    if meta["world_size"] == dist.get_world_size():
-        _set_rng_state(torch.load(path / "rng" / f"rank{dist.get_rank()}.pt", weights_only=True))
-    elif dist.get_rank() == 0:
+    if meta["world_size"] == dist.get_world_size(train_group()):
+        _set_rng_state(torch.load(path / "rng" / f"rank{_rank()}.pt", weights_only=True))
+    elif _rank() == 0:
         logger.warning("checkpoint %s was written by %d ranks, loading on %d: RNG states "
-                       "not restored", path, meta["world_size"], dist.get_world_size())
+                       "not restored", path, meta["world_size"], dist.get_world_size(train_group()))
     return meta["extra"]
 
 
@@ -287,7 +294,7 @@ def _gather_and_write(module: FSDPModule, folder: Path, dtype: torch.dtype | Non
                       max_shard_bytes: int) -> None:
     """Collective: all-gathers one parameter at a time; rank 0 buffers at most
     about one shard of full tensors and writes it."""
-    is_writer = dist.get_rank() == 0
+    is_writer = _rank() == 0
     weight_map: dict[str, str] = {}
     buf: dict[str, Tensor] = {}
     buf_bytes, num_shards = 0, 0
@@ -347,10 +354,10 @@ def export_hf(
     module.reshard()  # the guard: a forward without backward leaves the root unsharded
     path, source = Path(path), Path(hf_config_source)
     tmp = _tmp_folder(path)
-    if dist.get_rank() == 0:
+    if _rank() == 0:
         tmp.mkdir(parents=True)
     _gather_and_write(module, tmp, dtype, max_shard_bytes)
-    if dist.get_rank() == 0:
+    if _rank() == 0:
         config = AutoConfig.from_pretrained(source)
         config.dtype = dtype or next(module.parameters()).dtype
         config.save_pretrained(tmp)

@@ -133,6 +133,12 @@ class RolloutConfig:
         (), "Token ids that end a completion, besides the tokenizer's EOS."
     )
     enforce_eager: bool = _field(False, "Disable CUDA graphs / compilation in vLLM.")
+    num_ranks: int = _field(
+        0,
+        "placement=separate: how many ranks only roll out (the last ones; the others only "
+        "train); 0 = half the world (rounded down to a multiple of tensor_parallel_size).",
+        ge=0,
+    )
     release_memory: bool = _field(
         True,
         "Release the engine's memory while the trainer runs (GPU: sleep; CPU: the KV cache); "
@@ -329,6 +335,11 @@ class RunConfig:
     algorithm: AlgorithmConfig = _field(AlgorithmConfig, "Advantages and loss.")
     sync: SyncConfig = _field(SyncConfig, "Weight sync trainer -> rollout.")
     env: EnvConfig = _field(EnvConfig, "Task and reward.")
+    placement: Literal["colocated", "separate"] = _field(
+        "colocated",
+        "'colocated': every rank trains (FSDP2) and rolls out (vLLM), taking turns; "
+        "'separate': ranks 0..M-1 only train, the last rollout.num_ranks only roll out.",
+    )
     output_dir: str = _field("runs/default", "Directory for logs, metrics and checkpoints.")
     seed: int = _field(0, "Global seed (model init, prompt order).", ge=0)
     log_every: int = _field(1, "Log metrics every this many steps.", ge=1)

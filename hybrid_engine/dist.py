@@ -2,6 +2,12 @@
 
 Invariant: the package only tears down a process group it created itself; a
 host trainer's group (torchrun, accelerate launch) is used as is.
+
+The *train group* is the process group the FSDP2 roles (trainer, reference,
+critic), their batch slicing and their checkpoints run over: the default
+group when the policy is colocated, the trainer ranks' subgroup under
+separate placement (`set_train_group`, called once before any FSDP2 role is
+built). `train_group()` is None for the default group.
 """
 
 from __future__ import annotations
@@ -14,7 +20,28 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_groups", "collective_timeouts", "init_distributed", "is_launched", "rank0_logger",
-           "set_collective_timeout"]
+           "resync_group_counter", "set_collective_timeout", "set_train_group", "train_group",
+           "train_rank_world"]
+
+_TRAIN_GROUP: dist.ProcessGroup | None = None
+
+
+def set_train_group(group: dist.ProcessGroup | None) -> None:
+    """Makes group the train group of this process (None: the default group)."""
+    global _TRAIN_GROUP
+    _TRAIN_GROUP = group
+
+
+def train_group() -> dist.ProcessGroup | None:
+    """The FSDP2 roles' process group; None = the default group."""
+    return _TRAIN_GROUP
+
+
+def train_rank_world() -> tuple[int, int]:
+    """(rank, size) in the train group; (0, 1) when not distributed."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(_TRAIN_GROUP), dist.get_world_size(_TRAIN_GROUP)
 
 
 def is_launched() -> bool:
@@ -96,3 +123,18 @@ def collective_timeouts() -> dict[str, float]:
                 t = options._timeout.total_seconds()
                 out[name] = min(t, out.get(name, t))
     return out
+
+
+def resync_group_counter() -> None:
+    """Makes torch's group-name counter equal on every rank (collective).
+
+    Groups made by only some ranks (vLLM's, under separate placement) advance
+    the counter there only; the next `new_group` would then get different
+    names on different ranks and wait forever in the store.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    count = torch.tensor([c10d._world.group_count], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    c10d._world.group_count = int(count)

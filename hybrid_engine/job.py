@@ -1,7 +1,8 @@
 """A training job: builds every role from a RunConfig, runs the controller, saves.
 
 Job: the wiring that `hybrid-engine train` and `hybrid-engine demo` share --
-the colocated `HybridActor`, the environment, the algorithm, the reference
+the policy (`HybridActor` colocated, or `SeparatePolicy` when
+cfg.placement is "separate"), the environment, the algorithm, the reference
 (when the KL needs it) and the critic (when the estimator needs values), the
 checkpointer (DCP, newest k kept, resume from the latest complete one), the
 metrics sink and progress bar, then the final HF export and plot.
@@ -38,8 +39,9 @@ from hybrid_engine.dist import set_collective_timeout
 from hybrid_engine.envs import make_env
 from hybrid_engine.metrics import MetricsSink, plot_metrics
 from hybrid_engine.preflight import preflight
+from hybrid_engine.separate import SeparatePolicy
 
-__all__ = ["Job", "JobCheckpointer", "RunAborted"]
+__all__ = ["Job", "JobCheckpointer", "RunAborted", "make_policy"]
 
 log = logging.getLogger("hybrid_engine.train")
 
@@ -76,6 +78,13 @@ class JobCheckpointer:
         return extra
 
 
+def make_policy(cfg: RunConfig) -> HybridActor | SeparatePolicy:
+    """The policy for cfg.placement (collective)."""
+    if cfg.placement == "separate":
+        return SeparatePolicy(cfg)
+    return HybridActor(cfg)
+
+
 class Job:
     """Every role of a run, built collectively from cfg.
 
@@ -98,7 +107,7 @@ class Job:
         torch.manual_seed(cfg.seed)
         self.cfg, self.out = cfg, Path(cfg.output_dir)
         self.nonfinite_in_a_row = 0
-        self.actor = HybridActor(cfg)
+        self.actor = make_policy(cfg)
         try:
             self._build(cfg, resume, progress, overwrite)
         except BaseException:
@@ -114,20 +123,28 @@ class Job:
         self.algorithm = Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,
                                    max_tokens=cfg.rollout.max_tokens)
         scorers, learners, self.critic = [], [], None
+        trains = getattr(self.actor, "is_trainer", True)  # separate: only ranks 0..M-1 train
         if self.algorithm.needs_reference:
             from hybrid_engine.roles.reference import Reference
             from hybrid_engine.roles.scorers import ReferenceScorer
 
-            ref = Reference(self.actor.model_path, cfg.model,
-                            logits_chunk_tokens=cfg.train.logits_chunk_tokens,
-                            temperature=cfg.rollout.temperature)
-            scorers.append(ReferenceScorer(ref, pad_id=self.actor.pad_id, train_cfg=cfg.train))
+            scorer = None
+            if trains:
+                ref = Reference(self.actor.model_path, cfg.model,
+                                logits_chunk_tokens=cfg.train.logits_chunk_tokens,
+                                temperature=cfg.rollout.temperature)
+                scorer = ReferenceScorer(ref, pad_id=self.actor.pad_id, train_cfg=cfg.train)
+            scorers.append(self.actor.trainer_side(scorer))
         if self.algorithm.needs_values:
             from hybrid_engine.roles.critic import Critic
             from hybrid_engine.roles.scorers import CriticScorer
 
-            self.critic = Critic(self.actor.model_path, cfg.train, cfg.model)
-            critic = CriticScorer(self.critic, pad_id=self.actor.pad_id, algorithm_cfg=cfg.algorithm)
+            critic = None
+            if trains:
+                self.critic = Critic(self.actor.model_path, cfg.train, cfg.model)
+                critic = CriticScorer(self.critic, pad_id=self.actor.pad_id,
+                                      algorithm_cfg=cfg.algorithm)
+            critic = self.actor.trainer_side(critic)
             scorers.append(critic)
             learners.append(critic)
         self.checkpointer = JobCheckpointer(self.actor, self.critic, self.out / "checkpoints",

@@ -38,7 +38,13 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     cfg.validate_for_run()
     check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
     hf = check_model_folder(resolve_model_path(cfg.model.path))
-    check_parallel(hf, cfg.rollout.tensor_parallel_size, world_size)
+    if cfg.placement == "separate":
+        from hybrid_engine.separate import split_ranks
+
+        _, rollout_ranks = split_ranks(world_size, cfg.rollout)
+        check_parallel(hf, cfg.rollout.tensor_parallel_size, rollout_ranks, what="rollout ranks")
+    else:
+        check_parallel(hf, cfg.rollout.tensor_parallel_size, world_size)
     check_kv_cache(cfg.rollout.kv_cache_gib, local_world_size)
     from hybrid_engine.envs import ENVS
 
@@ -105,12 +111,13 @@ def check_model_folder(folder: Path) -> Any:
     return hf
 
 
-def check_parallel(hf: Any, tp: int, world_size: int) -> None:
-    """rollout.tensor_parallel_size divides the world and the model's heads."""
+def check_parallel(hf: Any, tp: int, world_size: int, *, what: str = "world size") -> None:
+    """rollout.tensor_parallel_size divides the world (the rollout ranks under
+    separate placement) and the model's heads."""
     from hybrid_engine.models.layouts import check_tp, model_dims
 
     if world_size % tp:
-        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the world size "
+        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the {what} "
                          f"{world_size}")
     try:
         check_tp(model_dims(hf), tp)

@@ -1,12 +1,15 @@
 """The resharding plan: FSDP2 Shard(0) row ranges -> vLLM tensor-parallel blocks.
 
 Job: for a world of N ranks (FSDP2 over all N) and rollout TP size T dividing
-N (N/T replicas; global rank g is TP rank g % T of replica g // T), list every
+N (N/T replicas; global rank g is TP rank g % T of replica g // T) -- or,
+under separate placement, FSDP2 over ranks 0..M-1 and the rollout on ranks
+M..N-1 (rank g is TP rank (g - M) % T) -- list every
 block that must move: from which source rank's shard of which HF tensor, to
 which destination rank's vLLM parameter at which offset. A block whose source
 and destination rank coincide is *local* (copied directly, never through a
 buffer); the others are *remote* and go through per-peer buffers exchanged
-with all_to_all_single, in buckets of bounded size.
+with all_to_all_single, in buckets of bounded size. Under separate placement
+no rank is both source and destination, so every block is remote.
 
 Invariant: every element of every destination parameter (padding aside)
 comes from exactly one block, and that block's source is the rank that owns
@@ -64,6 +67,8 @@ class ReshardPlan:
 
     Attributes:
         world_size, tp: N and T.
+        num_sources: M, the ranks 0..M-1 whose FSDP2 shards are the sources
+            (N when colocated); ranks M..N-1 hold targets only.
         hf_shapes: every HF parameter as 2-D (rows, cols).
         targets: per global rank, its vLLM parameters (layout order).
         groups: target names per group (embeddings, each decoder layer, the
@@ -78,6 +83,7 @@ class ReshardPlan:
 
     world_size: int
     tp: int
+    num_sources: int
     hf_shapes: dict[str, tuple[int, int]]
     targets: list[list[TargetParam]]
     groups: list[list[str]] = field(default_factory=list)
@@ -106,10 +112,11 @@ class ReshardPlan:
         return sum(b.numel for bk in self.buckets for b in bk if b.src_rank == rank)
 
     def naive_elements_received(self, rank: int) -> int:
-        """Elements rank receives when every HF tensor is all-gathered (naive path)."""
+        """Elements rank receives when every HF tensor is all-gathered (naive path;
+        under separate placement a rollout rank receives every full tensor)."""
         total = 0
         for rows, cols in self.hf_shapes.values():
-            r0, r1 = shard_rows(rows, self.world_size, rank)
+            r0, r1 = shard_rows(rows, self.num_sources, rank)
             total += (rows - (r1 - r0)) * cols
         return total
 
@@ -119,12 +126,12 @@ class ReshardPlan:
 
 
 def _blocks_for(d_rank: int, target: TargetParam, shapes: dict[str, tuple[int, int]],
-                world: int) -> list[Block]:
+                num_sources: int) -> list[Block]:
     out = []
     for seg in target.segments:
         rows = shapes[seg.hf_name][0]
-        for s in range(world):
-            s0, s1 = shard_rows(rows, world, s)
+        for s in range(num_sources):
+            s0, s1 = shard_rows(rows, num_sources, s)
             r0, r1 = max(seg.rows[0], s0), min(seg.rows[1], s1)
             if r1 <= r0:
                 continue
@@ -177,26 +184,37 @@ def target_group(name: str, num_layers: int) -> int:
 
 
 def build_plan(dims: ModelDims, world_size: int, tp: int, *,
-               bucket_elems: int = 1 << 24) -> ReshardPlan:
+               bucket_elems: int = 1 << 24, num_trainers: int | None = None) -> ReshardPlan:
     """Builds the plan for N = world_size ranks and rollout TP size tp.
 
     Args:
         dims: model dimensions (`hybrid_engine.models.layouts.model_dims`).
-        world_size: N, FSDP2 shards every HF tensor's rows over all N ranks.
-        tp: T, must divide N.
+        world_size: N ranks.
+        tp: T, must divide the rollout ranks (N colocated, N - M separate).
         bucket_elems: most elements any rank sends, or receives, per bucket;
             bigger blocks are split by rows (at least one row per piece).
+        num_trainers: None = colocated (FSDP2 over all N ranks, each also a
+            rollout rank); M = separate placement (FSDP2 shards every HF
+            tensor's rows over ranks 0..M-1, the rollout runs on M..N-1).
 
     Raises:
-        ValueError: T does not divide N, or T does not fit the model's heads.
+        ValueError: T does not divide the rollout ranks, M is not in [1, N),
+            or T does not fit the model's heads.
     """
-    if tp < 1 or world_size % tp:
-        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the world size {world_size}")
+    m = world_size if num_trainers is None else num_trainers
+    if not 1 <= m <= world_size or (num_trainers is not None and m == world_size):
+        raise ValueError(f"separate placement needs 1 <= trainer ranks < world size "
+                         f"{world_size}, got {num_trainers}")
+    rollout_ranks = world_size if num_trainers is None else world_size - m
+    if tp < 1 or rollout_ranks % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the "
+                         f"{'world size' if num_trainers is None else 'rollout ranks'} {rollout_ranks}")
     if bucket_elems < 1:
         raise ValueError(f"bucket size must be positive, got {bucket_elems} elements")
     shapes = hf_shapes(dims)
     layouts = [tp_layout(dims, tp, r) for r in range(tp)]
-    targets = [layouts[g % tp] for g in range(world_size)]
+    first = world_size - rollout_ranks  # 0 colocated, M separate
+    targets = [[] if g < first else layouts[(g - first) % tp] for g in range(world_size)]
     group_of = {t.name: target_group(t.name, dims.num_layers) for t in layouts[0]}
     groups: list[list[str]] = [[] for _ in range(dims.num_layers + 2)]
     for t in layouts[0]:
@@ -205,12 +223,12 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
     by_target: dict[str, list[Block]] = defaultdict(list)
     for g in range(world_size):
         for t in targets[g]:
-            for b in _blocks_for(g, t, shapes, world_size):
+            for b in _blocks_for(g, t, shapes, m):
                 b = Block(**{**_asdict(b), "group": group_of[t.name]})
                 (local[g].append(b) if b.src_rank == g else by_target[t.name].append(b))
     # Canonical order: layout order of targets (so groups are contiguous),
     # then destination rank.
     order = [t.name for t in layouts[0]]
     remote = [b for name in order for b in sorted(by_target[name], key=lambda b: b.dst_rank)]
-    return ReshardPlan(world_size, tp, shapes, targets, groups, local,
+    return ReshardPlan(world_size, tp, m, shapes, targets, groups, local,
                        _bucketize(remote, world_size, bucket_elems))

@@ -105,6 +105,7 @@ class ReshardExecutor:
         return (self._buf_elems[0] + self._buf_elems[1]) * self.itemsize
 
     def _group_tables(self, group: int, names: list[str]) -> _GroupTables:
+        names = [n for n in names if n in self._target_shapes]  # none on a trainer-only rank
         self._dst_idx = {n: i for i, n in enumerate(names)}
         local = [b for b in self.plan.local[self.rank] if b.group == group]
         return _GroupTables(
@@ -118,10 +119,11 @@ class ReshardExecutor:
         src_cols = self.plan.hf_shapes[b.hf_name][1]
         dst_cols = self._target_cols[b.target] if kind != "send" else cols
         src = (self._src_idx[b.hf_name], b.src_row * src_cols + b.cols[0], src_cols, 1)
-        dst = (self._dst_idx[b.target], b.dst_row * dst_cols + b.dst_col, dst_cols, 1)
         if kind == "send":  # sources -> buffer (dense rows of `cols`)
             dst = (0, buf_offset, cols, 1)
-        elif kind == "recv":  # buffer -> targets
+        else:
+            dst = (self._dst_idx[b.target], b.dst_row * dst_cols + b.dst_col, dst_cols, 1)
+        if kind == "recv":  # buffer -> targets
             src = (0, buf_offset, cols, 1)
         return TableRow(*src, *dst, b.rows, cols)
 
@@ -171,7 +173,8 @@ class ReshardExecutor:
 
         Args:
             sources: HF name -> this rank's FSDP2 shard, contiguous, seen as
-                2-D [local_rows, cols] (the plan's row ranges, possibly 0 rows).
+                2-D [local_rows, cols] (the plan's row ranges, possibly 0 rows;
+                0 rows on a rollout-only rank of a separate placement).
             targets: vLLM name -> this rank's TP-local tensor (contiguous, the
                 plan's numel, any dtype: the unpack casts); or a function
                 giving them for a list of names, called once per group just

@@ -2,9 +2,11 @@
 
 Job: every rank holds the whole step's trajectories (the rollout gathers
 them); the FSDP2 roles (trainer, reference, critic) each process only this
-rank's contiguous slice. `local_batch` collates that slice, and
-`gather_response_field` gives every rank the per-token results of every
-slice, so the algorithm then runs on identical data everywhere.
+rank's contiguous slice, ranks counted in the train group
+(`hybrid_engine.dist.train_group`: the trainer ranks under separate
+placement). `local_batch` collates that slice, and `gather_response_field`
+gives every rank of that group the per-token results of every slice, so the
+algorithm then runs on identical data everywhere.
 
 Invariant: a rank whose slice is empty still takes part in every collective:
 it gets a one-row batch whose loss mask is all False (a copy of the first
@@ -20,15 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hybrid_engine.dist import train_group, train_rank_world
 from hybrid_engine.trajectory import TrainBatch, Trajectory, collate_trajectories
 
 __all__ = ["gather_response_field", "local_batch", "local_range", "scatter_response_field"]
 
 
 def _world() -> tuple[int, int]:
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(), dist.get_world_size()
+    return train_rank_world()
 
 
 def local_range(num: int) -> range:
@@ -70,7 +71,7 @@ def gather_response_field(
     if world == 1:
         return local
     parts: list = [None] * world
-    dist.all_gather_object(parts, [v.tolist() for v in local])
+    dist.all_gather_object(parts, [v.tolist() for v in local], group=train_group())
     out = [torch.tensor(v, dtype=torch.float32) for part in parts for v in part]
     if len(out) != len(trajs):
         raise AssertionError(f"gathered {len(out)} rows for {len(trajs)} trajectories")

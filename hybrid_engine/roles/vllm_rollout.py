@@ -6,6 +6,10 @@ sampled tokens' logprobs. Under torchrun every process builds the engine with
 torchrun made; all ranks of a tensor-parallel group must call `generate` with
 identical arguments (vLLM's SPMD contract).
 
+Separate placement: with `ranks=` only those ranks build an engine, and
+vLLM's world is confined to them (`_restrict_vllm_world`); the others never
+call into this module.
+
 Invariant: this is the only module that touches vLLM internals, and it never
 creates or destroys the caller's process group (vLLM destroys the default
 group when the engine is deleted, so the engine lives as long as the process).
@@ -102,6 +106,46 @@ def _isolate_cpu_shm_names() -> None:
     shm._hybrid_engine_patched = True
 
 
+def _restrict_vllm_world(ranks: list[int]):  # noqa: ANN202 - returns the undo function
+    """Makes the next engine's external_launcher see only `ranks` as its world.
+
+    vLLM makes its world group range(torch world size) and lays its TP grid
+    over it; its collectives would then wait for ranks that build no engine.
+    Replaced here (restored by the returned function, after the engine is
+    built): the world group is `ranks`, the grid is laid over len(ranks)
+    ranks and each grid index maps to its global rank. Only the engine ranks
+    create these groups, so torch's group counter must be re-synchronised on
+    every rank afterwards (`hybrid_engine.dist.resync_group_counter`).
+    Checked on vLLM 0.32 (docs/separate_placement.md).
+    """
+    import torch.distributed as dist
+    import vllm.distributed.parallel_state as ps
+
+    world, imp, impg = ps.init_world_group, ps.initialize_model_parallel, ps.init_model_parallel_group
+
+    def init_world_group(_ranks, local_rank, backend):  # noqa: ANN001, ANN202
+        return world(list(ranks), local_rank, backend)
+
+    def init_model_parallel_group(group_ranks, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        return impg([[ranks[i] for i in g] for g in group_ranks], *a, **k)
+
+    def initialize_model_parallel(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        gws = dist.get_world_size
+        dist.get_world_size = lambda group=None: len(ranks) if group is None else gws(group)
+        ps.init_model_parallel_group = init_model_parallel_group
+        try:
+            return imp(*a, **k)
+        finally:
+            dist.get_world_size, ps.init_model_parallel_group = gws, impg
+
+    ps.init_world_group, ps.initialize_model_parallel = init_world_group, initialize_model_parallel
+
+    def undo() -> None:
+        ps.init_world_group, ps.initialize_model_parallel = world, imp
+
+    return undo
+
+
 _FUSED = {
     "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
     "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
@@ -139,16 +183,23 @@ class VLLMRollout:
         model_path: HF model folder.
         cfg: sampling and engine settings.
         dtype: dtype of vLLM's weights ("float32", "bfloat16").
+        ranks: separate placement: the global ranks that build engines (this
+            one among them, contiguous); None = every rank.
+        group: a process group over `ranks` (gathers the replicas' completions).
     """
 
-    def __init__(self, model_path: str, cfg: RolloutConfig, *, dtype: str = "bfloat16") -> None:
+    def __init__(self, model_path: str, cfg: RolloutConfig, *, dtype: str = "bfloat16",
+                 ranks: Sequence[int] | None = None, group: object = None) -> None:
         import torch.distributed as dist
 
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.ranks = list(ranks) if ranks is not None else None
+        self.group = group  # gathers replicas' completions; None = the default group
+        world = len(self.ranks) if self.ranks is not None else (
+            dist.get_world_size() if dist.is_initialized() else 1)
         if world % cfg.tensor_parallel_size != 0:
             raise ValueError(
                 f"rollout.tensor_parallel_size={cfg.tensor_parallel_size} must divide "
-                f"the world size {world}"
+                f"the {'rollout ranks' if ranks is not None else 'world size'} {world}"
             )
         self.cfg = cfg
         _prepare_process_env(cfg)
@@ -158,18 +209,22 @@ class VLLMRollout:
         kwargs = {}
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
-        self.llm: LLM = LLM(
-            model=model_path,
-            dtype=dtype,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            max_model_len=cfg.max_model_len,
-            enforce_eager=cfg.enforce_eager,
-            seed=cfg.seed,
-            logprobs_mode="processed_logprobs",
-            # CPU: sleep mode is rejected ("not supported on current platform").
-            enable_sleep_mode=not _is_cpu(),
-            **kwargs,
-        )
+        undo = _restrict_vllm_world(self.ranks) if self.ranks is not None else (lambda: None)
+        try:
+            self.llm: LLM = LLM(
+                model=model_path,
+                dtype=dtype,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                max_model_len=cfg.max_model_len,
+                enforce_eager=cfg.enforce_eager,
+                seed=cfg.seed,
+                logprobs_mode="processed_logprobs",
+                # CPU: sleep mode is rejected ("not supported on current platform").
+                enable_sleep_mode=not _is_cpu(),
+                **kwargs,
+            )
+        finally:
+            undo()
         self.tokenizer = self.llm.get_tokenizer()
         self._staging: dict[str, torch.Tensor] = {}
         self._released = False
@@ -258,20 +313,23 @@ class VLLMRollout:
         if num_replicas > 1:
             import torch.distributed as dist
 
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (token_ids, logprobs))
+            gathered: list = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, (token_ids, logprobs), group=self.group)
             tp = self.cfg.tensor_parallel_size
             token_ids = [t for r in range(num_replicas) for t in gathered[r * tp][0]]
             logprobs = [lp for r in range(num_replicas) for lp in gathered[r * tp][1]]
         return Completions(prompt_ids, token_ids, logprobs, k)
 
     def _replica(self) -> tuple[int, int]:
-        """(this rank's replica, number of replicas): TP groups are contiguous ranks."""
+        """(this rank's replica, number of replicas): TP groups are contiguous ranks
+        (of `ranks` under separate placement)."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
             return 0, 1
         tp = self.cfg.tensor_parallel_size
+        if self.ranks is not None:
+            return self.ranks.index(dist.get_rank()) // tp, len(self.ranks) // tp
         return dist.get_rank() // tp, dist.get_world_size() // tp
 
     def _sample(self, prompt_ids: list[list[int]], indices: list[int], k: int,

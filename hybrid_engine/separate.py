@@ -1,0 +1,275 @@
+"""SeparatePolicy: the policy with its two layouts on different ranks.
+
+Job: the same surface as `HybridActor` (what `Job` and the controller call)
+for separate placement: ranks 0..M-1 only train (FSDP2 over their own
+group), ranks M..N-1 only sample (vLLM, tensor parallel over their own
+world), and fresh weights flow trainer -> rollout through the same planner
+and kernels (the plan then has no local blocks: each rollout rank receives
+its whole TP shard, cast to the rollout dtype in the pack kernel).
+
+    generate / collect   rollout ranks sample; the trajectories are broadcast
+                         from rank M, so every rank holds the same list
+    train_step           trainer ranks step; metrics broadcast from rank 0
+    sync_weights         trainer ranks send, rollout ranks receive and re-pack
+    trainer_side(role)   a reference or critic: built on the trainer ranks,
+                         its scores (and metrics) mirrored to the rollout ranks
+
+Memory: nothing is released between phases: each layout owns its ranks.
+Every method is collective over all N ranks, like HybridActor's, so the
+controller runs unchanged.
+
+Invariant: every rank returns the same trajectories and the same metrics
+from every call (the controller's decisions depend on them), and the
+rollout samples from exactly the trainer's weights after `sync_weights`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybrid_engine.actor import policy_step, train_batch
+from hybrid_engine.algorithms.losses import LossFn
+from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
+from hybrid_engine.config import RolloutConfig, RunConfig
+from hybrid_engine.dist import (
+    all_groups,
+    init_distributed,
+    resync_group_counter,
+    set_collective_timeout,
+    set_train_group,
+)
+from hybrid_engine.roles.fsdp import DTYPES, resolve_model_path
+from hybrid_engine.roles.sync import WeightSync
+from hybrid_engine.roles.vllm_rollout import Completions
+from hybrid_engine.trajectory import TrainBatch, Trajectory
+
+__all__ = ["SeparatePolicy", "TrainerSide", "split_ranks"]
+
+log = logging.getLogger(__name__)
+
+
+def split_ranks(world_size: int, cfg: RolloutConfig) -> tuple[int, int]:
+    """(trainer ranks M, rollout ranks R) of a separate placement over world_size.
+
+    R = cfg.num_ranks, or half the world rounded down to a multiple of T when 0.
+
+    Raises:
+        ValueError: fewer than 2 ranks, no rank left for either side, or T
+            not dividing R.
+    """
+    tp = cfg.tensor_parallel_size
+    if world_size < 2:
+        raise ValueError("placement=separate needs at least 2 ranks (one trains, one rolls out); "
+                         f"this run has {world_size}")
+    r = cfg.num_ranks or max(tp, world_size // 2 // tp * tp)
+    if not 1 <= r < world_size:
+        raise ValueError(f"rollout.num_ranks={r} must leave at least one of the {world_size} ranks "
+                         "to train (placement=separate)")
+    if r % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the rollout ranks "
+                         f"(rollout.num_ranks={r})")
+    return world_size - r, r
+
+
+def _from_rank(src: int, obj: Any) -> Any:
+    """obj of rank src, on every rank (collective)."""
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+class _SharedRollout:
+    """What `episodes.collect` needs of a rollout: generate() samples on the
+    rollout ranks and returns the same Completions on every rank."""
+
+    def __init__(self, engine: Any, cfg: RolloutConfig, src: int) -> None:
+        self.engine, self.cfg, self.src = engine, cfg, src
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> Completions:
+        out = None
+        if self.engine is not None:
+            self.engine.cfg = self.cfg  # greedy evaluation swaps the sampling config
+            out = self.engine.generate(prompts, **kwargs)
+        return _from_rank(self.src, out)
+
+
+class TrainerSide:
+    """A role that runs on the trainer ranks (reference, critic), called on every
+    rank: its per-trajectory results and its metrics are copied from rank 0.
+
+    Args:
+        role: the role on trainer ranks; None on rollout ranks.
+    """
+
+    def __init__(self, role: Any) -> None:
+        self.role = role
+
+    def score(self, trajs: Sequence[Trajectory]) -> None:
+        if self.role is not None:
+            self.role.score(trajs)
+        scored = _from_rank(0, list(trajs))
+        if self.role is None:
+            for mine, theirs in zip(trajs, scored, strict=True):
+                for f in dataclasses.fields(mine):
+                    setattr(mine, f.name, getattr(theirs, f.name))
+
+    def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        return _from_rank(0, self.role.train_step(trajs) if self.role is not None else None)
+
+
+class SeparatePolicy:
+    """The policy over separate trainer and rollout ranks; see the module docstring.
+
+    Args:
+        cfg: the run config (placement="separate"; rollout.num_ranks picks R).
+
+    Attributes:
+        num_trainers: M; ranks 0..M-1 train, M..N-1 roll out.
+        is_trainer: whether this rank trains.
+        trainer: the FSDP2 `Trainer` on trainer ranks, else None.
+        rollout: the `VLLMRollout` on rollout ranks, else None.
+        tokenizer, pad_id, model_path, rank: as in `HybridActor`.
+    """
+
+    def __init__(self, cfg: RunConfig) -> None:
+        cfg.validate_for_run()
+        self.cfg = cfg
+        self._owns_group = init_distributed(cfg.collective_timeout_s, single_process=True)
+        host_groups = [] if self._owns_group else all_groups()
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.num_trainers, _ = split_ranks(world, cfg.rollout)
+        self.is_trainer = self.rank < self.num_trainers
+        self.model_path = str(resolve_model_path(cfg.model.path))
+        t0 = time.perf_counter()
+        # Every rank makes both groups, before any engine exists (names must agree).
+        trainer_group = dist.new_group(list(range(self.num_trainers)))
+        rollout_ranks = list(range(self.num_trainers, world))
+        rollout_group = dist.new_group(rollout_ranks)
+        self.trainer, self.rollout = None, None
+        if self.is_trainer:
+            from transformers import AutoTokenizer
+
+            from hybrid_engine.roles.trainer import Trainer
+
+            set_train_group(trainer_group)
+            self.trainer = Trainer(self.model_path, cfg.train, cfg.model,
+                                   logits_chunk_tokens=cfg.train.logits_chunk_tokens,
+                                   temperature=cfg.rollout.temperature)
+            hf_config = self.trainer.module.config
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        else:
+            from transformers import AutoConfig
+
+            from hybrid_engine.roles.vllm_rollout import VLLMRollout
+
+            self.rollout = VLLMRollout(self.model_path, cfg.rollout, dtype=cfg.model.rollout_dtype,
+                                       ranks=rollout_ranks, group=rollout_group)
+            hf_config = AutoConfig.from_pretrained(self.model_path)
+            self.tokenizer = self.rollout.tokenizer
+        resync_group_counter()  # only the rollout ranks made vLLM's groups
+        self.syncer = WeightSync(hf_config, cfg.sync, tp=cfg.rollout.tensor_parallel_size,
+                                 wire_dtype=DTYPES[cfg.model.rollout_dtype],
+                                 num_trainers=self.num_trainers)
+        set_collective_timeout(cfg.collective_timeout_s,
+                               [g for g in all_groups() if g not in host_groups])
+        self._shared = _SharedRollout(self.rollout, cfg.rollout, src=self.num_trainers)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        self._stale = False  # both sides loaded the same checkpoint file
+        log.info("separate policy ready in %.1f s: FSDP2 over ranks 0-%d, vLLM TP=%d over "
+                 "ranks %d-%d", time.perf_counter() - t0, self.num_trainers - 1,
+                 cfg.rollout.tensor_parallel_size, self.num_trainers, world - 1)
+
+    @contextlib.contextmanager
+    def _sampling(self, greedy: bool) -> Iterator[None]:
+        cfg = self._shared.cfg
+        if greedy:
+            self._shared.cfg = dataclasses.replace(cfg, top_k=1)
+        try:
+            yield
+        finally:
+            self._shared.cfg = cfg
+
+    # --- inference ---------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
+                 seed: int = 0, greedy: bool = False, **kwargs: Any) -> Completions:
+        """K completions per prompt, the same on every rank (collective)."""
+        if self._stale:
+            self.sync_weights()
+        with self._sampling(greedy):
+            return self._shared.generate(prompts, num_samples=num_samples, seed=seed, **kwargs)
+
+    def collect(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
+                seed: int, greedy: bool = False) -> list[Trajectory]:
+        """Trajectories of env for prompts, unscored, the same on every rank (collective)."""
+        from hybrid_engine.episodes import collect
+
+        if self._stale:
+            self.sync_weights()
+        with self._sampling(greedy):
+            return collect(self._shared, env, [list(p) for p in prompts],
+                           num_samples=num_samples, seed=seed)
+
+    # --- training ----------------------------------------------------------------
+
+    def train_step(self, trajs: Sequence[Trajectory] | TrainBatch, loss_fn: LossFn | None = None,
+                   *, entropy_grad: bool | None = None) -> dict[str, float]:
+        """One optimizer step on the trainer ranks; its metrics on every rank (collective)."""
+        metrics = None
+        if self.is_trainer:
+            batch, _ = train_batch(trajs, self.pad_id, self.cfg)
+            metrics = policy_step(self.trainer, self.cfg, batch, loss_fn, entropy_grad)
+            metrics["mem_released_bytes"] = 0.0  # each layout owns its ranks
+        self._stale = True
+        return _from_rank(0, metrics)
+
+    def sync_weights(self) -> dict[str, float]:
+        """Trainer ranks' weights into the rollout ranks' engines (collective);
+        the metrics of the first rollout rank (bytes it received, re-pack time)."""
+        m = self.syncer.sync(self.trainer.module if self.is_trainer else None, self.rollout)
+        self._stale = False
+        return _from_rank(self.num_trainers, m)
+
+    def trainer_side(self, role: Any) -> TrainerSide:
+        """Wraps a role built on the trainer ranks (None elsewhere) for every rank."""
+        return TrainerSide(role)
+
+    # --- persistence -------------------------------------------------------------
+
+    def save(self, path: str | Path, *, extra: dict | None = None, critic: Any = None) -> None:
+        """Atomic DCP checkpoint, written by the trainer ranks (collective)."""
+        if self.is_trainer:
+            save_training_state(path, trainer=self.trainer, critic=critic, extra=extra)
+        dist.barrier()
+
+    def load(self, path: str | Path, *, critic: Any = None) -> dict | None:
+        """Restores a checkpoint on the trainer ranks; the next generate syncs.
+        Returns its extra on every rank."""
+        extra = None
+        if self.is_trainer:
+            extra = load_training_state(path, trainer=self.trainer, critic=critic)
+        self._stale = True
+        return _from_rank(0, extra)
+
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Writes the current policy as a HF folder (trainer ranks; collective)."""
+        if self.is_trainer:
+            export_hf(path, model=self.trainer, hf_config_source=self.model_path, dtype=dtype)
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        """Stops the engine (rollout ranks); destroys the group if this object made it."""
+        if self.rollout is not None:
+            self.rollout.shutdown()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
