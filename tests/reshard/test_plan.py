@@ -82,7 +82,7 @@ def _execute(plan, full, rank: int) -> dict[str, torch.Tensor]:
     blocks = plan.local[rank] + [b for bk in plan.buckets for b in bk if b.dst_rank == rank]
     for b in blocks:
         t = full[b.hf_name]
-        s0, _ = shard_rows(t.shape[0], plan.world_size, b.src_rank)
+        s0, _ = shard_rows(t.shape[0], plan.num_sources, b.src_rank)
         src = t[s0 + b.src_row : s0 + b.src_row + b.rows, b.cols[0] : b.cols[1]]
         dst = out[b.target][b.dst_row : b.dst_row + b.rows, b.dst_col : b.dst_col + src.shape[1]]
         assert torch.count_nonzero(dst) == 0, f"{b.target}: block overlaps an earlier one"
@@ -166,6 +166,41 @@ def test_full_tp_on_two_ranks_receives_far_less_than_all_gather():
         assert plan.elements_received(g) < plan.target_elements(g)
 
 
+SEPARATE = [("qwen2", 2, 1, 1), ("llama-kv1-tied", 3, 1, 2), ("qwen3-kv1", 4, 2, 2),
+            ("qwen2-mha-tied", 4, 2, 1), ("qwen2", 5, 1, 4), ("qwen3-kv1", 4, 3, 1)]
+
+
+@pytest.mark.parametrize("spec,world,trainers,tp", SEPARATE)
+def test_separate_plan_moves_each_rollout_ranks_whole_shard(spec, world, trainers, tp):
+    """Ranks 0..M-1 hold the FSDP2 shards, M..N-1 the vLLM weights: no local
+    block, a rollout rank receives every element of its TP shard exactly once
+    (from the trainer rank owning its row), a trainer rank receives nothing."""
+    d = _dims(spec)
+    plan = build_plan(d, world, tp, bucket_elems=20000, num_trainers=trainers)
+    assert plan.num_sources == trainers and not any(plan.local)
+    full = _id_tensors(d, plan.hf_shapes)
+    total = sum(r * c for r, c in plan.hf_shapes.values())
+    for g in range(world):
+        if g < trainers:
+            assert plan.targets[g] == [] and plan.elements_received(g) == 0
+            assert not [b for bk in plan.buckets for b in bk if b.dst_rank == g]
+            continue
+        got = _execute(plan, full, g)
+        want = _expected(full, d, tp, (g - trainers) % tp)
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"rank {g}: {name}"
+        ids = torch.cat([w.reshape(-1) for w in want.values()])
+        ids = ids[ids > 0]
+        assert plan.elements_received(g) == ids.numel()
+        assert (_owner(ids, full, trainers) < trainers).all()
+        assert plan.naive_elements_received(g) == total  # naive: every full tensor
+    senders = {b.src_rank for bk in plan.buckets for b in bk}
+    assert senders == set(range(trainers))
+    assert sum(plan.elements_sent(g) for g in range(world)) == sum(
+        plan.elements_received(g) for g in range(world))
+
+
 def test_bad_sizes_are_rejected():
     d = _dims("qwen2")
     with pytest.raises(ValueError, match="must divide the world size 4"):
@@ -174,6 +209,10 @@ def test_bad_sizes_are_rejected():
         tp_layout(d, 8, 0)
     with pytest.raises(ValueError, match="bucket size must be positive"):
         build_plan(d, 2, 2, bucket_elems=0)
+    with pytest.raises(ValueError, match="must divide the rollout ranks 3"):
+        build_plan(d, 4, 2, num_trainers=1)
+    with pytest.raises(ValueError, match="1 <= trainer ranks < world size 4"):
+        build_plan(d, 4, 1, num_trainers=4)
 
 
 def test_unsupported_architecture_lists_supported_ones():
