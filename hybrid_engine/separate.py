@@ -233,6 +233,18 @@ class SeparatePolicy:
         self._stale = True
         return _from_rank(0, metrics)
 
+    def compute_logprobs(self, trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
+        """Trainer log-probs of the step's trajectories under the current weights,
+        one response-local tensor each, on every rank (collective, no grad)."""
+        out = None
+        if self.is_trainer:
+            from hybrid_engine.roles.shards import gather_response_field
+
+            batch, idx = train_batch(trajs, self.pad_id, self.cfg)
+            logp_BT, _ = self.trainer.compute_logprobs(batch)
+            out = gather_response_field(trajs, idx, batch, logp_BT)
+        return _from_rank(0, out)
+
     def sync_weights(self) -> dict[str, float]:
         """Trainer ranks' weights into the rollout ranks' engines (collective);
         the metrics of the first rollout rank (bytes it received, re-pack time)."""

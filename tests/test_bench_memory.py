@@ -1,5 +1,6 @@
-"""benchmarks/bench_memory.py --quick: both modes run on 2 ranks; colocation
-really releases the KV cache before training and the resident mode does not."""
+"""benchmarks/bench_memory.py --quick: every mode runs on 2 ranks; colocation
+really releases the KV cache before training and the resident mode does not;
+under separate placement each role holds only its own layout."""
 
 from __future__ import annotations
 
@@ -29,4 +30,12 @@ def test_bench_memory_quick(tmp_path) -> None:
     # The release shows in the process's memory, not only in the accounting.
     saved = phases[("resident", "train")]["peak_rss_bytes"] - phases[("colocated", "train")]["peak_rss_bytes"]
     assert saved > 0.5 * kv
+    train, rollout = "separate (train ranks)", "separate (rollout ranks)"
+    for ph in ("generate", "train"):
+        assert phases[(train, ph)]["kv_cache_bytes"] == 0 == phases[(train, ph)]["engine_weights_bytes"]
+        assert phases[(rollout, ph)]["kv_cache_bytes"] == kv
+        assert phases[(rollout, ph)]["trainer_params_bytes"] == 0
+    # One trainer rank holds the whole model's shards: twice a colocated rank's.
+    assert phases[(train, "train")]["trainer_params_bytes"] == 2 * phases[("colocated", "train")][
+        "trainer_params_bytes"]
     assert list(tmp_path.glob("memory_*.png")) and list(tmp_path.glob("memory_*.md"))
