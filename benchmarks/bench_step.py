@@ -1,8 +1,10 @@
 """Where does an RL step's time go? generate / score / train / sync, per model size and rank count.
 
-For each (model preset, N ranks) one `hybrid-engine train` job under torchrun
-(colocated: every rank holds the FSDP2 trainer and a vLLM engine, TP = min(2, N)),
-the same recipe, prompts, sampling and seeds everywhere. The reward is a coin
+For each (model preset, N ranks, placement) one `hybrid-engine train` job
+under torchrun -- colocated: every rank holds the FSDP2 trainer and a vLLM
+engine, TP = min(2, N); separate: the first N/2 ranks only train, the last
+N/2 only roll out, TP = min(2, N/2) -- with the same recipe, model, prompts,
+sampling and seeds everywhere. The reward is a coin
 flip hashed from the completion so every group carries signal and every step
 trains (a random-init model never solves the task). Reported: the median over
 the timed steps (the first `--warmup` steps excluded) of each phase's seconds
@@ -12,9 +14,9 @@ response tokens of the step / step_s).
 Prints a table; the last stdout line is JSON. Writes
 benchmarks/results/step_cpu_<yyyymm>.md and a phase-breakdown chart (.png).
 
-    python benchmarks/bench_step.py                       # tiny at N=1,2,4; qwen2-180m at N=2
-    python benchmarks/bench_step.py --quick               # tiny at N=1,2, 3 steps
-    python benchmarks/bench_step.py --configs tiny:2 small:2 qwen2-180m:1
+    python benchmarks/bench_step.py             # tiny at N=1,2,4, qwen2-180m at N=2; both placements
+    python benchmarks/bench_step.py --quick     # tiny at N=1,2 colocated and N=2 separate, 3 steps
+    python benchmarks/bench_step.py --configs tiny:2 tiny:2:separate qwen2-180m:1
 """
 
 from __future__ import annotations
@@ -38,19 +40,22 @@ REWARD = ("import zlib\n\n"
 
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+", default=["tiny:1", "tiny:2", "tiny:4", "qwen2-180m:2"],
-                   help="PRESET:N pairs (presets: hybrid_engine.models.tiny.PRESETS)")
+    p.add_argument("--configs", nargs="+",
+                   default=["tiny:1", "tiny:2", "tiny:2:separate", "tiny:4", "tiny:4:separate",
+                            "qwen2-180m:2", "qwen2-180m:2:separate"],
+                   help="PRESET:N[:separate] (presets: hybrid_engine.models.tiny.PRESETS)")
     p.add_argument("--steps", type=int, default=6, help="RL steps per job")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (x K samples)")
     p.add_argument("--samples", type=int, default=4, help="K completions per prompt")
     p.add_argument("--max-tokens", type=int, default=32, help="max new tokens per completion")
-    p.add_argument("--quick", action="store_true", help="tiny at N=1,2, 3 steps (1 warmup)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny at N=1,2 and N=2 separate, 3 steps (1 warmup)")
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--cache-dir", default=str(REPO / ".cache" / "bench_models"))
     args = p.parse_args(argv)
     if args.quick:
-        args.configs, args.steps, args.warmup = ["tiny:1", "tiny:2"], 3, 1
+        args.configs, args.steps, args.warmup = ["tiny:1", "tiny:2", "tiny:2:separate"], 3, 1
     if args.warmup >= args.steps:
         p.error(f"--warmup={args.warmup} must be below --steps={args.steps}")
     return args
@@ -71,12 +76,16 @@ def _num_params(preset: str) -> int:
     return PRESETS[preset].num_params
 
 
-def _run(args: argparse.Namespace, preset: str, nproc: int, work: Path) -> dict:
+def _tp(nproc: int, placement: str) -> int:
+    return min(2, nproc // 2 if placement == "separate" else nproc)
+
+
+def _run(args: argparse.Namespace, preset: str, nproc: int, placement: str, work: Path) -> dict:
     model = _model(preset, Path(args.cache_dir))
-    out = work / f"{preset}-n{nproc}"
+    out = work / f"{preset}-n{nproc}-{placement}"
     overrides = [
         f"--model.path={model}", f"--output_dir={out}", "--overwrite", "--no-progress",
-        f"--rollout.tensor_parallel_size={min(2, nproc)}",
+        f"--placement={placement}", f"--rollout.tensor_parallel_size={_tp(nproc, placement)}",
         f"--rollout.num_samples_per_prompt={args.samples}", f"--rollout.max_tokens={args.max_tokens}",
         f"--train.prompts_per_step={args.prompts}", f"--train.num_steps={args.steps}",
         "--train.micro_batch_size=8", "--checkpoint_every=0", "--eval_every=0",
@@ -88,10 +97,11 @@ def _run(args: argparse.Namespace, preset: str, nproc: int, work: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
-        raise SystemExit(f"{preset} N={nproc} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        raise SystemExit(f"{preset} N={nproc} {placement} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if r["step"] > args.warmup]
-    row = {"preset": preset, "world_size": nproc, "tp": min(2, nproc),
+    row = {"preset": preset, "world_size": nproc, "placement": placement,
+           "tp": _tp(nproc, placement),
            "model_params": _num_params(preset), "steps_timed": len(timed),
            "steps_trained": sum(r.get("skipped_degenerate", 1.0) == 0.0 for r in timed)}
     for ph in PHASES:
@@ -102,11 +112,13 @@ def _run(args: argparse.Namespace, preset: str, nproc: int, work: Path) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    head = "| model | params | N | T | generate s | score s | train s | sync s | step s | tok/s |"
+    head = ("| model | params | N | placement | T | generate s | score s | train s | sync s | "
+            "step s | tok/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
-            f"| {r['preset']} | {r['model_params'] / 1e6:.1f}M | {r['world_size']} | {r['tp']} | "
+            f"| {r['preset']} | {r['model_params'] / 1e6:.1f}M | {r['world_size']} | "
+            f"{r['placement']} | {r['tp']} | "
             f"{r['generate_s']:.3f} | {r['score_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.3f} | "
             f"{r['step_s']:.3f} | {r['tok_s']:.0f} |")
     return "\n".join(lines)
@@ -119,7 +131,8 @@ def _chart(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['preset']} N={r['world_size']}" for r in rows]
+    labels = [f"{r['preset']} N={r['world_size']}" + (" sep" if r["placement"] == "separate" else "")
+              for r in rows]
     fig, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.2))
     left = [0.0] * len(rows)
     for ph in PHASES:
@@ -127,7 +140,7 @@ def _chart(rows: list[dict], path: Path) -> None:
         ax.barh(labels, vals, left=left, label=ph)
         left = [a + b for a, b in zip(left, vals, strict=True)]
     ax.set_xlabel("seconds per RL step (median)")
-    ax.set_title("Step time by phase (colocated, CPU)")
+    ax.set_title("Step time by phase (CPU; sep = separate placement)")
     ax.invert_yaxis()
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -142,15 +155,21 @@ def main(argv=None) -> None:
 
     configs = []
     for c in args.configs:
-        preset, _, n = c.partition(":")
-        configs.append((preset, int(n or 2)))
+        parts = c.split(":")
+        preset, n = parts[0], parts[1] if len(parts) > 1 else "2"
+        placement = parts[2] if len(parts) > 2 else "colocated"
+        if placement not in ("colocated", "separate") or not n.isdigit():
+            raise SystemExit(f"--configs: {c!r} is not PRESET:N[:separate]")
+        if placement == "separate" and int(n) < 2:
+            raise SystemExit(f"--configs: {c!r}: separate placement needs N >= 2")
+        configs.append((preset, int(n), placement))
     with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
         work = Path(tmp)
         (work / "reward.py").write_text(REWARD)
         rows = []
-        for preset, n in configs:
-            print(f"running {preset} on {n} rank(s) ...", file=sys.stderr, flush=True)
-            rows.append(_run(args, preset, n, work))
+        for preset, n, placement in configs:
+            print(f"running {preset} on {n} rank(s), {placement} ...", file=sys.stderr, flush=True)
+            rows.append(_run(args, preset, n, placement, work))
     table = _table(rows)
     print(table)
     info = env_info()
@@ -164,9 +183,11 @@ def main(argv=None) -> None:
         f"Command: `{cmd.strip()}`\n\n"
         f"Versions: torch {info['torch']}, vLLM {info['vllm']} ({info['vllm_build']}), "
         f"transformers {info['transformers']}; device {info['device']}, {info['cpu_count']} cores.\n\n"
-        f"Colocated placement, recipe tiny_grpo_debug, {args.prompts} prompts x K={args.samples}, "
+        "Colocated: every rank trains and rolls out; separate: the first N/2 ranks train, the "
+        f"last N/2 roll out. Recipe tiny_grpo_debug, {args.prompts} prompts x K={args.samples}, "
         f"max_tokens={args.max_tokens}, {args.steps} steps ({args.warmup} warmup left out), "
-        "identical prompts, sampling and seeds in every configuration; medians per step. "
+        "identical model, prompts, sampling and seeds in every configuration (so colocated and "
+        "separate rows of one model and N sample the same tokens); medians per step. "
         "Ranks share the machine's cores (OMP threads = cores / N).\n\n"
         f"{table}\n\n![phases]({stem}.png)\n\n```json\n{json.dumps(rows, indent=1)}\n```\n")
     print(json.dumps({"configs": rows, "chart": str(out_dir / f"{stem}.png")}))

@@ -22,7 +22,8 @@ def test_bench_step_quick(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = result["configs"]
-    assert [(r["preset"], r["world_size"]) for r in rows] == [("tiny", 1), ("tiny", 2)]
+    assert [(r["preset"], r["world_size"], r["placement"]) for r in rows] == [
+        ("tiny", 1, "colocated"), ("tiny", 2, "colocated"), ("tiny", 2, "separate")]
     for r in rows:
         assert {"generate_s", "score_s", "train_s", "sync_s", "step_s", "tok_s"} <= r.keys()
         assert r["steps_trained"] == r["steps_timed"] == 2  # every timed step trained and synced
@@ -30,4 +31,5 @@ def test_bench_step_quick(tmp_path) -> None:
         phases = r["generate_s"] + r["score_s"] + r["train_s"] + r["sync_s"]
         assert abs(r["step_s"] - phases) < 1e-6  # 2 timed steps: medians are means, they add up
     md = next(tmp_path.glob("step_cpu_*.md")).read_text()
-    assert "| tiny | 0.6M | 2 | 2 |" in md and (tmp_path / Path(result["chart"]).name).stat().st_size > 0
+    assert "| tiny | 0.6M | 2 | colocated | 2 |" in md and "| tiny | 0.6M | 2 | separate | 1 |" in md
+    assert (tmp_path / Path(result["chart"]).name).stat().st_size > 0
