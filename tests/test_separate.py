@@ -53,15 +53,26 @@ def _stable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not any(p in k for p in _VARYING)}
 
 
+ALGORITHMS = {
+    "grpo": (),
+    # A reference and a critic: built on the trainer ranks, mirrored to the rollout ranks.
+    "ppo-kl": ("--algorithm.advantage=gae", "--algorithm.kl_coef=0.05"),
+}
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_separate_equals_colocated_with_the_same_trainers_and_replicas(
-        model_dir, reward_file, tmp_path) -> None:
+        model_dir, reward_file, tmp_path, algorithm) -> None:
     """4 ranks (2 train, 2 single-rank vLLM replicas) vs 2 colocated ranks
     (FSDP2 over 2, two TP=1 replicas): the same samples and updates."""
     sep, col = tmp_path / "separate", tmp_path / "colocated"
+    extra = ALGORITHMS[algorithm]
     _train(model_dir, reward_file, sep, 4, "--placement=separate", "--rollout.num_ranks=2",
-           "--rollout.tensor_parallel_size=1")
-    _train(model_dir, reward_file, col, 2, "--rollout.tensor_parallel_size=1")
+           "--rollout.tensor_parallel_size=1", *extra)
+    _train(model_dir, reward_file, col, 2, "--rollout.tensor_parallel_size=1", *extra)
     rows_sep, rows_col = _rows(sep), _rows(col)
+    if algorithm == "ppo-kl":  # the reference and the critic really ran
+        assert all("kl" in r and "critic/vf_loss" in r for r in rows_sep[1:]), rows_sep[1].keys()
     assert [r["step"] for r in rows_sep] == [0, 1, 2, 3]
     assert all(r["skipped_degenerate"] == 0.0 for r in rows_sep[1:])  # every step trained
     assert [_stable(r) for r in rows_sep] == [_stable(r) for r in rows_col]
