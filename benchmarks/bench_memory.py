@@ -307,16 +307,14 @@ def main(argv=None) -> None:
                "separate_tp": _tp(args, "separate"),
                "peak_rss_bytes": peak, "train_peak_rss_bytes": train_rss,
                "released_bytes_per_rank": released["colocated"], "phases": rows}
-    cmd = "python benchmarks/bench_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    from _common import result_header
+
     mb = 2**20
     (out_dir / f"{stem}.md").write_text(
-        f"# bench_memory ({datetime.datetime.now().isoformat(timespec='seconds')})\n\n"
-        f"Command: `{cmd.strip()}`\n\n"
-        f"Versions: torch {info['torch']}, vLLM {info['vllm']} ({info['vllm_build']}), "
-        f"transformers {info['transformers']}; device {info['device']}, {info['cpu_count']} cores.\n\n"
+        result_header(__file__, argv) +
         f"Model {args.preset} ({PRESETS[args.preset].num_params / 1e6:.1f}M params), N={args.nproc} "
         f"(colocated T={_tp(args, 'colocated')}; separate: {args.nproc - args.nproc // 2} train "
-        f"ranks, {args.nproc // 2} rollout ranks, T={_tp(args, 'separate')}), "
+        f"rank(s), {args.nproc // 2} rollout rank(s), T={_tp(args, 'separate')}), "
         f"{args.prompts} prompts x K={args.samples}, "
         f"max_tokens={args.max_tokens}, KV cache {args.kv_cache_gib:g} GiB/rank; the same "
         "model, prompts, sampling and seeds in every mode. Per phase, the biggest rank (of "

@@ -448,19 +448,15 @@ def main(argv=None) -> None:
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0).replace(" ", "-")
     stamp = datetime.date.today().strftime("%Y%m")
     path = out_dir / f"rollout_{device}_{stamp}{'_quick' if args.quick else ''}.md"
-    from hybrid_engine.cli import env_info
+    from _common import result_header
 
-    info = env_info()
     path.write_text(
-        f"# bench_rollout ({datetime.datetime.now().isoformat(timespec='seconds')})\n\n"
-        f"Command: `{' '.join(['python', f'benchmarks/{Path(__file__).name}', *(argv or sys.argv[1:])])}`"
-        "\n\n"
-        f"Versions: torch {info['torch']}, vLLM {info['vllm']} ({info['vllm_build']}), "
-        f"transformers {info['transformers']}; device {info['device']} ({_cpu_name()}), "
-        f"{info['cpu_count']} cores, OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // args.nproc)} "
-        f"per rank; 1-min load average {s['loadavg_1m'][0]:.2f} before, "
-        f"{s['loadavg_1m'][1]:.2f} after (shared machine).\n\n"
-        "Colocated: HybridActor after generate -> train_step (lr 1e-20: gradients and AdamW "
+        result_header(
+            __file__, argv, device_detail=f" ({_cpu_name()})",
+            after_cores=f", OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // args.nproc)} per rank; "
+            f"1-min load average {s['loadavg_1m'][0]:.2f} before, {s['loadavg_1m'][1]:.2f} after "
+            "(shared machine)")
+        + "Colocated: HybridActor after generate -> train_step (lr 1e-20: gradients and AdamW "
         "state allocated, weights unchanged) -> KV cache released and regrown, weights synced "
         "and re-packed; standalone: VLLMRollout only. Same prompts (arithmetic env), sampling, "
         "seeds, max_tokens; vLLM bf16, enforce_eager="

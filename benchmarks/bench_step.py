@@ -151,7 +151,6 @@ def _chart(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> None:
     args = _args(argv)
     sys.path.insert(0, str(REPO))
-    from hybrid_engine.cli import env_info
 
     configs = []
     for c in args.configs:
@@ -172,23 +171,22 @@ def main(argv=None) -> None:
             rows.append(_run(args, preset, n, placement, work))
     table = _table(rows)
     print(table)
-    info = env_info()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"step_cpu_{datetime.date.today():%Y%m}"
     _chart(rows, out_dir / f"{stem}.png")
-    cmd = "python benchmarks/bench_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    from _common import result_header
+
     (out_dir / f"{stem}.md").write_text(
-        f"# bench_step ({datetime.datetime.now().isoformat(timespec='seconds')})\n\n"
-        f"Command: `{cmd.strip()}`\n\n"
-        f"Versions: torch {info['torch']}, vLLM {info['vllm']} ({info['vllm_build']}), "
-        f"transformers {info['transformers']}; device {info['device']}, {info['cpu_count']} cores.\n\n"
+        result_header(__file__, argv) +
         "Colocated: every rank trains and rolls out; separate: the first N/2 ranks train, the "
         f"last N/2 roll out. Recipe tiny_grpo_debug, {args.prompts} prompts x K={args.samples}, "
         f"max_tokens={args.max_tokens}, {args.steps} steps ({args.warmup} warmup left out), "
-        "identical model, prompts, sampling and seeds in every configuration (so colocated and "
-        "separate rows of one model and N sample the same tokens); medians per step. "
-        "Ranks share the machine's cores (OMP threads = cores / N).\n\n"
+        "identical model, prompts, sampling parameters and seeds in every configuration; "
+        "medians per step. T is min(2, N) colocated and min(2, N/2) separate, so the two rows "
+        "of one N may differ in T. Ranks share the machine's cores (OMP threads = cores / N): "
+        "on CPU a rank stands for a device, and with more ranks than cores the engines' "
+        "busy-waiting TP collectives compete with the other ranks for them.\n\n"
         f"{table}\n\n![phases]({stem}.png)\n\n```json\n{json.dumps(rows, indent=1)}\n```\n")
     print(json.dumps({"configs": rows, "chart": str(out_dir / f"{stem}.png")}))
 

@@ -241,15 +241,11 @@ def main(argv=None) -> None:
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0).replace(" ", "-")
     stamp = datetime.date.today().strftime("%Y%m")
     path = out_dir / f"sync_{device}_n{args.nproc}_{stamp}{'_quick' if args.quick else ''}.md"
-    from hybrid_engine.cli import env_info
+    from _common import result_header
 
-    info = env_info()
     path.write_text(
-        f"# bench_sync ({datetime.datetime.now().isoformat(timespec='seconds')})\n\n"
-        f"Command: `python benchmarks/{Path(__file__).name} {' '.join(argv or sys.argv[1:])}`\n\n"
-        f"Versions: torch {info['torch']}, vLLM {info['vllm']} ({info['vllm_build']}), "
-        f"transformers {info['transformers']}; device {info['device']}, {info['cpu_count']} cores.\n\n"
-        "ours = reshard transfer + vLLM-CPU re-pack; ours/floor uses the transfer alone "
+        result_header(__file__, argv)
+        + "ours = reshard transfer + vLLM-CPU re-pack; ours/floor uses the transfer alone "
         "(the re-pack is vLLM's own cost, paid inside the naive path too). "
         "Times: median of repeats, slowest rank.\n\n"
         f"{table}\n\n```json\n{json.dumps(rows, indent=1)}\n```\n")

@@ -1,0 +1,28 @@
+"""What every benchmark's result file starts with: title, exact command, versions.
+
+Scripts import it as `_common` (their own folder is first on sys.path when run
+as `python benchmarks/<script>.py`, also under torchrun).
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from pathlib import Path
+
+
+def result_header(script: str, argv: list[str] | None, *, device_detail: str = "",
+                  after_cores: str = "") -> str:
+    """The first lines of a result file: '# <script> (<time>)', the command that
+    produced it (argv None = this process's arguments), and the versions and
+    machine ('device cpu<device_detail>, 2 cores<after_cores>.')."""
+    from hybrid_engine.cli import env_info
+
+    info = env_info()
+    name = Path(script).name
+    cmd = " ".join(["python", f"benchmarks/{name}", *(sys.argv[1:] if argv is None else argv)])
+    return (f"# {Path(script).stem} ({datetime.datetime.now().isoformat(timespec='seconds')})\n\n"
+            f"Command: `{cmd}`\n\n"
+            f"Versions: torch {info['torch']}, vLLM {info['vllm']} ({info['vllm_build']}), "
+            f"transformers {info['transformers']}; device {info['device']}{device_detail}, "
+            f"{info['cpu_count']} cores{after_cores}.\n\n")
