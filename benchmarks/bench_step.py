@@ -142,7 +142,7 @@ def _chart(rows: list[dict], path: Path) -> None:
     ax.set_xlabel("seconds per RL step (median)")
     ax.set_title("Step time by phase (CPU; sep = separate placement)")
     ax.invert_yaxis()
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(PHASES), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -55,7 +55,7 @@ class RunAborted(RuntimeError):
 class JobCheckpointer:
     """Saves policy (+ critic) and controller state to checkpoints/step_<n>, keeps the newest k."""
 
-    def __init__(self, actor: HybridActor, critic: Any, root: Path, keep: int) -> None:
+    def __init__(self, actor: HybridActor | SeparatePolicy, critic: Any, root: Path, keep: int) -> None:
         self.actor, self.critic, self.root, self.keep = actor, critic, root, keep
 
     def save(self, step: int, extra: dict) -> None:
