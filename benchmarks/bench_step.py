@@ -14,7 +14,7 @@ response tokens of the step / step_s).
 Prints a table; the last stdout line is JSON. Writes
 benchmarks/results/step_cpu_<yyyymm>.md and a phase-breakdown chart (.png).
 
-    python benchmarks/bench_step.py             # tiny at N=1,2,4, qwen2-180m at N=2; both placements
+    python benchmarks/bench_step.py             # tiny and qwen2-180m at N=1,2,4; both placements
     python benchmarks/bench_step.py --quick     # tiny at N=1,2 colocated and N=2 separate, 3 steps
     python benchmarks/bench_step.py --configs tiny:2 tiny:2:separate qwen2-180m:1
 """
@@ -42,7 +42,8 @@ def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+",
                    default=["tiny:1", "tiny:2", "tiny:2:separate", "tiny:4", "tiny:4:separate",
-                            "qwen2-180m:2", "qwen2-180m:2:separate"],
+                            "qwen2-180m:1", "qwen2-180m:2", "qwen2-180m:2:separate",
+                            "qwen2-180m:4", "qwen2-180m:4:separate"],
                    help="PRESET:N[:separate] (presets: hybrid_engine.models.tiny.PRESETS)")
     p.add_argument("--steps", type=int, default=6, help="RL steps per job")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")

@@ -59,7 +59,8 @@ from hybrid_engine.roles.trainer import Trainer
 from hybrid_engine.roles.vllm_rollout import Completions, VLLMRollout
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
-__all__ = ["HybridActor", "completions_to_trajectories", "policy_step", "train_batch"]
+__all__ = ["HybridActor", "completions_to_trajectories", "greedy_sampling", "policy_step",
+           "train_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,19 @@ def completions_to_trajectories(out: Completions) -> list[Trajectory]:
                    rollout_logp=list(lps), group_id=i // out.num_samples)
         for i, (toks, lps) in enumerate(zip(out.token_ids, out.logprobs, strict=True))
     ]
+
+
+@contextlib.contextmanager
+def greedy_sampling(rollout: Any, greedy: bool) -> Iterator[None]:
+    """Inside: rollout (anything with a RolloutConfig `cfg`) samples greedily
+    (top_k=1) if greedy, else as configured."""
+    cfg = rollout.cfg
+    if greedy:
+        rollout.cfg = dataclasses.replace(cfg, top_k=1)
+    try:
+        yield
+    finally:
+        rollout.cfg = cfg
 
 
 def train_batch(trajs: Sequence[Trajectory] | TrainBatch, pad_id: int,
@@ -201,16 +215,8 @@ class HybridActor:
         with self._sampling(greedy):
             return self.rollout.generate(prompts, num_samples=num_samples, seed=seed, **kwargs)
 
-    @contextlib.contextmanager
-    def _sampling(self, greedy: bool) -> Iterator[None]:
-        """Inside: the engine samples greedily (top_k=1) if greedy, else as configured."""
-        cfg = self.rollout.cfg
-        if greedy:
-            self.rollout.cfg = dataclasses.replace(cfg, top_k=1)
-        try:
-            yield
-        finally:
-            self.rollout.cfg = cfg
+    def _sampling(self, greedy: bool) -> contextlib.AbstractContextManager[None]:
+        return greedy_sampling(self.rollout, greedy)
 
     def collect(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
                 seed: int, greedy: bool = False) -> list[Trajectory]:

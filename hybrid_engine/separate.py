@@ -29,14 +29,14 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hybrid_engine.actor import policy_step, train_batch
+from hybrid_engine.actor import greedy_sampling, policy_step, train_batch
 from hybrid_engine.algorithms.losses import LossFn
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
 from hybrid_engine.config import RolloutConfig, RunConfig
@@ -189,15 +189,8 @@ class SeparatePolicy:
                  "ranks %d-%d", time.perf_counter() - t0, self.num_trainers - 1,
                  cfg.rollout.tensor_parallel_size, self.num_trainers, world - 1)
 
-    @contextlib.contextmanager
-    def _sampling(self, greedy: bool) -> Iterator[None]:
-        cfg = self._shared.cfg
-        if greedy:
-            self._shared.cfg = dataclasses.replace(cfg, top_k=1)
-        try:
-            yield
-        finally:
-            self._shared.cfg = cfg
+    def _sampling(self, greedy: bool) -> contextlib.AbstractContextManager[None]:
+        return greedy_sampling(self._shared, greedy)
 
     # --- inference ---------------------------------------------------------------
 
