@@ -58,7 +58,8 @@ class Rollout(Protocol):
 
 @runtime_checkable
 class Policy(Protocol):
-    """The policy in whatever placement (`actor.HybridActor`: colocated): what the
+    """The policy in whatever placement (`actor.HybridActor`: colocated;
+    `separate.SeparatePolicy`: trainer and rollout ranks apart): what the
     controller calls. All collective."""
 
     def collect(self, env: Environment, prompts: Sequence[Sequence[int]], *, num_samples: int,
