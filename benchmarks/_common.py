@@ -26,3 +26,15 @@ def result_header(script: str, argv: list[str] | None, *, device_detail: str = "
             f"Versions: torch {info['torch']}, vLLM {info['vllm']} ({info['vllm_build']}), "
             f"transformers {info['transformers']}; device {info['device']}{device_detail}, "
             f"{info['cpu_count']} cores{after_cores}.\n\n")
+
+
+def result_path(out_dir: str | Path, topic: str, *, tag: str = "", quick: bool = False) -> Path:
+    """out_dir/<topic>_<device><tag>_<yyyymm>[_quick].md (out_dir created):
+    device is "cpu" or the CUDA device's name."""
+    import torch
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0).replace(" ", "-")
+    stamp = datetime.date.today().strftime("%Y%m")
+    return out / f"{topic}_{device}{tag}_{stamp}{'_quick' if quick else ''}.md"

@@ -41,7 +41,6 @@ benchmarks/results/rollout_<device>_<yyyymm>.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import math
@@ -441,14 +440,9 @@ def main(argv=None) -> None:
     s["loadavg_1m"] = [load_before, os.getloadavg()[0]]
     table = _table(s)
     print(table)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    import torch
+    from _common import result_header, result_path
 
-    device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0).replace(" ", "-")
-    stamp = datetime.date.today().strftime("%Y%m")
-    path = out_dir / f"rollout_{device}_{stamp}{'_quick' if args.quick else ''}.md"
-    from _common import result_header
+    path = result_path(args.out_dir, "rollout", quick=args.quick)
 
     path.write_text(
         result_header(

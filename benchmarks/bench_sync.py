@@ -23,7 +23,6 @@ benchmarks/results/sync_<device>_<yyyymm>.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -234,14 +233,9 @@ def main(argv=None) -> None:
     rows = [_run_size(args, s) for s in args.sizes]
     table = _table(rows)
     print(table)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    import torch
+    from _common import result_header, result_path
 
-    device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0).replace(" ", "-")
-    stamp = datetime.date.today().strftime("%Y%m")
-    path = out_dir / f"sync_{device}_n{args.nproc}_{stamp}{'_quick' if args.quick else ''}.md"
-    from _common import result_header
+    path = result_path(args.out_dir, "sync", tag=f"_n{args.nproc}", quick=args.quick)
 
     path.write_text(
         result_header(__file__, argv)
