@@ -14,7 +14,9 @@ trainer and the vLLM engine -- and own the switch between them, so a caller
 Memory: `train_step` first releases the engine's memory (GPU: vLLM sleep
 level 2; CPU: the KV cache storage, the only thing vLLM-CPU can drop -- the
 log says so); `generate` first brings it back, syncing the weights if they
-changed since the last sync. `training()` / `inference()` make the switch
+changed since the last sync. With `train.offload_optimizer`, the AdamW state
+waits in host memory while the engine holds the device (`roles/offload.py`);
+gradients are freed after every step anyway. `training()` / `inference()` make the switch
 explicit around code of the caller's own. Every method is collective: every
 rank calls it in the same order (prompts and trajectories are the same list
 on every rank; each rank trains on its own slice).
@@ -53,6 +55,7 @@ from hybrid_engine.checkpoint import export_hf, load_training_state, save_traini
 from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.dist import all_groups, init_distributed, set_collective_timeout
 from hybrid_engine.roles.fsdp import DTYPES, resolve_model_path
+from hybrid_engine.roles.offload import OptimizerOffload
 from hybrid_engine.roles.shards import gather_response_field, local_batch
 from hybrid_engine.roles.sync import WeightSync
 from hybrid_engine.roles.trainer import Trainer
@@ -124,6 +127,7 @@ class HybridActor:
         tokenizer: the policy's tokenizer (vLLM's).
         pad_id: id written in padding positions of training batches.
         phase: "inference" or "training": which layout holds the memory now.
+        offload: the `OptimizerOffload` (train.offload_optimizer), else None.
         rank: this process's rank in the default group.
     """
 
@@ -151,6 +155,8 @@ class HybridActor:
         self.phase = "inference"
         self._stale = False  # trainer weights changed since the last sync
         self.released_bytes = 0
+        self.offload = (OptimizerOffload(self.trainer.optimizer, self.trainer.device)
+                        if cfg.train.offload_optimizer else None)
         log.info("hybrid actor ready in %.1f s: FSDP2 over %d rank(s), vLLM TP=%d",
                  time.perf_counter() - t0, dist.get_world_size(),
                  cfg.rollout.tensor_parallel_size)
@@ -177,10 +183,14 @@ class HybridActor:
             return
         if self.cfg.rollout.release_memory:
             self.released_bytes = self.rollout.release_memory()
+        if self.offload is not None:
+            self.offload.reload()
         self.phase = "training"
 
     def _to_inference(self) -> None:
         if self.phase == "training":
+            if self.offload is not None:
+                self.offload.offload()  # first: its memory is what vLLM wakes into
             self.rollout.wake_weights()
         if self._stale:
             self.sync_weights()
@@ -260,12 +270,18 @@ class HybridActor:
             entropy_grad: entropy with grad (default: algorithm.entropy_coef != 0).
 
         Returns:
-            The trainer's global metrics, plus mem_released_bytes.
+            The trainer's global metrics, plus mem_released_bytes (the
+            engine's release) and, with train.offload_optimizer,
+            offload_moved_bytes / offload_released_bytes of the offload
+            during the generation before this step.
         """
         self._to_training()
         metrics = policy_step(self.trainer, self.cfg, self._batch(trajs)[0], loss_fn, entropy_grad)
         self._stale = True
         metrics["mem_released_bytes"] = float(self.released_bytes)
+        if self.offload is not None:  # the offload during this step's generation
+            metrics["offload_moved_bytes"] = float(self.offload.moved_bytes)
+            metrics["offload_released_bytes"] = float(self.offload.released_bytes)
         return metrics
 
     def sync_weights(self) -> dict[str, float]:
@@ -284,13 +300,28 @@ class HybridActor:
 
     def save(self, path: str | Path, *, extra: dict | None = None, critic: Any = None) -> None:
         """Atomic DCP checkpoint of the policy (and critic) with extra JSON state."""
-        save_training_state(path, trainer=self.trainer, critic=critic, extra=extra)
+        with self._optimizer_resident():
+            save_training_state(path, trainer=self.trainer, critic=critic, extra=extra)
 
     def load(self, path: str | Path, *, critic: Any = None) -> dict | None:
         """Restores a checkpoint; the next generate syncs vLLM. Returns its extra."""
-        extra = load_training_state(path, trainer=self.trainer, critic=critic)
+        with self._optimizer_resident():
+            extra = load_training_state(path, trainer=self.trainer, critic=critic)
         self._stale = True
         return extra
+
+    @contextlib.contextmanager
+    def _optimizer_resident(self) -> Iterator[None]:
+        """The optimizer state on the device inside the block (checkpoints read
+        and replace it); parked again afterwards if it was parked before."""
+        parked = self.offload is not None and self.offload.offloaded
+        if parked:
+            self.offload.reload()
+        try:
+            yield
+        finally:
+            if parked:
+                self.offload.offload()
 
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Writes the current policy as a HF folder (atomic; collective)."""

@@ -1,5 +1,7 @@
-"""HybridActor on 2 real ranks: the two layouts agree, the memory switch happens,
-generate after training syncs by itself, and save/load restores the policy."""
+"""HybridActor on 2 real ranks: the two layouts agree, the memory switch happens
+(KV cache released, optimizer state parked in host memory while vLLM generates),
+generate after training syncs by itself, and save/load restores the policy and
+its optimizer state even while that state is parked."""
 
 from __future__ import annotations
 
@@ -18,6 +20,15 @@ def _max_diff(a, b) -> float:
     return max(float((torch.as_tensor(x) - torch.as_tensor(y)).abs().max()) for x, y in zip(a, b))
 
 
+def _parked(actor) -> bool:
+    """The optimizer has state and every storage of it is empty (offloaded)."""
+    from hybrid_engine.roles.offload import optimizer_state_storages
+
+    state = actor.trainer.optimizer.state
+    return (actor.offload.offloaded and len(state) > 0
+            and not optimizer_state_storages(actor.trainer.optimizer, actor.trainer.device))
+
+
 def _actor_case(model_dir: str, ckpt: str) -> dict:
     from hybrid_engine.actor import HybridActor, completions_to_trajectories
     from hybrid_engine.dist import collective_timeouts
@@ -26,7 +37,8 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
     actor = HybridActor.from_pretrained(model_dir, overrides={"collective_timeout_s": 123,
         "rollout.tensor_parallel_size": 2, "rollout.max_tokens": 6, "rollout.max_model_len": 64,
         "rollout.kv_cache_gib": 0.25, "rollout.enforce_eager": True, "train.lr": 1e-2,
-        "model.compute_dtype": "float32", "model.rollout_dtype": "float32"})
+        "model.compute_dtype": "float32", "model.rollout_dtype": "float32",
+        "train.offload_optimizer": True})
     try:
         timeouts = collective_timeouts()
         out = {"host_kept": all(timeouts[name] == t for name, t in host.items()),
@@ -50,7 +62,25 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
         out["phase_after_generate"] = actor.phase
         out["fresh_after_generate"] = _max_diff(actor.compute_logprobs(trajs2),
                                                 [t.rollout_logp for t in trajs2])
-        actor.load(ckpt)
+        out["parked_while_generating"] = _parked(actor) and all(
+            p.grad is None for p in actor.trainer.module.parameters())
+        # Save while parked (the state must be read back), train, reload, train again:
+        # the same step twice, so the saved AdamW state was the real one.
+        actor.save(f"{ckpt}_trained")
+        out["parked_after_save"] = _parked(actor)
+        for t in trajs2:
+            t.advantages = [1.0] * len(t.response_ids)
+        first = actor.train_step(trajs2)
+        out["offload_metrics"] = (first["offload_moved_bytes"], first["offload_released_bytes"])
+        first_logp = actor.compute_logprobs(trajs2)
+        actor.load(f"{ckpt}_trained")
+        second = actor.train_step(trajs2)
+        out["step_repeats"] = (_max_diff(actor.compute_logprobs(trajs2), first_logp),
+                               first["loss"] == second["loss"],
+                               first["grad_norm"] == second["grad_norm"])
+        actor.generate(PROMPTS[:1], num_samples=1)  # park the state again
+        actor.load(ckpt)  # loads into parked state, parks the loaded one
+        out["parked_after_load"] = _parked(actor)
         out["load_restores"] = _max_diff(actor.compute_logprobs(trajs), before)
         trajs3 = completions_to_trajectories(actor.generate(PROMPTS, num_samples=2, seed=1))
         out["vllm_follows_load"] = [t.response_ids for t in trajs3] == [t.response_ids for t in trajs]
@@ -72,5 +102,10 @@ def test_hybrid_actor_switches_syncs_and_restores(tmp_path) -> None:
         assert r["train_moved"] > 1e-3
         assert r["phase_after_generate"] == "inference"
         assert r["fresh_after_generate"] < 1e-4  # vLLM sampled from the trained weights
+        assert r["parked_while_generating"] and r["parked_after_save"]
+        moved, released = r["offload_metrics"]
+        assert moved > 0 and released == 0      # CPU: nothing is claimed as freed
+        assert r["step_repeats"] == (0.0, True, True)
+        assert r["parked_after_load"]
         assert r["load_restores"] < 1e-6
         assert r["vllm_follows_load"]            # same seed, restored weights: same samples

@@ -108,6 +108,7 @@ def test_bad_model_folder(model_dir, tmp_path, kind, expected) -> None:
     (["--placement=separate", "--rollout.num_ranks=1", "--rollout.tensor_parallel_size=2"],
      "must divide the rollout ranks (rollout.num_ranks=1)"),
     (["--placement=nope"], "placement"),
+    (["--placement=separate", "--train.offload_optimizer=true"], "needs placement=colocated"),
     (["--rollout.num_samples_per_prompt=1"], "must be >= 2 for algorithm.advantage='grpo'"),
     (["--algorithm.advantage=nope"], "algorithm.advantage"),
     (["--env.name=nope"], "unknown environment 'nope'"),
