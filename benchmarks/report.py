@@ -28,6 +28,7 @@ SUITE = (
     ("bench_rollout.py", [], ["--quick"]),
     ("bench_memory.py", [], ["--quick"]),
     ("bench_step.py", [], ["--quick"]),
+    ("bench_kernels.py", [], ["--quick"]),
 )
 
 

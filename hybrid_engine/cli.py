@@ -224,7 +224,7 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run every benchmark, write benchmarks/results/<date>.md",
                        description="Runs benchmarks/report.py: bench_sync, bench_rollout, "
-                                   "bench_memory and bench_step with settings that fit 30 min "
+                                   "bench_memory, bench_step and bench_kernels with settings that fit 30 min "
                                    "on 2 CPU cores, then writes one dated report with charts.",
                        epilog="Further arguments go to report.py, e.g. --quick or "
                               "--only bench_step.py.")
