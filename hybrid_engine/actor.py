@@ -15,8 +15,9 @@ Memory: `train_step` first releases the engine's memory (GPU: vLLM sleep
 level 2; CPU: the KV cache storage, the only thing vLLM-CPU can drop -- the
 log says so); `generate` first brings it back, syncing the weights if they
 changed since the last sync. With `train.offload_optimizer`, the AdamW state
-waits in host memory while the engine holds the device (`roles/offload.py`);
-gradients are freed after every step anyway. `training()` / `inference()` make the switch
+waits in host memory from the sync until the next optimizer step, while the
+engine holds the device (`roles/offload.py`); gradients are freed after every
+step anyway. `training()` / `inference()` make the switch
 explicit around code of the caller's own. Every method is collective: every
 rank calls it in the same order (prompts and trajectories are the same list
 on every rank; each rank trains on its own slice).
@@ -179,18 +180,21 @@ class HybridActor:
     # --- phases ------------------------------------------------------------------
 
     def _to_training(self) -> None:
-        if self.phase == "training":
-            return
-        if self.cfg.rollout.release_memory:
-            self.released_bytes = self.rollout.release_memory()
+        if self.phase != "training":
+            if self.cfg.rollout.release_memory:
+                self.released_bytes = self.rollout.release_memory()
+            self.phase = "training"
         if self.offload is not None:
-            self.offload.reload()
-        self.phase = "training"
+            self.offload.reload()  # also after a sync that parked it (no-op if not parked)
+
+    def _park_optimizer(self) -> None:
+        """Before vLLM wakes: its memory is what the engine wakes into."""
+        if self.offload is not None:
+            self.offload.offload()
 
     def _to_inference(self) -> None:
         if self.phase == "training":
-            if self.offload is not None:
-                self.offload.offload()  # first: its memory is what vLLM wakes into
+            self._park_optimizer()
             self.rollout.wake_weights()
         if self._stale:
             self.sync_weights()
@@ -286,6 +290,7 @@ class HybridActor:
 
     def sync_weights(self) -> dict[str, float]:
         """Writes the trainer's weights into vLLM (collective); returns sync metrics."""
+        self._park_optimizer()  # the next optimizer step brings it back
         self.rollout.wake_weights()
         metrics = self.syncer.sync(self.trainer.module, self.rollout)
         self._stale = False
@@ -300,28 +305,28 @@ class HybridActor:
 
     def save(self, path: str | Path, *, extra: dict | None = None, critic: Any = None) -> None:
         """Atomic DCP checkpoint of the policy (and critic) with extra JSON state."""
-        with self._optimizer_resident():
+        with self._optimizer_on_device():
             save_training_state(path, trainer=self.trainer, critic=critic, extra=extra)
 
     def load(self, path: str | Path, *, critic: Any = None) -> dict | None:
         """Restores a checkpoint; the next generate syncs vLLM. Returns its extra."""
-        with self._optimizer_resident():
+        with self._optimizer_on_device():
             extra = load_training_state(path, trainer=self.trainer, critic=critic)
         self._stale = True
         return extra
 
     @contextlib.contextmanager
-    def _optimizer_resident(self) -> Iterator[None]:
-        """The optimizer state on the device inside the block (checkpoints read
-        and replace it); parked again afterwards if it was parked before."""
-        parked = self.offload is not None and self.offload.offloaded
-        if parked:
-            self.offload.reload()
-        try:
-            yield
-        finally:
-            if parked:
-                self.offload.offload()
+    def _optimizer_on_device(self) -> Iterator[None]:
+        """The optimizer state on the device inside the block (DCP reads it,
+        replaces it, or creates it when the optimizer has none yet). A parked
+        state comes back through the training layout (the engine releases its
+        memory first); a state left on the device beside an awake engine (DCP
+        made one) is parked after the block."""
+        if self.offload is not None and self.offload.offloaded:
+            self._to_training()
+        yield
+        if self.phase == "inference":
+            self._park_optimizer()
 
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Writes the current policy as a HF folder (atomic; collective)."""

@@ -189,9 +189,9 @@ class TrainConfig:
     )
     offload_optimizer: bool = _field(
         False,
-        "Colocated: move the AdamW state to host memory while vLLM generates and back "
-        "before the next step (GPU: frees 8 bytes per parameter-shard element for vLLM; "
-        "CPU: the state only moves within RAM, nothing is saved).",
+        "Colocated: move the policy's AdamW state to host memory from the weight sync "
+        "until the next optimizer step, so vLLM wakes into its memory (GPU: 8 bytes per "
+        "parameter-shard element; CPU: the state only moves within RAM, nothing is saved).",
     )
     num_steps: int = _field(100, "Optimizer steps (one per RL step) in the run.", ge=1)
     prompts_per_step: int = _field(

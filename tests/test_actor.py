@@ -29,6 +29,18 @@ def _parked(actor) -> bool:
             and not optimizer_state_storages(actor.trainer.optimizer, actor.trainer.device))
 
 
+def _resident(actor) -> bool:
+    """The optimizer has state, all of it on the device (not offloaded)."""
+    import torch
+
+    from hybrid_engine.roles.offload import optimizer_state_storages
+
+    storages = optimizer_state_storages(actor.trainer.optimizer, actor.trainer.device)
+    return not actor.offload.offloaded and len(storages) > 0 and all(
+        t.untyped_storage().nbytes() > 0 for st in actor.trainer.optimizer.state.values()
+        for t in st.values() if isinstance(t, torch.Tensor))
+
+
 def _actor_case(model_dir: str, ckpt: str) -> dict:
     from hybrid_engine.actor import HybridActor, completions_to_trajectories
     from hybrid_engine.dist import collective_timeouts
@@ -48,6 +60,8 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
         out["layouts_agree"] = _max_diff(actor.compute_logprobs(trajs),
                                          [t.rollout_logp for t in trajs])
         actor.save(ckpt)
+        # DCP created the AdamW state on the device beside the awake engine: parked.
+        out["parked_after_first_save"] = _parked(actor) and actor.phase == "inference"
         before = actor.compute_logprobs(trajs)
         for i, t in enumerate(trajs):
             t.advantages = [1.0 if i % 2 else -1.0] * len(t.response_ids)
@@ -64,14 +78,17 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
                                                 [t.rollout_logp for t in trajs2])
         out["parked_while_generating"] = _parked(actor) and all(
             p.grad is None for p in actor.trainer.module.parameters())
-        # Save while parked (the state must be read back), train, reload, train again:
-        # the same step twice, so the saved AdamW state was the real one.
+        # Save while parked (the state comes back through the training layout), train,
+        # sync (parks the state), reload, train again: the same step twice, so the
+        # saved AdamW state was the real one.
         actor.save(f"{ckpt}_trained")
-        out["parked_after_save"] = _parked(actor)
+        out["after_parked_save"] = (actor.phase, _resident(actor))
         for t in trajs2:
             t.advantages = [1.0] * len(t.response_ids)
         first = actor.train_step(trajs2)
         out["offload_metrics"] = (first["offload_moved_bytes"], first["offload_released_bytes"])
+        actor.sync_weights()
+        out["parked_after_sync"] = _parked(actor) and actor.phase == "training"
         first_logp = actor.compute_logprobs(trajs2)
         actor.load(f"{ckpt}_trained")
         second = actor.train_step(trajs2)
@@ -79,8 +96,8 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
                                first["loss"] == second["loss"],
                                first["grad_norm"] == second["grad_norm"])
         actor.generate(PROMPTS[:1], num_samples=1)  # park the state again
-        actor.load(ckpt)  # loads into parked state, parks the loaded one
-        out["parked_after_load"] = _parked(actor)
+        actor.load(ckpt)
+        out["after_parked_load"] = (actor.phase, _resident(actor))
         out["load_restores"] = _max_diff(actor.compute_logprobs(trajs), before)
         trajs3 = completions_to_trajectories(actor.generate(PROMPTS, num_samples=2, seed=1))
         out["vllm_follows_load"] = [t.response_ids for t in trajs3] == [t.response_ids for t in trajs]
@@ -102,10 +119,12 @@ def test_hybrid_actor_switches_syncs_and_restores(tmp_path) -> None:
         assert r["train_moved"] > 1e-3
         assert r["phase_after_generate"] == "inference"
         assert r["fresh_after_generate"] < 1e-4  # vLLM sampled from the trained weights
-        assert r["parked_while_generating"] and r["parked_after_save"]
+        assert r["parked_after_first_save"] and r["parked_while_generating"]
+        assert r["after_parked_save"] == ("training", True)
         moved, released = r["offload_metrics"]
         assert moved > 0 and released == 0      # CPU: nothing is claimed as freed
+        assert r["parked_after_sync"]
         assert r["step_repeats"] == (0.0, True, True)
-        assert r["parked_after_load"]
+        assert r["after_parked_load"] == ("training", True)
         assert r["load_restores"] < 1e-6
         assert r["vllm_follows_load"]            # same seed, restored weights: same samples

@@ -131,18 +131,25 @@ def _comparable(history: list[dict]) -> list[dict]:
 
 
 def test_resume_reproduces_the_straight_run(model_dir, tmp_path) -> None:
+    """The split run also parks its optimizer state between steps
+    (train.offload_optimizer): eval, checkpoints and resume around a parked state
+    must not change a single metric."""
     k = 2
     common = {"rollout.tensor_parallel_size": 2, "checkpoint_every": k, "eval_every": k}
     straight = run_ranks(_run_job, 2, model_dir, str(tmp_path / "a"),
                          {**common, "train.num_steps": 2 * k}, timeout=400)[0]
-    run_ranks(_run_job, 2, model_dir, str(tmp_path / "b"), {**common, "train.num_steps": k},
+    split = {**common, "train.offload_optimizer": True}
+    run_ranks(_run_job, 2, model_dir, str(tmp_path / "b"), {**split, "train.num_steps": k},
               timeout=400)
     resumed = run_ranks(_run_job, 2, model_dir, str(tmp_path / "b"),
-                        {**common, "train.num_steps": 2 * k}, True, timeout=400)[0]
+                        {**split, "train.num_steps": 2 * k}, True, timeout=400)[0]
     a, b = _comparable(straight["history"]), _comparable(resumed["history"])
     assert [h["step"] for h in b] == [0, *range(1, 2 * k + 1)]
     assert a == b
     assert any(not h["skipped_degenerate"] for h in a if h["step"] > k)
+    parked = [h["offload_moved_bytes"] for h in resumed["history"]
+              if h["step"] > 1 and "offload_moved_bytes" in h]
+    assert parked and all(m > 0 for m in parked)
 
 
 def _run_with_layer0_unsynced(model_dir: str, out_dir: str, overrides: dict) -> dict:

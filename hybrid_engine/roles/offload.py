@@ -14,9 +14,12 @@ unsharded parameters.
 Gradients need no offload: the trainer frees them after every step
 (`zero_grad(set_to_none=True)`), so none exist while vLLM generates.
 
-On CUDA the host buffers are pinned and the device memory freed is measured
-(`memory_allocated` before and after) and handed back to the driver
-(`empty_cache`), so vLLM can wake into it. On CPU the "device" is host memory:
+On CUDA the host buffers are pinned, the freed blocks are handed back to the
+driver (`empty_cache`) so vLLM can wake into them, and the bytes released are
+measured as the drop of `memory_reserved` across the offload (cached blocks
+freed earlier, e.g. the gradients, are returned before the first reading and
+not counted; a state block sharing a cache segment with live tensors stays
+reserved and is not counted either). On CPU the "device" is host memory:
 the state only moves between two CPU allocations, nothing is saved, and the
 released bytes reported are 0 (the round trip is still exact, which the tests
 check there).
@@ -63,8 +66,8 @@ class OptimizerOffload:
     Attributes:
         offloaded: True between `offload()` and `reload()`.
         moved_bytes: bytes the last `offload()` moved to host memory.
-        released_bytes: device memory the last `offload()` freed, measured
-            (CUDA); 0 on CPU, where host memory is the device memory.
+        released_bytes: device memory the last `offload()` returned to the
+            driver, measured (CUDA); 0 on CPU, where host memory is the device memory.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -83,7 +86,9 @@ class OptimizerOffload:
             return 0
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
-        before = torch.cuda.memory_allocated(self.device) if cuda else 0
+        if cuda:
+            torch.cuda.empty_cache()  # blocks freed before (gradients) are not ours to count
+        before = torch.cuda.memory_reserved(self.device) if cuda else 0
         storages = optimizer_state_storages(self.optimizer, self.device)
         parked = []
         for st in storages:
@@ -96,14 +101,14 @@ class OptimizerOffload:
             st.resize_(0)
         if cuda:
             torch.cuda.empty_cache()
-            self.released_bytes = max(0, before - torch.cuda.memory_allocated(self.device))
+            self.released_bytes = max(0, before - torch.cuda.memory_reserved(self.device))
         else:
             self.released_bytes = 0
         self._parked = parked
         self.moved_bytes = sum(host.numel() for _, host in parked)
         self.offloaded = True
         log.info("optimizer state: %.1f MiB moved to host memory in %.3f s (device memory "
-                 "freed: %.1f MiB%s)", self.moved_bytes / 2**20, time.perf_counter() - t0,
+                 "returned: %.1f MiB%s)", self.moved_bytes / 2**20, time.perf_counter() - t0,
                  self.released_bytes / 2**20, "" if cuda else "; on CPU nothing is saved")
         return self.moved_bytes
 

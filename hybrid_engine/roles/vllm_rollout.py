@@ -22,12 +22,12 @@ import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid_engine.config import RolloutConfig
+from hybrid_engine.roles import cpu_shm
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -66,28 +66,15 @@ def _prepare_process_env(cfg: RolloutConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_gib))))
 
 
-def _shm_prefix() -> str:
-    """MASTER_PORT (unique among live jobs) and torchrun's run id (random per
-    launch with --standalone, so a reused port meets no leftover segment)."""
-    port = os.environ.get("MASTER_PORT", str(os.getpid()))
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return f"he{port}-" if run == "none" else f"he{port}-{run[:8]}-"
-
-
-def _unlink_cpu_shm() -> None:
-    """Removes this job's shared-memory segments (mappings stay valid until unmapped)."""
-    for f in Path("/dev/shm").glob(f"{_shm_prefix()}*"):
-        f.unlink(missing_ok=True)
-
-
 def _isolate_cpu_shm_names() -> None:
     """Makes vLLM-CPU's shared-memory segment names unique per job.
 
     Under external_launcher vLLM derives the name from the init method
     "env://", the same for every job: two jobs on one machine (or a leftover
     segment from a killed job) collide with "create shm in SHMManager failed.
-    errno: 17". The prefix is unique per job (see `_shm_prefix`); vLLM never
-    unlinks the segments, so `VLLMRollout.shutdown` does.
+    errno: 17". The prefix is unique per job (`cpu_shm.prefix`); vLLM never
+    unlinks the segments, so `VLLMRollout.shutdown` does, and each new engine
+    first removes those of dead jobs (`cpu_shm.sweep_orphans`).
     """
     try:
         from vllm.distributed.device_communicators import cpu_communicator as cc
@@ -96,11 +83,14 @@ def _isolate_cpu_shm_names() -> None:
     shm = cc._CPUSHMDistributed
     if getattr(shm, "_hybrid_engine_patched", False):
         return
+    removed = cpu_shm.sweep_orphans()
+    if removed:
+        _log.info("removed %d shared-memory segment(s) of dead jobs from /dev/shm", len(removed))
     original = shm.make_group_name
 
     def make_group_name(communicator) -> str:  # noqa: ANN001
         # shm_open names take no "/" past the first; vLLM's own has "//".
-        return _shm_prefix() + original(communicator).replace("/", "")
+        return cpu_shm.prefix() + original(communicator).replace("/", "")
 
     shm.make_group_name = staticmethod(make_group_name)
     shm._hybrid_engine_patched = True
@@ -595,4 +585,4 @@ class VLLMRollout:
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-            _unlink_cpu_shm()
+            cpu_shm.unlink_job_segments()

@@ -26,6 +26,7 @@ DTYPES = ("float", "c10::BFloat16", "c10::Half")
 
 
 def _compile(tmp_path: Path) -> Path:
+    import torch
     from torch.utils.cpp_extension import include_paths
 
     stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
@@ -33,7 +34,7 @@ def _compile(tmp_path: Path) -> Path:
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     obj = tmp_path / "copy_blocks_cuda.o"
     cmd = [shutil.which("nvcc"), "-c", str(SOURCE), "-o", str(obj), "-O3", "-std=c++17",
-           "-gencode", "arch=compute_90,code=sm_90", "-D_GLIBCXX_USE_CXX11_ABI=1",
+           "-gencode", "arch=compute_90,code=sm_90", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            "-Xcudafe", "--diag_suppress=3306",  # torch headers: C++20 bit-field initialisers
            f"-I{tmp_path / 'stub'}", *(f"-I{p}" for p in include_paths())]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -3,7 +3,8 @@ between steps changes nothing (weights and state equal a run without it, bit for
 bit), really empties every state storage while parked, keeps the tensor objects,
 and is a no-op before the first step. The device = host case (CPU): the bytes
 move and come back exactly; no memory is claimed as released. With CUDA (skipped
-without): the freed device memory is measured and equals the state's bytes."""
+without): the device memory returned is measured, at least the big moments'
+bytes and at most the state's."""
 
 from __future__ import annotations
 
@@ -108,13 +109,15 @@ def test_offload_frees_cuda_memory_and_round_trips_exactly() -> None:
     runs = []
     for use_offload in (False, True):
         torch.manual_seed(0)
-        model = torch.nn.Linear(1024, 1024, device="cuda")
+        model = torch.nn.Linear(4096, 4096, device="cuda")  # 64 MiB moments: own cache segments
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         offload = OptimizerOffload(optimizer, torch.device("cuda")) if use_offload else None
         runs.append((model, optimizer, _adam_steps(model, optimizer, offload, 3)))
     (plain, plain_opt, _), (parked, parked_opt, freed) = runs
     state_bytes = sum(v.nbytes for s in parked_opt.state.values() for v in s.values()
                       if isinstance(v, torch.Tensor) and v.is_cuda)
-    assert state_bytes == 2 * 4 * (1024 * 1024 + 1024)  # two fp32 moments per parameter
-    assert freed == [state_bytes] * 3                   # measured by memory_allocated
+    assert state_bytes == 2 * 4 * (4096 * 4096 + 4096)  # two fp32 moments per parameter
+    # Measured (memory_reserved drop): the weight's moments at least; never more than
+    # the state (the bias moments may share a cache segment with live tensors).
+    assert all(2 * 4 * 4096 * 4096 <= f <= state_bytes for f in freed), freed
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), parked.parameters()))

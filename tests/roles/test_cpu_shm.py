@@ -1,0 +1,56 @@
+"""cpu_shm.sweep_orphans: removes our segments that nothing maps, keeps a segment a
+live process maps, a fresh one (a job between creating and mapping it), and
+files without our prefix. Real files, a real mapping in a real child process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from hybrid_engine.roles import cpu_shm
+
+HOLDER = """
+import mmap, sys
+with open(sys.argv[1], "r+b") as f:
+    m = mmap.mmap(f.fileno(), 0)
+print("mapped", flush=True)
+sys.stdin.read()
+"""
+
+
+def _segment(root, name: str, age_s: float):
+    path = root / name
+    path.write_bytes(b"\0" * 4096)
+    t = time.time() - age_s
+    os.utime(path, (t, t))
+    return path
+
+
+def test_sweep_removes_only_unmapped_old_segments_with_our_prefix(tmp_path) -> None:
+    orphan = _segment(tmp_path, "he1234-abcd1234--tp:0-[0-1]-cpushm_0", age_s=3600)
+    live = _segment(tmp_path, "he5678-ef012345--tp:0-[0-1]-cpushm_0", age_s=3600)
+    fresh = _segment(tmp_path, "he9999-00000000--tp:0-[0-1]-cpushm_0", age_s=0)
+    other = _segment(tmp_path, "psm_deadbeef", age_s=3600)
+    not_ours = _segment(tmp_path, "heartbeat", age_s=3600)  # "he" but not he<port>-
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(live)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        removed = cpu_shm.sweep_orphans(min_age_s=60, root=tmp_path)
+        assert removed == [orphan.name]
+        assert not orphan.exists() and live.exists() and fresh.exists() and other.exists()
+        assert not_ours.exists()
+    finally:
+        holder.communicate("")
+    # The holder has exited: its segment is an orphan now.
+    assert cpu_shm.sweep_orphans(min_age_s=60, root=tmp_path) == [live.name]
+
+
+def test_prefix_is_unique_per_port_and_run(monkeypatch) -> None:
+    monkeypatch.setenv("MASTER_PORT", "29512")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "0123456789abcdef")
+    assert cpu_shm.prefix() == "he29512-01234567-"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert cpu_shm.prefix() == "he29512-"
