@@ -38,3 +38,16 @@ def result_path(out_dir: str | Path, topic: str, *, tag: str = "", quick: bool =
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0).replace(" ", "-")
     stamp = datetime.date.today().strftime("%Y%m")
     return out / f"{topic}_{device}{tag}_{stamp}{'_quick' if quick else ''}.md"
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what platform knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"

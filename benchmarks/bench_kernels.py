@@ -287,19 +287,6 @@ def _floor(rows: list[dict]) -> str:
             + "; ".join(parts) + ".")
 
 
-def _cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (else what platform knows)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
-
-
 def _description(geo: dict, repeats: int) -> str:
     """The result file's paragraph on what was measured and how."""
     layers = ", ".join(f"{k} {v}" for k, v in geo["layers"].items())
@@ -328,10 +315,10 @@ def main(argv=None) -> None:
     load_after = os.getloadavg()[0]
     table = _table(rows)
     print(table)
-    from _common import result_header, result_path
+    from _common import cpu_name, result_header, result_path
 
     path = result_path(args.out_dir, "kernels", quick=args.quick)
-    cpu = _cpu_name()
+    cpu = cpu_name()
     path.write_text(
         result_header(__file__, argv,
                       device_detail=f", CPU {cpu}" if len(devices) > 1 else f" ({cpu})",

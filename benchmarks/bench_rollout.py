@@ -408,18 +408,6 @@ def _table(s: dict) -> str:
         f"| {s['rss_max_bytes']['standalone'] / 2**30:.2f} GiB |")])
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
-
-
 def main(argv=None) -> None:
     args = _args(argv)
     if args.rank_job:
@@ -440,13 +428,13 @@ def main(argv=None) -> None:
     s["loadavg_1m"] = [load_before, os.getloadavg()[0]]
     table = _table(s)
     print(table)
-    from _common import result_header, result_path
+    from _common import cpu_name, result_header, result_path
 
     path = result_path(args.out_dir, "rollout", quick=args.quick)
 
     path.write_text(
         result_header(
-            __file__, argv, device_detail=f" ({_cpu_name()})",
+            __file__, argv, device_detail=f" ({cpu_name()})",
             after_cores=f", OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // args.nproc)} per rank; "
             f"1-min load average {s['loadavg_1m'][0]:.2f} before, {s['loadavg_1m'][1]:.2f} after "
             "(shared machine)")
