@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 
+import re
+import time
+
+_SESSION_START = time.time()
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ARG001 - pytest's signature
     """Leaves the machine clean: removes the vLLM-CPU shared-memory segments that
-    ranks killed on purpose (tests/test_faults.py) could not unlink. Each engine
-    start sweeps them too; this catches the last ones (`cpu_shm.sweep_orphans`)."""
+    ranks killed on purpose (tests/test_faults.py) could not unlink: ours (each
+    engine start sweeps them too; this catches the last ones) and vLLM's own
+    `psm_*` ring buffers (24 MiB per TP group) changed during this session and
+    mapped by no live process (`cpu_shm.sweep_orphans`)."""
     from hybrid_engine.roles import cpu_shm
 
-    removed = cpu_shm.sweep_orphans(min_age_s=10)
+    removed = cpu_shm.sweep_orphans(min_age_s=10) + cpu_shm.sweep_orphans(
+        min_age_s=10, pattern=re.compile(r"psm_[0-9a-f]+"), changed_after=_SESSION_START)
     if removed:
         print(f"\nremoved {len(removed)} orphaned /dev/shm segment(s) of killed test jobs")

@@ -57,18 +57,25 @@ def _mapped_files() -> set[tuple[int, int, int]]:
     return mapped
 
 
-def sweep_orphans(min_age_s: float = 60.0, root: Path = SHM) -> list[str]:
-    """Unlinks our segments under root that no live process maps; returns their names."""
+def sweep_orphans(min_age_s: float = 60.0, root: Path = SHM, *, pattern: re.Pattern = _OURS,
+                  changed_after: float | None = None) -> list[str]:
+    """Unlinks our segments under root that no live process maps; returns their names.
+
+    pattern / changed_after: other segments instead (names matching pattern,
+    changed since that time): the test session uses them for vLLM's own `psm_*`
+    ring buffers that its killed ranks leave, which are not ours by name.
+    """
     uid, now = os.getuid(), time.time()
     old = []
     for f in root.iterdir():
-        if not _OURS.fullmatch(f.name):
+        if not pattern.fullmatch(f.name):
             continue
         try:
             st = f.stat()
         except FileNotFoundError:
             continue
-        if st.st_uid == uid and now - st.st_mtime >= min_age_s:
+        recent = changed_after is None or st.st_ctime >= changed_after
+        if st.st_uid == uid and now - st.st_mtime >= min_age_s and recent:
             old.append((f, (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)))
     if not old:
         return []

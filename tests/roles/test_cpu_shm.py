@@ -48,6 +48,22 @@ def test_sweep_removes_only_unmapped_old_segments_with_our_prefix(tmp_path) -> N
     assert cpu_shm.sweep_orphans(min_age_s=60, root=tmp_path) == [live.name]
 
 
+def test_sweep_of_other_names_takes_only_segments_changed_after_a_time(tmp_path) -> None:
+    import re
+
+    # ctime is "now" at each write/utime and cannot be set back: order the files instead.
+    earlier = _segment(tmp_path, "psm_0123abcd", age_s=3600)
+    ours = _segment(tmp_path, "he1234-abcd1234--tp:0-[0-1]-cpushm_0", age_s=3600)
+    time.sleep(0.05)
+    cutoff = time.time()
+    time.sleep(0.05)
+    later = _segment(tmp_path, "psm_4567ef01", age_s=3600)  # old mtime, changed after cutoff
+    removed = cpu_shm.sweep_orphans(min_age_s=60, root=tmp_path,
+                                    pattern=re.compile(r"psm_[0-9a-f]+"), changed_after=cutoff)
+    assert removed == [later.name]
+    assert earlier.exists() and ours.exists()
+
+
 def test_prefix_is_unique_per_port_and_run(monkeypatch) -> None:
     monkeypatch.setenv("MASTER_PORT", "29512")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "0123456789abcdef")
