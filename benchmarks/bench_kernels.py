@@ -20,19 +20,21 @@ half of the columns, each row a segment; norms: whole:
 
 Each workload has enough layers to move >= 512 MB read + written (24 MB with
 --quick): twice the last-level cache of the 2-core dev machine (260 MiB).
-On every device there is (cpu; cuda too when available), in interleaved
-rounds (one call of each per round, after a warm-up round), the median and
-fastest seconds of: the kernel; the floor, `dst.copy_(src)` on flat
-contiguous tensors of the same element count and dtypes, hence the same bytes
-(a fp32->bf16 copy_ is the best torch does for a cast copy); and
-`copy_blocks_ref`, the pure-torch loop of one copy_ per block. Every kernel
-output is first checked against copy_blocks_ref's, bit for bit.
+On every device there is (cpu; cuda too when available), in --jobs fresh
+processes, each with interleaved rounds (one call of each per round, after a
+warm-up round), the median, IQR and fastest seconds over all rounds of all
+jobs of: the kernel; the floor, `dst.copy_(src)` on flat contiguous tensors
+of the same element count and dtypes, hence the same bytes (a fp32->bf16
+copy_ is the best torch does for a cast copy); and `copy_blocks_ref`, the
+pure-torch loop of one copy_ per block. kernel/copy_ comes with a bootstrap
+95% CI over jobs x rounds (paired by round). Every kernel output is first
+checked against copy_blocks_ref's, bit for bit.
 
 Prints a table; the last stdout line is JSON. Results go to
 benchmarks/results/kernels_<device>_<yyyymm>.md.
 
-    python benchmarks/bench_kernels.py              # >= 512 MB per workload, 15 rounds
-    python benchmarks/bench_kernels.py --quick      # 24 MB per workload, 5 rounds, seconds
+    python benchmarks/bench_kernels.py              # >= 512 MB per workload, 3 jobs x 10 rounds
+    python benchmarks/bench_kernels.py --quick      # 24 MB per workload, 1 job x 5 rounds, seconds
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -67,12 +70,17 @@ COPY_WORKLOAD = "copy_fp32"
 
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=15, help="timed rounds (median)")
-    p.add_argument("--quick", action="store_true", help="24 MB per workload, 5 rounds")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds per job (10; quick 5)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="fresh processes, each --repeats rounds (3; quick 1)")
+    p.add_argument("--quick", action="store_true", help="24 MB per workload, 1 job x 5 rounds")
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--_job", dest="job", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.quick:
-        args.repeats = 5
+    args.repeats = args.repeats or (5 if args.quick else 10)
+    args.jobs = args.jobs or (1 if args.quick else 3)
+    if args.repeats < 1 or args.jobs < 1:
+        p.error("--repeats and --jobs must be >= 1")
     return args
 
 
@@ -214,8 +222,8 @@ def _times(fns: dict[str, Callable[[], None]], device: torch.device,
 
 
 def _measure(w: Workload, device: torch.device, repeats: int) -> dict:
-    """Kernel, plain copy_ of the same bytes and copy_blocks_ref: median seconds,
-    GB/s and ratios, and the fastest round's seconds (load only slows a round)."""
+    """One job's rounds of the kernel, a plain copy_ of the same bytes and
+    copy_blocks_ref: the workload's facts and the raw seconds per round."""
     _check(w)
     flat_src = torch.randn(w.elems, device=device).to(w.srcs[0].dtype)
     flat_dst = torch.empty(w.elems, dtype=w.dsts[0].dtype, device=device)
@@ -224,19 +232,38 @@ def _measure(w: Workload, device: torch.device, repeats: int) -> dict:
         "copy": lambda: flat_dst.copy_(flat_src),
         "ref": lambda: copy_blocks_ref(w.srcs, w.dsts, w.blocks),
     }, device, repeats)
-    s = {k: statistics.median(v) for k, v in times.items()}
-    best = {k: min(v) for k, v in times.items()}
-    gbps = {k: w.nbytes / v / 1e9 for k, v in s.items()}
     return {"device": device.type, "workload": w.name,
             "src_dtype": str(w.srcs[0].dtype).removeprefix("torch."),
             "dst_dtype": str(w.dsts[0].dtype).removeprefix("torch."),
-            "blocks": w.blocks.shape[0], "elements": w.elems, "bytes": w.nbytes,
+            "blocks": w.blocks.shape[0], "elements": w.elems, "bytes": w.nbytes, "times": times}
+
+
+def summarize(jobs: list[list[dict]]) -> list[dict]:
+    """One row per (device, workload) from every job's raw rows: median, IQR and
+    fastest seconds over all rounds of all jobs, GB/s, kernel/copy_ (= copy_ s /
+    kernel s of the medians) with its bootstrap CI (rounds paired), ref/kernel."""
+    import _stats
+
+    rows = []
+    for i, first in enumerate(jobs[0]):
+        times = {k: [job[i]["times"][k] for job in jobs] for k in ("kernel", "copy", "ref")}
+        d = {k: _stats.describe(v) for k, v in times.items()}
+        s = {k: v["median"] for k, v in d.items()}
+        nbytes = first["bytes"]
+        rows.append({
+            **{k: v for k, v in first.items() if k != "times"},
+            "jobs": len(jobs), "rounds": d["kernel"]["n"],
             "kernel_s": s["kernel"], "copy_s": s["copy"], "ref_s": s["ref"],
-            "kernel_gbps": gbps["kernel"], "copy_gbps": gbps["copy"], "ref_gbps": gbps["ref"],
-            "kernel_over_copy": gbps["kernel"] / gbps["copy"],
+            "kernel_iqr_s": d["kernel"]["iqr"], "copy_iqr_s": d["copy"]["iqr"],
+            "kernel_gbps": nbytes / s["kernel"] / 1e9, "copy_gbps": nbytes / s["copy"] / 1e9,
+            "ref_gbps": nbytes / s["ref"] / 1e9,
+            "kernel_over_copy": s["copy"] / s["kernel"],
+            "kernel_over_copy_ci": _stats.ratio_ci(times["copy"], times["kernel"]),
             "ref_over_kernel_s": s["ref"] / s["kernel"],
-            "kernel_best_s": best["kernel"], "copy_best_s": best["copy"], "ref_best_s": best["ref"],
-            "best_kernel_over_copy": best["copy"] / best["kernel"]}
+            "kernel_best_s": d["kernel"]["min"], "copy_best_s": d["copy"]["min"],
+            "ref_best_s": d["ref"]["min"],
+            "best_kernel_over_copy": d["copy"]["min"] / d["kernel"]["min"]})
+    return rows
 
 
 def _run_device(device: torch.device, geo: dict, repeats: int) -> list[dict]:
@@ -257,16 +284,18 @@ def _run_device(device: torch.device, geo: dict, repeats: int) -> list[dict]:
 
 def _table(rows: list[dict]) -> str:
     """Markdown table, one line per (device, workload)."""
-    head = ("| device | workload | dtypes | blocks | MB r+w | kernel ms | copy_ ms | ref ms "
-            "| kernel GB/s | copy_ GB/s | ref GB/s | kernel/copy_ | best-of kernel/copy_ "
+    head = ("| device | workload | dtypes | blocks | MB r+w | kernel ms (IQR) | copy_ ms | ref ms "
+            "| kernel GB/s | copy_ GB/s | ref GB/s | kernel/copy_ [95% CI] | best-of kernel/copy_ "
             "| ref/kernel time |")
     lines = [head, "|" + "---|" * 14]
     for r in rows:
         lines.append(
             f"| {r['device']} | {r['workload']} | {r['src_dtype']}->{r['dst_dtype']} "
             f"| {r['blocks']} | {r['bytes'] / 1e6:.1f} | {r['kernel_s'] * 1e3:.2f} "
+            f"({r['kernel_iqr_s'] * 1e3:.2f}) "
             f"| {r['copy_s'] * 1e3:.2f} | {r['ref_s'] * 1e3:.2f} | {r['kernel_gbps']:.1f} "
             f"| {r['copy_gbps']:.1f} | {r['ref_gbps']:.1f} | {r['kernel_over_copy']:.2f} "
+            f"[{r['kernel_over_copy_ci'][0]:.2f}, {r['kernel_over_copy_ci'][1]:.2f}] "
             f"| {r['best_kernel_over_copy']:.2f} | {r['ref_over_kernel_s']:.2f} |")
     return "\n".join(lines)
 
@@ -276,7 +305,9 @@ def _floor(rows: list[dict]) -> str:
     parts = []
     for dev in dict.fromkeys(r["device"] for r in rows):
         mine = [r for r in rows if r["device"] == dev]
-        fracs = ", ".join(f"{r['workload']} {r['kernel_over_copy']:.2f}" for r in mine)
+        fracs = ", ".join(f"{r['workload']} {r['kernel_over_copy']:.2f} "
+                          f"[{r['kernel_over_copy_ci'][0]:.2f}, {r['kernel_over_copy_ci'][1]:.2f}]"
+                          for r in mine)
         lo = min(r["kernel_over_copy"] for r in mine)
         hi = max(r["kernel_over_copy"] for r in mine)
         parts.append(f"on {dev} the kernel reaches {lo:.2f}-{hi:.2f} of it ({fracs})")
@@ -287,7 +318,7 @@ def _floor(rows: list[dict]) -> str:
             + "; ".join(parts) + ".")
 
 
-def _description(geo: dict, repeats: int) -> str:
+def _description(geo: dict, repeats: int, jobs: int) -> str:
     """The result file's paragraph on what was measured and how."""
     layers = ", ".join(f"{k} {v}" for k, v in geo["layers"].items())
     return (
@@ -298,20 +329,46 @@ def _description(geo: dict, repeats: int) -> str:
         f"elements: each workload moves >= {geo['min_bytes'] / 1e6:.0f} MB read + written. "
         "pack: TP-rank shares of fp32 parameters -> one bf16 buffer; unpack_rows: bf16 buffer "
         "-> row slices of column-parallel bf16 targets and norms; unpack_cols: bf16 buffer -> "
-        "column slices (one segment per row) of row-parallel bf16 targets. Times: median of "
-        f"{repeats} interleaved rounds after a warm-up round; every kernel output equals "
+        "column slices (one segment per row) of row-parallel bf16 targets. Times: median (IQR) "
+        f"over {jobs} fresh process(es) x {repeats} interleaved rounds, each process after a "
+        "warm-up round; kernel/copy_ with a bootstrap 95% CI over jobs x rounds (paired by "
+        "round); every kernel output equals "
         "copy_blocks_ref's bit for bit. best-of kernel/copy_ = fastest copy_ round / fastest "
         "kernel round (load from others only slows a round down); ref/kernel time = "
         "copy_blocks_ref s / kernel s.")
 
 
-def main(argv=None) -> None:
-    args = _args(argv)
+def _job(args: argparse.Namespace) -> list[dict]:
+    """One process's raw rows: every workload on every device."""
     geo = geometry(args.quick)
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     torch.manual_seed(0)
+    return [r for d in devices for r in _run_device(d, geo, args.repeats)]
+
+
+def _spawn_job(args: argparse.Namespace) -> list[dict]:
+    """Runs _job in a fresh process (its own allocator, caches and thread pool)."""
+    cmd = [sys.executable, __file__, "--_job", f"--repeats={args.repeats}",
+           *(["--quick"] if args.quick else [])]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_kernels job failed (exit {proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    args = _args(argv)
+    if args.job:
+        print(json.dumps(_job(args)), flush=True)
+        return
+    geo = geometry(args.quick)
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     load_before = os.getloadavg()[0]
-    rows = [r for d in devices for r in _run_device(d, geo, args.repeats)]
+    jobs = []
+    for j in range(args.jobs):
+        print(f"job {j + 1}/{args.jobs}", file=sys.stderr, flush=True)
+        jobs.append(_spawn_job(args))
+    rows = summarize(jobs)
     load_after = os.getloadavg()[0]
     table = _table(rows)
     print(table)
@@ -325,14 +382,15 @@ def main(argv=None) -> None:
                       after_cores=f", torch.get_num_threads() {torch.get_num_threads()} "
                       f"(the CPU kernel's OpenMP threads); 1-min load average {load_before:.2f} "
                       f"before, {load_after:.2f} after (shared machine)")
-        + f"{_description(geo, args.repeats)}\n\n{table}\n\n{_floor(rows)}\n\n"
+        + f"{_description(geo, args.repeats, args.jobs)}\n\n{table}\n\n{_floor(rows)}\n\n"
         f"```json\n{json.dumps(rows, indent=1)}\n```\n")
     print(f"wrote {path}", file=sys.stderr)
     results: dict[str, dict[str, dict]] = {}
     for r in rows:
         results.setdefault(r["device"], {})[r["workload"]] = r
     print(json.dumps({"devices": [d.type for d in devices], "torch_threads": torch.get_num_threads(),
-                      "quick": args.quick, "geometry": geo, "results": results}))
+                      "quick": args.quick, "jobs": args.jobs, "repeats": args.repeats,
+                      "geometry": geo, "results": results}))
 
 
 if __name__ == "__main__":

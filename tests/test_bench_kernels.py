@@ -48,10 +48,11 @@ def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
 
 
 def test_bench_kernels_quick(tmp_path, monkeypatch) -> None:
-    out = _run(["--quick", f"--out-dir={tmp_path}"], timeout=120)
+    out = _run(["--quick", "--jobs=2", "--repeats=3", f"--out-dir={tmp_path}"], timeout=180)
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])  # the last stdout line
     assert {"devices", "torch_threads", "geometry", "results"} <= summary.keys()
+    assert (summary["jobs"], summary["repeats"]) == (2, 3)
     assert summary["devices"] == ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     assert summary["torch_threads"] >= 1
     geo = _quick_geometry(monkeypatch)
@@ -73,6 +74,10 @@ def test_bench_kernels_quick(tmp_path, monkeypatch) -> None:
             assert r["kernel_gbps"] == pytest.approx(nbytes / r["kernel_s"] / 1e9)
             assert r["copy_gbps"] == pytest.approx(nbytes / r["copy_s"] / 1e9)
             assert r["kernel_over_copy"] == pytest.approx(r["copy_s"] / r["kernel_s"])
+            assert (r["jobs"], r["rounds"]) == (2, 6)  # every round of both fresh jobs
+            lo, hi = r["kernel_over_copy_ci"]
+            assert 0 < lo <= hi
+            assert r["kernel_iqr_s"] >= 0 and r["kernel_best_s"] <= r["kernel_s"]
     files = list(tmp_path.glob("kernels_*_quick.md"))
     assert len(files) == 1
     text = files[0].read_text()
