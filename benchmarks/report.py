@@ -1,12 +1,15 @@
-"""Runs every benchmark with settings that fit 30 minutes on 2 CPU cores and
-writes one dated report: benchmarks/results/<yyyy-mm-dd>.md with each
-script's table, the command, versions, machine and PNG charts.
+"""Runs every benchmark and writes one dated report: benchmarks/results/<yyyy-mm-dd>.md
+with a headline table (every ratio with its bootstrap 95% CI and the jobs
+behind it, the floor or peak beside each figure), then each script's table,
+the command, versions, machine and PNG charts.
 
     python benchmarks/report.py            # = hybrid-engine bench all = make bench
     python benchmarks/report.py --quick    # small settings (a smoke test, minutes)
 
 Every number in the report comes from the scripts run by this invocation;
-each script's own result file (and chart) lands in the same folder.
+each script's own result file (and chart) lands in the same folder. The
+README and docs/architecture.md quote the headline table of the newest
+report verbatim (tests/test_bench_report.py checks it).
 """
 
 from __future__ import annotations
@@ -80,9 +83,11 @@ def _sync_chart(md: Path, path: Path) -> bool:
     x = [r["model_params"] / 1e6 for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label, style in (("naive_s", "naive (full_tensor + load_weights)", "o--"),
+                              ("naive_bucketed_s", "naive bucketed (bf16 all_gather, 256 MiB)", "s--"),
                               ("ours_s", "ours (reshard + re-pack)", "o-"),
                               ("floor_s", "floor (bytes / measured bandwidth)", "k:")):
-        ax.plot(x, [r[key] for r in rows], style, label=label)
+        if all(key in r for r in rows):
+            ax.plot(x, [r[key] for r in rows], style, label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("model parameters (M)")
@@ -93,6 +98,82 @@ def _sync_chart(md: Path, path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _ci(pair) -> str:
+    return f"[{pair[0]:.2f}, {pair[1]:.2f}]"
+
+
+def _sync_row(r: dict) -> str:
+    naive = min(("naive", "naive_bucketed"), key=lambda k: r[f"{k}_s"])
+    return (f"| weight sync, {r['model_params'] / 1e6:.0f}M, N={r['world_size']}, T={r['tp']}, "
+            f"fp32 -> bf16 (`bench_sync`) | whole sync {r['ours_s']:.3f} s = "
+            f"**{r['ours_s'] / r['floor_s']:.2f}x** the floor {_ci(r['ours_over_floor_ci'])} "
+            f"(transfer {r['transfer_s']:.3f} s, {r['transfer_s'] / r['floor_s']:.2f}x; vLLM-CPU "
+            f"re-pack {r['repack_s']:.3f} s); the faster naive ({naive}, {r[naive + '_s']:.3f} s) "
+            f"is **{r[naive + '_s'] / r['ours_s']:.2f}x** slower {_ci(r['best_naive_over_ours_ci'])}"
+            f"; bytes received per rank {r['bytes_received_per_rank'] / 1e6:.1f} MB (the minimum) "
+            f"vs {r['naive_bucketed_bytes_received_per_rank'] / 1e6:.1f} MB bucketed naive "
+            f"| floor {r['floor_s']:.3f} s: bytes / measured all_to_all + pack and write at the "
+            f"measured copy rate | {r['jobs']} x {r['repeats']} |")
+
+
+def _step_row(r: dict) -> str:
+    return (f"| RL step, {r['model_params'] / 1e6:.0f}M, N={r['world_size']} {r['placement']} "
+            f"(`bench_step`, {r['tokens_per_step']['generated']} generated tokens per step) "
+            f"| **{r['step_s']:.2f} s** per step (IQR {r['step_s_iqr']:.2f}): generate "
+            f"{r['generate_s']:.2f}, train {r['train_s']:.2f}, sync {r['sync_s']:.3f} s; "
+            f"{r['generated_tok_s']:.0f} generated tok/s | train MFU {r['train_mfu']:.2f} of the "
+            f"measured {r['matmul_peak_flops'] / 1e9:.0f} GFLOP/s matmul peak per rank "
+            f"| {r['jobs']} x {r['steps_timed_per_job']} |")
+
+
+def _rollout_row(r: dict) -> str:
+    return (f"| generation, colocated engine vs the engine alone, {r['model_params'] / 1e6:.0f}M, "
+            f"N={r['nproc']}, T={r['tp']}, KV {r['kv_tokens']['colocated']} vs "
+            f"{r['kv_tokens']['standalone']} tokens (`bench_rollout`) "
+            f"| colocated/standalone tok/s **{r['paired_ratio']:.3f}** {_ci(r['ratio_ci'])} "
+            f"| KV budget: what the device budget leaves beside the trainer state "
+            f"| {r['jobs']} x {r['repeats']} |")
+
+
+def _memory_row(r: dict) -> str:
+    peaks = r["whole_step_peak_mb"]
+    parts = "; ".join(f"{k} {v:.0f} MB" for k, v in peaks.items())
+    return (f"| whole-step peak RSS per rank, {r['model_params'] / 1e6:.0f}M, N={r['nproc']} "
+            f"(`bench_memory`) | {parts} | KV cache sized to the workload: "
+            f"{r['kv_cache_mb']:.0f} MB | {r['jobs']} jobs |")
+
+
+def _kernels_row(r: dict) -> str:
+    rows = r["results"]["cpu"]
+    sync = [rows[k] for k in ("pack", "unpack_rows", "unpack_cols")]
+    lo = min(x["kernel_over_copy_ci"][0] for x in sync)
+    hi = max(x["kernel_over_copy_ci"][1] for x in sync)
+    each = ", ".join(f"{x['workload']} {x['kernel_over_copy']:.2f}" for x in sync)
+    return (f"| copy_blocks at a sync's pack/unpack, CPU (`bench_kernels`) | {each} "
+            f"of a plain copy_ of the same bytes (CIs within [{lo:.2f}, {hi:.2f}]) "
+            f"| floor: `copy_` of flat tensors, {sync[0]['copy_gbps']:.0f} GB/s on pack "
+            f"| {r['jobs']} x {r['repeats']} |")
+
+
+HEADLINES = (("sync", _sync_row), ("step", _step_row), ("rollout", _rollout_row),
+             ("memory", _memory_row), ("kernels", _kernels_row))
+
+
+def headline(summary: dict[str, dict]) -> str:
+    """The report's headline table from each script's last JSON line (a row
+    that cannot be built says which key it lacked instead of guessing)."""
+    lines = ["| what | figure (median; ratio [bootstrap 95% CI]) | floor or peak | jobs x repeats |",
+             "|---|---|---|---|"]
+    for key, row in HEADLINES:
+        if key not in summary:
+            continue
+        try:
+            lines.append(row(summary[key]))
+        except (KeyError, TypeError, IndexError) as e:
+            lines.append(f"| {key} | (no headline: result lacks {e}) | | |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -139,7 +220,7 @@ def main(argv=None) -> None:
         "Every number below was measured by this run. Comparisons inside a section use "
         "identical models, prompts, sampling parameters and seeds; the machine is shared, "
         "so compare ratios within a section, not absolute times across reports.\n\n"
-        + "\n".join(sections))
+        f"## Headline\n\n{headline(summary)}\n\n" + "\n".join(sections))
     print(f"[report] wrote {report} in {total / 60:.1f} min", file=sys.stderr)
     print(json.dumps({"report": str(report), "minutes": total / 60, **summary}))
 
