@@ -273,13 +273,17 @@ class AlgorithmConfig:
 class SyncConfig:
     """Weight sync from the training layout into the inference layout."""
 
-    method: Literal["reshard", "naive"] = _field(
+    method: Literal["reshard", "naive", "naive_bucketed"] = _field(
         "reshard",
-        "'reshard' moves only the blocks each rank needs; 'naive' gathers full tensors "
-        "then calls vLLM load_weights (the reference path).",
+        "'reshard' moves only the blocks each rank needs; 'naive' all-gathers every full "
+        "tensor in the master dtype, one at a time, then vLLM's reload (the reference "
+        "path, the oracle); 'naive_bucketed' casts each local shard to the rollout dtype, "
+        "all-gathers buckets of bucket_mb into persistent buffers and loads each bucket "
+        "through vLLM's reload (for layouts the planner does not cover; colocated only).",
     )
     bucket_mb: float = _field(
-        256.0, "Max MiB exchanged per all_to_all bucket (bounds sync peak memory).", gt=0
+        256.0, "Max MiB per exchange bucket: per all_to_all ('reshard') or per gathered "
+        "bucket of full tensors ('naive_bucketed'); bounds sync peak memory.", gt=0
     )
     verify: bool = _field(
         False, "After each sync, check bit-equality with the naive path (slow; for tests)."

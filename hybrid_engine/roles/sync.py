@@ -11,6 +11,11 @@ weights, by one of two methods (`SyncConfig.method`):
 - "naive": `full_tensor()` of every parameter on every rank, cast to the
   rollout dtype, then vLLM's own loading -- what TRL and verl do; the
   baseline and the oracle.
+- "naive_bucketed": the naive path written with ordinary care
+  (`BucketedGather`): each rank casts its local FSDP2 shards to the rollout
+  dtype into a persistent send bucket, one `all_gather_into_tensor` per
+  bucket into a persistent receive buffer, the full tensors rebuilt from the
+  per-rank parts, then vLLM's own loading per bucket. Colocated only.
 
 Under separate placement (`num_trainers=M`) ranks 0..M-1 hold the FSDP2
 shards and no engine, ranks M..N-1 the engines and no shards: the plan has
@@ -27,7 +32,8 @@ before it is installed; a mismatch raises and names the parameter.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,6 +77,11 @@ class WeightSync:
 
     def __init__(self, hf_config: Any, cfg: SyncConfig, *, tp: int, wire_dtype: torch.dtype,
                  group: dist.ProcessGroup | None = None, num_trainers: int | None = None) -> None:
+        if cfg.method == "naive_bucketed" and num_trainers is not None:
+            raise ValueError(
+                f"sync.method='naive_bucketed' needs colocated placement (every rank holds an "
+                f"FSDP2 shard and an engine); this run is separate placement with "
+                f"{num_trainers} trainer ranks: use sync.method='reshard' or 'naive'")
         self.cfg, self.tp, self.wire_dtype, self.group = cfg, tp, wire_dtype, group
         self.dims = model_dims(hf_config)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -82,6 +93,9 @@ class WeightSync:
         self.separate = num_trainers is not None
         self.executor = ReshardExecutor(self.plan, self.rank, wire_dtype=wire_dtype, group=group)
         self.target_shapes = {t.name: t.shape for t in self.plan.targets[self.rank]}
+        self.gather = (BucketedGather(self.plan, self.rank, wire_dtype=wire_dtype,
+                                      bucket_bytes=int(cfg.bucket_mb * 2**20), group=group)
+                       if cfg.method == "naive_bucketed" else None)
 
     def _sources(self, model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
         """This rank's FSDP2 shards as 2-D [local_rows, cols] views (0 rows each
@@ -112,16 +126,13 @@ class WeightSync:
         """
         t0 = time.perf_counter()
         if self.cfg.method == "naive":
-            # Cast to the rollout dtype first: vLLM-CPU keeps some biases in
-            # float32 after its initial load rounded them to the model dtype,
-            # and its reload would otherwise store them unrounded.
-            weights = ((n, t.to(self.wire_dtype)) for n, t in self._full_tensors(model))
-            if rollout is None:
-                for _ in weights:  # the trainer ranks' side of the collectives
-                    pass
-            else:
-                rollout.load_full_weights(weights)
-            return {"sync_s": time.perf_counter() - t0, "sync_method_naive": 1.0}
+            return self._sync_naive(model, rollout, t0)
+        if self.gather is not None:
+            if rollout is None or model is None:
+                raise ValueError("naive_bucketed sync needs the model and the rollout on every rank")
+            stats = self.gather.run(dict(hf_named_parameters(model)),
+                                    lambda w: rollout.load_full_weights(w, partial=True))
+            return {"sync_s": time.perf_counter() - t0, **stats}
         ref = None
         if self.cfg.verify:
             ref = self._reference(model, rollout)
@@ -148,6 +159,45 @@ class WeightSync:
             "sync_exchange_s": stats.exchange_s, "sync_unpack_s": stats.unpack_s,
             "sync_staging_bytes": float(rollout.staging_bytes if rollout is not None else 0),
         }
+
+    def _sync_naive(self, model: torch.nn.Module | None, rollout: VLLMRollout | None,
+                    t0: float) -> dict[str, float]:
+        """The oracle: every full tensor gathered in the master dtype, cast, and
+        reloaded by vLLM. sync_transfer_s is the time spent producing the
+        tensors (gathers + casts, interleaved with the loading), sync_repack_s
+        the rest of vLLM's reload."""
+        made = [0.0, 0]  # seconds producing tensors, bytes received
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            it = self._full_tensors(model)
+            while True:
+                t = time.perf_counter()
+                try:
+                    name, full = next(it)
+                except StopIteration:
+                    made[0] += time.perf_counter() - t
+                    return
+                # Cast to the rollout dtype first: vLLM-CPU keeps some biases in
+                # float32 after its initial load rounded them to the model dtype,
+                # and its reload would otherwise store them unrounded.
+                out = full.to(self.wire_dtype)
+                made[0] += time.perf_counter() - t
+                yield name, out
+
+        t_load = time.perf_counter()
+        if rollout is None:
+            for _ in weights():  # the trainer ranks' side of the collectives
+                pass
+        else:
+            rollout.load_full_weights(weights())
+        load_s = time.perf_counter() - t_load
+        master = next((p.dtype for _, p in hf_named_parameters(model)), torch.float32) \
+            if model is not None else self.wire_dtype
+        wire = self.wire_dtype if self.separate else master
+        received = self.plan.naive_elements_received(self.rank) * torch.empty((), dtype=wire).element_size()
+        return {"sync_s": time.perf_counter() - t0, "sync_method_naive": 1.0,
+                "sync_transfer_s": made[0], "sync_repack_s": max(0.0, load_s - made[0]),
+                "sync_bytes_received": float(received)}
 
     def _full_tensors(self, model: torch.nn.Module | None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every full HF tensor (collective, one at a time). Separate placement:
@@ -191,3 +241,174 @@ class WeightSync:
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits (so -0.0 != 0.0 and NaN payloads count)."""
     return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """One HF tensor in a gather bucket: rows x cols, `chunk` rows per rank
+    (FSDP2 Shard(0), torch.chunk sizes; a rank's part is padded to chunk rows),
+    at `offset` elements into every rank's part of the bucket."""
+
+    name: str
+    rows: int
+    cols: int
+    chunk: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class _GatherBucket:
+    slots: tuple[_Slot, ...]
+    part: int  # elements per rank (padded)
+
+    @property
+    def full_elems(self) -> int:
+        return sum(s.rows * s.cols for s in self.slots)
+
+
+def load_units(plan: Any, rank: int) -> list[list[str]]:
+    """HF tensor names grouped by the vLLM module they load into (q/k/v ->
+    qkv_proj, gate/up -> gate_up_proj, ...), in the plan's HF order.
+
+    vLLM's reload processes a module once all of its weights arrived in one
+    call; a module split over two calls would be packed half-loaded. So a
+    bucket of `BucketedGather` always holds whole units.
+    """
+    parent = {n: n for n in plan.hf_shapes}
+
+    def find(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    by_module: dict[str, list[str]] = {}
+    for t in plan.targets[rank]:
+        by_module.setdefault(t.name.rsplit(".", 1)[0], []).extend(s.hf_name for s in t.segments)
+    for names in by_module.values():
+        for n in names[1:]:
+            parent[find(n)] = find(names[0])
+    units: dict[str, list[str]] = {}
+    for n in plan.hf_shapes:
+        units.setdefault(find(n), []).append(n)
+    return list(units.values())
+
+
+class BucketedGather:
+    """The `naive_bucketed` sync: bucketed all-gathers of wire-dtype shards.
+
+    Per bucket: each rank casts its FSDP2 shard of every tensor of the bucket
+    into a persistent send buffer (its part, each tensor padded to the
+    largest rank's rows), one `all_gather_into_tensor` over byte views (gloo
+    has no bf16 collectives) fills a persistent receive buffer with every
+    rank's part, the full tensors are rebuilt in a persistent buffer from the
+    parts, and `load` (vLLM's own reload) takes the bucket's full tensors.
+
+    Buckets hold whole vLLM modules (`load_units`) and at most `bucket_bytes`
+    of gathered (padded) full tensors, unless one module alone is bigger.
+    Invariant: the three buffers are allocated once, on the first run, and
+    reused by every sync; the loaded tensors are views into them, so `load`
+    must be done with a bucket when it returns (vLLM's reload copies).
+
+    Args:
+        plan: the reshard plan (HF shapes, world, this rank's vLLM targets).
+        rank: this rank in `group`.
+        wire_dtype: dtype of the gathered bytes (the rollout dtype).
+        bucket_bytes: most bytes of gathered full tensors per bucket.
+        group: process group (default group if None).
+    """
+
+    def __init__(self, plan: Any, rank: int, *, wire_dtype: torch.dtype, bucket_bytes: int,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.rank, self.world, self.group = rank, plan.world_size, group
+        self.wire_dtype = wire_dtype
+        self.itemsize = torch.empty((), dtype=wire_dtype).element_size()
+        self.buckets = self._bucketize(plan, max(1, bucket_bytes // self.itemsize))
+        self._part_max = max(b.part for b in self.buckets)
+        self._full_max = max(b.full_elems for b in self.buckets)
+        self._buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _bucketize(self, plan: Any, bucket_elems: int) -> list[_GatherBucket]:
+        """Greedy over whole units: a bucket closes when the gathered size
+        (world x padded part) would pass bucket_elems."""
+        out, cur, part = [], [], 0
+        for unit in load_units(plan, self.rank):
+            shapes = [(n, *plan.hf_shapes[n]) for n in unit]
+            unit_part = sum(-(-rows // self.world) * cols for _, rows, cols in shapes)
+            if cur and (part + unit_part) * self.world > bucket_elems:
+                out.append(_GatherBucket(tuple(cur), part))
+                cur, part = [], 0
+            for name, rows, cols in shapes:
+                chunk = -(-rows // self.world)
+                cur.append(_Slot(name, rows, cols, chunk, part))
+                part += chunk * cols
+        if cur:
+            out.append(_GatherBucket(tuple(cur), part))
+        return out
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The persistent buffers: send part, gathered parts, rebuilt full tensors."""
+        return (self._part_max * (1 + self.world) + self._full_max) * self.itemsize
+
+    def _bufs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._buffers is None:
+            self._buffers = (torch.empty(self._part_max, dtype=self.wire_dtype),
+                             torch.empty(self._part_max * self.world, dtype=self.wire_dtype),
+                             torch.empty(self._full_max, dtype=self.wire_dtype))
+        return self._buffers
+
+    def _local_rows(self, p: torch.Tensor, s: _Slot) -> torch.Tensor:
+        """This rank's rows of p as [rows, cols] (a DTensor's local shard; the
+        same rows of a replicated plain tensor)."""
+        r0, r1 = shard_rows(s.rows, self.world, self.rank)
+        if isinstance(p, DTensor):
+            local = p.to_local()
+            if local.shape[0] != r1 - r0:
+                raise ValueError(f"{s.name}: local shard has {local.shape[0]} rows, expected "
+                                 f"{r1 - r0} (FSDP2 Shard(0) over {self.world} ranks)")
+        else:
+            local = p[r0:r1]
+        return local.detach().reshape(r1 - r0, s.cols)
+
+    def run(self, params: dict[str, torch.Tensor],
+            load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> dict[str, float]:
+        """Gathers and loads every bucket (collective over the group); returns
+        the sync metrics (seconds per phase, bytes received by this rank)."""
+        send, recv, full = self._bufs()
+        t = {"pack": 0.0, "exchange": 0.0, "unpack": 0.0, "load": 0.0}
+        received = 0
+        for b in self.buckets:
+            t0 = time.perf_counter()
+            for s in b.slots:
+                local = self._local_rows(params[s.name], s)
+                send[s.offset : s.offset + local.numel()].view_as(local).copy_(local)
+            t1 = time.perf_counter()
+            gathered = recv[: b.part * self.world]
+            dist.all_gather_into_tensor(gathered.view(torch.uint8),
+                                        send[: b.part].view(torch.uint8), group=self.group)
+            t2 = time.perf_counter()
+            weights, off = [], 0
+            for s in b.slots:
+                out = full[off : off + s.rows * s.cols]
+                for r in range(self.world):
+                    r0, r1 = shard_rows(s.rows, self.world, r)
+                    n = (r1 - r0) * s.cols
+                    src = r * b.part + s.offset
+                    out[r0 * s.cols : r1 * s.cols].copy_(gathered[src : src + n])
+                shape = tuple(params[s.name].shape)
+                weights.append((s.name, out.view(shape)))
+                off += s.rows * s.cols
+            t3 = time.perf_counter()
+            load(weights)
+            t4 = time.perf_counter()
+            t["pack"] += t1 - t0
+            t["exchange"] += t2 - t1
+            t["unpack"] += t3 - t2
+            t["load"] += t4 - t3
+            received += (self.world - 1) * b.part * self.itemsize
+        return {"sync_transfer_s": t["pack"] + t["exchange"] + t["unpack"],
+                "sync_repack_s": t["load"], "sync_local_s": 0.0, "sync_pack_s": t["pack"],
+                "sync_exchange_s": t["exchange"], "sync_unpack_s": t["unpack"],
+                "sync_bytes_received": float(received), "sync_buckets": float(len(self.buckets)),
+                "sync_buffer_bytes": float(self.buffer_bytes)}

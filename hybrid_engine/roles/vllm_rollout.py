@@ -63,7 +63,15 @@ def _prepare_process_env(cfg: RolloutConfig) -> None:
     """Env vars vLLM reads at import/engine time; set before importing vllm."""
     # In-process engine: required by external_launcher, and much faster on CPU.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_gib))))
+
+
+def _kv_cache_kwargs(cfg: RolloutConfig) -> dict[str, int]:
+    """CPU: the KV cache size as vLLM's `kv_cache_memory_bytes`, exact to the
+    byte (VLLM_CPU_KVCACHE_SPACE takes whole GiB only; if the user set it, vLLM
+    applies it instead). GPU: nothing (vLLM sizes it from gpu_memory_utilization)."""
+    if not _is_cpu():
+        return {}
+    return {"kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30)}
 
 
 def _isolate_cpu_shm_names() -> None:
@@ -211,6 +219,7 @@ class VLLMRollout:
                 logprobs_mode="processed_logprobs",
                 # CPU: sleep mode is rejected ("not supported on current platform").
                 enable_sleep_mode=not _is_cpu(),
+                **_kv_cache_kwargs(cfg),
                 **kwargs,
             )
         finally:
@@ -464,10 +473,27 @@ class VLLMRollout:
         repack_s, self._repack_s = self._repack_s, 0.0
         return repack_s
 
-    def load_full_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The naive path: full HF tensors through vLLM's own loading (what
-        TRL and verl do). Re-packs on CPU; resets the prefix cache."""
-        self._runner().reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    def load_full_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                          partial: bool = False) -> None:
+        """The naive paths: full HF tensors through vLLM's own loading (what
+        TRL and verl do). Re-packs on CPU; resets the prefix cache.
+
+        partial: the weights are one bucket of a sync (every vLLM module they
+        touch complete, others absent): vLLM keeps the absent modules as they
+        are, and its per-module "not loaded" warnings are silenced.
+        """
+        import logging
+
+        quiet = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}")
+                 for m in ("layerwise", "inplace")] if partial else []
+        levels = [lg.level for lg in quiet]
+        for lg in quiet:
+            lg.setLevel(logging.ERROR)
+        try:
+            self._runner().reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        finally:
+            for lg, level in zip(quiet, levels):
+                lg.setLevel(level)
         self.llm.reset_prefix_cache()
 
     def reference_weights(
