@@ -20,15 +20,28 @@ plain full tensors, and an optimizer, weight sync or checkpoint built from
 them silently misses those parameters. `train_step` reshards and asserts
 that the module's parameters are exactly the optimizer's DTensors.
 
+Profiling (benchmarks): with `HYBRID_ENGINE_PROFILE_TRAIN=<n>:<dir>` in the
+environment, the n-th `train_step` call (1-based) runs under torch.profiler
+and each rank writes `<dir>/train_profile_rank<r>.json`: the step's wall
+seconds split into optimizer (gradient clipping + AdamW), FSDP communication
+(wall time while a gloo/NCCL collective runs outside the optimizer, overlap
+with compute counted as communication) and compute (the rest), plus the top
+ops (`profile_split`). Unset, nothing is profiled.
+
 Shape legend: B sequences, T positions, H hidden size, V vocabulary,
 N selected (loss) positions, C positions of one chunk.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,9 +66,13 @@ if TYPE_CHECKING:
     from hybrid_engine.trajectory import TrainBatch
 
 __all__ = [
-    "Trainer", "batch_logprobs", "build_optimizer", "clip_and_step", "comm_device", "lr_lambda",
-    "micro_batch_logprobs", "num_micro_batches", "token_logprobs",
+    "PROFILE_ENV", "Trainer", "batch_logprobs", "build_optimizer", "clip_and_step", "comm_device",
+    "lr_lambda", "micro_batch_logprobs", "num_micro_batches", "profile_split", "token_logprobs",
 ]
+
+PROFILE_ENV = "HYBRID_ENGINE_PROFILE_TRAIN"
+_OPTIMIZER_RANGE = "hybrid_engine::optimizer"
+_COMM_PREFIXES = ("gloo:", "nccl:")
 
 
 # --------------------------------------------------------------------------
@@ -254,6 +271,74 @@ def _reduce_metrics(local: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, flo
 
 
 # --------------------------------------------------------------------------
+# Profiling one step (benchmarks)
+# --------------------------------------------------------------------------
+
+
+def _union_s(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) spans (any unit)."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def profile_split(events: list, wall_s: float) -> dict[str, float]:
+    """The profiled step's wall seconds as optimizer + comm + compute.
+
+    Args:
+        events: torch.profiler FunctionEvents of the step (`prof.events()`).
+        wall_s: the step's wall seconds (measured around the profiled call).
+
+    Returns:
+        {wall_s, optimizer_s: the `hybrid_engine::optimizer` range (grad clip +
+        AdamW), comm_s: wall time while any gloo/NCCL collective runs outside
+        it (union of spans, whatever thread), compute_s: the rest}.
+    """
+    def span(e: Any) -> tuple[float, float]:
+        return e.time_range.start / 1e6, e.time_range.end / 1e6
+
+    opt = [span(e) for e in events if e.name == _OPTIMIZER_RANGE]
+    comm = []
+    for e in events:
+        if e.name.startswith(_COMM_PREFIXES):
+            a, b = span(e)
+            for oa, ob in opt:  # the optimizer's own all-reduce counts as optimizer
+                if a < ob and b > oa:
+                    a, b = (a, oa) if a < oa else (max(a, ob), max(b, ob))
+            if b > a:
+                comm.append((a, b))
+    optimizer_s, comm_s = _union_s(opt), _union_s(comm)
+    return {"wall_s": wall_s, "optimizer_s": optimizer_s, "comm_s": comm_s,
+            "compute_s": max(wall_s - optimizer_s - comm_s, 0.0)}
+
+
+@contextlib.contextmanager
+def _maybe_profile(call: int, rank: int) -> Iterator[None]:
+    """Profiles this train_step call if PROFILE_ENV names it; writes the split."""
+    spec = os.environ.get(PROFILE_ENV, "")
+    n, _, folder = spec.partition(":")
+    if not spec or not n.strip().isdigit() or int(n) != call:
+        if spec and (not n.strip().isdigit() or not folder):
+            raise ValueError(f"{PROFILE_ENV}={spec!r} is not '<call number>:<dir>'")
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield
+    wall_s = time.perf_counter() - t0
+    out = profile_split(list(prof.events()), wall_s)
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]
+    out["top_self_s"] = {e.key: e.self_cpu_time_total / 1e6 for e in top}
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"train_profile_rank{rank}.json").write_text(json.dumps(out, indent=1))
+
+
+# --------------------------------------------------------------------------
 # The trainer
 # --------------------------------------------------------------------------
 
@@ -284,16 +369,17 @@ def clip_and_step(
     Returns:
         (grad_norm before clipping, lr used, skipped).
     """
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        [p for g in optimizer.param_groups for p in g["params"]], grad_clip
-    )
-    grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
-    lr = scheduler.get_last_lr()[0]
-    skipped = not math.isfinite(grad_norm)
-    if not skipped:
-        optimizer.step()
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    with torch.profiler.record_function(_OPTIMIZER_RANGE):  # free unless profiled
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for g in optimizer.param_groups for p in g["params"]], grad_clip
+        )
+        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            optimizer.step()
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
     return grad_norm, lr, skipped
 
 
@@ -349,6 +435,7 @@ class Trainer:
         # Guard, part 1: built before any forward, over the sharded DTensors.
         self._param_ids, self.optimizer, self.scheduler = build_optimizer(self.module, train_cfg)
         self.step = 0
+        self._calls = 0  # train_step calls (PROFILE_ENV counts them)
 
     def _check_sharded(self) -> None:
         """Guard, part 2: the module exposes exactly the optimizer's sharded parameters."""
@@ -400,6 +487,12 @@ class Trainer:
             skipped (1.0 when the gradient was not finite and no step was
             taken), and loss_fn's metrics combined over micro-batches and ranks.
         """
+        self._calls += 1
+        with _maybe_profile(self._calls, dist.get_rank()):
+            return self._train_step(batch, loss_fn, loss_agg, loss_agg_constant, entropy_grad)
+
+    def _train_step(self, batch: TrainBatch, loss_fn: LossFn, loss_agg: str,
+                    loss_agg_constant: float | None, entropy_grad: bool) -> dict[str, float]:
         self._check_sharded()
         group = self.mesh.get_group()
         norm = loss_normalizer(batch.loss_mask_BT, loss_agg, constant=loss_agg_constant)

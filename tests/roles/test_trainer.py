@@ -349,6 +349,30 @@ def _check_splits(path: str, vocab: int) -> dict:
     return out
 
 
+def _check_profile(path: str, vocab: int, folder: str) -> dict:
+    """PROFILE_ENV=2:<folder>: only the 2nd train_step call is profiled and written."""
+    import os
+
+    import torch.distributed as dist
+
+    from hybrid_engine.roles.trainer import PROFILE_ENV
+
+    file = f"{folder}/train_profile_rank{dist.get_rank()}.json"
+    os.environ[PROFILE_ENV] = f"2:{folder}"
+    try:
+        run = start_run(path, {"micro_batch_size": 2}, vocab=vocab)
+        run.steps(1)
+        after_first = os.path.exists(file)
+        run.steps(2)
+    finally:
+        del os.environ[PROFILE_ENV]
+    import json
+
+    with open(file) as f:
+        split = json.load(f)
+    return dict(after_first=after_first, split=split, losses=run.losses)
+
+
 def _two_rank_checks(root: str) -> dict:
     import torch.distributed as dist
 
@@ -368,6 +392,7 @@ def _two_rank_checks(root: str) -> dict:
         guard=_check_guard(qwen2, vocab["qwen2"]),
         gotcha=_fsdp2_gotcha(qwen2, vocab["qwen2"]),
         splits=_check_splits(qwen2, vocab["qwen2"]),
+        profile=_check_profile(qwen2, vocab["qwen2"], f"{root}/profile"),
     )
 
 
@@ -508,6 +533,35 @@ def test_train_step_metrics_and_falling_loss(two_ranks):
     bf16 = out["bf16"]
     assert bf16["dtypes"] == {"torch.float32"}  # master weights stay fp32
     assert all(map(torch.isfinite, torch.tensor(bf16["losses"]))) and bf16["diff"] < 1e-3
+
+
+def test_profile_env_profiles_only_the_named_call(two_ranks):
+    for out in two_ranks:
+        p = out["profile"]
+        assert not p["after_first"]  # call 1 is not profiled; call 2 is, call 3 again not
+        split = p["split"]
+        assert split["optimizer_s"] > 0 and split["comm_s"] > 0 and split["compute_s"] > 0
+        parts = split["optimizer_s"] + split["comm_s"] + split["compute_s"]
+        assert parts == pytest.approx(split["wall_s"], rel=1e-9)
+        assert len(p["losses"]) == 3 and all(map(torch.isfinite, torch.tensor(p["losses"])))
+
+
+def test_profile_split_attributes_overlaps_once():
+    """Comm spans are unioned; the part inside the optimizer range counts as optimizer."""
+    from types import SimpleNamespace
+
+    from hybrid_engine.roles.trainer import profile_split
+
+    def ev(name, a, b):  # microseconds, like the profiler's time_range
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=a * 1e6, end=b * 1e6))
+
+    events = [ev("aten::mm", 0.0, 1.0), ev("gloo:all_gather", 0.1, 0.3),
+              ev("gloo:all_gather", 0.2, 0.4), ev("gloo:all_reduce", 0.8, 0.95),
+              ev("hybrid_engine::optimizer", 0.9, 1.0)]
+    out = profile_split(events, 1.0)
+    assert out["optimizer_s"] == pytest.approx(0.1)
+    assert out["comm_s"] == pytest.approx(0.3 + 0.1)  # [0.1, 0.4) and [0.8, 0.9)
+    assert out["compute_s"] == pytest.approx(0.5)
 
 
 def _parity_run(root: str, steps: int) -> dict | None:
