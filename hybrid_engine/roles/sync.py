@@ -191,10 +191,12 @@ class WeightSync:
         else:
             rollout.load_full_weights(weights())
         load_s = time.perf_counter() - t_load
-        master = next((p.dtype for _, p in hf_named_parameters(model)), torch.float32) \
-            if model is not None else self.wire_dtype
-        wire = self.wire_dtype if self.separate else master
-        received = self.plan.naive_elements_received(self.rank) * torch.empty((), dtype=wire).element_size()
+        # Colocated: the gathers move the master dtype. Separate: what a rollout
+        # rank receives is the broadcast in the wire dtype.
+        wire = self.wire_dtype if self.separate or model is None else \
+            next(p for _, p in hf_named_parameters(model)).dtype
+        itemsize = torch.empty((), dtype=wire).element_size()
+        received = self.plan.naive_elements_received(self.rank) * itemsize
         return {"sync_s": time.perf_counter() - t0, "sync_method_naive": 1.0,
                 "sync_transfer_s": made[0], "sync_repack_s": max(0.0, load_s - made[0]),
                 "sync_bytes_received": float(received)}
