@@ -17,8 +17,10 @@ once. Each rank is given the same memory budget B (--device-gib; on CPU RAM
 stands in for device memory, so B is a model of a device, not a limit the OS
 enforces) and each engine's KV cache is what B leaves:
 
-    colocated KV  = B - trainer state (fp32 params + grads + AdamW m, v:
-                    16 bytes/param / N, FSDP shards) - engine weights (bf16: 2 bytes/param / T)
+    colocated KV  = B - trainer state resident while generating (fp32 params +
+                    AdamW m, v: 12 bytes/param / N, FSDP shards; the gradients
+                    are freed after each optimizer step) - engine weights
+                    (bf16: 2 bytes/param / T)
     standalone KV = B - engine weights
 
 passed to vLLM as `kv_cache_memory_bytes` (rollout.kv_cache_gib, exact to the
@@ -71,7 +73,11 @@ MODES = ("colocated", "standalone")
 QUIET_SHARE = 0.9  # a generate counts as unloaded if each rank got this share of its core
 # vLLM-CPU's KV block, in tokens (its platform default; checked against the engine's).
 VLLM_CPU_BLOCK = 128
-TRAINER_BYTES_PER_PARAM = 16  # fp32 master param + grad + AdamW exp_avg + exp_avg_sq
+# What the trainer keeps beside the engine while it generates: fp32 master
+# param + AdamW exp_avg + exp_avg_sq. Gradients (4 more) exist only inside
+# train_step (zero_grad(set_to_none=True) after the optimizer step), while the
+# colocated engine's KV cache is released.
+TRAINER_BYTES_PER_PARAM = 12
 ENGINE_BYTES_PER_PARAM = 2  # bf16 engine weights
 
 
@@ -530,8 +536,9 @@ def _prose(s: dict, args: argparse.Namespace) -> str:
         f"seeds, max_tokens; vLLM bf16, enforce_eager={args.eager}.\n\n"
         f"Memory plan per rank: budget {s['device_budget_bytes'] / gib:.3f} GiB "
         f"({'--device-gib' if args.device_gib is not None else f'chosen so the colocated KV holds {args.kv_share:g} of the need'}); "
-        f"trainer state {s['trainer_state_bytes'] / gib:.3f} GiB (16 bytes/param / N={s['world_size']}: "
-        f"fp32 params, grads, AdamW m and v); engine weights {s['engine_weight_bytes'] / gib:.3f} GiB "
+        f"trainer state resident while generating {s['trainer_state_bytes'] / gib:.3f} GiB "
+        f"(12 bytes/param / N={s['world_size']}: fp32 params, AdamW m and v; the gradients are "
+        "freed after each optimizer step, while the colocated KV cache is released); engine weights {s['engine_weight_bytes'] / gib:.3f} GiB "
         f"(bf16, / T={s['tp']}). KV per token per rank {s['kv_bytes_per_token']} bytes "
         f"(2 x layers x KV heads/T x head_dim x 2 bytes), blocks of {s['block_size']} tokens "
         f"({s['kv_bytes_per_token'] * s['block_size'] / mb:.2f} MiB). "
