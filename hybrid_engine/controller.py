@@ -125,8 +125,9 @@ class Controller:
             with timer.phase("sync"):
                 m.update(self.policy.sync_weights())
         m.update(timer.metrics)
-        tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
-        m["tok_s"] = tokens / max(sum(v for key, v in timer.metrics.items() if key.endswith("_s")), 1e-9)
+        # Sampled tokens (loss_mask: not env/tool tokens), each sample once, per generate second.
+        m["generated_tokens"] = float(sum(sum(t.loss_mask) for t in trajs))
+        m["gen_tok_s"] = m["generated_tokens"] / max(m["generate_s"], 1e-9)
         return m
 
     def evaluate(self) -> dict[str, float]:
@@ -173,6 +174,7 @@ class Controller:
                 r = m["reward_mean"]
                 s.reward_ema = r if s.reward_ema is None else 0.9 * s.reward_ema + 0.1 * r
                 m["reward_ema"] = s.reward_ema
+                m["elapsed_s"] = s.wall_s + time.monotonic() - t_start  # wall clock, step end
                 if cfg.eval_every and s.step % cfg.eval_every == 0:
                     m.update(self.evaluate())
                 self._record(s.step, m)

@@ -36,7 +36,7 @@ _LINE_KEYS = (
     ("reward_mean", "reward {:.3f}"), ("accuracy", "acc {:.3f}"), ("eval/accuracy", "eval_acc {:.3f}"),
     ("kl", "kl {:.4f}"), ("entropy", "ent {:.3f}"), ("clip_frac", "clip {:.3f}"),
     ("grad_norm", "gnorm {:.3f}"), ("mismatch_abs_mean", "mis {:.1e}"),
-    ("response_len_mean", "len {:.1f}"), ("tok_s", "tok/s {:.0f}"),
+    ("response_len_mean", "len {:.1f}"), ("gen_tok_s", "gen tok/s {:.0f}"),
 )
 
 
