@@ -48,7 +48,7 @@ generate, 1 thread per rank) and the per-CPU-s ratio (tok/s / that share).
 Prints a table; the last stdout line is JSON. Results go to
 benchmarks/results/rollout_<device>_<yyyymm>.md.
 
-    python benchmarks/bench_rollout.py                  # qwen2-180m, 3 x 10, N=2, T=2
+    python benchmarks/bench_rollout.py                  # qwen2-180m, 3 x 10, N=2, T=2 (~5 min)
     python benchmarks/bench_rollout.py --quick          # tiny model, 1 pair x 3, ~1 min
     python benchmarks/bench_rollout.py --device-gib 2   # an explicit budget per rank
 """
