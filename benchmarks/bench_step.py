@@ -1,65 +1,165 @@
-"""Where does an RL step's time go? generate / score / train / sync, per model size and rank count.
+"""Where does an RL step's wall time go, as a user would run it? N = 1, 2, 4 ranks.
 
-For each (model preset, N ranks, placement) one `hybrid-engine train` job
-under torchrun -- colocated: every rank holds the FSDP2 trainer and a vLLM
-engine, TP = min(2, N); separate: the first N/2 ranks only train, the last
-N/2 only roll out, TP = min(2, N/2) -- with the same recipe, model, prompts,
-sampling and seeds everywhere. The reward is a coin
-flip hashed from the completion so every group carries signal and every step
-trains (a random-init model never solves the task). Reported: the median over
-the timed steps (the first `--warmup` steps excluded) of each phase's seconds
-from the job's own metrics.jsonl, their sum (step_s) and tokens/s (prompt +
-response tokens of the step / step_s).
+What runs: for each config (model preset, N ranks, placement) `--jobs` (or @JOBS) fresh
+`hybrid-engine train` jobs under torchrun, recipe tiny_grpo_debug with what
+a user changes for a real run: bf16 rollout (`model.rollout_dtype=bfloat16`),
+the weight sync bench_sync times (`sync.method=reshard`, `sync.bucket_mb=64`),
+`sync.verify=false`, no checkpoints, no evals. Training stays as the recipe
+sets it: fp32 master weights AND fp32 compute (`model.compute_dtype=float32`),
+AdamW lr 1e-4, micro-batches of 4 sequences, enforce_eager, 0.25 GiB KV
+cache, max_model_len 128. Colocated: every rank trains (FSDP2) and rolls out
+(vLLM, TP = min(2, N)); separate (`--configs PRESET:N:separate`): the first
+N/2 ranks train, the last N/2 roll out. The reward is a coin flip hashed from
+a call counter and the completion, so every group carries signal and every
+step trains (a random-init model never solves the task, and at the recipe's
+lr it soon collapses to identical completions).
 
-Prints a table; the last stdout line is JSON. Writes
-benchmarks/results/step_cpu_<yyyymm>.md and a phase-breakdown chart (.png).
+Workloads (issue 17's): `w1` (default) 4 prompts x K=4 = 16 completions x
+16 new tokens per step, a user's small GRPO batch; `w2` 16 x 4 = 64
+completions x 64 tokens. The environment's prompts are 1-3 digit
+arithmetic (short: the trained tokens are mostly completions).
 
-    python benchmarks/bench_step.py             # tiny and qwen2-180m at N=1,2,4; both placements
-    python benchmarks/bench_step.py --quick     # tiny at N=1,2 colocated and N=2 separate, 3 steps
-    python benchmarks/bench_step.py --configs tiny:2 tiny:2:separate qwen2-180m:1
+Measured, per job: `--warmup` steps (left out), `--steps` timed steps, then
+ONE profiled step (left out of every timing).
+- step_s: wall clock per step = the difference of consecutive steps'
+  `elapsed_s` (the controller's wall clock at each step's end), so it
+  includes everything between two steps (metrics writing, the stop check),
+  not only the four phases. Phases (generate_s, score_s, train_s, sync_s)
+  come from the same rows (rank 0's timers; every phase is collective);
+  overhead_s = step wall - sum of the phases, per step.
+- Every statistic is `_stats.describe` over all timed steps of all jobs
+  (median, IQR); per-step values are kept in the result file.
+- Train split: the profiled step's trainer `train_step` runs under
+  torch.profiler (`HYBRID_ENGINE_PROFILE_TRAIN`, see roles/trainer.py):
+  optimizer = gradient clipping + AdamW; FSDP comm = wall time while a gloo
+  collective runs outside the optimizer (overlap with compute is counted as
+  comm); compute = the rest of train_step. The fractions (medians over jobs x
+  ranks, renormalised to sum to 1) times the timed steps' median
+  train_step_s (the trainer's own timer, every step) give train_compute_s,
+  train_comm_s, train_optimizer_s: the profiler slows the profiled step, so
+  its seconds are not used directly. train_other_s = train_s - train_step_s
+  per step: what the train phase does besides the trainer (releasing the KV
+  cache, collating the batch).
+- train_mfu: model FLOPs of the train phase / train_s per rank, over the
+  per-rank matmul peak. FLOPs per step = 6 x (parameters except the two
+  vocabulary matrices) x trained tokens (prompt + completion, padding not
+  counted) + 6 x lm_head parameters x loss tokens (the vocabulary projection
+  only runs on completion positions); the trainer runs nothing else in the
+  train phase (on-policy GRPO: no old/reference log-prob forward; the
+  checkpointed logits recompute is not a model FLOP). Attention score FLOPs
+  are left out: at these lengths (< 64 positions) they are < 1% (s / 12H).
+  matmul_peak_flops: best of 5 GEMMs 2048^3 in the training compute dtype,
+  measured per config in a separate process after its jobs (nothing else of
+  ours running) with the threads one rank gets (OMP threads = cores // N, at
+  least 1). With more ranks than cores (N=4 on 2 cores) a rank gets only
+  cores / (N x threads) of that, so the per-rank peak is scaled by it
+  (matmul_peak_per_rank_flops).
+- generated_tok_s = sampled completion tokens per step (all replicas, each
+  sample once) / generate_s (medians); gen_tok_s_median: the same per step
+  from the controller's gen_tok_s metric.
+- tokens_per_step: generated (completion tokens), trained (prompt +
+  completion tokens the train phase runs, each sequence with its prompt),
+  prompt (= trained - generated: the prompt counted once per completion).
+
+Budget (the default run must fit `make bench`: report.py gives a script 30
+min). Per job: start-up (~40 s, ~60 s at N=4) + (warm-up + timed + 1) steps.
+Estimated w1 step times alone on 2 cores: N=2 ~8.5 s (issue 17's
+measurement), N=1 ~5.5 s and N=4 ~15 s (scaled by the last full run's N=1/N=2
+and N=4/N=2 ratios; N=4 puts 4 ranks on 2 cores). 3 jobs x 23 steps at every N
+would take ~40 min, so the default runs 3 jobs at N=2 (the headline), 2 at
+N=1 and 1 at N=4 (`--configs qwen2-180m:1@2 qwen2-180m:2@3 qwen2-180m:4@1`),
+all with 20 timed steps: ~24 min alone (estimated; the timings taken while
+this was written had 5-10 other processes on the 2 cores and were 10x off).
+The N=4 row's IQR is within one job.
+
+Prints a table; the last stdout line is JSON (the headline config's keys at
+the top level, every config under "configs"). Writes
+<out-dir>/step_cpu_<yyyymm>[_quick].md and a stacked-phase chart (.png).
+
+    python benchmarks/bench_step.py               # qwen2-180m at N=1,2,4 colocated (2/3/1 jobs)
+    python benchmarks/bench_step.py --quick       # tiny at N=1,2, 1 job, 4 timed steps
+    python benchmarks/bench_step.py --workload w2 --configs qwen2-180m:2 qwen2-180m:2:separate
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO))
+
+import _stats  # noqa: E402
+from _common import result_header, result_path  # noqa: E402
+
 PHASES = ("generate", "score", "train", "sync")
-REWARD = ("import zlib\n\n"
+# 3 jobs for the headline N=2; fewer at N=1 and N=4 to fit the budget (docstring).
+DEFAULT_CONFIGS = ("qwen2-180m:1@2", "qwen2-180m:2@3", "qwen2-180m:4@1")
+WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64)}  # prompts per step, K, max new tokens
+PROFILE_ENV = "HYBRID_ENGINE_PROFILE_TRAIN"  # = hybrid_engine.roles.trainer.PROFILE_ENV
+# A coin flip per scored sample, hashed from a call counter and the completion: every
+# rank scores the same list in the same order, so ranks agree; a counter keeps the
+# rewards varied even when the policy collapses to identical completions (lr 1e-4 on
+# a random-init model does so within a few steps, and identical rewards skip the step).
+REWARD = ("import itertools, zlib\n\n"
+          "_calls = itertools.count()\n\n"
           "def reward(prompt, completion, answer):\n"
-          "    return float(zlib.crc32(completion.encode()) % 2)\n")
+          "    return float(zlib.crc32(f'{next(_calls)}|{completion}'.encode()) % 2)\n")
+GEMM_N = 2048
 
 
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+",
-                   default=["tiny:1", "tiny:2", "tiny:2:separate", "tiny:4", "tiny:4:separate",
-                            "qwen2-180m:1", "qwen2-180m:2", "qwen2-180m:2:separate",
-                            "qwen2-180m:4", "qwen2-180m:4:separate"],
-                   help="PRESET:N[:separate] (presets: hybrid_engine.models.tiny.PRESETS)")
-    p.add_argument("--steps", type=int, default=6, help="RL steps per job")
-    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step (x K samples)")
-    p.add_argument("--samples", type=int, default=4, help="K completions per prompt")
-    p.add_argument("--max-tokens", type=int, default=32, help="max new tokens per completion")
+    p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
+                   help="PRESET:N[:separate][@JOBS] (presets: hybrid_engine.models.tiny.PRESETS; "
+                        "@JOBS overrides --jobs for that config)")
+    p.add_argument("--headline", default="qwen2-180m:2",
+                   help="config whose values are the JSON's top-level keys (else the last)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1",
+                   help="w1: 4 prompts x K=4 x 16 tokens; w2: 16 x 4 x 64")
+    p.add_argument("--jobs", type=int, default=3, help="fresh jobs per config without @JOBS")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per job")
+    p.add_argument("--warmup", type=int, default=2, help="steps per job before the timed ones")
     p.add_argument("--quick", action="store_true",
-                   help="tiny at N=1,2 and N=2 separate, 3 steps (1 warmup)")
+                   help="tiny at N=1,2 colocated, 1 job, 4 timed steps (1 warm-up)")
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--cache-dir", default=str(REPO / ".cache" / "bench_models"))
     args = p.parse_args(argv)
     if args.quick:
-        args.configs, args.steps, args.warmup = ["tiny:1", "tiny:2", "tiny:2:separate"], 3, 1
-    if args.warmup >= args.steps:
-        p.error(f"--warmup={args.warmup} must be below --steps={args.steps}")
+        args.configs, args.jobs, args.steps, args.warmup = ["tiny:1", "tiny:2"], 1, 4, 1
+    if args.jobs < 1 or args.steps < 1 or args.warmup < 1:
+        p.error("--jobs, --steps and --warmup must be >= 1 (step 1's wall has no previous step)")
+    args.parsed = [_parse_config(c, args.jobs, p) for c in args.configs]
     return args
+
+
+def _parse_config(c: str, default_jobs: int, p: argparse.ArgumentParser) -> tuple[str, int, str, int]:
+    """'PRESET:N[:separate][@JOBS]' -> (preset, N, placement, jobs)."""
+    from hybrid_engine.models.tiny import PRESETS
+
+    c, _, jobs = c.partition("@")
+    if jobs and (not jobs.isdigit() or int(jobs) < 1):
+        p.error(f"--configs: @{jobs} in {c!r} is not a job count >= 1")
+    parts = c.split(":")
+    preset, n = parts[0], parts[1] if len(parts) > 1 else "2"
+    placement = parts[2] if len(parts) > 2 else "colocated"
+    if preset not in PRESETS or placement not in ("colocated", "separate") or not n.isdigit() \
+            or int(n) < 1 or len(parts) > 3:
+        p.error(f"--configs: {c!r} is not PRESET:N[:separate] with PRESET in {sorted(PRESETS)}")
+    if placement == "separate" and int(n) < 2:
+        p.error(f"--configs: {c!r}: separate placement needs N >= 2")
+    return preset, int(n), placement, int(jobs) if jobs else default_jobs
+
+
+# --------------------------------------------------------------------------
+# Model, FLOPs and the matmul peak
+# --------------------------------------------------------------------------
 
 
 def _model(preset: str, cache: Path) -> Path:
@@ -71,62 +171,225 @@ def _model(preset: str, cache: Path) -> Path:
     return folder
 
 
-def _num_params(preset: str) -> int:
-    from hybrid_engine.models.tiny import PRESETS
+def _param_counts(preset: str) -> dict[str, int]:
+    """{total, body: all but the vocabulary matrices, lm_head: the output projection}."""
+    import math
 
-    return PRESETS[preset].num_params
+    from hybrid_engine.models.tiny import PRESETS, hf_param_shapes
+
+    spec = PRESETS[preset]
+    shapes = hf_param_shapes(spec)
+    vocab_h = spec.vocab_size * spec.hidden_size
+    total = sum(math.prod(s) for s in shapes.values())
+    embed_and_head = vocab_h * (1 if spec.tie_word_embeddings else 2)
+    return {"total": total, "body": total - embed_and_head, "lm_head": vocab_h}
+
+
+def _train_flops(params: dict[str, int], trained_tokens: float, loss_tokens: float) -> float:
+    """Model FLOPs of one train phase (forward + backward), all ranks; see the docstring."""
+    return 6.0 * params["body"] * trained_tokens + 6.0 * params["lm_head"] * loss_tokens
+
+
+_GEMM = """
+import sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+dt = getattr(torch, sys.argv[2]); n = int(sys.argv[3])
+a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+c = torch.empty(n, n, dtype=dt)
+torch.mm(a, b, out=c)
+best = float("inf")
+for _ in range(5):
+    t0 = time.perf_counter(); torch.mm(a, b, out=c); best = min(best, time.perf_counter() - t0)
+print(2 * n ** 3 / best)
+"""
+
+
+def _matmul_peak(threads: int, dtype: str) -> float:
+    """Best FLOP/s of a GEMM_N^3 matmul in dtype on `threads` threads (own process)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.run([sys.executable, "-c", _GEMM, str(threads), dtype, str(GEMM_N)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"matmul peak measurement failed:\n{proc.stderr[-2000:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------
+# One job
+# --------------------------------------------------------------------------
 
 
 def _tp(nproc: int, placement: str) -> int:
     return min(2, nproc // 2 if placement == "separate" else nproc)
 
 
-def _run(args: argparse.Namespace, preset: str, nproc: int, placement: str, work: Path) -> dict:
-    model = _model(preset, Path(args.cache_dir))
-    out = work / f"{preset}-n{nproc}-{placement}"
+def _threads(nproc: int) -> int:
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def _run_job(args: argparse.Namespace, preset: str, nproc: int, placement: str,
+             out: Path, work: Path) -> dict:
+    """Runs one training job; returns its metrics rows, resolved config and profiles."""
+    prompts, k, max_tokens = WORKLOADS[args.workload]
+    num_steps = args.warmup + args.steps + 1  # + the profiled step
     overrides = [
-        f"--model.path={model}", f"--output_dir={out}", "--overwrite", "--no-progress",
-        f"--placement={placement}", f"--rollout.tensor_parallel_size={_tp(nproc, placement)}",
-        f"--rollout.num_samples_per_prompt={args.samples}", f"--rollout.max_tokens={args.max_tokens}",
-        f"--train.prompts_per_step={args.prompts}", f"--train.num_steps={args.steps}",
-        "--train.micro_batch_size=8", "--checkpoint_every=0", "--eval_every=0",
-        "--sync.verify=false", "--max_wall_s=1200", f"--env.reward_fn={work / 'reward.py'}:reward",
+        f"--model.path={_model(preset, Path(args.cache_dir))}", f"--output_dir={out}",
+        "--overwrite", "--no-progress", f"--placement={placement}",
+        "--model.rollout_dtype=bfloat16", "--sync.method=reshard", "--sync.bucket_mb=64",
+        "--sync.verify=false", f"--rollout.tensor_parallel_size={_tp(nproc, placement)}",
+        f"--rollout.num_samples_per_prompt={k}", f"--rollout.max_tokens={max_tokens}",
+        f"--train.prompts_per_step={prompts}", f"--train.num_steps={num_steps}",
+        "--checkpoint_every=0", "--eval_every=0", "--max_wall_s=3000",
+        f"--env.reward_fn={work / 'reward.py'}:reward",
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", "-m", "hybrid_engine.cli", "train",
            "--recipe=tiny_grpo_debug", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    env = {**os.environ, "OMP_NUM_THREADS": str(_threads(nproc)),
+           PROFILE_ENV: f"{num_steps}:{out / 'profile'}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"{preset} N={nproc} {placement} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in rows if r["step"] > args.warmup]
+    import yaml
+
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    if [r["step"] for r in rows] != list(range(1, num_steps + 1)):
+        raise SystemExit(f"{out}: expected steps 1..{num_steps} in metrics.jsonl, "
+                         f"got {[r['step'] for r in rows]}")
+    profiles = [json.loads(f.read_text()) for f in sorted((out / "profile").glob("*.json"))]
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    return {"rows": rows, "config": config, "profiles": profiles}
+
+
+def _timed(job: dict, warmup: int, steps: int) -> list[dict]:
+    """The timed rows (after the warm-up, before the profiled step), each with its
+    wall clock `step_wall_s` (the difference to the previous step's elapsed_s)."""
+    rows = job["rows"]
+    out = []
+    for prev, r in zip(rows[warmup - 1:warmup - 1 + steps], rows[warmup:warmup + steps], strict=True):
+        out.append({**r, "step_wall_s": r["elapsed_s"] - prev["elapsed_s"]})
+    return out
+
+
+# --------------------------------------------------------------------------
+# One config: jobs -> statistics
+# --------------------------------------------------------------------------
+
+
+def _jobs_of(jobs: list[list[dict]], fn) -> list[list[float]]:
+    return [[fn(r) for r in job] for job in jobs]
+
+
+def _med_iqr(row: dict, name: str, jobs: list[list[float]]) -> None:
+    d = _stats.describe(jobs)
+    row[name], row[f"{name}_iqr"] = d["median"], d["iqr"]
+    if name == "step_s":
+        row["step_s_q1"], row["step_s_q3"] = d["q1"], d["q3"]
+
+
+def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
+                peak: float, dtype: str) -> dict:
+    timed = [_timed(j, args.warmup, args.steps) for j in jobs]
+    params = _param_counts(preset)
+    threads = _threads(nproc)
+    share = min(1.0, (os.cpu_count() or 1) / (nproc * threads))
     row = {"preset": preset, "world_size": nproc, "placement": placement,
-           "tp": _tp(nproc, placement),
-           "model_params": _num_params(preset), "steps_timed": len(timed),
-           "steps_trained": sum(r.get("skipped_degenerate", 1.0) == 0.0 for r in timed)}
+           "tp": _tp(nproc, placement), "model_params": params["total"], "jobs": len(jobs),
+           "steps_timed": sum(map(len, timed)), "steps_timed_per_job": args.steps,
+           "steps_trained": sum(r.get("skipped_degenerate", 0.0) == 0.0 for j in timed for r in j),
+           "threads_per_rank": threads, "compute_dtype": dtype}
+    step_jobs = _jobs_of(timed, lambda r: r["step_wall_s"])
+    _med_iqr(row, "step_s", step_jobs)
     for ph in PHASES:
-        row[f"{ph}_s"] = statistics.median(r.get(f"{ph}_s", 0.0) for r in timed)
-    row["step_s"] = statistics.median(sum(r.get(f"{ph}_s", 0.0) for ph in PHASES) for r in timed)
-    row["tok_s"] = statistics.median(r["tok_s"] for r in timed)
+        _med_iqr(row, f"{ph}_s", _jobs_of(timed, lambda r, ph=ph: r.get(f"{ph}_s", 0.0)))
+    _med_iqr(row, "overhead_s", _jobs_of(
+        timed, lambda r: r["step_wall_s"] - sum(r.get(f"{ph}_s", 0.0) for ph in PHASES)))
+    row["overhead_frac"] = row["overhead_s"] / row["step_s"]
+    gen = _stats.describe(_jobs_of(timed, lambda r: r["generated_tokens"]))["median"]
+    trained = _stats.describe(_jobs_of(timed, lambda r: r.get("tokens", 0.0)))["median"]
+    row["tokens_per_step"] = {"generated": gen, "trained": trained, "prompt": trained - gen}
+    row["generated_tok_s"] = gen / row["generate_s"]
+    row["gen_tok_s_median"] = _stats.describe(_jobs_of(timed, lambda r: r["gen_tok_s"]))["median"]
+    # MFU per step: that step's trained and loss tokens over its train seconds.
+    row["matmul_peak_flops"], row["matmul_peak_per_rank_flops"] = peak, peak * share
+    row["train_ranks"] = train_ranks = _train_ranks(nproc, placement, jobs[0]["config"])
+    _med_iqr(row, "train_mfu", _jobs_of(timed, lambda r: _train_flops(
+        params, r.get("tokens", 0.0), r.get("num_tokens", 0.0)) / train_ranks
+        / max(r.get("train_s", 0.0), 1e-9) / (peak * share)))
+    _med_iqr(row, "train_step_s", _jobs_of(timed, lambda r: r.get("train_step_s", 0.0)))
+    _med_iqr(row, "train_other_s", _jobs_of(
+        timed, lambda r: r.get("train_s", 0.0) - r.get("train_step_s", 0.0)))
+    row.update(_train_split(jobs, row["train_step_s"]))
+    row["step_s_jobs"] = step_jobs
+    row["resolved_config"] = _same_config(jobs)
     return row
 
 
+def _train_ranks(nproc: int, placement: str, config: dict) -> int:
+    """Ranks that train: all colocated; separate: all but rollout.num_ranks (0 = half,
+    rounded down to a multiple of the TP size, as the job resolves it)."""
+    if placement == "colocated":
+        return nproc
+    tp, rollout = config["rollout"]["tensor_parallel_size"], config["rollout"]["num_ranks"]
+    return nproc - (rollout or max(tp, nproc // 2 // tp * tp))
+
+
+def _train_split(jobs: list[dict], train_step_s: float) -> dict:
+    """The profiled step's train_step split, medians over jobs x ranks: as fractions of
+    that step, and as seconds of the timed steps' median train_step_s (the profiler
+    itself slows the profiled step)."""
+    import statistics
+
+    profs = [p for j in jobs for p in j["profiles"]]
+    if not profs:  # a degenerate (skipped) step moved the profiled call past the run
+        return {"train_profiled": 0}
+    out = {"train_profiled": len(profs),
+           "train_step_profiled_s": statistics.median(p["wall_s"] for p in profs)}
+    for key in ("compute", "comm", "optimizer"):
+        out[f"train_{key}_frac"] = statistics.median(p[f"{key}_s"] / p["wall_s"] for p in profs)
+    total = sum(out[f"train_{key}_frac"] for key in ("compute", "comm", "optimizer"))
+    for key in ("compute", "comm", "optimizer"):  # medians of fractions: renormalised
+        out[f"train_{key}_frac"] /= total
+        out[f"train_{key}_s"] = out[f"train_{key}_frac"] * train_step_s
+    return out
+
+
+def _same_config(jobs: list[dict]) -> dict:
+    """The resolved config of the config's jobs (they differ only in output_dir)."""
+    strip = [{k: v for k, v in j["config"].items() if k != "output_dir"} for j in jobs]
+    if any(s != strip[0] for s in strip):
+        raise SystemExit("jobs of one config resolved to different configs")
+    return strip[0]
+
+
+# --------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------
+
+
 def _table(rows: list[dict]) -> str:
-    head = ("| model | params | N | placement | T | generate s | score s | train s | sync s | "
-            "step s | tok/s |")
+    head = ("| model | params | N | placement | T | jobs x steps | step s (IQR) | generate s | "
+            "score s | train s | sync s | overhead | train: trainer (compute/comm/opt) + other | "
+            "gen tok/s | "
+            "train MFU (IQR) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
+        split = ("n/a" if not r["train_profiled"] else
+                 f"{r['train_compute_frac']:.0%}/{r['train_comm_frac']:.0%}/"
+                 f"{r['train_optimizer_frac']:.0%}")
+        split = f"{r['train_step_s']:.3f} ({split}) + {r['train_other_s']:.3f}"
         lines.append(
             f"| {r['preset']} | {r['model_params'] / 1e6:.1f}M | {r['world_size']} | "
-            f"{r['placement']} | {r['tp']} | "
-            f"{r['generate_s']:.3f} | {r['score_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.3f} | "
-            f"{r['step_s']:.3f} | {r['tok_s']:.0f} |")
+            f"{r['placement']} | {r['tp']} | {r['jobs']} x {r['steps_timed'] // r['jobs']} | "
+            f"{r['step_s']:.3f} ({r['step_s_iqr']:.3f}) | {r['generate_s']:.3f} | "
+            f"{r['score_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.3f} | "
+            f"{r['overhead_s']:.3f} ({r['overhead_frac']:.0%}) | {split} | "
+            f"{r['generated_tok_s']:.0f} | {r['train_mfu']:.1%} ({r['train_mfu_iqr']:.1%}) |")
     return "\n".join(lines)
 
 
 def _chart(rows: list[dict], path: Path) -> None:
-    """Stacked horizontal bars: seconds per phase for each configuration."""
+    """Stacked horizontal bars: median seconds per phase (and overhead) per config."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,62 +397,75 @@ def _chart(rows: list[dict], path: Path) -> None:
 
     labels = [f"{r['preset']} N={r['world_size']}" + (" sep" if r["placement"] == "separate" else "")
               for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.2))
+    fig, ax = plt.subplots(figsize=(8.5, 0.6 * len(rows) + 1.6))
     left = [0.0] * len(rows)
-    for ph in PHASES:
-        vals = [r[f"{ph}_s"] for r in rows]
+    for ph in (*PHASES, "overhead"):
+        vals = [max(r[f"{ph}_s"], 0.0) for r in rows]
         ax.barh(labels, vals, left=left, label=ph)
         left = [a + b for a, b in zip(left, vals, strict=True)]
-    ax.set_xlabel("seconds per RL step (median)")
-    ax.set_title("Step time by phase (CPU; sep = separate placement)")
+    ax.errorbar([r["step_s"] for r in rows], labels,
+                xerr=[[r["step_s"] - r["step_s_q1"] for r in rows],
+                      [r["step_s_q3"] - r["step_s"] for r in rows]],
+                fmt="none", ecolor="black", capsize=3, label="step IQR")
+    ax.set_xlabel("seconds per RL step (median wall clock; phases stacked)")
+    ax.set_title("RL step by phase (CPU; sep = separate placement)")
     ax.invert_yaxis()
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(PHASES), fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+HEADLINE_KEYS = ("step_s", "step_s_iqr", "generate_s", "score_s", "train_s", "sync_s",
+                 "overhead_s", "overhead_frac", "train_mfu", "train_mfu_iqr", "matmul_peak_flops",
+                 "matmul_peak_per_rank_flops", "generated_tok_s", "tokens_per_step",
+                 "preset", "model_params", "world_size", "placement", "tp", "jobs",
+                 "steps_timed_per_job")
+
+
 def main(argv=None) -> None:
     args = _args(argv)
-    sys.path.insert(0, str(REPO))
-
-    configs = []
-    for c in args.configs:
-        parts = c.split(":")
-        preset, n = parts[0], parts[1] if len(parts) > 1 else "2"
-        placement = parts[2] if len(parts) > 2 else "colocated"
-        if placement not in ("colocated", "separate") or not n.isdigit():
-            raise SystemExit(f"--configs: {c!r} is not PRESET:N[:separate]")
-        if placement == "separate" and int(n) < 2:
-            raise SystemExit(f"--configs: {c!r}: separate placement needs N >= 2")
-        configs.append((preset, int(n), placement))
+    prompts, k, max_tokens = WORKLOADS[args.workload]
+    rows = []
     with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
         work = Path(tmp)
         (work / "reward.py").write_text(REWARD)
-        rows = []
-        for preset, n, placement in configs:
-            print(f"running {preset} on {n} rank(s), {placement} ...", file=sys.stderr, flush=True)
-            rows.append(_run(args, preset, n, placement, work))
+        for preset, n, placement, num_jobs in args.parsed:
+            jobs = []
+            for j in range(num_jobs):
+                print(f"{preset} N={n} {placement}: job {j + 1}/{num_jobs} ...",
+                      file=sys.stderr, flush=True)
+                jobs.append(_run_job(args, preset, n, placement,
+                                     work / f"{preset}-n{n}-{placement}-j{j}", work))
+            dtype = jobs[0]["config"]["model"]["compute_dtype"]
+            peak = _matmul_peak(_threads(n), dtype)  # after the jobs: nothing else runs
+            rows.append(_config_row(args, preset, n, placement, jobs, peak, dtype))
     table = _table(rows)
     print(table)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"step_cpu_{datetime.date.today():%Y%m}"
-    _chart(rows, out_dir / f"{stem}.png")
-    from _common import result_header
-
-    (out_dir / f"{stem}.md").write_text(
+    path = result_path(args.out_dir, "step", quick=args.quick)
+    chart = path.with_suffix(".png")
+    _chart(rows, chart)
+    names = [f"{r['preset']}:{r['world_size']}" + (":separate" if r["placement"] == "separate" else "")
+             for r in rows]
+    head = rows[names.index(args.headline)] if args.headline in names else rows[-1]
+    path.write_text(
         result_header(__file__, argv) +
-        "Colocated: every rank trains and rolls out; separate: the first N/2 ranks train, the "
-        f"last N/2 roll out. Recipe tiny_grpo_debug, {args.prompts} prompts x K={args.samples}, "
-        f"max_tokens={args.max_tokens}, {args.steps} steps ({args.warmup} warmup left out), "
-        "identical model, prompts, sampling parameters and seeds in every configuration; "
-        "medians per step. T is min(2, N) colocated and min(2, N/2) separate, so the two rows "
-        "of one N may differ in T. Ranks share the machine's cores (OMP threads = cores / N): "
-        "on CPU a rank stands for a device, and with more ranks than cores the engines' "
-        "busy-waiting TP collectives compete with the other ranks for them.\n\n"
-        f"{table}\n\n![phases]({stem}.png)\n\n```json\n{json.dumps(rows, indent=1)}\n```\n")
-    print(json.dumps({"configs": rows, "chart": str(out_dir / f"{stem}.png")}))
+        f"Workload {args.workload}: {prompts} prompts x K={k} completions x {max_tokens} new "
+        f"tokens per step; recipe tiny_grpo_debug with bf16 rollout, reshard sync (64 MiB "
+        f"buckets), fp32 training; fresh jobs per config as in the table, {args.warmup} warm-up "
+        f"+ {args.steps} timed steps each, then one profiled step (train split). step s: wall "
+        "clock between consecutive steps' ends, median (IQR) over all timed steps of all jobs; "
+        "phases likewise; overhead = wall - phases. Train: the trainer's train_step seconds "
+        "(compute/comm/opt: shares of the profiled trainer step, comm = gloo collectives "
+        "outside the optimizer) + the rest of the phase (KV cache release, batch). MFU: model "
+        "FLOPs of the train phase per rank / train_s over the per-rank GEMM peak "
+        f"({GEMM_N}^3, training dtype, the rank's threads, measured in this run). Ranks share "
+        "the machine's cores (OMP threads = cores // N); with more ranks than cores they "
+        f"time-share them. Headline: {names[rows.index(head)]}.\n\n"
+        f"{table}\n\n![phases]({chart.name})\n\n```json\n{json.dumps(rows, indent=1)}\n```\n")
+    summary = {key: head[key] for key in HEADLINE_KEYS}
+    print(json.dumps({**summary, "workload": args.workload, "configs": rows,
+                      "result": str(path), "chart": str(chart)}))
 
 
 if __name__ == "__main__":

@@ -485,11 +485,15 @@ class Trainer:
             Global metrics (floats): loss, grad_norm (before clipping), lr (of
             this step), tokens (real tokens processed), num_micro_batches,
             skipped (1.0 when the gradient was not finite and no step was
-            taken), and loss_fn's metrics combined over micro-batches and ranks.
+            taken), and loss_fn's metrics combined over micro-batches and ranks;
+            train_step_s: this rank's seconds in this call (the one local value).
         """
         self._calls += 1
         with _maybe_profile(self._calls, dist.get_rank()):
-            return self._train_step(batch, loss_fn, loss_agg, loss_agg_constant, entropy_grad)
+            t0 = time.perf_counter()
+            metrics = self._train_step(batch, loss_fn, loss_agg, loss_agg_constant, entropy_grad)
+            metrics["train_step_s"] = time.perf_counter() - t0  # this rank's; not profiler I/O
+        return metrics
 
     def _train_step(self, batch: TrainBatch, loss_fn: LossFn, loss_agg: str,
                     loss_agg_constant: float | None, entropy_grad: bool) -> dict[str, float]:

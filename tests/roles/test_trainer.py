@@ -529,7 +529,7 @@ def test_train_step_metrics_and_falling_loss(two_ranks):
     m = out["metrics"]
     assert m["lr"] == pytest.approx(LR) and m["skipped"] == 0.0
     assert m["num_seqs"] == 8 and m["num_micro_batches"] == 1 and m["grad_norm"] > 0
-    assert m["tokens"] >= m["num_tokens"] > 0
+    assert m["tokens"] >= m["num_tokens"] > 0 and m["train_step_s"] > 0
     bf16 = out["bf16"]
     assert bf16["dtypes"] == {"torch.float32"}  # master weights stay fp32
     assert all(map(torch.isfinite, torch.tensor(bf16["losses"]))) and bf16["diff"] < 1e-3
