@@ -118,7 +118,7 @@ class RolloutConfig:
         1024, "Maximum prompt + completion length in tokens (vLLM max_model_len).", ge=2
     )
     kv_cache_gib: float = _field(
-        4.0, "KV cache size per rank in GiB (CPU: VLLM_CPU_KVCACHE_SPACE).", gt=0
+        4.0, "KV cache size per rank in GiB (CPU: vLLM's kv_cache_memory_bytes, exact to the byte).", gt=0
     )
     seed: int = _field(0, "Base seed of vLLM sampling (per-request seeds derive from it).", ge=0)
     prompt_too_long: Literal["reject", "truncate"] = _field(
