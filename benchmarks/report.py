@@ -48,7 +48,7 @@ def _run(script: str, extra: list[str], out_dir: Path) -> tuple[dict, float, str
     cmd = [sys.executable, str(HERE / script), *extra, f"--out-dir={out_dir}"]
     print(f"[report] {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"{script} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1]), time.monotonic() - t0, proc.stdout
@@ -120,7 +120,7 @@ def _sync_row(r: dict) -> str:
 
 def _step_row(r: dict) -> str:
     return (f"| RL step, {r['model_params'] / 1e6:.0f}M, N={r['world_size']} {r['placement']} "
-            f"(`bench_step`, {r['tokens_per_step']['generated']} generated tokens per step) "
+            f"(`bench_step`, {r['tokens_per_step']['generated']:.0f} generated tokens per step) "
             f"| **{r['step_s']:.2f} s** per step (IQR {r['step_s_iqr']:.2f}): generate "
             f"{r['generate_s']:.2f}, train {r['train_s']:.2f}, sync {r['sync_s']:.3f} s; "
             f"{r['generated_tok_s']:.0f} generated tok/s | train MFU {r['train_mfu']:.2f} of the "
@@ -142,7 +142,7 @@ def _memory_row(r: dict) -> str:
     parts = "; ".join(f"{k} {v:.0f} MB" for k, v in peaks.items())
     return (f"| whole-step peak RSS per rank, {r['model_params'] / 1e6:.0f}M, N={r['nproc']} "
             f"(`bench_memory`) | {parts} | KV cache sized to the workload: "
-            f"{r['kv_cache_mb']:.0f} MB | {r['jobs']} jobs |")
+            f"{r['kv_cache_mb']:.1f} MB per rank | {r['jobs']} x 1 step |")
 
 
 def _kernels_row(r: dict) -> str:
