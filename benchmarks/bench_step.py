@@ -61,7 +61,7 @@ ONE profiled step (left out of every timing).
   completion tokens the train phase runs, each sequence with its prompt),
   prompt (= trained - generated: the prompt counted once per completion).
 
-Budget (the default run must fit `make bench`: report.py gives a script 30
+Budget (the default run must fit `make bench`: report.py gives a script 60
 min). Per job: start-up (~40 s, ~60 s at N=4) + (warm-up + timed + 1) steps.
 Estimated w1 step times alone on 2 cores: N=2 ~8.5 s (issue 17's
 measurement), N=1 ~5.5 s and N=4 ~15 s (scaled by the last full run's N=1/N=2
