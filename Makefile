@@ -47,7 +47,7 @@ test-fast: install
 demo: install
 	$(VENV)/bin/hybrid-engine demo
 
-# Every benchmark (~30 min on 2 cores); writes benchmarks/results/<date>.md.
+# Every benchmark (~50 min on 2 cores); writes benchmarks/results/<date>.md.
 bench: install
 	$(VENV)/bin/hybrid-engine bench all
 

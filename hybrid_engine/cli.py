@@ -224,8 +224,8 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run every benchmark, write benchmarks/results/<date>.md",
                        description="Runs benchmarks/report.py: bench_sync, bench_rollout, "
-                                   "bench_memory, bench_step and bench_kernels with settings that fit 30 min "
-                                   "on 2 CPU cores, then writes one dated report with charts.",
+                                   "bench_memory, bench_step and bench_kernels (about 50 min on 2 CPU cores), "
+                                   "then writes one dated report with a headline table and charts.",
                        epilog="Further arguments go to report.py, e.g. --quick or "
                               "--only bench_step.py.")
     b.add_argument("what", choices=["all"], help="which benchmarks (all)")
