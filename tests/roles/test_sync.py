@@ -66,15 +66,16 @@ def _max_logprob_diff(model_full, out) -> float:
     return worst
 
 
-def _sync_case(model_dir: str, tp: int, dtype: str) -> dict:
+def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str):  # noqa: ANN202
+    """The HF model in fp32, FSDP2-sharded per layer + root over the world, and a
+    colocated vLLM engine of the same folder (TP = tp, the given dtype)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from hybrid_engine.config import RolloutConfig, SyncConfig
-    from hybrid_engine.roles.sync import WeightSync
+    from hybrid_engine.config import RolloutConfig
     from hybrid_engine.roles.vllm_rollout import VLLMRollout
 
     world = dist.get_world_size()
@@ -86,6 +87,18 @@ def _sync_case(model_dir: str, tp: int, dtype: str) -> dict:
     rollout = VLLMRollout(model_dir, RolloutConfig(
         tensor_parallel_size=tp, max_model_len=64, max_tokens=8, kv_cache_gib=1.0,
         enforce_eager=True), dtype=dtype)
+    return model, rollout
+
+
+def _sync_case(model_dir: str, tp: int, dtype: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hybrid_engine.config import SyncConfig
+    from hybrid_engine.roles.sync import WeightSync
+
+    model, rollout = _sharded_model_and_engine(model_dir, tp, dtype)
     before = _greedy(rollout, 8)
     _train_one_step(model, seed=1)
     sync = WeightSync(model.config, SyncConfig(method="reshard", bucket_mb=0.05, verify=True),
@@ -153,23 +166,12 @@ def test_sync_is_exact_and_vllm_follows_training(tmp_path, name, spec, world, tp
 def _bucketed_case(model_dir: str, tp: int, dtype: str) -> dict:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
 
-    from hybrid_engine.config import RolloutConfig, SyncConfig
+    from hybrid_engine.config import SyncConfig
     from hybrid_engine.roles.sync import WeightSync
-    from hybrid_engine.roles.vllm_rollout import VLLMRollout
 
     world = dist.get_world_size()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    rollout = VLLMRollout(model_dir, RolloutConfig(
-        tensor_parallel_size=tp, max_model_len=64, max_tokens=8, kv_cache_gib=1.0,
-        enforce_eager=True), dtype=dtype)
+    model, rollout = _sharded_model_and_engine(model_dir, tp, dtype)
     wire = getattr(torch, dtype)
     bucketed = WeightSync(model.config, SyncConfig(method="naive_bucketed", bucket_mb=0.05),
                           tp=tp, wire_dtype=wire)
