@@ -60,11 +60,12 @@ from hybrid_engine.roles.offload import OptimizerOffload
 from hybrid_engine.roles.shards import gather_response_field, local_batch
 from hybrid_engine.roles.sync import WeightSync
 from hybrid_engine.roles.trainer import Trainer
+from hybrid_engine.roles.updates import policy_updates
 from hybrid_engine.roles.vllm_rollout import Completions, VLLMRollout
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
 __all__ = ["HybridActor", "completions_to_trajectories", "greedy_sampling", "policy_step",
-           "train_batch"]
+           "policy_train", "train_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def train_batch(trajs: Sequence[Trajectory] | TrainBatch, pad_id: int,
 
 
 def policy_step(trainer: Trainer, cfg: RunConfig, batch: TrainBatch, loss_fn: LossFn | None,
-                entropy_grad: bool | None) -> dict[str, float]:
+                entropy_grad: bool | None, *, advance_lr: bool = True) -> dict[str, float]:
     """One optimizer step of the policy trainer on this rank's batch (collective
     over the train group); loss_fn None = `policy_loss_fn(cfg.algorithm)`,
     wrapped to also report the rollout/trainer mismatch."""
@@ -113,7 +114,24 @@ def policy_step(trainer: Trainer, cfg: RunConfig, batch: TrainBatch, loss_fn: Lo
     return trainer.train_step(
         batch, with_mismatch_metrics(loss_fn), loss_agg=alg.loss_agg,
         loss_agg_constant=constant if alg.loss_agg == "constant" else None,
-        entropy_grad=alg.entropy_coef != 0 if entropy_grad is None else entropy_grad)
+        entropy_grad=alg.entropy_coef != 0 if entropy_grad is None else entropy_grad,
+        advance_lr=advance_lr)
+
+
+def policy_train(trainer: Trainer, cfg: RunConfig, trajs: Sequence[Trajectory] | TrainBatch,
+                 pad_id: int, loss_fn: LossFn | None,
+                 entropy_grad: bool | None) -> dict[str, float]:
+    """The policy's updates of one RL step (collective over the train group):
+    `updates.policy_updates` on trajectories (train.ppo_epochs x
+    train.mini_batches_per_rollout optimizer steps); one step on a TrainBatch."""
+    if isinstance(trajs, TrainBatch):
+        return policy_step(trainer, cfg, trajs, loss_fn, entropy_grad)
+
+    def step(mini: list[Trajectory], last: bool) -> dict[str, float]:
+        batch, _ = train_batch(mini, pad_id, cfg)
+        return policy_step(trainer, cfg, batch, loss_fn, entropy_grad, advance_lr=last)
+
+    return policy_updates(trainer, trajs, cfg, pad_id, step)
 
 
 class HybridActor:
@@ -264,23 +282,29 @@ class HybridActor:
         self, trajs: Sequence[Trajectory] | TrainBatch, loss_fn: LossFn | None = None, *,
         entropy_grad: bool | None = None,
     ) -> dict[str, float]:
-        """One optimizer step (collective).
+        """The RL step's updates (collective): on trajectories, train.ppo_epochs x
+        train.mini_batches_per_rollout optimizer steps on seeded, shuffled
+        mini-batches, with old log-probs computed once first when there is more
+        than one (`roles.updates`; sets each trajectory's old_logp); on a
+        TrainBatch, one optimizer step.
 
         Args:
             trajs: the step's trajectories with advantages (the same list on
-                every rank; each trains on its slice), or this rank's TrainBatch.
+                every rank; each trains on its slice of every mini-batch), or
+                this rank's TrainBatch.
             loss_fn: a `LossFn`; None = `policy_loss_fn(cfg.algorithm)`.
                 Wrapped to also report the rollout/trainer mismatch.
             entropy_grad: entropy with grad (default: algorithm.entropy_coef != 0).
 
         Returns:
-            The trainer's global metrics, plus mem_released_bytes (the
+            The trainer's global metrics (combined over the updates:
+            `updates.combine_updates`), plus mem_released_bytes (the
             engine's release) and, with train.offload_optimizer,
             offload_moved_bytes / offload_released_bytes of the offload
             during the generation before this step.
         """
         self._to_training()
-        metrics = policy_step(self.trainer, self.cfg, self._batch(trajs)[0], loss_fn, entropy_grad)
+        metrics = policy_train(self.trainer, self.cfg, trajs, self.pad_id, loss_fn, entropy_grad)
         self._stale = True
         metrics["mem_released_bytes"] = float(self.released_bytes)
         if self.offload is not None:  # the offload during this step's generation

@@ -193,9 +193,22 @@ class TrainConfig:
         "until the next optimizer step, so vLLM wakes into its memory (GPU: 8 bytes per "
         "parameter-shard element; CPU: the state only moves within RAM, nothing is saved).",
     )
-    num_steps: int = _field(100, "Optimizer steps (one per RL step) in the run.", ge=1)
+    num_steps: int = _field(100, "RL steps (generate -> train -> sync) in the run.", ge=1)
     prompts_per_step: int = _field(
         32, "Prompts per RL step over all ranks; sequences = this * K.", ge=1
+    )
+    ppo_epochs: int = _field(
+        1,
+        "Passes over one RL step's trajectories; each pass takes mini_batches_per_rollout "
+        "optimizer steps. With more than one update per rollout the PPO ratio leaves 1 "
+        "and the clip knobs act.",
+        ge=1,
+    )
+    mini_batches_per_rollout: int = _field(
+        1,
+        "Optimizer steps per pass: the step's trajectories are shuffled (seeded, the same "
+        "on every rank) and cut into this many mini-batches (at most one per trajectory).",
+        ge=1,
     )
     max_nonfinite_in_a_row: int = _field(
         3,
@@ -256,7 +269,23 @@ class AlgorithmConfig:
         0.2, "Clip range of the value loss around the old values; None disables it.", gt=0
     )
     dynamic_sampling: bool = _field(
-        False, "DAPO: drop groups whose rewards are all equal (counted as degenerate)."
+        False,
+        "DAPO: drop groups whose rewards are all equal (counted as degenerate) and draw "
+        "more prompt groups until train.prompts_per_step groups carry signal "
+        "(at most max_sampling_rounds generate rounds per step).",
+    )
+    max_sampling_rounds: int = _field(
+        4,
+        "dynamic_sampling: most generate rounds per step; then the step trains on the "
+        "groups with signal it has.",
+        ge=1,
+    )
+    behaviour_logp: Literal["trainer", "rollout"] = _field(
+        "trainer",
+        "Old (behaviour) log-probs of the PPO ratio: 'trainer' recomputes them with the "
+        "rollout's weights once per step (only when more than one update follows); "
+        "'rollout' takes the engine's sampled-token log-probs (no extra forward; the "
+        "ratio pi/pi_rollout is then the importance ratio, truncated by the clip).",
     )
     overlong_buffer: int = _field(
         0, "DAPO overlong shaping: penalty ramp length in tokens before max_tokens; 0 = off.", ge=0
@@ -267,6 +296,11 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         _validate_fields(self)
+        if self.behaviour_logp == "rollout" and self.tis_cap is not None:
+            raise ValueError(
+                f"{_prefix(self)}tis_cap would never act with {_prefix(self)}behaviour_logp="
+                "'rollout' (its weight exp(old - rollout) is then 1): the ratio to the "
+                "rollout's log-probs is already the importance ratio; unset one of them")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -3,6 +3,7 @@
 Job: the RL loop of DESIGN.md and nothing else --
 
     generate K per prompt -> score (reward, reference, critic values)
+    [-> again, while the algorithm wants more prompts: dynamic sampling]
     -> advantages -> skip if no sample carries signal -> train -> sync -> metrics
 
 plus exit conditions (steps, wall time, reward EMA), evaluation on held-out
@@ -39,6 +40,8 @@ from hybrid_engine.metrics import PhaseTimer, trajectory_metrics
 
 __all__ = ["Controller", "Checkpointer", "any_rank"]
 
+_ROUND_SEED = 7_919_999  # a refill round's sampling seed offset (far from any step count)
+
 
 class Checkpointer(Protocol):
     """Saves and restores the job (policy, critic, ...) with the controller's state."""
@@ -72,7 +75,8 @@ class Controller:
             `train_step(trajs, loss_fn)`, `sync_weights()` (e.g. `HybridActor`).
         env: `sample_prompts(n)`, `eval_prompts(n)`, `score(trajs)`,
             `state_dict()`, `load_state_dict()`.
-        algorithm: `compute_advantages(trajs)`, `select(trajs)`, `compute_loss`.
+        algorithm: `compute_advantages(trajs)`, `prompts_wanted(trajs, rounds)`,
+            `select(trajs)`, `compute_loss`.
         cfg: the run config (steps, K, prompts per step, eval/checkpoint cadence).
         scorers: roles whose `score(trajs)` runs after the reward (reference, critic).
         learners: roles whose `train_step(trajs)` runs after the policy's (critic).
@@ -103,20 +107,33 @@ class Controller:
 
     # --- one step ------------------------------------------------------------------
 
+    def _sample(self, timer: PhaseTimer) -> tuple[list, int]:
+        """Generates and scores prompt groups, in rounds while the algorithm wants
+        more (dynamic sampling); returns every trajectory and the round count."""
+        trajs, rounds, want = [], 0, self.cfg.train.prompts_per_step
+        while want:
+            prompts = self.env.sample_prompts(want)
+            seed = self.cfg.seed * 1_000_003 + self.state.step + rounds * _ROUND_SEED
+            with timer.phase("generate"):
+                new = self.policy.collect(self.env, prompts,
+                                          num_samples=self.cfg.rollout.num_samples_per_prompt,
+                                          seed=seed)
+            with timer.phase("score"):
+                self.env.score(new)
+                for scorer in self.scorers:
+                    scorer.score(new)
+            trajs, rounds = trajs + new, rounds + 1
+            want = self.algorithm.prompts_wanted(trajs, rounds)
+        return trajs, rounds
+
     def step(self) -> dict[str, float]:
         """One RL step; returns its metrics (identical on every rank)."""
-        timer, k = PhaseTimer(), self.cfg.rollout.num_samples_per_prompt
-        prompts = self.env.sample_prompts(self.cfg.train.prompts_per_step)
-        with timer.phase("generate"):
-            trajs = self.policy.collect(self.env, prompts, num_samples=k,
-                                        seed=self.cfg.seed * 1_000_003 + self.state.step)
-        with timer.phase("score"):
-            self.env.score(trajs)
-            for scorer in self.scorers:
-                scorer.score(trajs)
+        timer = PhaseTimer()
+        trajs, rounds = self._sample(timer)
         m = {**trajectory_metrics(trajs), **self.algorithm.compute_advantages(trajs)}
         train = self.algorithm.select(trajs)
-        m["skipped_degenerate"] = float(not train)
+        m.update(sampling_rounds=float(rounds), train_samples=float(len(train)),
+                 skipped_degenerate=float(not train))
         if train:
             with timer.phase("train"):
                 m.update(self.policy.train_step(train, self.algorithm.compute_loss))

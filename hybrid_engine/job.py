@@ -121,7 +121,8 @@ class Job:
             self._clear_outputs()
         self.env = make_env(cfg.env, self.actor.tokenizer)
         self.algorithm = Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,
-                                   max_tokens=cfg.rollout.max_tokens)
+                                   max_tokens=cfg.rollout.max_tokens,
+                                   prompts_per_step=cfg.train.prompts_per_step)
         scorers, learners, self.critic = [], [], None
         trains = getattr(self.actor, "is_trainer", True)  # separate: only ranks 0..M-1 train
         if self.algorithm.needs_reference:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid_engine.actor import greedy_sampling, policy_step, train_batch
+from hybrid_engine.actor import greedy_sampling, policy_train, train_batch
 from hybrid_engine.algorithms.losses import LossFn
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
 from hybrid_engine.config import RolloutConfig, RunConfig
@@ -217,11 +217,12 @@ class SeparatePolicy:
 
     def train_step(self, trajs: Sequence[Trajectory] | TrainBatch, loss_fn: LossFn | None = None,
                    *, entropy_grad: bool | None = None) -> dict[str, float]:
-        """One optimizer step on the trainer ranks; its metrics on every rank (collective)."""
+        """The RL step's updates on the trainer ranks (as `HybridActor.train_step`);
+        their metrics on every rank (collective)."""
         metrics = None
         if self.is_trainer:
-            batch, _ = train_batch(trajs, self.pad_id, self.cfg)
-            metrics = policy_step(self.trainer, self.cfg, batch, loss_fn, entropy_grad)
+            metrics = policy_train(self.trainer, self.cfg, trajs, self.pad_id, loss_fn,
+                                   entropy_grad)
             metrics["mem_released_bytes"] = 0.0  # each layout owns its ranks
         self._stale = True
         return _from_rank(0, metrics)

@@ -48,6 +48,8 @@ class Trajectory:
         loss_mask: R bools, False on env / tool tokens; None = all True.
         advantages: R per-token advantages (filled by the algorithm).
         ref_logp: R reference-policy log-probs (filled by the reference).
+        old_logp: R trainer log-probs under the rollout's weights (filled by the
+            policy before the first of several updates of a step; else None).
         group_id: the prompt group this sample belongs to.
         info: free-form metadata; always has "degenerate" (bool, default False).
     """
@@ -60,6 +62,7 @@ class Trajectory:
     loss_mask: list[bool] | None = None
     advantages: FloatSeq | None = None
     ref_logp: FloatSeq | None = None
+    old_logp: FloatSeq | None = None
     group_id: int = 0
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -249,6 +252,7 @@ def _pad(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, Tensor]:
         "advantages_BT": _response_field(trajs, "advantages", required=False),
         "rollout_logp_BT": _response_field(trajs, "rollout_logp", required=True),
         "ref_logp_BT": _response_field(trajs, "ref_logp", required=False),
+        "old_logp_BT": _response_field(trajs, "old_logp", required=False),
     }
     out = {k: torch.zeros((num_rows, width)) for k, v in fields.items() if v is not None}
     out.setdefault("advantages_BT", torch.zeros((num_rows, width)))  # not computed yet

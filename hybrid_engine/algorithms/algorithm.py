@@ -7,6 +7,8 @@ never branches on the algorithm's name:
 
     algo.compute_advantages(trajs)   fills advantages (+ info["returns"] for
                                      GAE), marks degenerate samples, returns metrics
+    algo.prompts_wanted(trajs, rounds)  how many more prompts the step should draw
+                                     (DAPO dynamic sampling refills; 0 = train now)
     algo.select(trajs)               the samples to train on ([] = skip the step)
     algo.compute_loss                the trainer's per-micro-batch LossFn
 
@@ -23,6 +25,7 @@ sampling drops its group.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -57,10 +60,14 @@ class Algorithm:
             K consecutive ones per group).
         max_tokens: the rollout's response limit (Dr.GRPO constant default,
             DAPO overlong shaping).
+        prompts_per_step: groups a step trains on (dynamic sampling refills up
+            to this many groups with signal); None = no target (no refill).
     """
 
-    def __init__(self, cfg: AlgorithmConfig, *, num_samples: int, max_tokens: int) -> None:
+    def __init__(self, cfg: AlgorithmConfig, *, num_samples: int, max_tokens: int,
+                 prompts_per_step: int | None = None) -> None:
         self.cfg, self.k, self.max_tokens = cfg, num_samples, max_tokens
+        self.prompts_per_step = prompts_per_step
         self.estimator = get_advantage(cfg.advantage)
         if num_samples < self.estimator.min_group_size:
             raise ValueError(f"algorithm.advantage={cfg.advantage!r} needs >= "
@@ -142,11 +149,45 @@ class Algorithm:
             t.info["returns"] = ret_NT[i, : len(t.response_ids)]
         return adv_NT
 
+    def _signal_groups(self, trajs: Sequence[Trajectory]) -> Tensor:
+        """[G] bool: groups (K consecutive trajectories) whose shaped rewards differ."""
+        mask_NT = _pad_rows([t.loss_mask for t in trajs], torch.bool)
+        rewards_N = self._rewards(trajs, mask_NT)[0]
+        return filter_degenerate_groups(rewards_N.view(-1, self.k))[0]
+
+    def prompts_wanted(self, trajs: Sequence[Trajectory], rounds: int) -> int:
+        """How many more prompts the step should generate and score before training.
+
+        0 unless dynamic sampling has a target: then 0 once prompts_per_step
+        groups carry signal or max_sampling_rounds rounds are done; else the
+        missing count divided by the share of groups with signal so far (all
+        prompts_per_step when none had any), at most prompts_per_step.
+
+        Args:
+            trajs: every scored trajectory of the step so far (K per prompt).
+            rounds: generate rounds done.
+        """
+        target = self.prompts_per_step
+        if not self.cfg.dynamic_sampling or target is None or rounds >= self.cfg.max_sampling_rounds:
+            return 0
+        signal_G = self._signal_groups(trajs)
+        have, drawn = int(signal_G.sum()), signal_G.numel()
+        if have >= target:
+            return 0
+        if have == 0:
+            return target
+        return min(target, math.ceil((target - have) * drawn / have))
+
     def select(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
         """The trajectories to train on: all of them, except that dynamic sampling
-        drops degenerate ones; [] when none carries signal (the step is skipped)."""
+        drops degenerate ones and keeps at most the first prompts_per_step groups
+        with signal; [] when none carries signal (the step is skipped)."""
         if all(t.degenerate for t in trajs):
             return []
-        if self.cfg.dynamic_sampling:
-            return [t for t in trajs if not t.degenerate]
-        return list(trajs)
+        if not self.cfg.dynamic_sampling:
+            return list(trajs)
+        keep_G = self._signal_groups(trajs)
+        if self.prompts_per_step is not None:
+            keep_G &= keep_G.cumsum(0) <= self.prompts_per_step
+        keep = keep_G.repeat_interleave(self.k).tolist()
+        return [t for t, kept in zip(trajs, keep, strict=True) if kept and not t.degenerate]

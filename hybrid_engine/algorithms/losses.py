@@ -342,7 +342,8 @@ class LossInputs:
         advantages_BT: float, per-token advantages (0 outside the mask).
         mask_BT: bool, True on loss tokens (policy-generated response tokens).
         old_logp_BT: trainer's log-probs under the rollout's weights (no grad);
-            None = on-policy single update, taken as logp_BT.detach().
+            None = rollout_logp_BT with behaviour_logp='rollout', else the
+            on-policy single update: logp_BT.detach() (ratio 1 in value).
         ref_logp_BT: reference policy's log-probs; needed when the KL is in the loss.
         entropy_BT: per-token entropy of the policy (grad); needed when entropy_coef != 0.
         rollout_logp_BT: the rollout engine's sampled-token log-probs; needed with tis_cap.
@@ -360,11 +361,24 @@ class LossInputs:
 LossFn = Callable[[LossInputs, Tensor | float | None], tuple[Tensor, Metrics]]
 
 
+def _behaviour_logp(inputs: LossInputs, cfg: AlgorithmConfig) -> Tensor:
+    """The old log-probs of the ratio: the trainer's under the rollout's weights when
+    given; else the rollout engine's (behaviour_logp='rollout'); else the current
+    ones detached (one update per rollout: the ratio is 1 in value)."""
+    if inputs.old_logp_BT is not None:
+        return inputs.old_logp_BT
+    if getattr(cfg, "behaviour_logp", "trainer") == "rollout":
+        if inputs.rollout_logp_BT is None:
+            raise ValueError("behaviour_logp='rollout': LossInputs.rollout_logp_BT is required")
+        return inputs.rollout_logp_BT
+    return inputs.logp_BT.detach()
+
+
 def _policy_term(
     pg_fn: PolicyLoss, inputs: LossInputs, mask: Tensor, cfg: AlgorithmConfig
 ) -> tuple[Tensor, Metrics]:
     """The policy-gradient loss per token, times the TIS weight when tis_cap is set."""
-    old = inputs.old_logp_BT if inputs.old_logp_BT is not None else inputs.logp_BT.detach()
+    old = _behaviour_logp(inputs, cfg)
     pg_BT, metrics = pg_fn(
         inputs.logp_BT,
         old,

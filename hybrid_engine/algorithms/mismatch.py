@@ -1,9 +1,12 @@
 """Rollout-vs-trainer log-prob mismatch on the sampled tokens.
 
 Job: measure how far the sampling engine's log-probs (vLLM) are from the
-trainer's for the same tokens under the same weights, inside the trainer's
-first forward of a step (no extra pass): `with_mismatch_metrics(loss_fn)`
-wraps any `LossFn` and adds
+trainer's for the same tokens under the same weights, with no extra pass:
+from the old log-probs when the trainer computed them (several updates per
+rollout), else from the forward of the step's single update (with
+behaviour_logp='rollout' and several updates, later updates' weights have
+moved: the metric then includes the policy's own change).
+`with_mismatch_metrics(loss_fn)` wraps any `LossFn` and adds
 
     mismatch_abs_mean    mean |logp_train - logp_rollout| over loss tokens
     mismatch_abs_max     its max
@@ -51,7 +54,10 @@ def with_mismatch_metrics(loss_fn: LossFn) -> LossFn:
     def wrapped(inputs: LossInputs, normalizer: Tensor | float | None = None):  # noqa: ANN202
         loss, metrics = loss_fn(inputs, normalizer)
         if inputs.rollout_logp_BT is not None:
-            metrics.update(mismatch_metrics(inputs.logp_BT, inputs.rollout_logp_BT, inputs.mask_BT))
+            # The trainer's log-probs under the rollout's weights: the old ones when
+            # the trainer computed them (several updates), else this update's.
+            trainer = inputs.old_logp_BT if inputs.old_logp_BT is not None else inputs.logp_BT
+            metrics.update(mismatch_metrics(trainer, inputs.rollout_logp_BT, inputs.mask_BT))
         return loss, metrics
 
     return wrapped

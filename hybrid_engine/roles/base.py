@@ -119,6 +119,11 @@ class Algorithm(Protocol):
         returns metrics."""
         ...
 
+    def prompts_wanted(self, trajs: Sequence[Trajectory], rounds: int) -> int:
+        """More prompts to generate before training, given the step's scored
+        trajectories after rounds generate rounds (0 = train now)."""
+        ...
+
     def select(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
         """The trajectories to train on; [] skips the step (no signal)."""
         ...
@@ -137,6 +142,7 @@ class Trainer(Protocol):
     def train_step(
         self, batch: TrainBatch, loss_fn: LossFn, *, loss_agg: str = "token_mean",
         loss_agg_constant: float | None = None, entropy_grad: bool = False,
+        advance_lr: bool = True,
     ) -> dict[str, float]:
         """One optimizer step on this rank's rows of the global batch; global metrics."""
         ...

@@ -4,7 +4,8 @@ Job: build the value model from the policy's HF folder with the policy's
 layout (`fsdp` helpers: fully_shard per decoder layer and at the root,
 sharded init read row-range by row-range from safetensors, no lm_head at
 all), own its AdamW optimizer and LR schedule, predict per-token values, and
-take one optimizer step per `train_step` on `algorithms.losses.value_loss`,
+take one optimizer step per `train_step` on `algorithms.losses.value_loss`
+(several per RL step: `roles.updates`, old values from before the first),
 normalised like the policy loss: by the loss-token count of the WHOLE step
 over all data-parallel ranks, so neither the micro-batch split nor the rank
 count changes the update.
@@ -201,6 +202,7 @@ class Critic:
         *,
         clip: float | None,
         coef: float = 1.0,
+        advance_lr: bool = True,
     ) -> dict[str, float]:
         """One optimizer step on coef * value_loss, token-mean over the whole step.
 
@@ -210,6 +212,7 @@ class Critic:
             old_values_BT: [B, T] values when the returns were computed (`values`).
             clip: value clip epsilon (AlgorithmConfig.value_clip), or None.
             coef: loss weight (AlgorithmConfig.value_coef).
+            advance_lr: step the LR schedule after this update (see `Trainer.train_step`).
 
         Returns:
             Global metrics: vf_loss (coef included), vf_clip_frac, values_mean,
@@ -228,7 +231,7 @@ class Critic:
         for i in range(num_mb):
             sums += self._accumulate(batch, returns_BT, old_values_BT, i, norm, clip, coef)
         grad_norm, lr, skipped = clip_and_step(self.optimizer, self.scheduler,
-                                               self.train_cfg.grad_clip)
+                                               self.train_cfg.grad_clip, advance_lr=advance_lr)
         self.step += not skipped
         sums = sums.to(self.device)
         dist.all_reduce(sums, group=group)

@@ -4,7 +4,8 @@ Job: the FSDP2 roles work on TrainBatches of this rank's rows; the
 controller works on the step's trajectories (the same list on every rank).
 `ReferenceScorer.score` fills every trajectory's ref_logp, `CriticScorer.score`
 its info["values"], `CriticScorer.train_step` trains the critic on
-info["returns"] -- each computing its slice and gathering the rest.
+info["returns"] (as many updates as the policy's) -- each computing its
+slice and gathering the rest.
 
 Invariant: after `score`, every rank's trajectories carry identical values
 (gathered), so the algorithm computes identical advantages everywhere.
@@ -18,6 +19,7 @@ from hybrid_engine.config import AlgorithmConfig, TrainConfig
 from hybrid_engine.roles.critic import Critic
 from hybrid_engine.roles.reference import Reference
 from hybrid_engine.roles.shards import gather_response_field, local_batch, scatter_response_field
+from hybrid_engine.roles.updates import run_updates
 from hybrid_engine.trajectory import Trajectory
 
 __all__ = ["CriticScorer", "ReferenceScorer"]
@@ -56,9 +58,16 @@ class CriticScorer:
         return {}
 
     def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
-        batch, idx = self._batch(trajs)
-        returns_BT = scatter_response_field(batch, idx, [t.info["returns"] for t in trajs])
-        old_BT = scatter_response_field(batch, idx, [t.info["values"] for t in trajs])
-        m = self.critic.train_step(batch, returns_BT, old_BT, clip=self.cfg.value_clip,
-                                   coef=self.cfg.value_coef)
+        """The critic's updates of the step (`updates.run_updates`, its train config's
+        ppo_epochs x mini_batches_per_rollout), against the values of `score`: the
+        values of the rollout's step, before any update, so the value clip binds."""
+
+        def step(mini: list[Trajectory], last: bool) -> dict[str, float]:
+            batch, idx = self._batch(mini)
+            returns_BT = scatter_response_field(batch, idx, [t.info["returns"] for t in mini])
+            old_BT = scatter_response_field(batch, idx, [t.info["values"] for t in mini])
+            return self.critic.train_step(batch, returns_BT, old_BT, clip=self.cfg.value_clip,
+                                          coef=self.cfg.value_coef, advance_lr=last)
+
+        m = run_updates(trajs, self.critic.train_cfg, self.critic.step, step)
         return {f"critic/{k}": v for k, v in m.items()}

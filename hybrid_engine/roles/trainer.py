@@ -1,7 +1,8 @@
 """Trainer role: FSDP2 forward/backward/step and chunked log-probabilities.
 
 Job: own the training layout (`fsdp.build_fsdp_model`), the AdamW optimizer
-and LR schedule, and run one optimizer step per `train_step(batch, loss_fn)`:
+and LR schedule, and run one optimizer step per `train_step(batch, loss_fn)`
+(several per RL step: `roles.updates`):
 micro-batches with gradient accumulation, the loss normalised by the TRUE
 count of the whole step over all data-parallel ranks (the trainer knows no
 formula: `algorithms.losses` documents the contract), gradient clipping on
@@ -361,10 +362,10 @@ def build_optimizer(
 
 def clip_and_step(
     optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-    grad_clip: float,
+    grad_clip: float, *, advance_lr: bool = True,
 ) -> tuple[float, float, bool]:
-    """Clips the (DTensor) gradients to grad_clip, steps optimizer and schedule
-    unless the norm is not finite, zeroes the gradients.
+    """Clips the (DTensor) gradients to grad_clip, steps the optimizer (and the
+    schedule, if advance_lr) unless the norm is not finite, zeroes the gradients.
 
     Returns:
         (grad_norm before clipping, lr used, skipped).
@@ -378,7 +379,8 @@ def clip_and_step(
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             optimizer.step()
-            scheduler.step()
+            if advance_lr:
+                scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return grad_norm, lr, skipped
 
@@ -466,6 +468,7 @@ class Trainer:
         loss_agg: str = "token_mean",
         loss_agg_constant: float | None = None,
         entropy_grad: bool = False,
+        advance_lr: bool = True,
     ) -> dict[str, float]:
         """One optimizer step over this rank's rows of the global batch.
 
@@ -480,6 +483,8 @@ class Trainer:
             loss_agg: the aggregation mode loss_fn was built with.
             loss_agg_constant: its constant (loss_agg="constant").
             entropy_grad: pass entropy with grad (entropy bonus in the loss).
+            advance_lr: step the LR schedule after this update (False for all but
+                the last update of an RL step: the schedule counts RL steps).
 
         Returns:
             Global metrics (floats): loss, grad_norm (before clipping), lr (of
@@ -491,12 +496,14 @@ class Trainer:
         self._calls += 1
         with _maybe_profile(self._calls, dist.get_rank()):
             t0 = time.perf_counter()
-            metrics = self._train_step(batch, loss_fn, loss_agg, loss_agg_constant, entropy_grad)
+            metrics = self._train_step(batch, loss_fn, loss_agg, loss_agg_constant, entropy_grad,
+                                       advance_lr)
             metrics["train_step_s"] = time.perf_counter() - t0  # this rank's; not profiler I/O
         return metrics
 
     def _train_step(self, batch: TrainBatch, loss_fn: LossFn, loss_agg: str,
-                    loss_agg_constant: float | None, entropy_grad: bool) -> dict[str, float]:
+                    loss_agg_constant: float | None, entropy_grad: bool,
+                    advance_lr: bool) -> dict[str, float]:
         self._check_sharded()
         group = self.mesh.get_group()
         norm = loss_normalizer(batch.loss_mask_BT, loss_agg, constant=loss_agg_constant)
@@ -506,7 +513,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         per_mb = [self._accumulate(batch, i, loss_fn, norm, entropy_grad) for i in range(num_mb)]
         grad_norm, lr, skipped = clip_and_step(self.optimizer, self.scheduler,
-                                               self.train_cfg.grad_clip)
+                                               self.train_cfg.grad_clip, advance_lr=advance_lr)
         self.step += not skipped
         metrics = _reduce_metrics(combine_metrics(per_mb), self.mesh)
         tokens = torch.tensor(float(batch.attention_mask_BT.sum()), device=self.device)

@@ -126,3 +126,53 @@ def test_with_mismatch_metrics_keeps_the_loss() -> None:
     loss_b, m_b = with_mismatch_metrics(fn)(inputs, None)
     assert torch.equal(loss_a, loss_b) and set(m_a) < set(m_b)
     assert float(m_b["mismatch_abs_max"]) == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------
+# Dynamic sampling refills (DAPO): how many more prompts, and what trains
+# --------------------------------------------------------------------------
+
+
+def _dapo(**kw) -> Algorithm:
+    return Algorithm(AlgorithmConfig(dynamic_sampling=True, **kw), num_samples=2, max_tokens=8,
+                     prompts_per_step=2)
+
+
+def test_refill_asks_for_the_missing_groups_scaled_by_the_signal_rate() -> None:
+    algo = _dapo()
+    # Round 1: 2 groups drawn, 1 with signal -> 1 missing at a 1/2 rate -> 2 more prompts.
+    first = _trajs([1.0, 0.0, 0.5, 0.5])
+    assert algo.prompts_wanted(first, rounds=1) == 2
+    # No signal at all yet: a whole step's worth again.
+    assert algo.prompts_wanted(_trajs([1.0, 1.0, 0.0, 0.0]), rounds=1) == 2
+    # Round 2 brings a second group with signal: enough.
+    assert algo.prompts_wanted(first + _trajs([0.0, 1.0, 1.0, 1.0]), rounds=2) == 0
+
+
+def test_refill_stops_at_max_sampling_rounds_and_without_dynamic_sampling() -> None:
+    flat = _trajs([1.0, 1.0, 0.0, 0.0])
+    assert _dapo(max_sampling_rounds=3).prompts_wanted(flat, rounds=2) == 2
+    assert _dapo(max_sampling_rounds=3).prompts_wanted(flat, rounds=3) == 0
+    assert _dapo(max_sampling_rounds=1).prompts_wanted(flat, rounds=1) == 0
+    plain = Algorithm(AlgorithmConfig(), num_samples=2, max_tokens=8, prompts_per_step=2)
+    assert plain.prompts_wanted(flat, rounds=1) == 0
+
+
+def test_select_keeps_the_first_prompts_per_step_groups_with_signal() -> None:
+    algo = _dapo()
+    trajs = _trajs([1.0, 0.0, 0.5, 0.5, 0.0, 1.0, 1.0, 0.0])  # signal, flat, signal, signal
+    m = algo.compute_advantages(trajs)
+    assert m["groups_flat"] == 1
+    # Groups 0 and 2 are the first two with signal; group 3 is surplus.
+    assert algo.select(trajs) == trajs[:2] + trajs[4:6]
+    # Without a target every group with signal trains.
+    free = Algorithm(AlgorithmConfig(dynamic_sampling=True), num_samples=2, max_tokens=8)
+    free.compute_advantages(trajs)
+    assert free.select(trajs) == trajs[:2] + trajs[4:]
+
+
+def test_behaviour_logp_rollout_refuses_a_tis_cap_that_could_never_act() -> None:
+    with pytest.raises(ValueError, match="tis_cap would never act"):
+        AlgorithmConfig(behaviour_logp="rollout", tis_cap=2.0)
+    with pytest.raises(ValueError, match="behaviour_logp"):
+        AlgorithmConfig(behaviour_logp="both")

@@ -267,3 +267,47 @@ def test_value_loss_hand_example():
     unclipped, m = value_loss(values.detach(), old, ret, mask, clip=None)
     torch.testing.assert_close(unclipped, _t([[0.125, 0.405, 0]]))
     assert m["vf_clip_frac"].item() == 0.0
+
+
+def test_behaviour_logp_picks_the_ratios_denominator():
+    # One sequence, 2 tokens, A = +1; current logp 0 (p = 1).
+    # trainer (default, no old): ratio 1 -> loss -1 per token.
+    # rollout: rollout_logp = (log 0.5, log 2) -> ratios (2, 0.5), clip 0.2/0.28 ->
+    #   max(-2, -1.28) = -1.28 and max(-0.5, -0.8) = -0.5 -> token mean -0.89.
+    # old given: old wins over both (ratio exp(0 - log 0.25) = 4 -> -1.28 each).
+    logp = torch.zeros(1, 2, requires_grad=True)
+    rollout = _t([[math.log(0.5), math.log(2.0)]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.ones(1, 2)
+
+    def loss(behaviour, old=None):
+        cfg = AlgorithmConfig(clip_low=0.2, clip_high=0.28, behaviour_logp=behaviour)
+        out, m = policy_loss_fn(cfg)(LossInputs(logp_BT=logp, advantages_BT=adv, mask_BT=mask,
+                                                rollout_logp_BT=rollout, old_logp_BT=old), None)
+        return out.item(), m
+
+    assert loss("trainer")[0] == pytest.approx(-1.0)
+    value, m = loss("rollout")
+    assert value == pytest.approx(-0.89, abs=1e-6)
+    assert m["clip_frac_high"].item() == pytest.approx(0.5)  # token 0 only (pessimistic max)
+    assert m["clip_frac_low"].item() == 0.0
+    assert loss("rollout", old=torch.full((1, 2), math.log(0.25)))[0] == pytest.approx(-1.28)
+    with pytest.raises(ValueError, match="rollout_logp_BT is required"):
+        policy_loss_fn(AlgorithmConfig(behaviour_logp="rollout"))(
+            LossInputs(logp_BT=logp, advantages_BT=adv, mask_BT=mask), None)
+
+
+def test_mismatch_is_measured_on_the_old_logprobs_when_the_trainer_computed_them():
+    from hybrid_engine.algorithms.mismatch import with_mismatch_metrics
+
+    logp = torch.full((1, 2), -1.0)  # later update: weights moved
+    old = torch.full((1, 2), -2.0)  # trainer, rollout's weights
+    rollout = torch.full((1, 2), -2.5)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    fn = with_mismatch_metrics(policy_loss_fn(AlgorithmConfig()))
+    _, m = fn(LossInputs(logp_BT=logp, advantages_BT=torch.ones(1, 2), mask_BT=mask,
+                         old_logp_BT=old, rollout_logp_BT=rollout), None)
+    assert m["mismatch_abs_mean"].item() == pytest.approx(0.5)
+    _, m = fn(LossInputs(logp_BT=logp, advantages_BT=torch.ones(1, 2), mask_BT=mask,
+                         rollout_logp_BT=rollout), None)
+    assert m["mismatch_abs_mean"].item() == pytest.approx(1.5)
