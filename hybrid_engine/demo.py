@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="RL steps (default 450; the cosine LR schedule ends there)")
     p.add_argument("--warm-start-steps", type=int, default=None,
                    help="supervised warm-start steps (default: WarmStartConfig's, 600)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override on top of the demo's recipe, repeatable, e.g. "
+                        "--set train.ppo_epochs=2 (keys as `hybrid-engine config` lists them)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +67,12 @@ def run(args: argparse.Namespace) -> int:
     from hybrid_engine.dist import is_launched
 
     if not is_launched():
+        try:  # bad --set items fail here, in one line, before any rank starts
+            demo_config("model", args.output_dir, world=args.nproc, minutes=args.minutes,
+                        steps=args.steps, overrides=args.overrides)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return _relaunch(args)
     return _rank_main(args)
 
@@ -77,12 +86,15 @@ def _relaunch(args: argparse.Namespace) -> int:
            f"--minutes={args.minutes}", f"--steps={args.steps}"]
     if args.warm_start_steps is not None:
         cmd.append(f"--warm-start-steps={args.warm_start_steps}")
+    cmd += [f"--set={item}" for item in args.overrides]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
     return subprocess.call(cmd, env=env)
 
 
-def demo_config(model_path: str, output_dir: str, *, world: int, minutes: float, steps: int):  # noqa: ANN201
-    """The RL phase's RunConfig (recipe tiny_grpo_demo + this run's paths and limits)."""
+def demo_config(model_path: str, output_dir: str, *, world: int, minutes: float, steps: int,  # noqa: ANN201
+                overrides: list[str] | tuple[str, ...] = ()):
+    """The RL phase's RunConfig (recipe tiny_grpo_demo + this run's paths and limits,
+    then the user's KEY=VALUE overrides)."""
     from hybrid_engine.config import apply_overrides
     from hybrid_engine.recipes import get_recipe
 
@@ -93,7 +105,9 @@ def demo_config(model_path: str, output_dir: str, *, world: int, minutes: float,
         "train.num_steps": steps, "env.min_digits": task.min_digits,
         "env.max_digits": task.max_digits, "env.operators": task.operators,
         "env.allow_negative": task.allow_negative, "env.seed": task.seed,
-    })
+    }) if not overrides else apply_overrides(
+        demo_config(model_path, output_dir, world=world, minutes=minutes, steps=steps),
+        list(overrides))
 
 
 def _base_model(cache: Path, rank: int) -> Path:
@@ -136,7 +150,7 @@ def _rank_main(args: argparse.Namespace) -> int:
     warm_s = time.perf_counter() - t0
     log.info("warm-started policy: %s (%.1f s)", warm, warm_s)
     cfg = demo_config(str(warm), args.output_dir, world=world, minutes=args.minutes,
-                      steps=args.steps)
+                      steps=args.steps, overrides=args.overrides)
     job = Job(cfg, overwrite=True)  # a repeated `make demo` starts over
     try:
         summary = job.run()

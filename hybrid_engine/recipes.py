@@ -146,7 +146,8 @@ def qwen05b_grpo() -> RunConfig:
 
     model.path is left to the user (e.g. --model.path=Qwen/Qwen2.5-0.5B-Instruct).
     bf16 compute and rollout with fp32 master weights; the truncated
-    importance-sampling cap absorbs the bf16 vLLM vs trainer logprob gap.
+    importance-sampling cap absorbs the bf16 vLLM vs trainer logprob gap;
+    4 mini-batches per rollout, so the PPO ratio leaves 1 and clip-higher acts.
     """
     return RunConfig(
         model=ModelConfig(path=""),
@@ -161,6 +162,7 @@ def qwen05b_grpo() -> RunConfig:
             activation_checkpointing=True,
             num_steps=300,
             prompts_per_step=64,
+            mini_batches_per_rollout=4,  # 4 updates per rollout: clip-higher acts
         ),
         algorithm=AlgorithmConfig(clip_high=0.28, tis_cap=2.0),
         sync=SyncConfig(bucket_mb=512.0),

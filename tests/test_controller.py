@@ -5,6 +5,7 @@ checkpoint + resume reproduces the uninterrupted run step for step."""
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 
@@ -31,11 +32,25 @@ class DigitEnv(ArithmeticEnv):
         return {**super()._reward(traj, prompt_text), "digits": digits}
 
 
+class HalfFlatEnv(DigitEnv):
+    """DigitEnv whose reward is 0 for every sample of about half the prompts (CRC32
+    parity of the prompt): flat groups on demand, for dynamic sampling's refill."""
+
+    name = "test_half_flat"
+
+    def _reward(self, traj, prompt_text):  # noqa: ANN001, ANN202
+        reward = super()._reward(traj, prompt_text)
+        if zlib.crc32(prompt_text.encode()) % 2:
+            return {k: 0.0 for k in reward}
+        return reward
+
+
 def _register_digits() -> None:
-    """Registers the test env in this (rank) process only, so the registry seen by
+    """Registers the test envs in this (rank) process only, so the registry seen by
     other tests in the pytest process stays the product's."""
-    if "test_digits" not in ENVS:
-        register_env("test_digits")(lambda cfg, tokenizer: DigitEnv(tokenizer, seed=cfg.seed))
+    for name, cls in (("test_digits", DigitEnv), ("test_half_flat", HalfFlatEnv)):
+        if name not in ENVS:
+            register_env(name)(lambda cfg, tokenizer, cls=cls: cls(tokenizer, seed=cfg.seed))
 
 
 def _config(model_dir: str, out_dir: str, overrides: dict):
@@ -113,14 +128,15 @@ def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp) -> None:
                [[h.get(k) for k in keys] for h in out[0]["history"]]
 
 
-@pytest.mark.parametrize("algo", ["dapo", "drgrpo", "rloo", "ppo"])
+@pytest.mark.parametrize("algo", ["drgrpo", "rloo", "ppo"])
 def test_algorithms_on_2_ranks(model_dir, tmp_path, algo) -> None:
+    """(DAPO: test_dapo_clips_refills_and_resumes.) PPO with GAE takes 2 epochs, so
+    its critic's second update sees moved values and the value clip binds."""
     overrides = {
-        "dapo": {"algorithm.clip_high": 0.28, "algorithm.dynamic_sampling": True,
-                 "algorithm.overlong_buffer": 4, "algorithm.loss_agg": "token_mean"},
         "drgrpo": {"algorithm.advantage": "drgrpo", "algorithm.loss_agg": "constant"},
         "rloo": {"algorithm.advantage": "rloo", "algorithm.kl_coef": 0.05},
-        "ppo": {"algorithm.advantage": "gae", "algorithm.gamma": 1.0, "algorithm.lam": 0.95},
+        "ppo": {"algorithm.advantage": "gae", "algorithm.gamma": 1.0, "algorithm.lam": 0.95,
+                "train.ppo_epochs": 2},
     }[algo]
     out = run_ranks(_run_job, 2, model_dir, str(tmp_path / "run"), overrides, timeout=400)
     _check_trained(out[0], 2)
@@ -129,6 +145,10 @@ def test_algorithms_on_2_ranks(model_dir, tmp_path, algo) -> None:
     trained = [h for h in out[0]["history"] if h["step"] > 0 and not h["skipped_degenerate"]]
     if algo == "ppo":
         assert all(math.isfinite(h["critic/vf_loss"]) for h in trained)
+        assert all(h["critic/optimizer_steps"] == 2 and h["optimizer_steps"] == 2
+                   for h in trained)
+        assert any(h["critic/vf_clip_frac"] > 0 for h in trained), \
+            [h["critic/vf_clip_frac"] for h in trained]
     if algo == "rloo":
         assert all("kl" in h for h in trained)
 
@@ -157,6 +177,35 @@ def test_resume_reproduces_the_straight_run(model_dir, tmp_path) -> None:
     parked = [h["offload_moved_bytes"] for h in resumed["history"]
               if h["step"] > 1 and "offload_moved_bytes" in h]
     assert parked and all(m > 0 for m in parked)
+
+
+def test_dapo_clips_refills_and_resumes(model_dir, tmp_path) -> None:
+    """DAPO (clip-higher 0.28, 2 mini-batches, dynamic sampling) on an env whose
+    groups are flat for about half the prompts: the clip binds on some step, a step
+    whose first draw had a flat group draws again, and a run stopped after 2 steps and
+    resumed gives the straight run's metrics (the refilled prompt stream included)."""
+    k = 2
+    common = {"env.name": "test_half_flat", "rollout.tensor_parallel_size": 2,
+              "algorithm.clip_high": 0.28, "algorithm.dynamic_sampling": True,
+              "algorithm.max_sampling_rounds": 3, "algorithm.overlong_buffer": 4,
+              "train.mini_batches_per_rollout": 2, "checkpoint_every": k}
+    straight = run_ranks(_run_job, 2, model_dir, str(tmp_path / "a"),
+                         {**common, "train.num_steps": 2 * k}, timeout=400)[0]
+    _check_trained(straight, 2 * k)
+    hist = [h for h in straight["history"] if h["step"] > 0]
+    trained = [h for h in hist if not h["skipped_degenerate"]]
+    assert any(h["clip_frac"] > 0 for h in trained), [h["clip_frac"] for h in trained]
+    assert all(h["optimizer_steps"] == 2 for h in trained)
+    refilled = [h for h in hist if h["sampling_rounds"] > 1]
+    assert refilled and all(h["groups_flat"] >= 1 for h in refilled), \
+        [(h["sampling_rounds"], h["groups_flat"]) for h in hist]
+    # Never more than prompts_per_step groups (of K = 4 samples) train.
+    assert all(h["train_samples"] <= 4 * 4 for h in hist)
+    run_ranks(_run_job, 2, model_dir, str(tmp_path / "b"), {**common, "train.num_steps": k},
+              timeout=400)
+    resumed = run_ranks(_run_job, 2, model_dir, str(tmp_path / "b"),
+                        {**common, "train.num_steps": 2 * k}, True, timeout=400)[0]
+    assert _comparable(straight["history"]) == _comparable(resumed["history"])
 
 
 def _run_with_layer0_unsynced(model_dir: str, out_dir: str, overrides: dict) -> dict:

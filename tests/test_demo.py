@@ -38,3 +38,18 @@ def test_demo_outputs_and_cached_warm_start(tmp_path) -> None:
     second, log2 = _demo(tmp_path, "b")
     assert "cache hit" in log2 and "warm start: 5 steps" not in log2
     assert second["acc_start"] == first["acc_start"]  # same warm-started policy, same eval set
+
+
+def test_demo_set_overrides_apply_on_top_of_the_recipe_and_bad_ones_fail_early() -> None:
+    from hybrid_engine.demo import demo_config
+
+    cfg = demo_config("m", "out", world=2, minutes=1.0, steps=5,
+                      overrides=["train.ppo_epochs=2", "train.mini_batches_per_rollout=2"])
+    assert (cfg.train.ppo_epochs, cfg.train.mini_batches_per_rollout) == (2, 2)
+    assert cfg.train.num_steps == 5 and cfg.model.path == "m"  # the demo's own values stay
+    assert demo_config("m", "out", world=2, minutes=1.0, steps=5).train.ppo_epochs == 1
+    out = subprocess.run([sys.executable, "-m", "hybrid_engine.cli", "demo",
+                          "--set", "train.ppo_epoch=2"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "error:" in out.stderr and "ppo_epochs" in out.stderr
+    assert "Traceback" not in out.stderr
