@@ -25,6 +25,7 @@ sampling drops its group.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -39,6 +40,8 @@ from hybrid_engine.config import AlgorithmConfig
 from hybrid_engine.trajectory import Trajectory
 
 __all__ = ["Algorithm"]
+
+log = logging.getLogger(__name__)
 
 
 def _pad_rows(rows: Sequence[Sequence[float] | Tensor], dtype: torch.dtype = torch.float32) -> Tensor:
@@ -168,11 +171,16 @@ class Algorithm:
             rounds: generate rounds done.
         """
         target = self.prompts_per_step
-        if not self.cfg.dynamic_sampling or target is None or rounds >= self.cfg.max_sampling_rounds:
+        if not self.cfg.dynamic_sampling or target is None:
             return 0
         signal_G = self._signal_groups(trajs)
         have, drawn = int(signal_G.sum()), signal_G.numel()
         if have >= target:
+            return 0
+        if rounds >= self.cfg.max_sampling_rounds:
+            log.info("dynamic sampling: %d of %d wanted groups carry signal after %d rounds "
+                     "(%d groups drawn); training on those (algorithm.max_sampling_rounds)",
+                     have, target, rounds, drawn)
             return 0
         if have == 0:
             return target

@@ -176,3 +176,12 @@ def test_behaviour_logp_rollout_refuses_a_tis_cap_that_could_never_act() -> None
         AlgorithmConfig(behaviour_logp="rollout", tis_cap=2.0)
     with pytest.raises(ValueError, match="behaviour_logp"):
         AlgorithmConfig(behaviour_logp="both")
+
+
+def test_refill_that_runs_out_of_rounds_says_so(caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="hybrid_engine.algorithms.algorithm"):
+        assert _dapo(max_sampling_rounds=2).prompts_wanted(_trajs([1.0, 1.0, 0.0, 1.0]),
+                                                           rounds=2) == 0
+    assert "1 of 2 wanted groups carry signal after 2 rounds" in caplog.text
