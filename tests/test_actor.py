@@ -1,7 +1,12 @@
-"""HybridActor on 2 real ranks: the two layouts agree, the memory switch happens
-(KV cache released, optimizer state parked in host memory while vLLM generates),
-generate after training syncs by itself, and save/load restores the policy and
-its optimizer state even while that state is parked."""
+"""HybridActor on 2 real ranks, with GPU sleep emulated (rollout.emulate_gpu_sleep: a
+release overwrites vLLM's weights with NaN, as level-2 sleep discards them): the two
+layouts agree, the memory switch happens (KV cache released, optimizer state parked in
+host memory while vLLM generates), every way into the training layout (`training()`,
+`compute_logprobs`, `train_step`, a save or load of a parked state) is followed by a
+generate that resyncs by itself and never samples the discarded weights, save/load keep
+the layout they found, and save/load restore the policy and its optimizer state even
+while that state is parked. A last case removes one invalidation by hand (the G1 bug
+class) and the emulation makes it fail loudly."""
 
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
         "rollout.tensor_parallel_size": 2, "rollout.max_tokens": 6, "rollout.max_model_len": 64,
         "rollout.kv_cache_gib": 0.25, "rollout.enforce_eager": True, "train.lr": 1e-2,
         "model.compute_dtype": "float32", "model.rollout_dtype": "float32",
-        "train.offload_optimizer": True})
+        "train.offload_optimizer": True, "rollout.emulate_gpu_sleep": True})
     try:
         timeouts = collective_timeouts()
         out = {"host_kept": all(timeouts[name] == t for name, t in host.items()),
@@ -59,6 +64,12 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
         # The trainer's log-probs of vLLM's samples = vLLM's own (same weights, fp32).
         out["layouts_agree"] = _max_diff(actor.compute_logprobs(trajs),
                                          [t.rollout_logp for t in trajs])
+        # A trainer forward runs in the training layout: the engine released (and,
+        # emulated, lost) its weights; the next generate resyncs them.
+        out["logprobs_phase"] = (actor.phase, actor.phases.weights)
+        again = completions_to_trajectories(actor.generate(PROMPTS, num_samples=2, seed=1))
+        out["resynced_same_samples"] = [t.response_ids for t in again] == \
+            [t.response_ids for t in trajs]
         actor.save(ckpt)
         # DCP created the AdamW state on the device beside the awake engine: parked.
         out["parked_after_first_save"] = _parked(actor) and actor.phase == "inference"
@@ -74,15 +85,17 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
         # No explicit sync_weights(): generate must sync (and regrow the KV cache) itself.
         trajs2 = completions_to_trajectories(actor.generate(PROMPTS, num_samples=2, seed=2))
         out["phase_after_generate"] = actor.phase
-        out["fresh_after_generate"] = _max_diff(actor.compute_logprobs(trajs2),
-                                                [t.rollout_logp for t in trajs2])
         out["parked_while_generating"] = _parked(actor) and all(
             p.grad is None for p in actor.trainer.module.parameters())
-        # Save while parked (the state comes back through the training layout), train,
-        # sync (parks the state), reload, train again: the same step twice, so the
-        # saved AdamW state was the real one.
+        out["fresh_after_generate"] = _max_diff(actor.compute_logprobs(trajs2),
+                                                [t.rollout_logp for t in trajs2])
+        # Save while parked (the state comes back through the training layout, and
+        # the layout goes back after), train, sync (parks the state), reload, train
+        # again: the same step twice, so the saved AdamW state was the real one.
+        actor.generate(PROMPTS[:1], num_samples=1)  # inference, state parked
         actor.save(f"{ckpt}_trained")
-        out["after_parked_save"] = (actor.phase, _resident(actor))
+        out["after_parked_save"] = (actor.phase, _parked(actor), actor.phases.weights)
+        actor.generate(PROMPTS[:1], num_samples=1)  # the resynced engine samples
         for t in trajs2:
             t.advantages = [1.0] * len(t.response_ids)
         first = actor.train_step(trajs2)
@@ -97,7 +110,7 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
                                first["grad_norm"] == second["grad_norm"])
         actor.generate(PROMPTS[:1], num_samples=1)  # park the state again
         actor.load(ckpt)
-        out["after_parked_load"] = (actor.phase, _resident(actor))
+        out["after_parked_load"] = (actor.phase, _parked(actor), actor.phases.weights)
         out["load_restores"] = _max_diff(actor.compute_logprobs(trajs), before)
         trajs3 = completions_to_trajectories(actor.generate(PROMPTS, num_samples=2, seed=1))
         out["vllm_follows_load"] = [t.response_ids for t in trajs3] == [t.response_ids for t in trajs]
@@ -115,16 +128,75 @@ def test_hybrid_actor_switches_syncs_and_restores(tmp_path) -> None:
         # vLLM's and FSDP's groups got the configured timeout; the host's kept its own.
         assert r["own_groups"] == {123.0} and r["host_kept"]
         assert r["layouts_agree"] < 1e-4
+        assert r["logprobs_phase"] == ("training", "lost")
+        assert r["resynced_same_samples"]        # the resync restored exactly the weights
         assert r["phase_in_training"] == "training" and r["released"] > 0
         assert r["train_moved"] > 1e-3
         assert r["phase_after_generate"] == "inference"
         assert r["fresh_after_generate"] < 1e-4  # vLLM sampled from the trained weights
         assert r["parked_after_first_save"] and r["parked_while_generating"]
-        assert r["after_parked_save"] == ("training", True)
+        # The layout it found (inference), the state parked again; the release on the
+        # way discarded vLLM's weights and the way back resynced them.
+        assert r["after_parked_save"] == ("inference", True, "valid")
         moved, released = r["offload_metrics"]
         assert moved > 0 and released == 0      # CPU: nothing is claimed as freed
         assert r["parked_after_sync"]
         assert r["step_repeats"] == (0.0, True, True)
-        assert r["after_parked_load"] == ("training", True)
+        # The same way back: the resync after the release wrote the loaded weights.
+        assert r["after_parked_load"] == ("inference", True, "valid")
         assert r["load_restores"] < 1e-6
         assert r["vllm_follows_load"]            # same seed, restored weights: same samples
+
+
+def _g1_case(model_dir: str) -> dict:
+    """The G1 bug class, reintroduced on purpose: the engine's invalidation on release
+    is removed (its weights are lost but it claims they are valid), then the public
+    `training()` is followed by `generate()` with no train step in between."""
+    from hybrid_engine.actor import HybridActor
+    from hybrid_engine.roles.vllm_rollout import VLLMRollout
+
+    actor = HybridActor.from_pretrained(model_dir, overrides={
+        "rollout.tensor_parallel_size": 2, "rollout.max_tokens": 4, "rollout.max_model_len": 64,
+        "rollout.kv_cache_gib": 0.25, "rollout.enforce_eager": True,
+        "model.rollout_dtype": "float32", "rollout.emulate_gpu_sleep": True})
+    out = {}
+    try:
+        actor.generate(PROMPTS, num_samples=1)
+        with actor.training():
+            pass
+        out["guarded"] = _error(lambda: actor.generate(PROMPTS, num_samples=1))
+        discard = VLLMRollout._discard_weights
+
+        def discard_but_claim_valid(self):  # noqa: ANN001, ANN202
+            discard(self)
+            self.weights_valid = True  # the invalidation a buggy transition forgets
+
+        VLLMRollout._discard_weights = discard_but_claim_valid
+        try:
+            with actor.training():
+                pass
+            out["unguarded"] = _error(lambda: actor.generate(PROMPTS, num_samples=1))
+        finally:
+            VLLMRollout._discard_weights = discard
+        return out
+    finally:
+        actor.shutdown()
+
+
+def _error(fn) -> str | None:  # noqa: ANN001
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_emulated_sleep_catches_a_forgotten_invalidation(tmp_path) -> None:
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+
+    model = write_tiny_model(tmp_path / "m", PRESETS["tiny"])
+    for r in run_ranks(_g1_case, 2, str(model), timeout=300):
+        # Correct bookkeeping: training() then generate() resyncs; nothing raised.
+        assert r["guarded"] is None
+        # Without the invalidation the engine samples the NaN weights: refused, loudly.
+        assert r["unguarded"] is not None and "NaN log-probs" in r["unguarded"], r

@@ -2,7 +2,8 @@
 train, the last rollout.num_ranks only roll out, the controller unchanged.
 
 References: the colocated run with the same trainer world and the same vLLM
-replicas (identical per-step metrics: same samples, same updates), the naive
+replicas, with GPU sleep emulated (identical per-step metrics: same samples, same
+updates, so no colocated phase sampled discarded weights), the naive
 sync (identical runs), and an uninterrupted run (resume)."""
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def _train(model: Path, reward: Path, out: Path, nproc: int, *extra: str):  # no
         ["-m", "hybrid_engine.cli", "train", "--recipe=tiny_grpo_debug", "--no-progress",
          f"--model.path={model}", f"--output_dir={out}", "--env.num_eval_prompts=4",
          "--rollout.max_tokens=8", "--train.num_steps=3", "--eval_every=3",
-         "--checkpoint_every=2", f"--env.reward_fn={reward}:reward", *extra],
+         "--checkpoint_every=2", f"--env.reward_fn={reward}:reward",
+         # Colocated twins release every step: emulate GPU sleep (weights lost) there too.
+         "--rollout.emulate_gpu_sleep=true", *extra],
         nproc, timeout=400)
 
 

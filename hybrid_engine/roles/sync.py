@@ -93,6 +93,7 @@ class WeightSync:
         self.separate = num_trainers is not None
         self.executor = ReshardExecutor(self.plan, self.rank, wire_dtype=wire_dtype, group=group)
         self.target_shapes = {t.name: t.shape for t in self.plan.targets[self.rank]}
+        self.padding_rows = _padding_rows(self.plan.targets[self.rank])
         self.gather = (BucketedGather(self.plan, self.rank, wire_dtype=wire_dtype,
                                       bucket_bytes=int(cfg.bucket_mb * 2**20), group=group)
                        if cfg.method == "naive_bucketed" else None)
@@ -132,6 +133,7 @@ class WeightSync:
                 raise ValueError("naive_bucketed sync needs the model and the rollout on every rank")
             stats = self.gather.run(dict(hf_named_parameters(model)),
                                     lambda w: rollout.load_full_weights(w, partial=True))
+            rollout.mark_weights_written()
             return {"sync_s": time.perf_counter() - t0, **stats}
         ref = None
         if self.cfg.verify:
@@ -140,7 +142,11 @@ class WeightSync:
         def targets(names: list[str]) -> dict[str, torch.Tensor]:
             if rollout is None:
                 return {}
-            return rollout.weight_targets({n: self.target_shapes[n] for n in names})
+            out = rollout.weight_targets({n: self.target_shapes[n] for n in names})
+            for n in names:  # the vocab padding rows no segment writes: zero, as vLLM loads them
+                if n in self.padding_rows:
+                    out[n][self.padding_rows[n]:].zero_()
+            return out
 
         def done(names: list[str], written: dict[str, torch.Tensor]) -> None:
             if rollout is None:
@@ -150,7 +156,10 @@ class WeightSync:
             rollout.install_staged()  # frees the staging arena for the next group
 
         stats = self.executor.run(self._sources(model), targets, on_group=done)
-        repack_s = rollout.commit_weights() if rollout is not None else 0.0
+        repack_s = 0.0
+        if rollout is not None:
+            repack_s = rollout.commit_weights()
+            rollout.mark_weights_written()
         return {
             "sync_s": time.perf_counter() - t0, "sync_transfer_s": stats.total_s,
             "sync_repack_s": repack_s, "sync_bytes_received": float(stats.bytes_received),
@@ -190,6 +199,7 @@ class WeightSync:
                 pass
         else:
             rollout.load_full_weights(weights())
+            rollout.mark_weights_written()
         load_s = time.perf_counter() - t_load
         # Colocated: the gathers move the master dtype. Separate: what a rollout
         # rank receives is the broadcast in the wire dtype.
@@ -414,3 +424,16 @@ class BucketedGather:
                 "sync_exchange_s": t["exchange"], "sync_unpack_s": t["unpack"],
                 "sync_bytes_received": float(received), "sync_buckets": float(len(self.buckets)),
                 "sync_buffer_bytes": float(self.buffer_bytes)}
+
+
+def _padding_rows(targets: list) -> dict[str, int]:
+    """vLLM parameter name -> first local row no segment of the plan writes (the vocab
+    padding of embed_tokens / lm_head), for targets with such rows. vLLM zero-fills
+    them at load time; after a release that discarded the weights (GPU sleep level 2)
+    they hold garbage, so every sync zeroes them again."""
+    out = {}
+    for t in targets:
+        covered = max((seg.dst_row + seg.rows[1] - seg.rows[0] for seg in t.segments), default=0)
+        if covered < t.shape[0]:
+            out[t.name] = covered
+    return out

@@ -18,6 +18,7 @@ group when the engine is deleted, so the engine lives as long as the process).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -226,7 +227,12 @@ class VLLMRollout:
             undo()
         self.tokenizer = self.llm.get_tokenizer()
         self._staging: dict[str, torch.Tensor] = {}
-        self._released = False
+        self._kv_released = False  # release_memory() dropped the KV cache
+        self._weights_asleep = False  # GPU: sleep unmapped the weights, not woken yet
+        # False from a release that discards the weights (GPU sleep level 2, or its CPU
+        # emulation) until a sync has rewritten all of them: the engine will not sample.
+        self.weights_valid = True
+        self._emulate_sleep = cfg.emulate_gpu_sleep and _is_cpu()
         self.staging_bytes = 0  # size of the staging arena (largest group staged)
         self._arena: torch.Tensor | None = None
         self._repack_s = 0.0
@@ -288,8 +294,13 @@ class VLLMRollout:
         Returns:
             Completions, prompt-major, in the order of `prompts`.
         """
-        if self._released:
+        if self._kv_released:
             raise RuntimeError("generate() after release_memory(): call restore_memory() first")
+        if not self.weights_valid:
+            raise RuntimeError(
+                "generate() with discarded weights: release_memory() dropped vLLM's weights "
+                f"({'GPU sleep level 2' if not _is_cpu() else 'rollout.emulate_gpu_sleep'}) and "
+                "no sync has rewritten them since; sync the trainer's weights first")
         k = num_samples or self.cfg.num_samples_per_prompt
         limits: list[int] | None = None
         if max_tokens is not None:
@@ -317,6 +328,9 @@ class VLLMRollout:
             tp = self.cfg.tensor_parallel_size
             token_ids = [t for r in range(num_replicas) for t in gathered[r * tp][0]]
             logprobs = [lp for r in range(num_replicas) for lp in gathered[r * tp][1]]
+        if any(math.isnan(x) for lps in logprobs for x in lps):
+            raise RuntimeError("sampled tokens have NaN log-probs: vLLM's weights are not valid "
+                               "(discarded by a release and never rewritten?)")
         return Completions(prompt_ids, token_ids, logprobs, k)
 
     def _replica(self) -> tuple[int, int]:
@@ -473,6 +487,11 @@ class VLLMRollout:
         repack_s, self._repack_s = self._repack_s, 0.0
         return repack_s
 
+    def mark_weights_written(self) -> None:
+        """Called by the weight sync once every weight has been rewritten: the
+        engine may sample again after a release that discarded them."""
+        self.weights_valid = True
+
     def load_full_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
                           partial: bool = False) -> None:
         """The naive paths: full HF tensors through vLLM's own loading (what
@@ -535,18 +554,21 @@ class VLLMRollout:
     def release_memory(self) -> int:
         """Frees what the rollout does not need while the trainer runs.
 
-        GPU: vLLM sleep level 2 (KV cache and weights dropped: the next sync
-        rewrites the weights). CPU, where vLLM has no sleep mode: the KV cache
-        storage is resized to 0 (weights stay: vLLM-CPU cannot drop them).
-        Returns the bytes actually released (0 if already released).
+        GPU: vLLM sleep level 2 (KV cache and weights dropped: weights_valid
+        turns False until a sync rewrites them). CPU, where vLLM has no sleep
+        mode: the KV cache storage is resized to 0 (weights stay: vLLM-CPU
+        cannot drop them); with rollout.emulate_gpu_sleep the weights are lost
+        as on a GPU (`_discard_weights`). Returns the bytes actually released
+        (0 if already released).
         """
-        if self._released:
+        if self._kv_released:
             return 0
         if not _is_cpu():
             before = torch.cuda.memory_reserved()
             self.llm.sleep(level=2)
             torch.cuda.empty_cache()
-            self._released = True
+            self._kv_released = self._weights_asleep = True
+            self.weights_valid = False
             freed = max(0, before - torch.cuda.memory_reserved())
             _log.info("rollout released %.1f MiB (vLLM sleep level 2: weights + KV cache)",
                       freed / 2**20)
@@ -556,22 +578,45 @@ class VLLMRollout:
             freed += st.nbytes()
             self._kv_sizes.append(st.nbytes())
             st.resize_(0)
-        self._released = True
+        self._kv_released = True
+        if self._emulate_sleep:
+            self._discard_weights()
         _log.info("rollout released %.1f MiB of KV cache; vLLM-CPU has no sleep mode, so its "
-                  "weights (%.1f MiB) stay resident", freed / 2**20, self._weight_bytes() / 2**20)
+                  "weights (%.1f MiB) stay resident%s", freed / 2**20,
+                  self._weight_bytes() / 2**20,
+                  " (overwritten with NaN: rollout.emulate_gpu_sleep)" if self._emulate_sleep else "")
         return freed
 
+    @torch.no_grad()
+    def _discard_weights(self) -> None:
+        """CPU emulation of level-2 sleep's loss of the weights: every torch-visible
+        parameter (every norm among them, so any forward gives NaN; the GEMM copies
+        vLLM-CPU packed away are invisible to torch and keep their values) becomes
+        NaN, and weights_valid turns False until a sync rewrites them."""
+        for p in self._model().parameters():
+            if p.numel() and p.is_floating_point():
+                p.fill_(math.nan)
+        self.weights_valid = False
+
     def wake_weights(self) -> None:
-        """GPU: re-allocate the weights before a sync writes them (no-op on CPU)."""
-        if self._released and not _is_cpu():
+        """GPU: maps the weights again before a sync writes them (their contents are
+        still lost); a no-op when awake, and on CPU."""
+        if self._weights_asleep:
+            torch.cuda.empty_cache()  # cumem maps physical pages: give back cached blocks
             self.llm.wake_up(tags=["weights"])
+            self._weights_asleep = False
 
     def restore_memory(self) -> int:
-        """Re-allocates what release_memory freed, before generation. Returns bytes."""
-        if not self._released:
+        """Re-allocates what release_memory freed, before generation. Returns bytes.
+
+        GPU: wakes the weights too if no sync woke them (their contents stay
+        invalid: weights_valid says so), then the KV cache."""
+        if not self._kv_released:
             return 0
-        self._released = False
+        self._kv_released = False
         if not _is_cpu():
+            self.wake_weights()
+            torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved()
             self.llm.wake_up(tags=["kv_cache"])
             return max(0, torch.cuda.memory_reserved() - before)

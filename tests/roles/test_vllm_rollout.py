@@ -120,10 +120,35 @@ def _release_regrow(model_dir: str) -> dict:
     regrown = rollout.restore_memory()
     rss_regrown = psutil.Process().memory_info().rss
     second = rollout.generate(PROMPTS, seed=4)
+    emulated = _emulated_sleep_cycle(rollout, model_dir, first)
     rollout.shutdown()
     return {"released": released, "regrown": regrown, "rss_drop": rss0 - rss_released,
             "rss_back": rss_regrown - rss_released, "guarded": guarded,
-            "same": first.token_ids == second.token_ids and first.logprobs == second.logprobs}
+            "same": first.token_ids == second.token_ids and first.logprobs == second.logprobs,
+            **emulated}
+
+
+def _emulated_sleep_cycle(rollout, model_dir: str, first) -> dict:  # noqa: ANN001
+    """The same engine with GPU sleep emulated (the knob rollout.emulate_gpu_sleep sets
+    at build time, switched on here to reuse the engine): a release loses the weights,
+    restore_memory brings back only the KV cache, the engine refuses to sample until
+    the weights are rewritten, and then samples exactly as before."""
+    from safetensors.torch import load_file
+
+    rollout._emulate_sleep = True
+    rollout.release_memory()
+    lost = not rollout.weights_valid
+    rollout.restore_memory()
+    try:
+        rollout.generate(PROMPTS, seed=4)
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    rollout.load_full_weights(load_file(f"{model_dir}/model.safetensors").items())
+    rollout.mark_weights_written()
+    third = rollout.generate(PROMPTS, seed=4)
+    return {"emulated_lost": lost, "emulated_refused": refused,
+            "emulated_same": first.token_ids == third.token_ids and first.logprobs == third.logprobs}
 
 
 def test_kv_cache_release_and_regrow_keeps_generation_identical(tmp_path):
@@ -137,3 +162,5 @@ def test_kv_cache_release_and_regrow_keeps_generation_identical(tmp_path):
     # The release is real: the process's resident memory drops by about that much.
     assert out["rss_drop"] >= 0.8 * gib and out["rss_back"] >= 0.8 * gib, out
     assert out["guarded"] and out["same"]
+    assert out["emulated_lost"] and "discarded weights" in out["emulated_refused"]
+    assert out["emulated_same"]
