@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 CONSTRAINTS := requirements/constraints-cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench env lock clean
+.PHONY: install test test-fast demo bench gpu-check env lock clean
 
 # --- install -----------------------------------------------------------------
 # Stamps make a second `make install` a no-op unless an input changed.
@@ -50,6 +50,15 @@ demo: install
 # Every benchmark (~50 min on 2 cores); writes benchmarks/results/<date>.md.
 bench: install
 	$(VENV)/bin/hybrid-engine bench all
+
+# What only a GPU can check: every test marked `gpu` (skipped with its reason
+# without CUDA) and the copy kernel against a plain copy (bench_kernels: its
+# result file goes to benchmarks/results/). On a CPU machine: skips, and the
+# kernel benchmark of the CPU build (GPU_CHECK_BENCH_ARGS=--quick for seconds).
+GPU_CHECK_BENCH_ARGS ?=
+gpu-check: install
+	$(PY) -m pytest -q -m gpu -rs tests
+	$(PY) benchmarks/bench_kernels.py $(GPU_CHECK_BENCH_ARGS)
 
 env: install
 	$(VENV)/bin/hybrid-engine env

@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_groups", "collective_timeouts", "init_distributed", "is_launched", "rank0_logger",
+__all__ = ["all_groups", "collective_timeouts", "free_port", "init_distributed", "is_launched", "rank0_logger",
            "resync_group_counter", "set_collective_timeout", "set_train_group", "train_group",
            "train_rank_world"]
 
@@ -49,6 +49,15 @@ def is_launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init_distributed(timeout_s: float = 600.0, *, single_process: bool = False) -> bool:
     """Initialises the default process group from torchrun's env if needed.
 
@@ -67,8 +76,6 @@ def init_distributed(timeout_s: float = 600.0, *, single_process: bool = False) 
     if not is_launched():
         if not single_process:
             return False
-        from hybrid_engine.testing import free_port
-
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -28,7 +28,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ from typing import Any
 
 import psutil
 
+from hybrid_engine.dist import free_port  # re-exported: tests import it from here
+
 __all__ = ["RankError", "free_port", "kill_tree", "run_in_subprocess", "run_ranks", "run_torchrun"]
 
 _LOG_TAIL_CHARS = 4000
@@ -47,13 +48,6 @@ _LOG_TAIL_CHARS = 4000
 
 class RankError(RuntimeError):
     """One or more ranks failed, crashed or did not finish in time."""
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path) -> str:
@@ -85,6 +79,8 @@ def _worker(
         if backend is not None:
             import torch.distributed as dist
 
+            if backend == "nccl":  # one GPU per rank, as torchrun + set_device does
+                torch.cuda.set_device(int(env["LOCAL_RANK"]))
             dist.init_process_group(backend, rank=rank, world_size=world_size)
         fn = getattr(importlib.import_module(fn_ref[0]), fn_ref[1])
         # Plain pickle: the queue's own pickler would pass tensors through
@@ -170,7 +166,8 @@ def run_ranks(
         fn: module-level function; return value must be picklable.
         world_size: number of ranks (processes).
         timeout: seconds for the whole run; past it every rank is killed.
-        backend: torch.distributed backend, or None for no process group.
+        backend: torch.distributed backend, or None for no process group;
+            "nccl" first binds each rank to GPU LOCAL_RANK (`torch.cuda.set_device`).
         env: extra environment for every rank (RANK, WORLD_SIZE, LOCAL_RANK,
             MASTER_ADDR, MASTER_PORT and OMP_NUM_THREADS are set here unless given).
         log_dir: where each rank's stdout+stderr goes (rank{r}.log); a

@@ -6,7 +6,22 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
+
 _SESSION_START = time.time()
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ARG001 - pytest's signature
+    """Implements the `gpu` marker: without CUDA, every test marked gpu is skipped with
+    the reason (`make gpu-check` runs exactly these where a GPU is present)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs CUDA (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ARG001 - pytest's signature

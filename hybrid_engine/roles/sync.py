@@ -94,6 +94,10 @@ class WeightSync:
         self.executor = ReshardExecutor(self.plan, self.rank, wire_dtype=wire_dtype, group=group)
         self.target_shapes = {t.name: t.shape for t in self.plan.targets[self.rank]}
         self.padding_rows = _padding_rows(self.plan.targets[self.rank])
+        # Where collectives and empty sources live: NCCL only moves device memory.
+        nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else \
+            torch.device("cpu")
         self.gather = (BucketedGather(self.plan, self.rank, wire_dtype=wire_dtype,
                                       bucket_bytes=int(cfg.bucket_mb * 2**20), group=group)
                        if cfg.method == "naive_bucketed" else None)
@@ -101,8 +105,9 @@ class WeightSync:
     def _sources(self, model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
         """This rank's FSDP2 shards as 2-D [local_rows, cols] views (0 rows each
         on a rollout-only rank, model None)."""
-        if model is None:
-            return {n: torch.empty(0, c) for n, (_, c) in self.plan.hf_shapes.items()}
+        if model is None:  # on the collectives' device (G5: NCCL, CUDA kernels)
+            return {n: torch.empty(0, c, device=self.device)
+                    for n, (_, c) in self.plan.hf_shapes.items()}
         out = {}
         world = self.plan.num_sources
         for name, p in hf_named_parameters(model):
@@ -226,7 +231,8 @@ class WeightSync:
             if self.rank == 0:
                 full = full.to(self.wire_dtype).contiguous()
             else:  # trainer ranks 1..M-1 receive too: one broadcast over the world
-                full = torch.empty((rows,) if cols == 1 else (rows, cols), dtype=self.wire_dtype)
+                full = torch.empty((rows,) if cols == 1 else (rows, cols), dtype=self.wire_dtype,
+                                   device=self.device)
             # bytes on the wire (gloo has no bf16 broadcast)
             dist.broadcast(full.view(torch.uint8), src=0, group=self.group)
             yield name, full
@@ -243,8 +249,10 @@ class WeightSync:
 
     def _check(self, names: list[str], written: dict[str, torch.Tensor],
                ref: dict[str, torch.Tensor]) -> None:
-        """Raises if a written weight differs from the reference, bit for bit."""
-        bad = [n for n in names if not torch.equal(_bits(written[n]), _bits(ref[n]))]
+        """Raises if a written weight differs from the reference, bit for bit (compared
+        on the written tensor's device: G6, CUDA targets vs a reference elsewhere)."""
+        bad = [n for n in names
+               if not torch.equal(_bits(written[n]), _bits(ref[n].to(written[n].device)))]
         if bad:
             raise RuntimeError(f"weight sync verify failed on rank {self.rank}: {bad[:5]}"
                                f"{' ...' if len(bad) > 5 else ''} differ from vLLM's loader")
@@ -363,11 +371,11 @@ class BucketedGather:
         """The persistent buffers: send part, gathered parts, rebuilt full tensors."""
         return (self._part_max * (1 + self.world) + self._full_max) * self.itemsize
 
-    def _bufs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._buffers is None:
-            self._buffers = (torch.empty(self._part_max, dtype=self.wire_dtype),
-                             torch.empty(self._part_max * self.world, dtype=self.wire_dtype),
-                             torch.empty(self._full_max, dtype=self.wire_dtype))
+    def _bufs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The persistent buffers, on the parameters' device (NCCL gathers device memory)."""
+        if self._buffers is None or self._buffers[0].device != device:
+            self._buffers = tuple(torch.empty(n, dtype=self.wire_dtype, device=device) for n in
+                                  (self._part_max, self._part_max * self.world, self._full_max))
         return self._buffers
 
     def _local_rows(self, p: torch.Tensor, s: _Slot) -> torch.Tensor:
@@ -387,7 +395,9 @@ class BucketedGather:
             load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> dict[str, float]:
         """Gathers and loads every bucket (collective over the group); returns
         the sync metrics (seconds per phase, bytes received by this rank)."""
-        send, recv, full = self._bufs()
+        any_param = next(iter(params.values()))
+        device = (any_param.to_local() if isinstance(any_param, DTensor) else any_param).device
+        send, recv, full = self._bufs(device)
         t = {"pack": 0.0, "exchange": 0.0, "unpack": 0.0, "load": 0.0}
         received = 0
         for b in self.buckets:

@@ -529,17 +529,18 @@ class VLLMRollout:
         from vllm.model_executor.utils import set_weight_attrs
 
         modules = dict(self._model().named_modules())
+        device = next(self._model().parameters()).device  # G6: beside the targets
         out: dict[str, torch.Tensor] = {}
         for name, (rows, cols) in shapes.items():
             layer = modules[name.rsplit(".", 1)[0]]
             shape = (rows,) if cols == 1 else (rows, cols)
-            shadow = torch.nn.Parameter(torch.zeros(shape, dtype=self.llm.llm_engine.model_config.dtype),
-                                        requires_grad=False)
+            shadow = torch.nn.Parameter(torch.zeros(shape, dtype=self.llm.llm_engine.model_config.dtype,
+                                                    device=device), requires_grad=False)
             sharded = cols > 1 or name.endswith(".bias")  # norms are replicated
             if sharded:
                 set_weight_attrs(shadow, {"output_dim": 0, **({"input_dim": 1} if cols > 1 else {})})
             for hf_name, shard_id in _hf_sources(name):
-                t = full[hf_name]
+                t = full[hf_name].to(device)
                 if not sharded:
                     shadow.data.copy_(t.view(shape))
                 elif shard_id is None:

@@ -102,7 +102,7 @@ def _adam_steps(model: torch.nn.Module, optimizer, offload, steps: int) -> list[
     return freed
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_offload_frees_cuda_memory_and_round_trips_exactly() -> None:
     from hybrid_engine.roles.offload import OptimizerOffload
 

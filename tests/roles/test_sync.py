@@ -181,7 +181,7 @@ def _bucketed_case(model_dir: str, tp: int, dtype: str) -> dict:
     for step in (1, 2):  # the second sync reuses the persistent buffers
         _train_one_step(model, seed=step)
         metrics.append(bucketed.sync(model, rollout))
-        buffers.append([b.data_ptr() for b in bucketed.gather._bufs()])
+        buffers.append([b.data_ptr() for b in bucketed.gather._bufs(torch.device("cpu"))])
         got = _greedy(rollout, 8)
         naive.sync(model, rollout)  # the oracle, from the same weights
         want = _greedy(rollout, 8)
