@@ -170,7 +170,7 @@ def _rank_job(args: argparse.Namespace) -> None:
     t_setup = time.perf_counter()
     setup: dict[str, float] = {}
     if args.mode == "colocated":
-        from hybrid_engine.actor import HybridActor, completions_to_trajectories
+        from hybrid_engine.policy.colocated import HybridActor, completions_to_trajectories
 
         actor = HybridActor.from_pretrained(model_dir, overrides=overrides)
         rollout, generate = actor.rollout, actor.generate
@@ -190,7 +190,7 @@ def _rank_job(args: argparse.Namespace) -> None:
         setup["released_bytes"] = m["mem_released_bytes"]
         setup["phase_inference"] = float(actor.phase == "inference")
     else:
-        from hybrid_engine.roles.vllm_rollout import VLLMRollout
+        from hybrid_engine.rollout.engine import VLLMRollout
 
         cfg = apply_overrides(RunConfig(), {**overrides, "model.path": model_dir})
         rollout = VLLMRollout(model_dir, cfg.rollout, dtype=cfg.model.rollout_dtype)

@@ -239,9 +239,9 @@ def _rank_job(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hybrid_engine.config import RolloutConfig, SyncConfig
-    from hybrid_engine.roles.fsdp import build_fsdp_model
+    from hybrid_engine.parallel.fsdp import build_fsdp_model
     from hybrid_engine.roles.sync import WeightSync
-    from hybrid_engine.roles.vllm_rollout import VLLMRollout
+    from hybrid_engine.rollout.engine import VLLMRollout
 
     t_start = time.perf_counter()
     dist.init_process_group("gloo")

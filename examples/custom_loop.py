@@ -9,7 +9,7 @@ actor; the reward, the baseline and the loss are this script's own.
 import argparse
 import json
 
-from hybrid_engine.actor import HybridActor, completions_to_trajectories
+from hybrid_engine.policy.colocated import HybridActor, completions_to_trajectories
 from hybrid_engine.envs.arithmetic import ArithmeticEnv
 
 

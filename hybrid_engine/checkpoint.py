@@ -43,8 +43,8 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from hybrid_engine.dist import train_group
-from hybrid_engine.roles.fsdp import sharded_named_parameters
+from hybrid_engine.parallel.dist import train_group
+from hybrid_engine.parallel.fsdp import sharded_named_parameters
 
 if TYPE_CHECKING:
     from hybrid_engine.roles.critic import Critic

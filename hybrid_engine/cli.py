@@ -90,7 +90,7 @@ def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
     from hybrid_engine.config import help_text, parse_cli_overrides, to_dict
-    from hybrid_engine.recipes import build_config
+    from hybrid_engine.config.recipes import build_config
 
     try:
         cfg = build_config(args.recipe, args.config, parse_cli_overrides(overrides))
@@ -108,9 +108,9 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     else is a bug and keeps its traceback.
     """
     from hybrid_engine.config import parse_cli_overrides
-    from hybrid_engine.dist import set_collective_timeout
+    from hybrid_engine.parallel.dist import set_collective_timeout
     from hybrid_engine.job import Job, RunAborted, configure_logging
-    from hybrid_engine.recipes import build_config
+    from hybrid_engine.config.recipes import build_config
 
     configure_logging()
     store = _default_store()
@@ -137,7 +137,7 @@ def _default_store():  # noqa: ANN202
     (None for one rank), which outlives vLLM's teardown of the group."""
     import torch.distributed as dist
 
-    from hybrid_engine.dist import init_distributed
+    from hybrid_engine.parallel.dist import init_distributed
 
     init_distributed(single_process=True)
     return dist.distributed_c10d._get_default_store() if dist.get_world_size() > 1 else None
@@ -199,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
                "--model.path=DIR --train.num_steps=50; `hybrid-engine config --keys` lists them. "
                "Writes metrics.jsonl, tb/, checkpoints/, final/ and metrics.png under output_dir; "
                "the last stdout line is a JSON summary.")
-    tr.add_argument("--recipe", default="tiny_grpo_debug", help="named recipe (see hybrid_engine/recipes.py)")
+    tr.add_argument("--recipe", default="tiny_grpo_debug", help="named recipe (see hybrid_engine/config/recipes.py)")
     tr.add_argument("--config", help="YAML file of overrides")
     tr.add_argument("--resume", action="store_true",
                     help="continue from the newest complete checkpoint in output_dir/checkpoints")
@@ -233,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the resolved config (recipe < YAML < --section.key=value)",
                        epilog="Any further --section.key=value arguments override config fields; "
                               "`hybrid-engine config --keys` lists every key with its doc.")
-    c.add_argument("--recipe", default="tiny_grpo_debug", help="named recipe (see hybrid_engine/recipes.py)")
+    c.add_argument("--recipe", default="tiny_grpo_debug", help="named recipe (see hybrid_engine/config/recipes.py)")
     c.add_argument("--config", help="YAML file of overrides")
     c.add_argument("--keys", action="store_true", help="list every key, its value and its doc")
     return p

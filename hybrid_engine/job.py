@@ -30,16 +30,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid_engine.actor import HybridActor
+from hybrid_engine.policy.colocated import HybridActor
 from hybrid_engine.algorithms.algorithm import Algorithm
 from hybrid_engine.checkpoint import latest_checkpoint, prune_checkpoints, step_checkpoint_path
 from hybrid_engine.config import RunConfig, to_dict
 from hybrid_engine.controller import Controller
-from hybrid_engine.dist import set_collective_timeout
+from hybrid_engine.parallel.dist import set_collective_timeout
 from hybrid_engine.envs import make_env
 from hybrid_engine.metrics import MetricsSink, plot_metrics
 from hybrid_engine.preflight import preflight
-from hybrid_engine.separate import SeparatePolicy
+from hybrid_engine.policy.separate import SeparatePolicy
 
 __all__ = ["Job", "JobCheckpointer", "RunAborted", "make_policy"]
 

@@ -33,13 +33,13 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     Raises:
         ValueError: what is wrong and which key or file to fix.
     """
-    from hybrid_engine.roles.fsdp import resolve_model_path
+    from hybrid_engine.parallel.fsdp import resolve_model_path
 
     cfg.validate_for_run()
     check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
     hf = check_model_folder(resolve_model_path(cfg.model.path))
     if cfg.placement == "separate":
-        from hybrid_engine.separate import split_ranks
+        from hybrid_engine.policy.separate import split_ranks
 
         _, rollout_ranks = split_ranks(world_size, cfg.rollout)
         check_parallel(hf, cfg.rollout.tensor_parallel_size, rollout_ranks, what="rollout ranks")
@@ -85,7 +85,7 @@ def check_model_folder(folder: Path) -> Any:
     embedding. Returns the transformers config."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from hybrid_engine.models.layouts import model_dims
+    from hybrid_engine.reshard.layouts import model_dims
 
     try:
         json.loads((folder / "config.json").read_text())
@@ -114,7 +114,7 @@ def check_model_folder(folder: Path) -> Any:
 def check_parallel(hf: Any, tp: int, world_size: int, *, what: str = "world size") -> None:
     """rollout.tensor_parallel_size divides the world (the rollout ranks under
     separate placement) and the model's heads."""
-    from hybrid_engine.models.layouts import check_tp, model_dims
+    from hybrid_engine.reshard.layouts import check_tp, model_dims
 
     if world_size % tp:
         raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the {what} "

@@ -30,7 +30,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ARG001 - pytest'
     engine start sweeps them too; this catches the last ones) and vLLM's own
     `psm_*` ring buffers (24 MiB per TP group) changed during this session and
     mapped by no live process (`cpu_shm.sweep_orphans`)."""
-    from hybrid_engine.roles import cpu_shm
+    from hybrid_engine.rollout import cpu_shm
 
     removed = cpu_shm.sweep_orphans(min_age_s=10) + cpu_shm.sweep_orphans(
         min_age_s=10, pattern=re.compile(r"psm_[0-9a-f]+"), changed_after=_SESSION_START)

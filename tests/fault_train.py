@@ -27,7 +27,7 @@ def _arm() -> None:
     import hybrid_engine.checkpoint as ckpt
     from hybrid_engine.roles.sync import WeightSync
     from hybrid_engine.roles.trainer import Trainer
-    from hybrid_engine.roles.vllm_rollout import VLLMRollout
+    from hybrid_engine.rollout.engine import VLLMRollout
 
     owner, name = {"rollout": (VLLMRollout, "generate"), "train": (Trainer, "train_step"),
                    "sync": (WeightSync, "sync"), "save": (ckpt, "_commit")}[phase]

@@ -1,4 +1,4 @@
-"""Tests of hybrid_engine.config and hybrid_engine.recipes (fast, no torch work)."""
+"""Tests of hybrid_engine.config and hybrid_engine.config.recipes (fast, no torch work)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from hybrid_engine.config import (
     parse_cli_overrides,
     to_dict,
 )
-from hybrid_engine.recipes import RECIPES, build_config, get_recipe
+from hybrid_engine.config.recipes import RECIPES, build_config, get_recipe
 
 
 def _all_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:

@@ -55,7 +55,7 @@ def _register_digits() -> None:
 
 def _config(model_dir: str, out_dir: str, overrides: dict):
     from hybrid_engine.config import apply_overrides
-    from hybrid_engine.recipes import get_recipe
+    from hybrid_engine.config.recipes import get_recipe
 
     base = {
         "model.path": model_dir, "output_dir": out_dir, "env.name": "test_digits",

@@ -35,7 +35,7 @@ PARITY_ATOL = 1e-5
 
 
 def _cfg(**kw):
-    from hybrid_engine.warmstart import WarmStartConfig
+    from hybrid_engine.demo.warmstart import WarmStartConfig
 
     base = dict(steps=400, lr=3e-3, warmup_steps=10, lr_schedule="cosine", batch_size=32,
                 log_every=100, **TASK)
@@ -72,7 +72,7 @@ def _one_rank_checks(root: str) -> dict:
     from transformers import AutoTokenizer
 
     import hybrid_engine.roles.trainer as trainer_mod
-    from hybrid_engine.warmstart import greedy_accuracy, warm_start
+    from hybrid_engine.demo.warmstart import greedy_accuracy, warm_start
 
     base = _write_base(root)
     cfg = _cfg()
@@ -97,7 +97,7 @@ def _one_rank_checks(root: str) -> dict:
 
 
 def _two_rank_parity(root: str) -> str:
-    from hybrid_engine.warmstart import warm_start
+    from hybrid_engine.demo.warmstart import warm_start
 
     base = _write_base(root)
     return str(warm_start(base, Path(root) / "cache-n2", _parity_cfg()))
@@ -142,7 +142,7 @@ def test_export_is_a_complete_hf_folder(one_rank):
 
 def test_cache_key_tracks_inputs(tmp_path):
     from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
-    from hybrid_engine.warmstart import warm_start_path
+    from hybrid_engine.demo.warmstart import warm_start_path
 
     a, b = tmp_path / "a", tmp_path / "b"
     write_tiny_model(a, TinyModelSpec(**MODEL))
@@ -174,7 +174,7 @@ def test_two_ranks_match_one_rank(one_rank):
 
 def test_sft_loss_follows_the_loss_contract():
     from hybrid_engine.algorithms.losses import LossInputs, combine_metrics
-    from hybrid_engine.warmstart import sft_loss
+    from hybrid_engine.demo.warmstart import sft_loss
 
     logp = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.5, 0.5, 0.1]])).requires_grad_()
     mask = torch.tensor([[False, True, True], [True, True, False]])

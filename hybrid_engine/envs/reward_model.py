@@ -157,7 +157,7 @@ class RewardModel:
         """
         from transformers import AutoConfig
 
-        from hybrid_engine.roles.fsdp import DTYPES, default_device, dp_mesh, resolve_model_path
+        from hybrid_engine.parallel.fsdp import DTYPES, default_device, dp_mesh, resolve_model_path
 
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -195,7 +195,7 @@ class RewardModel:
         from torch.distributed.fsdp import MixedPrecisionPolicy
         from transformers import AutoModelForSequenceClassification
 
-        from hybrid_engine.roles.fsdp import (
+        from hybrid_engine.parallel.fsdp import (
             apply_fsdp,
             assert_sharded,
             init_rotary_buffers,

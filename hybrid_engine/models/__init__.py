@@ -1,1 +1,1 @@
-"""Per-architecture HF <-> vLLM name maps and tiny random-init test models."""
+"""Tiny random-init HF models (Qwen2, Llama, Qwen3) and their offline byte-level tokenizer."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from hybrid_engine.models.layouts import ModelDims, TargetParam, hf_shapes, tp_layout
+from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, tp_layout
 
 __all__ = ["Block", "ReshardPlan", "build_plan", "shard_rows", "target_group"]
 
@@ -188,7 +188,7 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
     """Builds the plan for N = world_size ranks and rollout TP size tp.
 
     Args:
-        dims: model dimensions (`hybrid_engine.models.layouts.model_dims`).
+        dims: model dimensions (`hybrid_engine.reshard.layouts.model_dims`).
         world_size: N ranks.
         tp: T, must divide the rollout ranks (N colocated, N - M separate).
         bucket_elems: most elements any rank sends, or receives, per bucket;

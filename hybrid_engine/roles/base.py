@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
     from hybrid_engine.algorithms.losses import LossFn, LossInputs
-    from hybrid_engine.roles.vllm_rollout import Completions
+    from hybrid_engine.rollout.engine import Completions
     from hybrid_engine.trajectory import TrainBatch, Trajectory
 
 __all__ = ["Algorithm", "Environment", "Policy", "Reference", "Rollout", "Trainer", "WeightSync"]

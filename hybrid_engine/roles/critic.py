@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from hybrid_engine.algorithms.losses import value_loss
-from hybrid_engine.roles.fsdp import (
+from hybrid_engine.parallel.fsdp import (
     DTYPES,
     apply_fsdp,
     assert_sharded,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from hybrid_engine.roles.fsdp import build_fsdp_model, dp_mesh, sharded_named_parameters
+from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh, sharded_named_parameters
 from hybrid_engine.roles.trainer import batch_logprobs
 
 if TYPE_CHECKING:

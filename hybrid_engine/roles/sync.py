@@ -41,12 +41,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybrid_engine.config import SyncConfig
-from hybrid_engine.models.layouts import model_dims
+from hybrid_engine.reshard.layouts import model_dims
 from hybrid_engine.reshard.plan import build_plan, shard_rows
 from hybrid_engine.reshard.transfer import ReshardExecutor
 
 if TYPE_CHECKING:
-    from hybrid_engine.roles.vllm_rollout import VLLMRollout
+    from hybrid_engine.rollout.engine import VLLMRollout
 
 __all__ = ["WeightSync", "hf_named_parameters"]
 

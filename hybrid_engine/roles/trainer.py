@@ -54,7 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hybrid_engine.algorithms.aggregation import loss_normalizer
 from hybrid_engine.algorithms.losses import ADDITIVE_METRICS, LossFn, LossInputs, combine_metrics
-from hybrid_engine.roles.fsdp import (
+from hybrid_engine.parallel.fsdp import (
     assert_sharded,
     build_fsdp_model,
     default_device,

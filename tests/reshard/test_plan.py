@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from hybrid_engine.models.layouts import ModelDims, model_dims, tp_layout
+from hybrid_engine.reshard.layouts import ModelDims, model_dims, tp_layout
 from hybrid_engine.models.tiny import TinyModelSpec, hf_config
 from hybrid_engine.reshard.plan import build_plan, shard_rows
 

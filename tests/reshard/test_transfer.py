@@ -20,7 +20,7 @@ def _full_tensors(shapes, seed: int) -> dict[str, torch.Tensor]:
 def _run_executor(spec_name: str, tp: int, wire: str, bucket_elems: int) -> dict:
     import torch.distributed as dist
 
-    from hybrid_engine.models.layouts import model_dims
+    from hybrid_engine.reshard.layouts import model_dims
     from hybrid_engine.models.tiny import hf_config
     from hybrid_engine.reshard.plan import build_plan, shard_rows
     from hybrid_engine.reshard.transfer import ReshardExecutor

@@ -44,7 +44,7 @@ def _check_layout(path: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from hybrid_engine.roles.fsdp import shard_rows, sharded_named_parameters
+    from hybrid_engine.parallel.fsdp import shard_rows, sharded_named_parameters
 
     critic = _critic(path, 1e-3)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -76,7 +76,7 @@ def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str):  # noqa: ANN
     from transformers import AutoModelForCausalLM
 
     from hybrid_engine.config import RolloutConfig
-    from hybrid_engine.roles.vllm_rollout import VLLMRollout
+    from hybrid_engine.rollout.engine import VLLMRollout
 
     world = dist.get_world_size()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

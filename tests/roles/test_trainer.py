@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hybrid_engine.roles.fsdp import shard_rows
+from hybrid_engine.parallel.fsdp import shard_rows
 from hybrid_engine.testing import run_ranks
 
 SPECS = {  # odd vocab: uneven row shards (501 / 500 on 2 ranks)
@@ -112,7 +112,7 @@ def start_run(path: str, batch_kw: dict, *, vocab: int, num_seqs: int = 8,
 
 def full_weights(module) -> dict[str, torch.Tensor]:
     """Checkpoint name -> full tensor (collective all-gather), for comparisons."""
-    from hybrid_engine.roles.fsdp import sharded_named_parameters
+    from hybrid_engine.parallel.fsdp import sharded_named_parameters
 
     return {n: p.full_tensor().detach().clone() for n, p in sharded_named_parameters(module)}
 
@@ -228,7 +228,7 @@ def _check_init(path: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
-    from hybrid_engine.roles.fsdp import build_fsdp_model, dp_mesh, sharded_named_parameters
+    from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh, sharded_named_parameters
 
     mode = LargestAllocation()
     with mode:
@@ -310,7 +310,7 @@ def _check_guard(path: str, vocab: int) -> dict:
 
 def _fsdp2_gotcha(path: str, vocab: int) -> dict:
     """Plain FSDP2, no guard: an optimizer built after a no-grad forward misses the root."""
-    from hybrid_engine.roles.fsdp import build_fsdp_model, dp_mesh
+    from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh
     from hybrid_engine.roles.trainer import micro_batch_logprobs
 
     model, _ = build_fsdp_model(path, dp_mesh())

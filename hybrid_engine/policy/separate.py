@@ -36,20 +36,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid_engine.actor import greedy_sampling, policy_train, train_batch
+from hybrid_engine.policy.colocated import greedy_sampling, policy_train, train_batch
 from hybrid_engine.algorithms.losses import LossFn
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
 from hybrid_engine.config import RolloutConfig, RunConfig
-from hybrid_engine.dist import (
+from hybrid_engine.parallel.dist import (
     all_groups,
     init_distributed,
     resync_group_counter,
     set_collective_timeout,
     set_train_group,
 )
-from hybrid_engine.roles.fsdp import DTYPES, resolve_model_path
+from hybrid_engine.parallel.fsdp import DTYPES, resolve_model_path
 from hybrid_engine.roles.sync import WeightSync
-from hybrid_engine.roles.vllm_rollout import Completions
+from hybrid_engine.rollout.engine import Completions
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
 __all__ = ["SeparatePolicy", "TrainerSide", "split_ranks"]
@@ -169,7 +169,7 @@ class SeparatePolicy:
         else:
             from transformers import AutoConfig
 
-            from hybrid_engine.roles.vllm_rollout import VLLMRollout
+            from hybrid_engine.rollout.engine import VLLMRollout
 
             self.rollout = VLLMRollout(self.model_path, cfg.rollout, dtype=cfg.model.rollout_dtype,
                                        ranks=rollout_ranks, group=rollout_group)
@@ -205,7 +205,7 @@ class SeparatePolicy:
     def collect(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
                 seed: int, greedy: bool = False) -> list[Trajectory]:
         """Trajectories of env for prompts, unscored, the same on every rank (collective)."""
-        from hybrid_engine.episodes import collect
+        from hybrid_engine.rollout.episodes import collect
 
         if self._stale:
             self.sync_weights()
@@ -232,7 +232,7 @@ class SeparatePolicy:
         one response-local tensor each, on every rank (collective, no grad)."""
         out = None
         if self.is_trainer:
-            from hybrid_engine.roles.shards import gather_response_field
+            from hybrid_engine.parallel.shards import gather_response_field
 
             batch, idx = train_batch(trajs, self.pad_id, self.cfg)
             logp_BT, _ = self.trainer.compute_logprobs(batch)

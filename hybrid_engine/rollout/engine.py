@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybrid_engine.config import RolloutConfig
-from hybrid_engine.roles import cpu_shm
+from hybrid_engine.rollout import cpu_shm
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -114,7 +114,7 @@ def _restrict_vllm_world(ranks: list[int]):  # noqa: ANN202 - returns the undo f
     built): the world group is `ranks`, the grid is laid over len(ranks)
     ranks and each grid index maps to its global rank. Only the engine ranks
     create these groups, so torch's group counter must be re-synchronised on
-    every rank afterwards (`hybrid_engine.dist.resync_group_counter`).
+    every rank afterwards (`hybrid_engine.parallel.dist.resync_group_counter`).
     Checked on vLLM 0.32 (docs/separate_placement.md).
     """
     import torch.distributed as dist
@@ -352,13 +352,13 @@ class VLLMRollout:
         """Samples this replica's share; stop / include_stop_str / max_tokens
         (one per prompt) as in `generate`.
 
-        Stop strings on vLLM 0.32 (measured, tests/test_episodes.py): a
+        Stop strings on vLLM 0.32 (measured, tests/rollout/test_episodes.py): a
         completion ended by a stop string has token_ids (and logprobs) through
         the token that completes the string, with include_stop_str_in_output
         True or False alike; the flag only decides whether vLLM's output text
         keeps the string. (vLLM's source: tokens sampled after that one in the
         same step are dropped; an EOS or stop token id, by contrast, is the
-        last token id, as tests/roles/test_vllm_rollout.py checks.)
+        last token id, as tests/rollout/test_engine.py checks.)
         """
         from vllm import SamplingParams, TokensPrompt
 

@@ -87,9 +87,9 @@ def dp_mesh(device: torch.device | None = None, *, whole_world: bool = False) ->
 
     Raises:
         ValueError: torch.distributed is not initialised (FSDP2 needs a group;
-            use `hybrid_engine.dist.init_distributed` or `run_ranks`).
+            use `hybrid_engine.parallel.dist.init_distributed` or `run_ranks`).
     """
-    from hybrid_engine.dist import train_group
+    from hybrid_engine.parallel.dist import train_group
 
     if not dist.is_initialized():
         raise ValueError("torch.distributed is not initialised: FSDP2 needs a process group")

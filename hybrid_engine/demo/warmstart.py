@@ -70,7 +70,7 @@ __all__ = [
 CACHE_VERSION = 1
 """Bump when the training procedure changes, so old cached folders stop matching."""
 
-log = logging.getLogger("hybrid_engine.warmstart")
+log = logging.getLogger("hybrid_engine.demo.warmstart")
 
 _NOT_IN_KEY = ("log_every",)  # WarmStartConfig fields that do not change the weights
 

@@ -11,7 +11,7 @@ trainer and the vLLM engine -- and own the switch between them, so a caller
     actor.save(folder); actor.load(folder); actor.export_hf(folder)
     actor.shutdown()                                   # after the last collective
 
-Memory: one phase machine (`roles/phases.py`) owns which layout holds the
+Memory: one phase machine (`policy/phases.py`) owns which layout holds the
 device, whether vLLM holds the trainer's current weights, and where the
 optimizer state is. Everything that runs the trainer (`train_step`,
 `compute_logprobs`, a reference or critic through `trainer_side`) first
@@ -23,7 +23,7 @@ back, syncing the weights if they changed or were discarded, and never sample
 otherwise (the engine refuses). `save` / `load` leave the layout as they
 found it. With `train.offload_optimizer`, the AdamW state waits in host
 memory from the sync until the next optimizer step, while the engine holds
-the device (`roles/offload.py`); gradients are freed after every step
+the device (`parallel/offload.py`); gradients are freed after every step
 anyway. `training()` / `inference()` make the switch explicit around code of
 the caller's own. Every method is collective: every
 rank calls it in the same order (prompts and trajectories are the same list
@@ -61,15 +61,15 @@ from hybrid_engine.algorithms.losses import LossFn, policy_loss_fn
 from hybrid_engine.algorithms.mismatch import with_mismatch_metrics
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
 from hybrid_engine.config import RunConfig, apply_overrides
-from hybrid_engine.dist import all_groups, init_distributed, set_collective_timeout
-from hybrid_engine.roles.fsdp import DTYPES, resolve_model_path
-from hybrid_engine.roles.offload import OptimizerOffload
-from hybrid_engine.roles.phases import Phases
-from hybrid_engine.roles.shards import gather_response_field, local_batch
+from hybrid_engine.parallel.dist import all_groups, init_distributed, set_collective_timeout
+from hybrid_engine.parallel.fsdp import DTYPES, resolve_model_path
+from hybrid_engine.parallel.offload import OptimizerOffload
+from hybrid_engine.policy.phases import Phases
+from hybrid_engine.parallel.shards import gather_response_field, local_batch
 from hybrid_engine.roles.sync import WeightSync
 from hybrid_engine.roles.trainer import Trainer
-from hybrid_engine.roles.updates import policy_updates
-from hybrid_engine.roles.vllm_rollout import Completions, VLLMRollout
+from hybrid_engine.policy.updates import policy_updates
+from hybrid_engine.rollout.engine import Completions, VLLMRollout
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
 __all__ = ["HybridActor", "completions_to_trajectories", "greedy_sampling", "policy_step",
@@ -204,7 +204,7 @@ class HybridActor:
         cfg = apply_overrides(config or RunConfig(), {**(overrides or {}), "model.path": path})
         return cls(cfg)
 
-    # --- phases (roles/phases.py owns the state) ----------------------------------
+    # --- phases (policy/phases.py owns the state) ----------------------------------
 
     @property
     def phase(self) -> str:
@@ -253,7 +253,7 @@ class HybridActor:
     def collect(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
                 seed: int, greedy: bool = False) -> list[Trajectory]:
         """Trajectories of env for prompts, single- or multi-turn, unscored (collective)."""
-        from hybrid_engine.episodes import collect
+        from hybrid_engine.rollout.episodes import collect
 
         self.phases.to_rollout()
         self.phases.check_rollout()

@@ -3,7 +3,7 @@
 Job: every rank holds the whole step's trajectories (the rollout gathers
 them); the FSDP2 roles (trainer, reference, critic) each process only this
 rank's contiguous slice, ranks counted in the train group
-(`hybrid_engine.dist.train_group`: the trainer ranks under separate
+(`hybrid_engine.parallel.dist.train_group`: the trainer ranks under separate
 placement). `local_batch` collates that slice, and `gather_response_field`
 gives every rank of that group the per-token results of every slice, so the
 algorithm then runs on identical data everywhere.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hybrid_engine.dist import train_group, train_rank_world
+from hybrid_engine.parallel.dist import train_group, train_rank_world
 from hybrid_engine.trajectory import TrainBatch, Trajectory, collate_trajectories
 
 __all__ = ["gather_response_field", "local_batch", "local_range", "scatter_response_field"]

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from hybrid_engine.roles import cpu_shm
+from hybrid_engine.rollout import cpu_shm
 
 HOLDER = """
 import mmap, sys

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybrid_engine.roles.shards import gather_response_field, local_batch
+from hybrid_engine.parallel.shards import gather_response_field, local_batch
 
 if TYPE_CHECKING:
     from hybrid_engine.algorithms.losses import LossFn

@@ -90,7 +90,7 @@ def test_separate_tp2_verified_sync_naive_and_resume(model_dir, reward_file, tmp
     the naive sync gives the same run; a resume from step 2 repeats step 3."""
     import torch
 
-    from hybrid_engine.models.layouts import model_dims
+    from hybrid_engine.reshard.layouts import model_dims
     from hybrid_engine.models.tiny import PRESETS, hf_config
     from hybrid_engine.reshard.plan import build_plan
 

@@ -2,7 +2,7 @@
 
 What it does, on 2 ranks by default (it re-launches itself under torchrun):
 1. writes a random-init tiny Qwen2 folder (weights + byte-level tokenizer),
-2. a short supervised warm start on the task (`warmstart.py`), cached under
+2. a short supervised warm start on the task (`demo/warmstart.py`), cached under
    --cache-dir so a second run skips it,
 3. GRPO through the hybrid engine (`job.Job`: vLLM rollout with tensor
    parallelism over the ranks, FSDP2 training, resharded weight sync), with
@@ -31,7 +31,7 @@ __all__ = ["add_arguments", "demo_config", "demo_spec", "run"]
 
 def demo_spec():  # noqa: ANN201 - a TinyModelSpec (imported lazily: fast --help)
     """The demo's model: `warmstart.DEMO_MODEL_SPEC` (a 4.1M-parameter Qwen2)."""
-    from hybrid_engine.warmstart import DEMO_MODEL_SPEC
+    from hybrid_engine.demo.warmstart import DEMO_MODEL_SPEC
 
     return DEMO_MODEL_SPEC
 
@@ -40,7 +40,7 @@ def _task(warm_start_steps: int | None = None):  # noqa: ANN202
     """The warm start's config; its task (1-2 digit additions) is the RL task too."""
     import dataclasses
 
-    from hybrid_engine.warmstart import WarmStartConfig
+    from hybrid_engine.demo.warmstart import WarmStartConfig
 
     cfg = WarmStartConfig()
     return cfg if warm_start_steps is None else dataclasses.replace(cfg, steps=warm_start_steps)
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Re-launches itself under torchrun unless already launched, then runs."""
-    from hybrid_engine.dist import is_launched
+    from hybrid_engine.parallel.dist import is_launched
 
     if not is_launched():
         try:  # bad --set items fail here, in one line, before any rank starts
@@ -96,7 +96,7 @@ def demo_config(model_path: str, output_dir: str, *, world: int, minutes: float,
     """The RL phase's RunConfig (recipe tiny_grpo_demo + this run's paths and limits,
     then the user's KEY=VALUE overrides)."""
     from hybrid_engine.config import apply_overrides
-    from hybrid_engine.recipes import get_recipe
+    from hybrid_engine.config.recipes import get_recipe
 
     task = _task()
     return apply_overrides(get_recipe("tiny_grpo_demo"), {
@@ -134,9 +134,9 @@ def _rank_main(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from hybrid_engine.dist import init_distributed
+    from hybrid_engine.parallel.dist import init_distributed
     from hybrid_engine.job import Job, configure_logging
-    from hybrid_engine.warmstart import warm_start
+    from hybrid_engine.demo.warmstart import warm_start
 
     configure_logging()
     init_distributed()

@@ -62,7 +62,7 @@ from hybrid_engine.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from hybrid_engine.config import RolloutConfig
-    from hybrid_engine.roles.vllm_rollout import Completions
+    from hybrid_engine.rollout.engine import Completions
 
 __all__ = ["TOOL_CALL_STOP", "MultiTurnEnvironment", "collect", "turn_seed"]
 

@@ -3,7 +3,7 @@
 Job: declare every knob of a run (type, default, doc, bounds) and the rules
 that tie knobs together, grouped by role. This is the file users read. The
 generic machinery (value parsing, bound checks, dotted overrides, YAML and
-CLI) lives in `hybrid_engine.overrides`; its public functions are re-exported
+CLI) lives in `hybrid_engine.config.overrides`; its public functions are re-exported
 here (`from hybrid_engine.config import apply_overrides`).
 
 Invariant: a `RunConfig` that exists is valid. Every section validates its
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hybrid_engine.overrides import (
+from hybrid_engine.config.overrides import (
     apply_overrides,
     describe,
     flatten,
@@ -37,8 +37,8 @@ from hybrid_engine.overrides import (
     to_dict,
     validate_fields,
 )
-from hybrid_engine.overrides import doc_field as _field
-from hybrid_engine.overrides import from_dict as _from_dict
+from hybrid_engine.config.overrides import doc_field as _field
+from hybrid_engine.config.overrides import from_dict as _from_dict
 
 __all__ = [
     "AlgorithmConfig",

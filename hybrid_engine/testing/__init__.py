@@ -39,7 +39,7 @@ from typing import Any
 
 import psutil
 
-from hybrid_engine.dist import free_port  # re-exported: tests import it from here
+from hybrid_engine.parallel.dist import free_port  # re-exported: tests import it from here
 
 __all__ = ["RankError", "free_port", "kill_tree", "run_in_subprocess", "run_ranks", "run_torchrun"]
 

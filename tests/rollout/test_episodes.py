@@ -1,4 +1,4 @@
-"""The rollout loop (`hybrid_engine.episodes.collect`): loop logic on a scripted
+"""The rollout loop (`hybrid_engine.rollout.episodes.collect`): loop logic on a scripted
 rollout, then end to end on real vLLM (in a fresh process)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from hybrid_engine.config import RolloutConfig
 from hybrid_engine.envs.arithmetic import ArithmeticEnv
 from hybrid_engine.envs.base import decode, encode
 from hybrid_engine.envs.tool import ToolEnv
-from hybrid_engine.episodes import TOOL_CALL_STOP, MultiTurnEnvironment, collect, turn_seed
+from hybrid_engine.rollout.episodes import TOOL_CALL_STOP, MultiTurnEnvironment, collect, turn_seed
 from hybrid_engine.models.tokenizer import EOS_TOKEN_ID, build_tokenizer
-from hybrid_engine.roles.vllm_rollout import Completions
+from hybrid_engine.rollout.engine import Completions
 from hybrid_engine.trajectory import collate_trajectories
 
 VLLM = [pytest.mark.vllm, pytest.mark.slow]
@@ -242,7 +242,7 @@ def _plain(trajs) -> list[tuple]:
 
 
 def _rollout(model_dir: str):
-    from hybrid_engine.roles.vllm_rollout import VLLMRollout
+    from hybrid_engine.rollout.engine import VLLMRollout
 
     cfg = RolloutConfig(max_model_len=128, max_tokens=8, kv_cache_gib=0.25, enforce_eager=True,
                         seed=2, temperature=1.0)

@@ -37,7 +37,7 @@ def _check_offload(root: str) -> dict:
     import torch.distributed as dist
 
     from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
-    from hybrid_engine.roles.offload import OptimizerOffload
+    from hybrid_engine.parallel.offload import OptimizerOffload
 
     spec = TinyModelSpec(arch="qwen2", vocab_size=1001)  # uneven shards: 501 / 500 rows
     if dist.get_rank() == 0:
@@ -104,7 +104,7 @@ def _adam_steps(model: torch.nn.Module, optimizer, offload, steps: int) -> list[
 
 @pytest.mark.gpu
 def test_offload_frees_cuda_memory_and_round_trips_exactly() -> None:
-    from hybrid_engine.roles.offload import OptimizerOffload
+    from hybrid_engine.parallel.offload import OptimizerOffload
 
     runs = []
     for use_offload in (False, True):

@@ -15,7 +15,7 @@ def _timeout_case() -> dict:
     import torch
     import torch.distributed as dist
 
-    from hybrid_engine.dist import collective_timeouts, set_collective_timeout
+    from hybrid_engine.parallel.dist import collective_timeouts, set_collective_timeout
 
     group = dist.new_group([0, 1])  # like vLLM's: torch gives it 30 min, whatever the default's
     before = collective_timeouts()

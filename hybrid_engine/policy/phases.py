@@ -2,7 +2,7 @@
 
 Job: the actor's two layouts take turns on one device. Three facts change
 together and live here, changed only by the transitions below (each logged
-at DEBUG on the `hybrid_engine.roles.phases` logger):
+at DEBUG on the `hybrid_engine.policy.phases` logger):
 
     layout      "inference" (the engine holds its memory) or "training"
                 (the engine released it, when rollout.release_memory is on)
@@ -44,8 +44,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hybrid_engine.roles.offload import OptimizerOffload
-    from hybrid_engine.roles.vllm_rollout import VLLMRollout
+    from hybrid_engine.parallel.offload import OptimizerOffload
+    from hybrid_engine.rollout.engine import VLLMRollout
 
 __all__ = ["Phases"]
 

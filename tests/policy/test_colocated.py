@@ -27,7 +27,7 @@ def _max_diff(a, b) -> float:
 
 def _parked(actor) -> bool:
     """The optimizer has state and every storage of it is empty (offloaded)."""
-    from hybrid_engine.roles.offload import optimizer_state_storages
+    from hybrid_engine.parallel.offload import optimizer_state_storages
 
     state = actor.trainer.optimizer.state
     return (actor.offload.offloaded and len(state) > 0
@@ -38,7 +38,7 @@ def _resident(actor) -> bool:
     """The optimizer has state, all of it on the device (not offloaded)."""
     import torch
 
-    from hybrid_engine.roles.offload import optimizer_state_storages
+    from hybrid_engine.parallel.offload import optimizer_state_storages
 
     storages = optimizer_state_storages(actor.trainer.optimizer, actor.trainer.device)
     return not actor.offload.offloaded and len(storages) > 0 and all(
@@ -47,8 +47,8 @@ def _resident(actor) -> bool:
 
 
 def _actor_case(model_dir: str, ckpt: str) -> dict:
-    from hybrid_engine.actor import HybridActor, completions_to_trajectories
-    from hybrid_engine.dist import collective_timeouts
+    from hybrid_engine.policy.colocated import HybridActor, completions_to_trajectories
+    from hybrid_engine.parallel.dist import collective_timeouts
 
     host = collective_timeouts()  # the host's (run_ranks') default group
     actor = HybridActor.from_pretrained(model_dir, overrides={"collective_timeout_s": 123,
@@ -152,8 +152,8 @@ def _g1_case(model_dir: str) -> dict:
     """The G1 bug class, reintroduced on purpose: the engine's invalidation on release
     is removed (its weights are lost but it claims they are valid), then the public
     `training()` is followed by `generate()` with no train step in between."""
-    from hybrid_engine.actor import HybridActor
-    from hybrid_engine.roles.vllm_rollout import VLLMRollout
+    from hybrid_engine.policy.colocated import HybridActor
+    from hybrid_engine.rollout.engine import VLLMRollout
 
     actor = HybridActor.from_pretrained(model_dir, overrides={
         "rollout.tensor_parallel_size": 2, "rollout.max_tokens": 4, "rollout.max_model_len": 64,

@@ -16,7 +16,7 @@ def _sample(model_dir: str, tp: int, max_tokens: int) -> dict:
     import torch.distributed as dist
 
     from hybrid_engine.config import RolloutConfig
-    from hybrid_engine.roles.vllm_rollout import VLLMRollout
+    from hybrid_engine.rollout.engine import VLLMRollout
 
     cfg = RolloutConfig(tensor_parallel_size=tp, num_samples_per_prompt=2, max_tokens=max_tokens,
                         max_model_len=64, kv_cache_gib=1.0, temperature=TEMPERATURE,
@@ -103,7 +103,7 @@ def _release_regrow(model_dir: str) -> dict:
     import psutil
 
     from hybrid_engine.config import RolloutConfig
-    from hybrid_engine.roles.vllm_rollout import VLLMRollout
+    from hybrid_engine.rollout.engine import VLLMRollout
 
     cfg = RolloutConfig(tensor_parallel_size=1, num_samples_per_prompt=2, max_tokens=12,
                         max_model_len=64, kv_cache_gib=1.0, enforce_eager=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_engine.roles.updates import combine_updates, num_updates, update_plan
+from hybrid_engine.policy.updates import combine_updates, num_updates, update_plan
 from hybrid_engine.testing import run_ranks
 from tests.roles.test_trainer import CHUNK, LR, SPECS, full_weights, make_trajs, plain_logprobs
 
@@ -76,7 +76,7 @@ def test_num_updates_caps_mini_batches_at_the_trajectory_count():
 
 def _config(path: str, **kw):
     from hybrid_engine.config import apply_overrides
-    from hybrid_engine.recipes import get_recipe
+    from hybrid_engine.config.recipes import get_recipe
 
     base = {"model.path": path, "train.lr": LR, "train.grad_clip": 1.0,
             "train.micro_batch_size": 2, "algorithm.clip_low": 0.2,
@@ -89,7 +89,7 @@ def _config(path: str, **kw):
 def _policy_run(path: str, vocab: int, **kw) -> dict:
     """One RL step's updates through `actor.policy_train` on a fresh trainer; counts
     the no-grad log-prob passes (old log-probs) the trainer is asked for."""
-    from hybrid_engine.actor import policy_train
+    from hybrid_engine.policy.colocated import policy_train
     from hybrid_engine.roles.trainer import Trainer
 
     cfg = _config(path, **kw)
