@@ -118,7 +118,16 @@ class RolloutConfig:
         1024, "Maximum prompt + completion length in tokens (vLLM max_model_len).", ge=2
     )
     kv_cache_gib: float = _field(
-        4.0, "KV cache size per rank in GiB (CPU: vLLM's kv_cache_memory_bytes, exact to the byte).", gt=0
+        4.0, "CPU: KV cache size per rank in GiB (vLLM's kv_cache_memory_bytes, exact to the byte). "
+        "GPU: unused (see gpu_memory_fraction).", gt=0
+    )
+    gpu_memory_fraction: float = _field(
+        0.9,
+        "GPU: share of the device memory still free when the engine is built (after the "
+        "trainer's parameters, less the optimizer state it will allocate) that vLLM may use "
+        "for its weights, activations and KV cache (vLLM's gpu_memory_utilization is derived "
+        "from it). CPU: unused.",
+        gt=0, le=1,
     )
     seed: int = _field(0, "Base seed of vLLM sampling (per-request seeds derive from it).", ge=0)
     prompt_too_long: Literal["reject", "truncate"] = _field(
