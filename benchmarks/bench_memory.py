@@ -176,9 +176,9 @@ def _tracked_bytes(actor, packed: int) -> dict[str, int]:  # noqa: ANN001
     layout this rank does not hold, under separate placement)."""
     tr, engine = actor.trainer, actor.rollout
     out = {"trainer_params": 0, "trainer_grads": 0, "trainer_optim": 0,
-           "engine_weights": engine._weight_bytes() if engine is not None else 0,
+           "engine_weights": engine.weight_bytes() if engine is not None else 0,
            "engine_packed": packed,
-           "kv_cache": sum(st.nbytes() for st in engine._kv_storages()) if engine is not None else 0}
+           "kv_cache": engine.kv_cache_bytes() if engine is not None else 0}
     if tr is None:
         return out
 
@@ -250,8 +250,7 @@ def _rank_job(args: argparse.Namespace) -> None:
         sampler.stop()
         role = "" if mode != "separate" else (" (train ranks)" if actor.is_trainer
                                                else " (rollout ranks)")
-        block = (engine.llm.llm_engine.vllm_config.cache_config.block_size
-                 if engine is not None else None)
+        block = engine.kv_blocks()[0] if engine is not None else None
         out = {"mode": mode + role, "rank": actor.rank, "spans": sampler.spans,
                "samples": sampler.samples, "tracked": rows, "block_size": block,
                "released_bytes": getattr(actor, "released_bytes", 0)}

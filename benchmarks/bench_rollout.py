@@ -151,9 +151,9 @@ def _digest(token_ids: list[list[int]]) -> str:
 
 def _engine_kv(rollout) -> dict:  # noqa: ANN001
     """What vLLM made of the KV size it was given (this rank)."""
-    cache = rollout.llm.llm_engine.vllm_config.cache_config
-    return {"block_size": cache.block_size, "kv_blocks": cache.num_gpu_blocks,
-            "kv_storage_bytes": sum(st.nbytes() for st in rollout._kv_storages())}
+    block_size, blocks = rollout.kv_blocks()
+    return {"block_size": block_size, "kv_blocks": blocks,
+            "kv_storage_bytes": rollout.kv_cache_bytes()}
 
 
 def _rank_job(args: argparse.Namespace) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoints
 from hybrid_engine.config import RunConfig
 
-__all__ = ["check_kv_cache", "check_model_folder", "check_output_dir", "preflight"]
+__all__ = ["check_gpu", "check_kv_cache", "check_model_folder", "check_output_dir", "preflight"]
 
 
 def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume: bool,
@@ -46,6 +46,7 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     else:
         check_parallel(hf, cfg.rollout.tensor_parallel_size, world_size)
     check_kv_cache(cfg.rollout.kv_cache_gib, local_world_size)
+    check_gpu(local_world_size)
     from hybrid_engine.envs import ENVS
 
     ENVS.get(cfg.env.name)  # unknown name: lists the registered ones
@@ -140,3 +141,21 @@ def check_kv_cache(kv_cache_gib: float, local_world_size: int) -> None:
         raise ValueError(f"rollout.kv_cache_gib={kv_cache_gib:g} x {local_world_size} rank(s) on "
                          f"this machine = {need:g} GiB, more than its {total:.1f} GiB of memory: "
                          "lower rollout.kv_cache_gib")
+
+
+def check_gpu(local_world_size: int, *, environ: dict | None = None) -> None:
+    """Where CUDA is: one device per rank of this machine, and an allocator
+    setting vLLM's sleep mode can work beside (no expandable_segments). The
+    engine's memory budget is checked when it is built, from the memory the
+    trainer left free (`rollout/cuda.py`). Without CUDA: nothing to check."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    from hybrid_engine.rollout.cuda import check_allocator_conf
+
+    check_allocator_conf(environ)
+    if torch.cuda.device_count() < local_world_size:
+        raise ValueError(f"{local_world_size} rank(s) on this machine but only "
+                         f"{torch.cuda.device_count()} CUDA device(s): one rank per GPU "
+                         "(torchrun --nproc_per_node)")

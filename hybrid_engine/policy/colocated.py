@@ -170,7 +170,10 @@ class HybridActor:
         self.trainer = Trainer(self.model_path, cfg.train, cfg.model,
                                logits_chunk_tokens=cfg.train.logits_chunk_tokens,
                                temperature=cfg.rollout.temperature)
-        self.rollout = VLLMRollout(self.model_path, cfg.rollout, dtype=cfg.model.rollout_dtype)
+        # GPU: the engine's budget leaves room for the optimizer state the first step creates.
+        reserve = 0 if cfg.train.offload_optimizer else self.trainer.optimizer_state_bytes()
+        self.rollout = VLLMRollout(self.model_path, cfg.rollout, dtype=cfg.model.rollout_dtype,
+                                   reserve_bytes=reserve)
         self.syncer = WeightSync(self.trainer.module.config, cfg.sync,
                                  tp=cfg.rollout.tensor_parallel_size,
                                  wire_dtype=DTYPES[cfg.model.rollout_dtype])

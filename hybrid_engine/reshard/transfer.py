@@ -11,6 +11,11 @@ ReshardPlan.groups): a group's targets are asked for just before its blocks
 move and handed back (`on_group`) as soon as they are complete, so a rollout
 that must stage and re-pack weights (vLLM-CPU) stages one layer at a time.
 
+Timing never stalls the device (G10): on CUDA the stages are marked with
+CUDA events on the current stream and read once, after the last group; the
+kernels and NCCL's all_to_all are ordered by the stream, not by host
+synchronisation. On CPU every call is synchronous and the host clock is read.
+
 Invariant: the extra memory is two persistent buffers of the largest bucket
 (send and receive), whatever the model size; block tables are built once per
 (plan, rank) and reused every sync, so a sync allocates nothing.
@@ -52,6 +57,36 @@ class TransferStats:
 
 
 Targets = Mapping[str, torch.Tensor]
+
+
+class _Clock:
+    """Stage marks: the host clock on CPU; CUDA events on the current stream,
+    resolved in one synchronize at the end of a run (no stall per bucket)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[str, object, object]] = []  # (stat name, start mark, end mark)
+
+    def mark(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def span(self, name: str, start: object, end: object) -> None:
+        self.spans.append((name, start, end))
+
+    def add_to(self, stats: TransferStats) -> None:
+        if self.cuda and self.spans:
+            torch.cuda.synchronize()
+        for name, a, b in self.spans:
+            s = a.elapsed_time(b) / 1e3 if self.cuda else b - a  # type: ignore[attr-defined]
+            if name == "bucket":
+                stats.per_bucket_s.append(s)
+            else:
+                setattr(stats, name, getattr(stats, name) + s)
+        self.spans = []
 
 
 @dataclass(frozen=True)
@@ -184,44 +219,43 @@ class ReshardExecutor:
         """
         stats = TransferStats()
         srcs = self._sources_list(sources)
+        clock = None
         for group in self.groups:
             tg = targets(group.names) if callable(targets) else targets
             dsts = self._targets_list(group.names, tg)
-            self._run_group(group, srcs, dsts, stats)  # collective: every rank, every group
+            clock = clock or _Clock((dsts or srcs)[0].device)
+            self._run_group(group, srcs, dsts, stats, clock)  # collective: every rank, every group
             if on_group is not None:
                 on_group(group.names, tg)
+        if clock is not None:
+            clock.add_to(stats)
         return stats
 
     def _run_group(self, group: _GroupTables, srcs: list[torch.Tensor],
-                   dsts: list[torch.Tensor], stats: TransferStats) -> None:
+                   dsts: list[torch.Tensor], stats: TransferStats, clock: _Clock) -> None:
         device = (dsts or srcs)[0].device
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         copy_blocks(srcs, dsts, group.local)
-        sync()
-        stats.local_s += time.perf_counter() - t0
+        clock.span("local_s", t0, clock.mark())
         stats.bytes_local += group.local_bytes
         send_buf, recv_buf = self._buffers(device)
         for tables in group.buckets:
-            t_bucket = time.perf_counter()
+            t_bucket = clock.mark()
             send = send_buf[: sum(tables.send_splits) // self.itemsize]
             recv = recv_buf[: sum(tables.recv_splits) // self.itemsize]
             copy_blocks(srcs, [send], tables.send)
-            sync()
-            t1 = time.perf_counter()
+            t1 = clock.mark()
             # Bytes on the wire: gloo has no bf16 all_to_all, and splits in bytes
             # keep every dtype on one path.
             dist.all_to_all_single(recv.view(torch.uint8), send.view(torch.uint8),
                                    tables.recv_splits, tables.send_splits, group=self.group)
-            sync()
-            t2 = time.perf_counter()
+            t2 = clock.mark()
             copy_blocks([recv], dsts, tables.recv)
-            sync()
-            t3 = time.perf_counter()
-            stats.pack_s += t1 - t_bucket
-            stats.exchange_s += t2 - t1
-            stats.unpack_s += t3 - t2
-            stats.per_bucket_s.append(t3 - t_bucket)
+            t3 = clock.mark()
+            clock.span("pack_s", t_bucket, t1)
+            clock.span("exchange_s", t1, t2)
+            clock.span("unpack_s", t2, t3)
+            clock.span("bucket", t_bucket, t3)
             stats.num_buckets += 1
             stats.bytes_sent += sum(tables.send_splits)
             stats.bytes_received += sum(tables.recv_splits)

@@ -446,6 +446,12 @@ class Trainer:
         assert {id(p) for p in self.module.parameters()} == self._param_ids, (
             "the module's parameters are not the optimizer's sharded DTensors")
 
+    def optimizer_state_bytes(self) -> int:
+        """Bytes AdamW's two moments take on this rank (created at the first step):
+        what a colocated engine built before that step must leave free."""
+        return 2 * sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes
+                       for p in self.module.parameters() if p.requires_grad)
+
     def state_dict_shards(self) -> dict[str, DTensor]:
         """Checkpoint name -> this rank's Shard(0) DTensor parameter (no copy; tied once)."""
         return dict(sharded_named_parameters(self.module))

@@ -7,19 +7,23 @@ torchrun made; all ranks of a tensor-parallel group must call `generate` with
 identical arguments (vLLM's SPMD contract).
 
 Separate placement: with `ranks=` only those ranks build an engine, and
-vLLM's world is confined to them (`_restrict_vllm_world`); the others never
-call into this module.
+vLLM's world is confined to them (`vllm_compat.restrict_world`); the others
+never call into this module.
 
-Invariant: this is the only module that touches vLLM internals, and it never
-creates or destroys the caller's process group (vLLM destroys the default
-group when the engine is deleted, so the engine lives as long as the process).
+The engine is platform-free: memory between phases and the installation of
+re-packed weights go to its backend (`rollout/cpu.py`, `rollout/cuda.py`),
+and every private vLLM attribute it needs to `rollout/vllm_compat.py`.
+
+Invariant: it never samples from weights a release discarded
+(`weights_valid`), and it never creates or destroys the caller's process
+group (vLLM destroys the default group when the engine is deleted, so the
+engine lives as long as the process).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybrid_engine.config import RolloutConfig
-from hybrid_engine.rollout import cpu_shm
+from hybrid_engine.rollout import vllm_compat
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -60,91 +64,6 @@ class Completions:
         return sum(len(t) for t in self.token_ids)
 
 
-def _prepare_process_env(cfg: RolloutConfig) -> None:
-    """Env vars vLLM reads at import/engine time; set before importing vllm."""
-    # In-process engine: required by external_launcher, and much faster on CPU.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-
-def _kv_cache_kwargs(cfg: RolloutConfig) -> dict[str, int]:
-    """CPU: the KV cache size as vLLM's `kv_cache_memory_bytes`, exact to the
-    byte (VLLM_CPU_KVCACHE_SPACE takes whole GiB only; if the user set it, vLLM
-    applies it instead). GPU: nothing (vLLM sizes it from gpu_memory_utilization)."""
-    if not _is_cpu():
-        return {}
-    return {"kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30)}
-
-
-def _isolate_cpu_shm_names() -> None:
-    """Makes vLLM-CPU's shared-memory segment names unique per job.
-
-    Under external_launcher vLLM derives the name from the init method
-    "env://", the same for every job: two jobs on one machine (or a leftover
-    segment from a killed job) collide with "create shm in SHMManager failed.
-    errno: 17". The prefix is unique per job (`cpu_shm.prefix`); vLLM never
-    unlinks the segments, so `VLLMRollout.shutdown` does, and each new engine
-    first removes those of dead jobs (`cpu_shm.sweep_orphans`).
-    """
-    try:
-        from vllm.distributed.device_communicators import cpu_communicator as cc
-    except ImportError:  # a vLLM build without the CPU communicator (CUDA)
-        return
-    shm = cc._CPUSHMDistributed
-    if getattr(shm, "_hybrid_engine_patched", False):
-        return
-    removed = cpu_shm.sweep_orphans()
-    if removed:
-        _log.info("removed %d shared-memory segment(s) of dead jobs from /dev/shm", len(removed))
-    original = shm.make_group_name
-
-    def make_group_name(communicator) -> str:  # noqa: ANN001
-        # shm_open names take no "/" past the first; vLLM's own has "//".
-        return cpu_shm.prefix() + original(communicator).replace("/", "")
-
-    shm.make_group_name = staticmethod(make_group_name)
-    shm._hybrid_engine_patched = True
-
-
-def _restrict_vllm_world(ranks: list[int]):  # noqa: ANN202 - returns the undo function
-    """Makes the next engine's external_launcher see only `ranks` as its world.
-
-    vLLM makes its world group range(torch world size) and lays its TP grid
-    over it; its collectives would then wait for ranks that build no engine.
-    Replaced here (restored by the returned function, after the engine is
-    built): the world group is `ranks`, the grid is laid over len(ranks)
-    ranks and each grid index maps to its global rank. Only the engine ranks
-    create these groups, so torch's group counter must be re-synchronised on
-    every rank afterwards (`hybrid_engine.parallel.dist.resync_group_counter`).
-    Checked on vLLM 0.32 (docs/separate_placement.md).
-    """
-    import torch.distributed as dist
-    import vllm.distributed.parallel_state as ps
-
-    world, imp, impg = ps.init_world_group, ps.initialize_model_parallel, ps.init_model_parallel_group
-
-    def init_world_group(_ranks, local_rank, backend):  # noqa: ANN001, ANN202
-        return world(list(ranks), local_rank, backend)
-
-    def init_model_parallel_group(group_ranks, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-        return impg([[ranks[i] for i in g] for g in group_ranks], *a, **k)
-
-    def initialize_model_parallel(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        gws = dist.get_world_size
-        dist.get_world_size = lambda group=None: len(ranks) if group is None else gws(group)
-        ps.init_model_parallel_group = init_model_parallel_group
-        try:
-            return imp(*a, **k)
-        finally:
-            dist.get_world_size, ps.init_model_parallel_group = gws, impg
-
-    ps.init_world_group, ps.initialize_model_parallel = init_world_group, initialize_model_parallel
-
-    def undo() -> None:
-        ps.init_world_group, ps.initialize_model_parallel = world, imp
-
-    return undo
-
-
 _FUSED = {
     "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
     "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
@@ -160,21 +79,6 @@ def _hf_sources(vllm_name: str) -> list[tuple[str, str | int | None]]:
     return [(vllm_name, None)]
 
 
-def _zentorch_gemm() -> bool:
-    """Whether vLLM-CPU prepares GEMMs with zentorch, which keeps a reference to
-    the weight it was given (sgl and oneDNN pack a copy)."""
-    from vllm.platforms import current_platform
-
-    zen = getattr(torch.ops, "zentorch", None)
-    return current_platform.is_zen_cpu() and zen is not None and hasattr(zen, "zentorch_linear_unary")
-
-
-def _is_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
 class VLLMRollout:
     """A vLLM engine colocated with the trainer in this process.
 
@@ -188,7 +92,8 @@ class VLLMRollout:
     """
 
     def __init__(self, model_path: str, cfg: RolloutConfig, *, dtype: str = "bfloat16",
-                 ranks: Sequence[int] | None = None, group: object = None) -> None:
+                 ranks: Sequence[int] | None = None, group: object = None,
+                 reserve_bytes: int = 0) -> None:
         import torch.distributed as dist
 
         self.ranks = list(ranks) if ranks is not None else None
@@ -201,14 +106,22 @@ class VLLMRollout:
                 f"the {'rollout ranks' if ranks is not None else 'world size'} {world}"
             )
         self.cfg = cfg
-        _prepare_process_env(cfg)
-        _isolate_cpu_shm_names()
+        vllm_compat.prepare_process_env()
+        vllm_compat.check_version()
+        if vllm_compat.is_cpu():
+            from hybrid_engine.rollout.cpu import CpuBackend
+
+            self.backend = CpuBackend(cfg)
+        else:
+            from hybrid_engine.rollout.cuda import CudaBackend
+
+            self.backend = CudaBackend(cfg, reserve_bytes=reserve_bytes)
         from vllm import LLM
 
-        kwargs = {}
+        kwargs = self.backend.engine_kwargs()
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
-        undo = _restrict_vllm_world(self.ranks) if self.ranks is not None else (lambda: None)
+        undo = vllm_compat.restrict_world(self.ranks) if self.ranks is not None else (lambda: None)
         try:
             self.llm: LLM = LLM(
                 model=model_path,
@@ -218,9 +131,6 @@ class VLLMRollout:
                 enforce_eager=cfg.enforce_eager,
                 seed=cfg.seed,
                 logprobs_mode="processed_logprobs",
-                # CPU: sleep mode is rejected ("not supported on current platform").
-                enable_sleep_mode=not _is_cpu(),
-                **_kv_cache_kwargs(cfg),
                 **kwargs,
             )
         finally:
@@ -228,16 +138,12 @@ class VLLMRollout:
         self.tokenizer = self.llm.get_tokenizer()
         self._staging: dict[str, torch.Tensor] = {}
         self._kv_released = False  # release_memory() dropped the KV cache
-        self._weights_asleep = False  # GPU: sleep unmapped the weights, not woken yet
         # False from a release that discards the weights (GPU sleep level 2, or its CPU
         # emulation) until a sync has rewritten all of them: the engine will not sample.
         self.weights_valid = True
-        self._emulate_sleep = cfg.emulate_gpu_sleep and _is_cpu()
         self.staging_bytes = 0  # size of the staging arena (largest group staged)
         self._arena: torch.Tensor | None = None
         self._repack_s = 0.0
-        self._kv_sizes: list[int] = []
-        self._kv_storage_list: list[torch.UntypedStorage] = []
         self._max_prompt_len = cfg.max_model_len - cfg.max_tokens
         self.num_truncated = 0
 
@@ -299,7 +205,7 @@ class VLLMRollout:
         if not self.weights_valid:
             raise RuntimeError(
                 "generate() with discarded weights: release_memory() dropped vLLM's weights "
-                f"({'GPU sleep level 2' if not _is_cpu() else 'rollout.emulate_gpu_sleep'}) and "
+                f"({'GPU sleep level 2' if self.backend.name == 'cuda' else 'rollout.emulate_gpu_sleep'}) and "
                 "no sync has rewritten them since; sync the trainer's weights first")
         k = num_samples or self.cfg.num_samples_per_prompt
         limits: list[int] | None = None
@@ -387,16 +293,11 @@ class VLLMRollout:
     # vLLM's CPU build packs linear weights into oneDNN / sgl handles after
     # loading: those parameters become empty tensors and writes into them are
     # lost. The sync writes such weights into staging tensors, and
-    # commit_weights() installs them and re-runs vLLM's per-layer CPU GEMM
-    # preparation. Every other parameter (and all of them on GPU) is plain and
-    # written in place.
-
-    def _runner(self):  # noqa: ANN202 - vLLM's model runner (in-process engine)
-        executor = self.llm.llm_engine.engine_core.engine_core.model_executor
-        return executor.driver_worker.worker.model_runner
+    # commit_weights() installs them (the backend re-packs). Every other
+    # parameter (and all of them on GPU) is plain and written in place.
 
     def _model(self) -> torch.nn.Module:
-        return self._runner().model
+        return vllm_compat.model(self.llm)
 
     def weight_targets(self, shapes: Mapping[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
         """The tensors a sync writes this rank's TP-local weights into.
@@ -415,7 +316,7 @@ class VLLMRollout:
         """
         assert not self._staging, "install_staged() the previous targets first"
         params = dict(self._model().named_parameters())
-        dtype = self.llm.llm_engine.model_config.dtype
+        dtype = vllm_compat.model_dtype(self.llm)
         out, staged = {}, []
         for name, (rows, cols) in shapes.items():
             p = params.get(name)
@@ -439,13 +340,10 @@ class VLLMRollout:
         return out
 
     def install_staged(self) -> float:
-        """Installs the staged weights (CPU: re-runs vLLM's per-layer GEMM
-        preparation, which packs a copy); frees the arena for reuse. Returns
-        the seconds spent."""
+        """Installs the staged weights (CPU: the backend re-packs them); frees the
+        arena for reuse. Returns the seconds spent."""
         if not self._staging:
             return 0.0
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
         t0 = time.perf_counter()
         modules = dict(self._model().named_modules())
         params = dict(self._model().named_parameters())
@@ -453,17 +351,8 @@ class VLLMRollout:
             p = params[name]
             if p.numel() == staged.numel():  # e.g. a bias vLLM-CPU keeps in fp32
                 p.data.copy_(staged.view(p.shape))
-                continue
-            layer = modules[name.rsplit(".", 1)[0]]
-            # sgl and oneDNN pack a copy of the weight (checked: overwriting
-            # the arena after install leaves outputs unchanged); zentorch and
-            # the plain-linear fallback keep using the tensor: give them their own.
-            w = staged.clone() if _zentorch_gemm() else staged
-            layer.weight = torch.nn.Parameter(w, requires_grad=False)
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-            if layer.weight.numel() and layer.weight.data_ptr() == staged.data_ptr():
-                layer.weight = torch.nn.Parameter(staged.clone(), requires_grad=False)
-                dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+            else:
+                self.backend.install(modules[name.rsplit(".", 1)[0]], staged)
         self._staging = {}
         dt = time.perf_counter() - t0
         self._repack_s += dt
@@ -471,18 +360,11 @@ class VLLMRollout:
 
     def commit_weights(self) -> float:
         """Finishes a sync: installs anything still staged, refreshes the packed
-        copy vLLM-CPU keeps of vocab-parallel weights (lm_head, and
-        embed_tokens when tied), resets the prefix cache. Returns the seconds
-        spent re-packing during this sync."""
+        copies the backend keeps (CPU: vocab-parallel lm_head, and embed_tokens
+        when tied), resets the prefix cache. Returns the seconds spent
+        re-packing during this sync."""
         self.install_staged()
-        if _is_cpu():
-            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-            t0 = time.perf_counter()
-            for layer in self._model().modules():
-                if hasattr(layer, "cpu_linear") and layer.weight.numel() > 0:
-                    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-            self._repack_s += time.perf_counter() - t0
+        self._repack_s += self.backend.refresh_packed(self._model())
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         repack_s, self._repack_s = self._repack_s, 0.0
         return repack_s
@@ -501,15 +383,12 @@ class VLLMRollout:
         touch complete, others absent): vLLM keeps the absent modules as they
         are, and its per-module "not loaded" warnings are silenced.
         """
-        import logging
-
-        quiet = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}")
-                 for m in ("layerwise", "inplace")] if partial else []
+        quiet = [logging.getLogger(n) for n in vllm_compat.RELOAD_LOGGERS] if partial else []
         levels = [lg.level for lg in quiet]
         for lg in quiet:
             lg.setLevel(logging.ERROR)
         try:
-            self._runner().reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+            vllm_compat.reload_weights(self.llm, weights)
         finally:
             for lg, level in zip(quiet, levels):
                 lg.setLevel(level)
@@ -526,19 +405,17 @@ class VLLMRollout:
         what weight_targets received, which is in the model dtype too.
         Returns vLLM name -> 2-D tensor.
         """
-        from vllm.model_executor.utils import set_weight_attrs
-
         modules = dict(self._model().named_modules())
         device = next(self._model().parameters()).device  # G6: beside the targets
         out: dict[str, torch.Tensor] = {}
         for name, (rows, cols) in shapes.items():
             layer = modules[name.rsplit(".", 1)[0]]
             shape = (rows,) if cols == 1 else (rows, cols)
-            shadow = torch.nn.Parameter(torch.zeros(shape, dtype=self.llm.llm_engine.model_config.dtype,
+            shadow = torch.nn.Parameter(torch.zeros(shape, dtype=vllm_compat.model_dtype(self.llm),
                                                     device=device), requires_grad=False)
             sharded = cols > 1 or name.endswith(".bias")  # norms are replicated
             if sharded:
-                set_weight_attrs(shadow, {"output_dim": 0, **({"input_dim": 1} if cols > 1 else {})})
+                vllm_compat.set_weight_attrs(shadow, {"output_dim": 0, **({"input_dim": 1} if cols > 1 else {})})
             for hf_name, shard_id in _hf_sources(name):
                 t = full[hf_name].to(device)
                 if not sharded:
@@ -555,57 +432,25 @@ class VLLMRollout:
     def release_memory(self) -> int:
         """Frees what the rollout does not need while the trainer runs.
 
-        GPU: vLLM sleep level 2 (KV cache and weights dropped: weights_valid
-        turns False until a sync rewrites them). CPU, where vLLM has no sleep
-        mode: the KV cache storage is resized to 0 (weights stay: vLLM-CPU
-        cannot drop them); with rollout.emulate_gpu_sleep the weights are lost
-        as on a GPU (`_discard_weights`). Returns the bytes actually released
+        GPU: vLLM sleep level 2 (KV cache and weights dropped). CPU, where vLLM
+        has no sleep mode: the KV cache storage is resized to 0 (weights stay:
+        vLLM-CPU cannot drop them); with rollout.emulate_gpu_sleep the weights
+        are lost as on a GPU. When the weights are lost, weights_valid turns
+        False until a sync rewrites them. Returns the bytes actually released
         (0 if already released).
         """
         if self._kv_released:
             return 0
-        if not _is_cpu():
-            before = torch.cuda.memory_reserved()
-            self.llm.sleep(level=2)
-            torch.cuda.empty_cache()
-            self._kv_released = self._weights_asleep = True
-            self.weights_valid = False
-            freed = max(0, before - torch.cuda.memory_reserved())
-            _log.info("rollout released %.1f MiB (vLLM sleep level 2: weights + KV cache)",
-                      freed / 2**20)
-            return freed
-        freed = 0
-        for st in self._kv_storages():
-            freed += st.nbytes()
-            self._kv_sizes.append(st.nbytes())
-            st.resize_(0)
+        freed, weights_lost = self.backend.release(self.llm)
         self._kv_released = True
-        if self._emulate_sleep:
-            self._discard_weights()
-        _log.info("rollout released %.1f MiB of KV cache; vLLM-CPU has no sleep mode, so its "
-                  "weights (%.1f MiB) stay resident%s", freed / 2**20,
-                  self._weight_bytes() / 2**20,
-                  " (overwritten with NaN: rollout.emulate_gpu_sleep)" if self._emulate_sleep else "")
+        if weights_lost:
+            self.weights_valid = False
         return freed
-
-    @torch.no_grad()
-    def _discard_weights(self) -> None:
-        """CPU emulation of level-2 sleep's loss of the weights: every torch-visible
-        parameter (every norm among them, so any forward gives NaN; the GEMM copies
-        vLLM-CPU packed away are invisible to torch and keep their values) becomes
-        NaN, and weights_valid turns False until a sync rewrites them."""
-        for p in self._model().parameters():
-            if p.numel() and p.is_floating_point():
-                p.fill_(math.nan)
-        self.weights_valid = False
 
     def wake_weights(self) -> None:
         """GPU: maps the weights again before a sync writes them (their contents are
         still lost); a no-op when awake, and on CPU."""
-        if self._weights_asleep:
-            torch.cuda.empty_cache()  # cumem maps physical pages: give back cached blocks
-            self.llm.wake_up(tags=["weights"])
-            self._weights_asleep = False
+        self.backend.wake_weights(self.llm)
 
     def restore_memory(self) -> int:
         """Re-allocates what release_memory freed, before generation. Returns bytes.
@@ -615,36 +460,25 @@ class VLLMRollout:
         if not self._kv_released:
             return 0
         self._kv_released = False
-        if not _is_cpu():
-            self.wake_weights()
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_reserved()
-            self.llm.wake_up(tags=["kv_cache"])
-            return max(0, torch.cuda.memory_reserved() - before)
-        grown = 0
-        for st, n in zip(self._kv_storages(), self._kv_sizes, strict=True):
-            st.resize_(n)
-            torch.empty(0, dtype=torch.uint8).set_(st).zero_()  # commit the pages, as at start
-            grown += n
-        self._kv_sizes = []
+        grown = self.backend.restore(self.llm)
         self.llm.reset_prefix_cache()  # the cached blocks' contents are gone
-        _log.info("rollout regrew %.1f MiB of KV cache", grown / 2**20)
         return grown
 
-    def _weight_bytes(self) -> int:
-        """Bytes of vLLM's parameters as seen by torch (packed CPU handles excluded)."""
+    def weight_bytes(self) -> int:
+        """Bytes of vLLM's parameters on this rank as torch sees them (the GEMM
+        copies vLLM-CPU packs away are not torch tensors and not counted)."""
         return sum(p.nbytes for p in self._model().parameters())
 
-    def _kv_storages(self) -> list[torch.UntypedStorage]:
-        """The distinct storages behind vLLM's KV cache tensors (found once,
-        while they are allocated: layers may share one)."""
-        if not self._kv_storage_list:
-            caches = self._runner().kv_caches
-            seen: dict[int, torch.UntypedStorage] = {}
-            for t in caches:
-                seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
-            self._kv_storage_list = list(seen.values())
-        return self._kv_storage_list
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache holds on this rank now (0 while released on CPU)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in vllm_compat.kv_cache_tensors(self.llm)}
+        return sum(storages.values())
+
+    def kv_blocks(self) -> tuple[int, int]:
+        """(tokens per KV block, number of blocks) vLLM made of its KV budget."""
+        cache = vllm_compat.cache_config(self.llm)
+        return int(cache.block_size), int(cache.num_gpu_blocks or 0)
 
     def shutdown(self) -> None:
         """Tears the engine down; idempotent.
@@ -656,5 +490,5 @@ class VLLMRollout:
         """
         llm = getattr(self, "llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-            cpu_shm.unlink_job_segments()
+            vllm_compat.shutdown(llm)
+            self.backend.shutdown()

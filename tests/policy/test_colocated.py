@@ -153,7 +153,7 @@ def _g1_case(model_dir: str) -> dict:
     is removed (its weights are lost but it claims they are valid), then the public
     `training()` is followed by `generate()` with no train step in between."""
     from hybrid_engine.policy.colocated import HybridActor
-    from hybrid_engine.rollout.engine import VLLMRollout
+    from hybrid_engine.rollout.cpu import CpuBackend
 
     actor = HybridActor.from_pretrained(model_dir, overrides={
         "rollout.tensor_parallel_size": 2, "rollout.max_tokens": 4, "rollout.max_model_len": 64,
@@ -165,19 +165,19 @@ def _g1_case(model_dir: str) -> dict:
         with actor.training():
             pass
         out["guarded"] = _error(lambda: actor.generate(PROMPTS, num_samples=1))
-        discard = VLLMRollout._discard_weights
+        release = CpuBackend.release
 
-        def discard_but_claim_valid(self):  # noqa: ANN001, ANN202
-            discard(self)
-            self.weights_valid = True  # the invalidation a buggy transition forgets
+        def release_but_claim_valid(self, llm):  # noqa: ANN001, ANN202
+            freed, _lost = release(self, llm)
+            return freed, False  # the invalidation a buggy transition forgets
 
-        VLLMRollout._discard_weights = discard_but_claim_valid
+        CpuBackend.release = release_but_claim_valid
         try:
             with actor.training():
                 pass
             out["unguarded"] = _error(lambda: actor.generate(PROMPTS, num_samples=1))
         finally:
-            VLLMRollout._discard_weights = discard
+            CpuBackend.release = release
         return out
     finally:
         actor.shutdown()

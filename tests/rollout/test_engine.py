@@ -135,7 +135,7 @@ def _emulated_sleep_cycle(rollout, model_dir: str, first) -> dict:  # noqa: ANN0
     the weights are rewritten, and then samples exactly as before."""
     from safetensors.torch import load_file
 
-    rollout._emulate_sleep = True
+    rollout.backend.emulate_sleep = True
     rollout.release_memory()
     lost = not rollout.weights_valid
     rollout.restore_memory()

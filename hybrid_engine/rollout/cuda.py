@@ -1,0 +1,138 @@
+"""The engine's CUDA backend: sleep/wake with tags, a memory budget from free memory.
+
+Job: what vLLM's CUDA build needs that the engine (`rollout/engine.py`) does
+not know about.
+- Budget (G2): the trainer is built first, so the engine may only use what is
+  left. `gpu_memory_utilization` is derived from the memory free when the
+  engine is built, less what the trainer will still allocate
+  (`reserve_bytes`: AdamW's moments are created at the first step), times
+  `rollout.gpu_memory_fraction`. vLLM's cumem allocator (sleep mode) refuses
+  `expandable_segments`, so that setting is a clear error here and in preflight.
+- Release: sleep level 2 drops the KV cache and the weights (weights lost).
+  Wake: the weights first, once per step, before the sync writes them (G9);
+  the KV cache before generation. `empty_cache()` before every wake: cumem maps
+  physical pages, the caching allocator must give its cached blocks back (G3).
+- Accounting (G8): bytes released and regrown are the change of
+  `torch.cuda.mem_get_info`'s free memory, the only counter that sees cumem's
+  unmapping (`memory_reserved` does not).
+
+Invariant: the weights are mapped before anything writes or reads them;
+`release` reports them lost (the engine's `weights_valid` turns False).
+Written for vLLM 0.32; it has never run on a GPU (README, GPU status).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from hybrid_engine.config import RolloutConfig
+
+__all__ = ["CudaBackend", "check_allocator_conf", "engine_budget"]
+
+_log = logging.getLogger(__name__)
+
+
+def check_allocator_conf(environ: dict | None = None) -> None:
+    """Raises when PyTorch's allocator is configured with expandable segments,
+    which vLLM's sleep-mode allocator (cumem) cannot work beside."""
+    env = os.environ if environ is None else environ
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if "expandable_segments:true" in env.get(key, "").replace(" ", "").lower():
+            raise ValueError(
+                f"{key}={env[key]!r}: expandable_segments cannot be used with vLLM's sleep mode "
+                "(its cumem allocator maps physical pages itself); unset it")
+
+
+def engine_budget(free: int, total: int, reserve: int, fraction: float) -> float:
+    """vLLM's gpu_memory_utilization for an engine built beside a trainer.
+
+    Args:
+        free: bytes free on the device now (the trainer's parameters allocated).
+        total: the device's bytes.
+        reserve: bytes the trainer will still allocate while the engine is awake.
+        fraction: rollout.gpu_memory_fraction.
+
+    Returns:
+        fraction * (free - reserve) / total, the share of the whole device vLLM
+        checks against the free memory at start and sizes its KV cache from.
+    """
+    usable = free - reserve
+    if usable <= 0 or total <= 0:
+        raise ValueError(
+            f"no GPU memory left for the rollout engine: {free / 2**30:.2f} GiB free, the trainer "
+            f"still needs {reserve / 2**30:.2f} GiB (optimizer state); use a smaller model, more "
+            "ranks (FSDP shards the state), or train.offload_optimizer=true")
+    return fraction * usable / total
+
+
+class CudaBackend:
+    """vLLM-CUDA sleep/wake and memory budget for one engine (see the module doc).
+
+    Args:
+        cfg: the rollout settings (gpu_memory_fraction).
+        reserve_bytes: what the trainer will still allocate while the engine is
+            awake (0 when the optimizer state is offloaded).
+    """
+
+    name = "cuda"
+
+    def __init__(self, cfg: RolloutConfig, *, reserve_bytes: int = 0) -> None:
+        check_allocator_conf()
+        self.cfg = cfg
+        self.reserve_bytes = reserve_bytes
+        self._weights_asleep = False
+
+    def engine_kwargs(self) -> dict:
+        free, total = torch.cuda.mem_get_info()
+        util = engine_budget(free, total, self.reserve_bytes, self.cfg.gpu_memory_fraction)
+        _log.info("rollout engine budget: gpu_memory_utilization=%.3f (%.2f GiB of %.2f GiB free, "
+                  "%.2f GiB kept for the trainer's optimizer state)", util, util * total / 2**30,
+                  free / 2**30, self.reserve_bytes / 2**30)
+        return {"gpu_memory_utilization": util, "enable_sleep_mode": True}
+
+    @staticmethod
+    def _free() -> int:
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0]
+
+    def release(self, llm) -> tuple[int, bool]:  # noqa: ANN001
+        """Sleep level 2: KV cache and weights dropped. Returns (bytes freed, True)."""
+        before = self._free()
+        llm.sleep(level=2)
+        torch.cuda.empty_cache()
+        self._weights_asleep = True
+        freed = max(0, self._free() - before)
+        _log.info("rollout released %.1f MiB (vLLM sleep level 2: weights + KV cache)",
+                  freed / 2**20)
+        return freed, True
+
+    def wake_weights(self, llm) -> None:  # noqa: ANN001
+        """Maps the weights again before a sync writes them (their contents are
+        still lost); a no-op when awake, so a step wakes them once (G9)."""
+        if self._weights_asleep:
+            torch.cuda.empty_cache()  # cumem maps physical pages: give back cached blocks
+            llm.wake_up(tags=["weights"])
+            self._weights_asleep = False
+
+    def restore(self, llm) -> int:  # noqa: ANN001
+        """Wakes the weights if no sync woke them (their contents stay invalid:
+        the engine's weights_valid says so), then the KV cache. Returns bytes."""
+        self.wake_weights(llm)
+        torch.cuda.empty_cache()
+        before = self._free()
+        llm.wake_up(tags=["kv_cache"])
+        return max(0, before - self._free())
+
+    def install(self, layer: torch.nn.Module, staged: torch.Tensor) -> None:
+        raise RuntimeError(f"vLLM-CUDA weight of {type(layer).__name__} has another size than "
+                           "its HF tensor: packed layouts are a CPU-only case")
+
+    def refresh_packed(self, model: torch.nn.Module) -> float:  # noqa: ARG002
+        """vLLM-CUDA keeps no packed copies of plain weights: nothing to do."""
+        return 0.0
+
+    def shutdown(self) -> None:
+        """Nothing of its own to clean up."""

@@ -1,0 +1,201 @@
+"""Every access to vLLM's private API and every patch of it, in one file.
+
+Job: the rest of the package talks to vLLM through its public API (`LLM`,
+`SamplingParams`, `TokensPrompt`, `sleep`/`wake_up`, `reset_prefix_cache`)
+and through the functions here. Each function says what it reaches into and
+was written for, and checked on, `VLLM_VERSION`; a vLLM upgrade is a review
+of this file (tests/test_boundaries.py keeps the private attributes here).
+
+Invariant: importing this module never imports vLLM (callers set the
+process environment first, `prepare_process_env`); patches are applied at
+most once per process and the world restriction is undone by its caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+
+from hybrid_engine.rollout import cpu_shm
+
+__all__ = [
+    "VLLM_VERSION", "cache_config", "check_version", "dispatch_cpu_gemm", "is_cpu", "isolate_cpu_shm_names",
+    "kv_cache_tensors", "model", "model_dtype", "prepare_process_env", "reload_weights",
+    "restrict_world", "set_weight_attrs", "shutdown", "zentorch_gemm",
+]
+
+VLLM_VERSION = "0.32.0"  # what every function below was written for and checked on
+
+_log = logging.getLogger(__name__)
+_checked = False
+
+
+def check_version() -> None:
+    """Warns once when the installed vLLM is not the version this file was checked on."""
+    global _checked
+    if _checked:
+        return
+    _checked = True
+    import vllm
+
+    if not vllm.__version__.startswith(VLLM_VERSION):
+        _log.warning("vLLM %s is installed; hybrid_engine.rollout.vllm_compat was checked on %s: "
+                     "review it (private attributes, patches) before trusting the run",
+                     vllm.__version__, VLLM_VERSION)
+
+
+def prepare_process_env() -> None:
+    """Env vars vLLM reads at import/engine time; set before importing vllm.
+    VLLM_ENABLE_V1_MULTIPROCESSING=0: the in-process engine external_launcher
+    requires (and much faster on CPU). [0.32]"""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def is_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform (public: vllm.platforms)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def isolate_cpu_shm_names() -> None:
+    """Patch [0.32, private `cpu_communicator._CPUSHMDistributed.make_group_name`]:
+    makes vLLM-CPU's shared-memory segment names unique per job.
+
+    Under external_launcher vLLM derives the name from the init method
+    "env://", the same for every job: two jobs on one machine (or a leftover
+    segment from a killed job) collide with "create shm in SHMManager failed.
+    errno: 17". The prefix is unique per job (`cpu_shm.prefix`); vLLM never
+    unlinks the segments, so the CPU backend does at shutdown, and each new
+    engine first removes those of dead jobs (`cpu_shm.sweep_orphans`).
+    """
+    try:
+        from vllm.distributed.device_communicators import cpu_communicator as cc
+    except ImportError:  # a vLLM build without the CPU communicator (CUDA)
+        return
+    shm = cc._CPUSHMDistributed
+    if getattr(shm, "_hybrid_engine_patched", False):
+        return
+    removed = cpu_shm.sweep_orphans()
+    if removed:
+        _log.info("removed %d shared-memory segment(s) of dead jobs from /dev/shm", len(removed))
+    original = shm.make_group_name
+
+    def make_group_name(communicator) -> str:  # noqa: ANN001
+        # shm_open names take no "/" past the first; vLLM's own has "//".
+        return cpu_shm.prefix() + original(communicator).replace("/", "")
+
+    shm.make_group_name = staticmethod(make_group_name)
+    shm._hybrid_engine_patched = True
+
+
+def restrict_world(ranks: list[int]) -> Callable[[], None]:
+    """Patch [0.32, `parallel_state.init_world_group` / `initialize_model_parallel`
+    / `init_model_parallel_group`]: makes the next engine's external_launcher see
+    only `ranks` as its world. Returns the undo function.
+
+    vLLM makes its world group range(torch world size) and lays its TP grid
+    over it; its collectives would then wait for ranks that build no engine.
+    Replaced here (restored by the returned function, after the engine is
+    built): the world group is `ranks`, the grid is laid over len(ranks)
+    ranks and each grid index maps to its global rank. Only the engine ranks
+    create these groups, so torch's group counter must be re-synchronised on
+    every rank afterwards (`hybrid_engine.parallel.dist.resync_group_counter`).
+    (docs/separate_placement.md.)
+    """
+    import torch.distributed as dist
+    import vllm.distributed.parallel_state as ps
+
+    world, imp, impg = ps.init_world_group, ps.initialize_model_parallel, ps.init_model_parallel_group
+
+    def init_world_group(_ranks, local_rank, backend):  # noqa: ANN001, ANN202
+        return world(list(ranks), local_rank, backend)
+
+    def init_model_parallel_group(group_ranks, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        return impg([[ranks[i] for i in g] for g in group_ranks], *a, **k)
+
+    def initialize_model_parallel(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        gws = dist.get_world_size
+        dist.get_world_size = lambda group=None: len(ranks) if group is None else gws(group)
+        ps.init_model_parallel_group = init_model_parallel_group
+        try:
+            return imp(*a, **k)
+        finally:
+            dist.get_world_size, ps.init_model_parallel_group = gws, impg
+
+    ps.init_world_group, ps.initialize_model_parallel = init_world_group, initialize_model_parallel
+
+    def undo() -> None:
+        ps.init_world_group, ps.initialize_model_parallel = world, imp
+
+    return undo
+
+
+def _runner(llm):  # noqa: ANN001, ANN202
+    """[0.32, private] the in-process engine's model runner:
+    llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner."""
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    return executor.driver_worker.worker.model_runner
+
+
+def model(llm) -> torch.nn.Module:  # noqa: ANN001
+    """The vLLM model module of this rank (its TP-local parameters). [0.32, private]"""
+    return _runner(llm).model
+
+
+def model_dtype(llm) -> torch.dtype:  # noqa: ANN001
+    """The engine's model dtype (llm_engine.model_config.dtype). [0.32]"""
+    return llm.llm_engine.model_config.dtype
+
+
+def cache_config(llm):  # noqa: ANN001, ANN201
+    """The engine's cache config (block_size, num_gpu_blocks): llm_engine.vllm_config. [0.32]"""
+    return llm.llm_engine.vllm_config.cache_config
+
+
+def kv_cache_tensors(llm) -> list[torch.Tensor]:  # noqa: ANN001
+    """The KV cache tensors of this rank (model_runner.kv_caches). [0.32, private]"""
+    return list(_runner(llm).kv_caches)
+
+
+def reload_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:  # noqa: ANN001
+    """Full HF tensors through vLLM's own loaders (model_runner.reload_weights,
+    checkpoint format). [0.32, private]"""
+    _runner(llm).reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+
+
+RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                  "vllm.model_executor.model_loader.reload.inplace")  # [0.32] per-module warnings
+
+
+def dispatch_cpu_gemm(layer: torch.nn.Module, *, remove_weight: bool) -> None:
+    """vLLM-CPU's per-layer GEMM preparation (packs the weight into a oneDNN /
+    sgl handle, or keeps it for zentorch): layers.utils.dispatch_cpu_unquantized_gemm.
+    [0.32, private]"""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=remove_weight)
+
+
+def zentorch_gemm() -> bool:
+    """Whether vLLM-CPU prepares GEMMs with zentorch, which keeps a reference to
+    the weight it was given (sgl and oneDNN pack a copy). [0.32]"""
+    from vllm.platforms import current_platform
+
+    zen = getattr(torch.ops, "zentorch", None)
+    return current_platform.is_zen_cpu() and zen is not None and hasattr(zen, "zentorch_linear_unary")
+
+
+def set_weight_attrs(param: torch.Tensor, attrs: dict) -> None:
+    """vLLM's weight-loader attributes (output_dim, input_dim) on a parameter. [0.32]"""
+    from vllm.model_executor.utils import set_weight_attrs as _set
+
+    _set(param, attrs)
+
+
+def shutdown(llm) -> None:  # noqa: ANN001
+    """Stops the in-process engine core (llm_engine.engine_core.shutdown). [0.32]"""
+    llm.llm_engine.engine_core.shutdown()
