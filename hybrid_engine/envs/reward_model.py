@@ -195,12 +195,7 @@ class RewardModel:
         from torch.distributed.fsdp import MixedPrecisionPolicy
         from transformers import AutoModelForSequenceClassification
 
-        from hybrid_engine.parallel.fsdp import (
-            apply_fsdp,
-            assert_sharded,
-            init_rotary_buffers,
-            load_sharded_safetensors,
-        )
+        from hybrid_engine.parallel.fsdp import shard_and_load
 
         with torch.device("meta"):
             hf = AutoModelForSequenceClassification.from_config(
@@ -210,12 +205,9 @@ class RewardModel:
             raise ValueError(f"{folder}: unsupported architecture {type(hf).__name__} "
                              "(needs a decoder backbone at .model.layers)")
         module = ScoreModel(hf.model, hf.score)
-        apply_fsdp(module, mesh, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype),
-                   checkpointing=False)
-        module.to_empty(device=self.device)
-        init_rotary_buffers(module, self.device)
-        self.load_stats = load_sharded_safetensors(module, folder)
-        assert_sharded(module)
+        self.load_stats = shard_and_load(
+            module, folder, mesh, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype),
+            device=self.device)
         return module
 
     @property

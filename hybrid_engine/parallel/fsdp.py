@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,6 +54,7 @@ __all__ = [
     "apply_fsdp",
     "assert_sharded",
     "build_fsdp_model",
+    "shard_and_load",
     "default_device",
     "dp_mesh",
     "hf_name",
@@ -224,13 +225,40 @@ def build_fsdp_model(
     model = _build_meta_model(folder, DTYPES[master_dtype], trust_remote_code)
     model.requires_grad_(requires_grad)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=DTYPES[master_dtype])
-    apply_fsdp(model, mesh, mp, activation_checkpointing)
-    device = default_device() if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    stats = shard_and_load(model, folder, mesh, mp, checkpointing=activation_checkpointing)
+    return model, stats
+
+
+def shard_and_load(model: nn.Module, folder: Path, mesh: DeviceMesh, mp: MixedPrecisionPolicy, *,
+                   checkpointing: bool = False, device: torch.device | None = None,
+                   load_into: nn.Module | None = None,
+                   init: Callable[[nn.Module], None] | None = None) -> LoadStats:
+    """The one FSDP2 construction path of every model we train or score with
+    (policy, reference, critic, reward model): a model built on the meta device
+    is sharded (`apply_fsdp`), materialised shard-only (`to_empty`), its rotary
+    buffers recomputed, its rows read from the safetensors in `folder`.
+
+    Args:
+        model: built on the meta device, `.model.layers` its decoder layers.
+        device: where the shards live; the mesh's device by default.
+        load_into: the module whose parameter names are the checkpoint's
+            (a holder of the backbone, for a model that adds its own head).
+        init: fills parameters the checkpoint does not have (after the load).
+
+    Returns:
+        What this rank read from the files.
+    """
+    apply_fsdp(model, mesh, mp, checkpointing)
+    if device is None:
+        device = default_device() if mesh.device_type == "cuda" else torch.device(mesh.device_type)
     model.to_empty(device=device)
     init_rotary_buffers(model, device)
-    stats = load_sharded_safetensors(model, folder)
+    stats = load_sharded_safetensors(load_into if load_into is not None else model, folder)
+    if init is not None:
+        with torch.no_grad():
+            init(model)
     assert_sharded(model)
-    return model, stats
+    return stats
 
 
 # --------------------------------------------------------------------------

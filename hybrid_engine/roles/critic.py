@@ -33,12 +33,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from hybrid_engine.algorithms.losses import value_loss
 from hybrid_engine.parallel.fsdp import (
     DTYPES,
-    apply_fsdp,
-    assert_sharded,
     dp_mesh,
-    init_rotary_buffers,
-    load_sharded_safetensors,
     resolve_model_path,
+    shard_and_load,
 )
 from hybrid_engine.roles.trainer import (
     build_optimizer,
@@ -108,18 +105,16 @@ def build_value_model(
         model = ValueModel(backbone, config.hidden_size, dtype)
     model.eval()  # no dropout: values() and train_step() must agree exactly
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=dtype)
-    apply_fsdp(model, mesh, mp, activation_checkpointing)
-    device = comm_device(mesh)
-    model.to_empty(device=device)
-    init_rotary_buffers(model, device)
-    # Load the backbone through a holder whose names are the checkpoint's ("model.*").
+    # The backbone loads through a holder whose names are the checkpoint's ("model.*").
     holder = nn.Module()
     holder.model = model.model
-    load_sharded_safetensors(holder, folder)
-    with torch.no_grad():
-        for p in model.value_head.parameters():
+
+    def zero_head(m: nn.Module) -> None:
+        for p in m.value_head.parameters():
             p.to_local().zero_()
-    assert_sharded(model)
+
+    shard_and_load(model, folder, mesh, mp, checkpointing=activation_checkpointing,
+                   device=comm_device(mesh), load_into=holder, init=zero_head)
     return model
 
 
