@@ -164,3 +164,50 @@ def test_kv_cache_release_and_regrow_keeps_generation_identical(tmp_path):
     assert out["guarded"] and out["same"]
     assert out["emulated_lost"] and "discarded weights" in out["emulated_refused"]
     assert out["emulated_same"]
+
+
+def _gpu_sleep_cycle(model_dir: str) -> dict:
+    """Real level-2 sleep on vLLM's CUDA build: release loses the weights (the
+    engine refuses to sample), restore maps the KV cache back, a sync-like
+    reload rewrites the weights and sampling repeats exactly."""
+    from safetensors.torch import load_file
+
+    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.rollout.engine import VLLMRollout
+
+    cfg = RolloutConfig(tensor_parallel_size=1, num_samples_per_prompt=2, max_tokens=12,
+                        max_model_len=64, gpu_memory_fraction=0.3, enforce_eager=True)
+    rollout = VLLMRollout(model_dir, cfg, dtype="float32")
+    first = rollout.generate(PROMPTS, seed=4)
+    released = rollout.release_memory()
+    lost = not rollout.weights_valid
+    regrown = rollout.restore_memory()
+    try:
+        rollout.generate(PROMPTS, seed=4)
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    rollout.load_full_weights(load_file(f"{model_dir}/model.safetensors").items())
+    rollout.mark_weights_written()
+    again = rollout.generate(PROMPTS, seed=4)
+    rollout.shutdown()
+    return {"released": released, "regrown": regrown, "lost": lost, "refused": refused,
+            "same": first.token_ids == again.token_ids and first.logprobs == again.logprobs}
+
+
+@pytest.mark.gpu
+def test_real_gpu_sleep_loses_weights_and_a_rewrite_restores_them(tmp_path):
+    from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
+    from hybrid_engine.testing import run_in_subprocess
+
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as e:
+        pytest.skip(f"gpu: vLLM is not importable here ({e})")
+    if current_platform.is_cpu():
+        pytest.skip("gpu: the installed vLLM is the CPU build (no sleep mode)")
+    model_dir = str(write_tiny_model(tmp_path / "m", TinyModelSpec(arch="llama")))
+    out = run_in_subprocess(_gpu_sleep_cycle, model_dir, timeout=300)
+    assert out["released"] > 0 and out["regrown"] > 0, out
+    assert out["lost"] and "discarded weights" in out["refused"]
+    assert out["same"]
