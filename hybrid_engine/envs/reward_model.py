@@ -318,6 +318,10 @@ class RewardModelEnv:
             (False skips it, e.g. for a task with no reference answers).
     """
 
+    # score() runs a model forward: colocated, it runs in the training layout
+    # (the policy's `model_side`), never beside an awake engine.
+    runs_a_model = True
+
     def __init__(self, base_env: Any, reward_model: RewardModel, tokenizer: Any, *,
                  task_metrics: bool = True) -> None:
         self.base_env = base_env

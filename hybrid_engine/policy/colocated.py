@@ -330,6 +330,12 @@ class HybridActor:
         layout first, so its forwards never run beside an awake engine."""
         return self.phases.training_side(role)
 
+    def model_side(self, env: Any) -> Any:
+        """An environment whose score() runs a model (`runs_a_model`, e.g. a reward
+        model), as the controller should call it: its scoring enters the training
+        layout first, like the reference's forwards (G4); other envs unchanged."""
+        return self.phases.training_side(env) if getattr(env, "runs_a_model", False) else env
+
     # --- persistence -------------------------------------------------------------
 
     def save(self, path: str | Path, *, extra: dict | None = None, critic: Any = None) -> None:

@@ -169,8 +169,9 @@ class Phases:
             self._park()
 
     def training_side(self, role: Any) -> Any:
-        """role (reference, critic) wrapped so that its forwards run in the
-        training layout: the engine has released the device first."""
+        """role (reference, critic, a reward-model environment) wrapped so that
+        its score/train_step run in the training layout: the engine has
+        released the device first. Other attributes are the role's."""
         return _InTrainingLayout(role, self)
 
 
@@ -191,3 +192,9 @@ class _InTrainingLayout:
     def train_step(self, trajs: Any) -> Any:
         self._phases.to_train()
         return self.role.train_step(trajs)
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else (an environment's prompts, state, ...) is the role's own.
+        if name in ("role", "_phases"):
+            raise AttributeError(name)
+        return getattr(self.role, name)

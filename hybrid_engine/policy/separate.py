@@ -250,6 +250,11 @@ class SeparatePolicy:
         """Wraps a role built on the trainer ranks (None elsewhere) for every rank."""
         return TrainerSide(role)
 
+    def model_side(self, env: Any) -> Any:
+        """The environment unchanged: no engine is released for a scoring forward
+        here (trainer ranks hold none; rollout ranks keep theirs resident)."""
+        return env
+
     # --- persistence -------------------------------------------------------------
 
     def save(self, path: str | Path, *, extra: dict | None = None, critic: Any = None) -> None:

@@ -70,6 +70,17 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
         again = completions_to_trajectories(actor.generate(PROMPTS, num_samples=2, seed=1))
         out["resynced_same_samples"] = [t.response_ids for t in again] == \
             [t.response_ids for t in trajs]
+
+        class ModelEnv:  # an environment whose score() runs a model (a reward model)
+            runs_a_model, name = True, "rm-env"
+
+            def score(self, trajs):  # noqa: ANN001, ANN202
+                self.phase = actor.phase
+
+        env = actor.model_side(ModelEnv())
+        env.score(trajs)
+        out["model_env"] = (env.phase, env.name, actor.model_side(PROMPTS) is PROMPTS)
+        actor.generate(PROMPTS[:1], num_samples=1)  # back to inference (resynced)
         actor.save(ckpt)
         # DCP created the AdamW state on the device beside the awake engine: parked.
         out["parked_after_first_save"] = _parked(actor) and actor.phase == "inference"
@@ -130,6 +141,7 @@ def test_hybrid_actor_switches_syncs_and_restores(tmp_path) -> None:
         assert r["layouts_agree"] < 1e-4
         assert r["logprobs_phase"] == ("training", "lost")
         assert r["resynced_same_samples"]        # the resync restored exactly the weights
+        assert r["model_env"] == ("training", "rm-env", True)  # scoring forward: engine released
         assert r["phase_in_training"] == "training" and r["released"] > 0
         assert r["train_moved"] > 1e-3
         assert r["phase_after_generate"] == "inference"
