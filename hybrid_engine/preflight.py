@@ -23,7 +23,7 @@ from typing import Any
 from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoints
 from hybrid_engine.config import RunConfig
 
-__all__ = ["check_gpu", "check_kv_cache", "check_model_folder", "check_output_dir", "preflight"]
+__all__ = ["check_gpu", "check_kv_cache", "check_model_for_run", "check_model_folder", "check_output_dir", "preflight"]
 
 
 def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume: bool,
@@ -114,14 +114,16 @@ def check_model_folder(folder: Path) -> Any:
 
 def check_parallel(hf: Any, tp: int, world_size: int, *, what: str = "world size") -> None:
     """rollout.tensor_parallel_size divides the world (the rollout ranks under
-    separate placement) and the model's heads."""
-    from hybrid_engine.reshard.layouts import check_tp, model_dims
+    separate placement), and the model meets the supported-model contract for
+    it (`reshard.layouts.check_model`: architecture, biases, heads, MLP, padded
+    vocabulary)."""
+    from hybrid_engine.reshard.layouts import check_model
 
     if world_size % tp:
         raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the {what} "
                          f"{world_size}")
     try:
-        check_tp(model_dims(hf), tp)
+        check_model(hf, tp)
     except ValueError as e:
         raise ValueError(f"rollout.{e}") from None
 
@@ -159,3 +161,13 @@ def check_gpu(local_world_size: int, *, environ: dict | None = None) -> None:
         raise ValueError(f"{local_world_size} rank(s) on this machine but only "
                          f"{torch.cuda.device_count()} CUDA device(s): one rank per GPU "
                          "(torchrun --nproc_per_node)")
+
+
+def check_model_for_run(model_path: str, tp: int, world_size: int, *,
+                        what: str = "world size") -> None:
+    """The model checks of `preflight` alone, for `HybridActor` and
+    `SeparatePolicy` used without the CLI: a bad folder or an unsupported
+    model/TP combination fails here, before the trainer or an engine is built."""
+    from hybrid_engine.parallel.fsdp import resolve_model_path
+
+    check_parallel(check_model_folder(resolve_model_path(model_path)), tp, world_size, what=what)

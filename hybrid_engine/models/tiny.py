@@ -92,6 +92,8 @@ class TinyModelSpec:
     """RoPE base."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon."""
+    attention_bias: bool = False
+    """llama only: q/k/v and o_proj biases (config.attention_bias)."""
     dtype: str = "float32"
     """Storage dtype of the safetensors file: "float32" or "bfloat16" (drawn in
     fp32 then rounded, so a bf16 file is the rounded fp32 one)."""
@@ -107,6 +109,9 @@ class TinyModelSpec:
             raise ValueError("qwen2 needs head_dim == hidden_size // num_heads (vLLM derives it so)")
         if self.vocab_size < TOKENIZER_VOCAB_SIZE:
             raise ValueError(f"vocab_size={self.vocab_size} < tokenizer size {TOKENIZER_VOCAB_SIZE}")
+        if self.attention_bias and self.arch != "llama":
+            raise ValueError("attention_bias is a llama option (qwen2 always has q/k/v biases; "
+                             "vLLM's qwen3 has no o_proj bias)")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
 
@@ -171,7 +176,7 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.q_proj.weight"] = (q_dim, h)
         shapes[p + "self_attn.k_proj.weight"] = (kv_dim, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv_dim, h)
-        if spec.arch == "qwen2":
+        if spec.arch == "qwen2" or spec.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_dim,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_dim,)
@@ -179,6 +184,8 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_dim)
+        if spec.attention_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
@@ -202,7 +209,9 @@ def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
 
     config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}[spec.arch]
     arch_name = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    extra = {"attention_bias": True} if spec.attention_bias else {}
     return config_cls(
+        **extra,
         architectures=[arch_name[spec.arch]],
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,

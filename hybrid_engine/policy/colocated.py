@@ -64,11 +64,12 @@ from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.parallel.dist import all_groups, init_distributed, set_collective_timeout
 from hybrid_engine.parallel.fsdp import DTYPES, resolve_model_path
 from hybrid_engine.parallel.offload import OptimizerOffload
-from hybrid_engine.policy.phases import Phases
 from hybrid_engine.parallel.shards import gather_response_field, local_batch
+from hybrid_engine.policy.phases import Phases
+from hybrid_engine.policy.updates import policy_updates
+from hybrid_engine.preflight import check_model_for_run
 from hybrid_engine.roles.sync import WeightSync
 from hybrid_engine.roles.trainer import Trainer
-from hybrid_engine.policy.updates import policy_updates
 from hybrid_engine.rollout.engine import Completions, VLLMRollout
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
@@ -166,6 +167,9 @@ class HybridActor:
         host_groups = [] if self._owns_group else all_groups()
         self.rank = dist.get_rank()
         self.model_path = str(resolve_model_path(cfg.model.path))
+        # The model contract before anything is built (seconds, not an engine start).
+        check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size,
+                            dist.get_world_size())
         t0 = time.perf_counter()
         self.trainer = Trainer(self.model_path, cfg.train, cfg.model,
                                logits_chunk_tokens=cfg.train.logits_chunk_tokens,

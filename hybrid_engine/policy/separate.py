@@ -149,6 +149,10 @@ class SeparatePolicy:
         self.num_trainers, _ = split_ranks(world, cfg.rollout)
         self.is_trainer = self.rank < self.num_trainers
         self.model_path = str(resolve_model_path(cfg.model.path))
+        from hybrid_engine.preflight import check_model_for_run
+
+        check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size,
+                            world - self.num_trainers, what="rollout ranks")
         t0 = time.perf_counter()
         # Every rank makes both groups, before any engine exists (names must agree).
         trainer_group = dist.new_group(list(range(self.num_trainers)))

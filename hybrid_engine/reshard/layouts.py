@@ -11,6 +11,7 @@ RowParallelLinear, VocabParallelEmbedding / ParallelLMHead):
 | qkv_proj.weight/bias | q rows of r's heads, then k, then v rows of r's kv heads (a kv head is replicated on T/num_kv ranks when num_kv < T) |
 | gate_up_proj.weight | rows r/T of gate, then rows r/T of up |
 | o_proj, down_proj .weight | all rows, columns r/T |
+| o_proj.bias (Llama attention_bias) | all of it (vLLM adds it on TP rank 0 only) |
 | embed_tokens, lm_head .weight | rows [r*Vp/T, (r+1)*Vp/T) of the vocab padded to Vp (multiple of 64); padding rows zero |
 | norms, q_norm/k_norm | replicated |
 
@@ -30,6 +31,7 @@ __all__ = [
     "ModelDims",
     "Segment",
     "TargetParam",
+    "check_model",
     "check_tp",
     "hf_shapes",
     "model_dims",
@@ -75,6 +77,7 @@ class ModelDims:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    o_bias: bool = False
 
 
 def model_dims(config: Any) -> ModelDims:
@@ -95,7 +98,19 @@ def model_dims(config: Any) -> ModelDims:
     head_dim = config.hidden_size // heads
     if arch != "Qwen2ForCausalLM" and getattr(config, "head_dim", None):
         head_dim = config.head_dim
-    qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    if arch == "Qwen3ForCausalLM" and attention_bias:
+        # HF's Qwen3 gives o_proj a bias too; vLLM's Qwen3 has none and would drop it.
+        raise ValueError("Qwen3 with attention_bias=True is not supported: vLLM's Qwen3 has "
+                         "no o_proj bias, so rollouts would not use the trained weights")
+    if arch == "LlamaForCausalLM" and (
+            getattr(config, "bias", False)
+            or bool(getattr(config, "qkv_bias", attention_bias)) != attention_bias):
+        # vLLM reads these legacy flags; HF's Llama only knows attention_bias.
+        raise ValueError("Llama configs with `bias` or a `qkv_bias` other than attention_bias "
+                         "are not supported (HF and vLLM would build different biases)")
+    qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
+    o_bias = arch == "LlamaForCausalLM" and attention_bias
     if getattr(config, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
     return ModelDims(
@@ -103,8 +118,24 @@ def model_dims(config: Any) -> ModelDims:
         num_heads=heads, num_kv_heads=config.num_key_value_heads or heads, head_dim=head_dim,
         intermediate=config.intermediate_size, vocab=config.vocab_size,
         tied=bool(config.tie_word_embeddings), qkv_bias=qkv_bias,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM", o_bias=o_bias,
     )
+
+
+def check_model(config: Any, tp: int) -> ModelDims:
+    """The supported-model contract in one place: architecture, bias flags, tied
+    embeddings, heads, MLP and padded vocabulary against the rollout's TP size.
+    Runs before any engine starts (preflight, HybridActor, build_plan).
+
+    Returns:
+        The model's ModelDims.
+
+    Raises:
+        ValueError: a one-line reason.
+    """
+    d = model_dims(config)
+    check_tp(d, tp)
+    return d
 
 
 def hf_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
@@ -125,6 +156,8 @@ def hf_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
             out[p + "self_attn.q_norm.weight"] = (d.head_dim, 1)
             out[p + "self_attn.k_norm.weight"] = (d.head_dim, 1)
         out[p + "self_attn.o_proj.weight"] = (d.hidden, q)
+        if d.o_bias:
+            out[p + "self_attn.o_proj.bias"] = (d.hidden, 1)
         out[p + "post_attention_layernorm.weight"] = (d.hidden, 1)
         out[p + "mlp.gate_proj.weight"] = (d.intermediate, d.hidden)
         out[p + "mlp.up_proj.weight"] = (d.intermediate, d.hidden)
@@ -146,6 +179,12 @@ def check_tp(d: ModelDims, tp: int) -> None:
         raise ValueError(
             f"tensor_parallel_size={tp} and num_key_value_heads={d.num_kv_heads}: "
             "one must divide the other"
+        )
+    padded = -(-d.vocab // VOCAB_PADDING) * VOCAB_PADDING
+    if padded % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide the vocabulary as vLLM pads it: "
+            f"vocab_size={d.vocab} -> {padded} (a multiple of {VOCAB_PADDING})"
         )
 
 
@@ -194,6 +233,8 @@ def _layer(d: ModelDims, tp: int, r: int, i: int) -> Iterator[TargetParam]:
     nq = d.num_heads // tp * d.head_dim
     yield TargetParam(a + "o_proj.weight", (d.hidden, nq),
                       (Segment(a + "o_proj.weight", (0, d.hidden), (r * nq, (r + 1) * nq), 0),))
+    if d.o_bias:
+        yield _full(a + "o_proj.bias", d.hidden, 1)
     yield _full(p + "post_attention_layernorm.weight", d.hidden, 1)
     ni = d.intermediate // tp
     yield TargetParam(m + "gate_up_proj.weight", (2 * ni, d.hidden), (

@@ -21,6 +21,7 @@ SPECS = {
     "llama-kv1-tied": TinyModelSpec(arch="llama", num_kv_heads=1, tie_word_embeddings=True),
     "qwen3-kv1": TinyModelSpec(arch="qwen3", num_kv_heads=1, vocab_size=1001),
     "qwen2-mha-tied": TinyModelSpec(arch="qwen2", num_kv_heads=4, tie_word_embeddings=True),
+    "llama-bias": TinyModelSpec(arch="llama", attention_bias=True, vocab_size=1000),
 }
 
 
@@ -62,6 +63,8 @@ def _expected(full: dict[str, torch.Tensor], d: ModelDims, tp: int, r: int) -> d
             v = heads(full[a + f"v_proj.{suffix}"], kv_heads)
             out[a + f"qkv_proj.{suffix}"] = torch.cat([q, k, v])
         out[a + "o_proj.weight"] = full[a + "o_proj.weight"].chunk(tp, dim=1)[r]
+        if d.o_bias:  # RowParallelLinear's bias: whole on every rank
+            out[a + "o_proj.bias"] = full[a + "o_proj.bias"]
         out[m + "gate_up_proj.weight"] = torch.cat(
             [full[m + "gate_proj.weight"].chunk(tp)[r], full[m + "up_proj.weight"].chunk(tp)[r]])
         out[m + "down_proj.weight"] = full[m + "down_proj.weight"].chunk(tp, dim=1)[r]

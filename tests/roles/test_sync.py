@@ -138,7 +138,8 @@ CASES = [
     ("llama-kv1-tied", dict(arch="llama", num_kv_heads=1, tie_word_embeddings=True), 2, 1, "float32"),
     ("qwen3-kv1", dict(arch="qwen3", num_kv_heads=1, vocab_size=1001), 4, 2, "float32"),
     ("qwen2-tied-bf16", dict(arch="qwen2", tie_word_embeddings=True), 4, 4, "bfloat16"),
-    ("llama-replicas", dict(arch="llama", vocab_size=1000), 4, 1, "float32"),
+    ("llama-bias-replicas", dict(arch="llama", vocab_size=1000, attention_bias=True), 4, 1,
+     "float32"),
 ]
 
 

@@ -1,0 +1,77 @@
+"""The supported-model contract (`reshard.layouts.check_model`): what is rejected,
+with a one-line reason, before any engine starts; Llama's attention_bias is
+supported (its layout is checked bit for bit in test_plan / test_transfer and
+against vLLM's own loaders in tests/roles/test_sync.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from hybrid_engine.models.tiny import TinyModelSpec, hf_config, hf_param_shapes
+from hybrid_engine.reshard.layouts import ModelDims, check_model, hf_shapes, model_dims
+from hybrid_engine.reshard.plan import build_plan
+
+
+def test_a_padded_vocabulary_tp_does_not_divide_is_rejected() -> None:
+    # vocab 1000 is padded to 1024 by vLLM; T=3 would cover 1023 of its rows.
+    dims = ModelDims("LlamaForCausalLM", 2, 96, 3, 3, 32, 210, 1000, False, False, False)
+    with pytest.raises(ValueError, match=r"must divide the vocabulary as vLLM pads it: "
+                                         r"vocab_size=1000 -> 1024"):
+        build_plan(dims, 3, 3)
+    build_plan(dims, 3, 1)  # T=1 splits nothing
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    (dict(arch="qwen3"), "Qwen3 with attention_bias=True is not supported"),
+    (dict(arch="llama", bias=True), "Llama configs with `bias`"),
+    (dict(arch="llama", qkv_bias=False), "a `qkv_bias` other than attention_bias"),
+    (dict(arch="llama", mlp_bias=True), "mlp_bias=True is not supported"),
+])
+def test_bias_layouts_vllm_would_load_differently_are_rejected(changes, reason) -> None:
+    config = hf_config(TinyModelSpec(arch=changes.pop("arch")))
+    config.attention_bias = True
+    for k, v in changes.items():
+        setattr(config, k, v)
+    with pytest.raises(ValueError, match=reason):
+        check_model(config, 1)
+
+
+def test_llama_attention_bias_is_in_the_layout() -> None:
+    spec = TinyModelSpec(arch="llama", attention_bias=True)
+    dims = check_model(hf_config(spec), 2)
+    assert dims.qkv_bias and dims.o_bias
+    shapes = hf_shapes(dims)
+    assert {n: (s[0], s[1] if len(s) > 1 else 1) for n, s in hf_param_shapes(spec).items()} == shapes
+    assert shapes["model.layers.0.self_attn.o_proj.bias"] == (spec.hidden_size, 1)
+    plain = model_dims(hf_config(TinyModelSpec(arch="llama")))
+    assert not plain.qkv_bias and not plain.o_bias
+
+
+def _actor_on(folder: str) -> dict:
+    import sys
+
+    from hybrid_engine.policy.colocated import HybridActor
+
+    t0 = time.perf_counter()
+    try:
+        HybridActor.from_pretrained(folder)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"error": error, "s": time.perf_counter() - t0, "vllm_imported": "vllm" in sys.modules}
+
+
+@pytest.mark.slow
+def test_hybrid_actor_refuses_an_unsupported_model_before_building_anything(tmp_path) -> None:
+    from hybrid_engine.models.tiny import write_tiny_model
+    from hybrid_engine.testing import run_in_subprocess
+
+    folder = write_tiny_model(tmp_path / "m", TinyModelSpec(arch="qwen3"))
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "attention_bias": True}))
+    out = run_in_subprocess(_actor_on, str(folder), timeout=120)
+    assert "Qwen3 with attention_bias=True is not supported" in out["error"]
+    assert out["s"] < 5 and not out["vllm_imported"], out  # no trainer, no engine
