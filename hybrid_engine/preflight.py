@@ -23,7 +23,7 @@ from typing import Any
 from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoints
 from hybrid_engine.config import RunConfig
 
-__all__ = ["check_gpu", "check_kv_cache", "check_model_for_run", "check_model_folder", "check_output_dir", "preflight"]
+__all__ = ["check_safetensors", "check_gpu", "check_kv_cache", "check_model_for_run", "check_model_folder", "check_output_dir", "preflight"]
 
 
 def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume: bool,
@@ -100,10 +100,19 @@ def check_model_folder(folder: Path) -> Any:
     model_dims(hf)  # unsupported architecture: lists the supported ones
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {str(folder)!r} has no *.safetensors weights")
+    for f in sorted(folder.glob("*.safetensors")):
+        check_safetensors(f)
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((folder / f).exists() for f in files):
+        raise ValueError(f"model folder {str(folder)!r} has no tokenizer (none of "
+                         f"{', '.join(files)}): copy the model's tokenizer files beside its weights")
     try:
         tok = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"model folder {str(folder)!r}: no usable tokenizer: {e}") from None
+    if not tok.encode("12+34=", add_special_tokens=False):
+        raise ValueError(f"model folder {str(folder)!r}: its tokenizer encodes text to nothing "
+                         "(tokenizer files incomplete?)")
     vocab = getattr(hf, "vocab_size", None) or hf.get_text_config().vocab_size
     if len(tok) > vocab:
         raise ValueError(f"model folder {str(folder)!r}: the tokenizer has {len(tok)} tokens but "
@@ -171,3 +180,33 @@ def check_model_for_run(model_path: str, tp: int, world_size: int, *,
     from hybrid_engine.parallel.fsdp import resolve_model_path
 
     check_parallel(check_model_folder(resolve_model_path(model_path)), tp, world_size, what=what)
+
+
+def check_safetensors(path: Path) -> None:
+    """A safetensors file whose header parses and whose size is exactly the
+    header's plus the data it declares: a zero-byte, truncated or corrupt file
+    fails here, before any engine reads it (finiteness is checked as the
+    trainer loads the rows, `parallel.fsdp.load_sharded_safetensors`)."""
+    size = path.stat().st_size
+    bad = f"model file {str(path)!r}"
+    if size < 8:
+        raise ValueError(f"{bad} is {size} bytes: not a safetensors file (empty or truncated)")
+    with path.open("rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if n > size - 8:
+            raise ValueError(f"{bad}: corrupt safetensors header (declares {n} header bytes, "
+                             f"the file has {size})")
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{bad}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{bad}: corrupt safetensors header (not a JSON object)")
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    if len(ends) != len([k for k in header if k != "__metadata__"]):
+        raise ValueError(f"{bad}: corrupt safetensors header (a tensor without data_offsets)")
+    if 8 + n + max(ends, default=0) != size:
+        raise ValueError(f"{bad} is {size} bytes but its header declares "
+                         f"{8 + n + max(ends, default=0)}: truncated or padded (an interrupted "
+                         "copy or download?)")

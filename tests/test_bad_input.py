@@ -77,6 +77,26 @@ def _model_case(kind: str, model_dir: Path, tmp: Path) -> Path:
         return tmp / "noweights"
     if kind == "vocab_mismatch":
         return _edit_config(model_dir, tmp / "smallvocab", vocab_size=64)
+    if kind in ("zero_byte", "truncated", "corrupt_header", "nan_weights"):
+        bad = _edit_config(model_dir, tmp / kind)
+        weights = bad / "model.safetensors"
+        data = weights.read_bytes()
+        if kind == "zero_byte":
+            weights.write_bytes(b"")
+        elif kind == "truncated":
+            weights.write_bytes(data[: len(data) - 1000])
+        elif kind == "corrupt_header":
+            weights.write_bytes(data[:8] + b"\x00garbage" + data[17:])
+        else:  # one NaN in the last rows: only rank 1 reads it, both must stop
+            from safetensors.torch import load_file, save_file
+
+            tensors = load_file(weights)
+            tensors["model.layers.1.mlp.up_proj.weight"][-1, 3] = float("nan")
+            save_file(tensors, weights)
+        return bad
+    if kind == "no_tokenizer":
+        return Path(shutil.copytree(model_dir, tmp / "notok",
+                                    ignore=shutil.ignore_patterns("tokenizer*")))
     raise AssertionError(kind)
 
 
@@ -88,6 +108,11 @@ def _model_case(kind: str, model_dir: Path, tmp: Path) -> Path:
                           "LlamaForCausalLM", "Qwen3ForCausalLM"]),
     ("no_weights", "no *.safetensors weights"),
     ("vocab_mismatch", ["the tokenizer has", "vocab_size is 64"]),
+    ("zero_byte", "is 0 bytes: not a safetensors file"),
+    ("truncated", "truncated or padded"),
+    ("corrupt_header", "corrupt safetensors header"),
+    ("no_tokenizer", "has no tokenizer"),
+    ("nan_weights", ["model.layers.1.mlp.up_proj.weight holds NaN or inf", "meaningless"]),
 ])
 def test_bad_model_folder(model_dir, tmp_path, kind, expected) -> None:
     out = tmp_path / "run"

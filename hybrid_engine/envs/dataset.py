@@ -71,8 +71,13 @@ def load_jsonl(path: str | os.PathLike) -> list[Example]:
     if not file.is_file():
         raise ValueError(f"{file}: dataset file not found")
     examples = []
-    with file.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with file.open("rb") as f:  # bytes: a bad line is reported with its number
+        for line_no, raw in enumerate(f, start=1):
+            try:  # utf-8-sig: a byte-order mark (editors on Windows) is accepted
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{file}:{line_no}: not valid UTF-8 ({e.reason} at byte "
+                                 f"{e.start})") from None
             if line.strip():
                 examples.append(_parse_line(line, f"{file}:{line_no}"))
     if not examples:

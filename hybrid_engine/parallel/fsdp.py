@@ -309,7 +309,9 @@ def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> Loa
         LoadStats of this rank.
 
     Raises:
-        ValueError: a parameter is missing from the checkpoint or has another shape.
+        ValueError: a parameter is missing from the checkpoint or has another
+            shape, or any rank read a NaN/inf (checked as the rows load; every
+            rank raises, naming the first such tensor).
     """
     files = _tensor_files(Path(folder))
     by_file: dict[Path, list[tuple[str, DTensor]]] = {}
@@ -318,6 +320,7 @@ def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> Loa
             raise ValueError(f"parameter {name} is not in the checkpoint {folder}")
         by_file.setdefault(files[name], []).append((name, param))
     read = total = max_rows = 0
+    nonfinite: str | None = None
     for file, params in by_file.items():
         with safetensors.safe_open(file, "pt") as f:
             for name, param in params:
@@ -333,10 +336,28 @@ def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> Loa
                 if end > start:
                     with torch.no_grad():
                         local.copy_(sl[start:end])
+                        if nonfinite is None and not bool(torch.isfinite(local).all()):
+                            nonfinite = name
                 read += local.numel()
                 total += param.numel()
                 max_rows = max(max_rows, end - start)
+    _agree_finite(nonfinite, by_file, folder)
     return LoadStats(elements_read=read, elements_total=total, max_rows_read=max_rows)
+
+
+def _agree_finite(nonfinite: str | None, by_file: dict, folder: str | os.PathLike) -> None:
+    """Every rank of the mesh raises if any rank read a non-finite weight
+    (a rank alone raising would leave the others waiting in a collective)."""
+    params = [p for ps in by_file.values() for _, p in ps]
+    group = params[0].device_mesh.get_group() if params else None
+    found: list = [nonfinite]
+    if group is not None and dist.get_world_size(group) > 1:
+        found = [None] * dist.get_world_size(group)
+        dist.all_gather_object(found, nonfinite, group=group)
+    bad = [n for n in found if n is not None]
+    if bad:
+        raise ValueError(f"model folder {str(folder)!r}: {bad[0]} holds NaN or inf values "
+                         "(a corrupt or diverged checkpoint); training from it is meaningless")
 
 
 # --------------------------------------------------------------------------

@@ -71,3 +71,13 @@ def test_cursor_save_restore_continues_identically():
     assert restored.next_indices(9) == expected
     with pytest.raises(ValueError, match="seed"):
         EpochCursor(5, seed=2).load_state_dict(state)
+
+
+def test_load_jsonl_accepts_a_bom_and_names_the_line_of_bad_utf8(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": 2}\n')
+    assert load_jsonl(path) == [Example("1+1=", "2")]
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "caf\xe9", "answer": 1}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not valid UTF-8"):
+        load_jsonl(bad)
