@@ -192,6 +192,12 @@ class HybridActor:
         self.phases = Phases(self.rollout, lambda: self.syncer.sync(self.trainer.module,
                                                                     self.rollout),
                              self.offload, release=cfg.rollout.release_memory)
+        if cfg.model.master_dtype != "float32":
+            # vLLM loaded the file itself; the trainer holds it rounded to the master
+            # dtype. The first generate syncs, so step 0 samples the trainer's weights.
+            # (An fp32 master holds every checkpoint value exactly: vLLM's own cast of
+            # the file and the sync's are the same rounding.)
+            self.phases.trained()
         log.info("hybrid actor ready in %.1f s: FSDP2 over %d rank(s), vLLM TP=%d",
                  time.perf_counter() - t0, dist.get_world_size(),
                  cfg.rollout.tensor_parallel_size)

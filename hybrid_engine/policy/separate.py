@@ -188,7 +188,10 @@ class SeparatePolicy:
         self._shared = _SharedRollout(self.rollout, cfg.rollout, src=self.num_trainers)
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
-        self._stale = False  # both sides loaded the same checkpoint file
+        # Both sides loaded the same file; a master dtype narrower than fp32 rounded
+        # the trainer's copy, so the first generate syncs (step 0 samples the
+        # trainer's weights).
+        self._stale = cfg.model.master_dtype != "float32"
         log.info("separate policy ready in %.1f s: FSDP2 over ranks 0-%d, vLLM TP=%d over "
                  "ranks %d-%d", time.perf_counter() - t0, self.num_trainers - 1,
                  cfg.rollout.tensor_parallel_size, self.num_trainers, world - 1)

@@ -212,3 +212,33 @@ def test_emulated_sleep_catches_a_forgotten_invalidation(tmp_path) -> None:
         assert r["guarded"] is None
         # Without the invalidation the engine samples the NaN weights: refused, loudly.
         assert r["unguarded"] is not None and "NaN log-probs" in r["unguarded"], r
+
+
+def _bf16_master_case(model_dir: str) -> dict:
+    import torch
+
+    from hybrid_engine.policy.colocated import HybridActor
+
+    actor = HybridActor.from_pretrained(model_dir, overrides={
+        "rollout.max_tokens": 4, "rollout.max_model_len": 64, "rollout.kv_cache_gib": 0.25,
+        "rollout.enforce_eager": True, "model.rollout_dtype": "float32",
+        "model.master_dtype": "bfloat16", "model.compute_dtype": "bfloat16"})
+    try:
+        actor.generate(PROMPTS, num_samples=1)  # step 0's rollout
+        name = "model.embed_tokens.weight"
+        engine = dict(actor.rollout._model().named_parameters())[name]
+        trainer = dict(actor.trainer.state_dict_shards())[name].full_tensor()
+        rows = min(engine.shape[0], trainer.shape[0])
+        return {"equal": torch.equal(engine[:rows].float(), trainer[:rows].float())}
+    finally:
+        actor.shutdown()
+
+
+def test_bf16_master_rollouts_start_from_the_trainers_rounded_weights(tmp_path) -> None:
+    """A bf16 master rounds the fp32 checkpoint; vLLM loaded the file itself. Step 0
+    must still sample exactly the trainer's weights (issue 18, item 4)."""
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+
+    model = write_tiny_model(tmp_path / "m", PRESETS["tiny"])  # fp32 file
+    out = run_ranks(_bf16_master_case, 1, str(model), timeout=240)[0]
+    assert out["equal"]
