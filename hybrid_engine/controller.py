@@ -6,7 +6,7 @@ Job: the RL loop of DESIGN.md and nothing else --
     [-> again, while the algorithm wants more prompts: dynamic sampling]
     -> advantages -> skip if no sample carries signal -> train -> sync -> metrics
 
-plus exit conditions (steps, wall time, reward EMA), evaluation on held-out
+plus exit conditions (steps, wall time, reward EMA, the guards' aborts), evaluation on held-out
 prompts (at step 0, every eval_every steps and after the last step), periodic
 checkpoints and a clean stop on SIGINT/SIGTERM.
 
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_engine.config import RunConfig
+from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.metrics import PhaseTimer, trajectory_metrics
 
 __all__ = ["Controller", "Checkpointer", "any_rank"]
@@ -81,16 +82,22 @@ class Controller:
         scorers: roles whose `score(trajs)` runs after the reward (reference, critic).
         learners: roles whose `train_step(trajs)` runs after the policy's (critic).
         checkpointer: saves job state every cfg.checkpoint_every steps; None = never.
-        on_metrics: called with (step, metrics) after every step and eval.
+        on_metrics: called with (step, metrics) after every step and eval, once
+            the guards have flagged them; it writes, it decides nothing.
+        guards: the stop checks on metrics (mismatch alarm, non-finite streak);
+            default `Guards(cfg)`. A failed check raises `RunAborted` on every rank,
+            after the metrics are written and before the step's checkpoint.
     """
 
     def __init__(self, policy: Any, env: Any, algorithm: Any, cfg: RunConfig, *,
                  scorers: Sequence[Any] = (), learners: Sequence[Any] = (),
                  checkpointer: Checkpointer | None = None,
-                 on_metrics: Callable[[int, dict[str, float]], None] | None = None) -> None:
+                 on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+                 guards: Guards | None = None) -> None:
         self.policy, self.env, self.algorithm, self.cfg = policy, env, algorithm, cfg
         self.scorers, self.learners = list(scorers), list(learners)
         self.checkpointer, self.on_metrics = checkpointer, on_metrics or (lambda s, m: None)
+        self.guards = guards or Guards(cfg)
         self.state = _State()
         self._stop_signal: int | None = None
 
@@ -205,8 +212,11 @@ class Controller:
         return {"steps": s.step, "stop_reason": reason, "wall_s": s.wall_s, "history": s.history}
 
     def _record(self, step: int, m: dict[str, float]) -> None:
-        self.on_metrics(step, m)  # may add flags to m, or raise to stop the run
+        abort = self.guards.check(step, m)  # flags m; the same answer on every rank
+        self.on_metrics(step, m)
         self.state.history.append({"step": step, **m})
+        if abort:
+            raise RunAborted(abort)
 
     def _save(self, t_start: float) -> None:
         if self.checkpointer is None:

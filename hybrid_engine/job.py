@@ -35,6 +35,7 @@ from hybrid_engine.algorithms.algorithm import Algorithm
 from hybrid_engine.checkpoint import latest_checkpoint, prune_checkpoints, step_checkpoint_path
 from hybrid_engine.config import RunConfig, to_dict
 from hybrid_engine.controller import Controller
+from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.parallel.dist import set_collective_timeout
 from hybrid_engine.envs import make_env
 from hybrid_engine.metrics import MetricsSink, plot_metrics
@@ -44,12 +45,6 @@ from hybrid_engine.policy.separate import SeparatePolicy
 __all__ = ["Job", "JobCheckpointer", "RunAborted", "make_policy"]
 
 log = logging.getLogger("hybrid_engine.train")
-
-
-class RunAborted(RuntimeError):
-    """The run stopped itself (mismatch alarm with mismatch_abort, too many
-    non-finite steps in a row). Raised on every rank alike: the metrics it is
-    decided from are identical on every rank."""
 
 
 class JobCheckpointer:
@@ -106,7 +101,6 @@ class Job:
                   resume=resume, overwrite=overwrite)
         torch.manual_seed(cfg.seed)
         self.cfg, self.out = cfg, Path(cfg.output_dir)
-        self.nonfinite_in_a_row = 0
         self.actor = make_policy(cfg)
         try:
             self._build(cfg, resume, progress, overwrite)
@@ -119,7 +113,8 @@ class Job:
         self.rank0 = dist.get_rank() == 0
         if overwrite and not resume:
             self._clear_outputs()
-        self.env = make_env(cfg.env, self.actor.tokenizer)
+        # An env whose score() runs a model (reward model) is called in the training layout.
+        self.env = self.actor.model_side(make_env(cfg.env, self.actor.tokenizer))
         self.algorithm = Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,
                                    max_tokens=cfg.rollout.max_tokens,
                                    prompts_per_step=cfg.train.prompts_per_step)
@@ -152,7 +147,9 @@ class Job:
                                             cfg.keep_checkpoints)
         self.controller = Controller(self.actor, self.env, self.algorithm, cfg, scorers=scorers,
                                      learners=learners, checkpointer=self.checkpointer,
-                                     on_metrics=self._on_metrics)
+                                     on_metrics=self._on_metrics,
+                                     guards=Guards(cfg, lambda: latest_checkpoint(
+                                         self.out / "checkpoints")))
         start = None
         if resume:
             self.controller.load_state_dict(self.checkpointer.load_latest())
@@ -182,52 +179,12 @@ class Job:
         dist.barrier()
 
     def _on_metrics(self, step: int, m: dict[str, float]) -> None:
-        alarm = self._mismatch_alarm(step, m)
-        aborted = self._nonfinite_streak(step, m)
+        """Writes the metrics and moves the bar (the controller's guards decide stops)."""
         self.sink.write(step, m)
-        if alarm and self.cfg.mismatch_abort:
-            raise RunAborted(alarm)
-        if aborted:
-            raise RunAborted(aborted)
         if self.bar is not None and step > 0:
             post = {k: f"{m[k]:.3f}" for k in ("reward_mean", "accuracy", "eval/accuracy") if k in m}
             self.bar.set_postfix(post, refresh=False)
             self.bar.update(step - self.bar.n)
-
-    def _nonfinite_streak(self, step: int, m: dict[str, float]) -> str | None:
-        """Counts steps the trainer skipped for a NaN/inf loss or gradient norm
-        (m["skipped"]; also reported as nonfinite_in_a_row); the abort message
-        once train.max_nonfinite_in_a_row are in a row, else None. Raised
-        before this step's checkpoint, so the newest checkpoint is a good one."""
-        if "skipped" not in m:
-            return None  # an eval row, or a step with nothing to train on
-        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if m["skipped"] else 0
-        m["nonfinite_in_a_row"] = float(self.nonfinite_in_a_row)
-        limit = self.cfg.train.max_nonfinite_in_a_row
-        if not limit or self.nonfinite_in_a_row < limit:
-            if m["skipped"]:
-                log.warning("step %d: non-finite loss or gradient norm (%s): step skipped, "
-                            "weights unchanged", step, m.get("grad_norm"))
-            return None
-        newest = latest_checkpoint(self.out / "checkpoints")
-        return (f"step {step}: {limit} steps in a row had a non-finite loss or gradient norm "
-                f"(skipped, weights unchanged); aborting. Newest checkpoint: "
-                f"{newest or 'none'}; lower train.lr, check the reward scale, or raise "
-                "train.max_nonfinite_in_a_row")
-
-    def _mismatch_alarm(self, step: int, m: dict[str, float]) -> str | None:
-        """The alarm message when the step's rollout/trainer mismatch is over the
-        threshold (also flagged in the metrics as mismatch_alarm = 1), else None.
-        Metrics are identical on every rank, so every rank decides the same."""
-        limit, value = self.cfg.mismatch_alarm, m.get("mismatch_abs_mean")
-        if limit is None or value is None or value <= limit:
-            return None
-        m["mismatch_alarm"] = 1.0
-        msg = (f"step {step}: rollout/trainer log-prob mismatch {value:.3g} (mean |diff| on "
-               f"sampled tokens, max {m.get('mismatch_abs_max', float('nan')):.3g}) exceeds "
-               f"mismatch_alarm={limit}: the weight sync or the dtypes are likely broken")
-        log.warning("%s", msg)
-        return msg
 
     def run(self) -> dict[str, Any]:
         """Runs the controller, exports the final policy and plots; returns the summary."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoints
-from hybrid_engine.config import RunConfig
+from hybrid_engine.config import RunConfig, check_registered
 
 __all__ = ["check_safetensors", "check_gpu", "check_kv_cache", "check_model_for_run", "check_model_folder", "check_output_dir", "preflight"]
 
@@ -47,9 +47,11 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
         check_parallel(hf, cfg.rollout.tensor_parallel_size, world_size)
     check_kv_cache(cfg.rollout.kv_cache_gib, local_world_size)
     check_gpu(local_world_size)
-    from hybrid_engine.envs import ENVS
+    check_registered(cfg)  # names of estimators, losses, envs: lists the registered ones
+    from hybrid_engine.algorithms.algorithm import Algorithm
 
-    ENVS.get(cfg.env.name)  # unknown name: lists the registered ones
+    Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,  # e.g. group sizes
+              max_tokens=cfg.rollout.max_tokens, prompts_per_step=cfg.train.prompts_per_step)
     if cfg.env.dataset_path:
         from hybrid_engine.envs.dataset import load_jsonl
 

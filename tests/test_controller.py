@@ -255,6 +255,45 @@ def test_broken_sync_trips_the_mismatch_alarm(model_dir, tmp_path, emulate) -> N
     for r in out:  # every rank stops, with the same message
         assert r["error"] is not None and expected in r["error"], r
     assert out[0]["error"] == out[1]["error"]
+    if not emulate:  # the alarm's step is recorded, flagged, then the run stops
+        assert out[0]["history"][-1]["mismatch_alarm"] == 1.0
     # The steps before the alarm were healthy: fp32 sync gives ~1e-6.
-    trained = [h for h in out[0]["history"] if h["step"] > 0 and not h["skipped_degenerate"]]
-    assert all(h["mismatch_abs_mean"] < 1e-3 for h in trained)
+    trained = [h for h in out[0]["history"] if h["step"] > 0 and not h["skipped_degenerate"]
+               and "mismatch_alarm" not in h]
+    assert trained and all(h["mismatch_abs_mean"] < 1e-3 for h in trained)
+
+
+def _reward_model_job(model_dir: str, out_dir: str, rm_path: str) -> dict:
+    from hybrid_engine.job import Job
+
+    _register_digits()
+    job = Job(_config(model_dir, out_dir, {"env.reward_model_path": rm_path,
+                                           "train.num_steps": 1, "eval_every": 1,
+                                           "rollout.tensor_parallel_size": 1}),
+              progress=False)
+    layouts = []
+    score = job.env.role.score  # the RewardModelEnv behind the policy's model_side
+
+    def recording(trajs):  # noqa: ANN001, ANN202
+        layouts.append(job.actor.phases.layout)
+        return score(trajs)
+
+    job.env.role.score = recording
+    try:
+        summary = job.run()
+    finally:
+        job.shutdown()
+    return {"layouts": layouts, "steps": summary["steps"]}
+
+
+def test_reward_model_scores_in_the_training_layout(model_dir, tmp_path) -> None:
+    """G4: the reward model's forwards run with the engine released (the training
+    layout), like the reference's; the job wires the env through model_side."""
+    from hybrid_engine.envs.reward_model import write_tiny_reward_model
+    from hybrid_engine.models.tiny import TinyModelSpec
+
+    rm = write_tiny_reward_model(tmp_path / "rm", TinyModelSpec(seed=3))
+    out = run_ranks(_reward_model_job, 1, model_dir, str(tmp_path / "run"), str(rm),
+                    timeout=300)[0]
+    # eval at step 0, the step's scoring, eval after it: every call in the training layout
+    assert out["steps"] == 1 and out["layouts"] == ["training"] * 3, out

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from hybrid_engine.config.overrides import (
     apply_overrides,
+    check_registered,
     describe,
     flatten,
     help_text,
@@ -49,6 +50,7 @@ __all__ = [
     "SyncConfig",
     "TrainConfig",
     "apply_overrides",
+    "check_registered",
     "describe",
     "flatten",
     "from_dict",
@@ -59,12 +61,14 @@ __all__ = [
 ]
 
 Dtype = Literal["bfloat16", "float32"]
-AdvantageName = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "gae"]
+# The reductions are arithmetic of their own (aggregation.py), not plug-ins.
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"]
-
-# Advantage estimators whose baseline is the other samples of the same prompt:
-# with one sample per prompt every advantage is zero (or undefined for RLOO).
-_GROUP_ADVANTAGES = ("grpo", "drgrpo", "rloo")
+# Fields naming a registry entry are open str, checked at build time
+# (`check_registered`, from preflight and the Algorithm/make_env builders).
+_ADVANTAGES = "hybrid_engine.algorithms.advantages:ADVANTAGES"
+_POLICY_LOSSES = "hybrid_engine.algorithms.losses:POLICY_LOSSES"
+_KL_ESTIMATORS = "hybrid_engine.algorithms.kl:KL_ESTIMATORS"
+_ENVS = "hybrid_engine.envs:ENVS"
 
 
 # --------------------------------------------------------------------------
@@ -243,7 +247,8 @@ class TrainConfig:
 class AlgorithmConfig:
     """Advantage estimator and policy loss."""
 
-    advantage: AdvantageName = _field("grpo", "Advantage estimator (registry name).")
+    advantage: str = _field("grpo", "Advantage estimator (registry name; register_advantage "
+                            "adds one).", registry=_ADVANTAGES)
     loss_agg: LossAgg = _field(
         "token_mean",
         "How per-token losses reduce to a scalar: mean over all tokens, per-sequence "
@@ -257,8 +262,9 @@ class AlgorithmConfig:
         None, "Dual-clip bound c on negative advantages; None disables it.", gt=1
     )
     kl_coef: float = _field(0.0, "Weight of the KL penalty to the reference policy; 0 = off.", ge=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = _field(
-        "k3", "KL estimator (Schulman's k1/k2/k3) of logp - ref_logp."
+    kl_estimator: str = _field(
+        "k3", "KL estimator of logp - ref_logp (registry name; Schulman's k1/k2/k3).",
+        registry=_KL_ESTIMATORS,
     )
     kl_in_reward: bool = _field(
         False, "Subtract kl_coef * KL from the reward instead of adding it to the loss."
@@ -272,8 +278,9 @@ class AlgorithmConfig:
     )
     gamma: float = _field(1.0, "Discount factor (GAE, REINFORCE++).", ge=0, le=1)
     lam: float = _field(1.0, "GAE lambda.", ge=0, le=1)
-    policy_loss: Literal["ppo", "gspo"] = _field(
-        "ppo", "Policy loss: token-level PPO clip, or GSPO's sequence-level ratio."
+    policy_loss: str = _field(
+        "ppo", "Policy loss (registry name): token-level PPO clip, or GSPO's sequence-level "
+        "ratio.", registry=_POLICY_LOSSES
     )
     loss_agg_constant: float | None = _field(
         None,
@@ -347,7 +354,8 @@ class SyncConfig:
 class EnvConfig:
     """The task: where prompts come from and how completions are rewarded."""
 
-    name: str = _field("arithmetic", "Environment registry name.")
+    name: str = _field("arithmetic", "Environment (registry name; register_env adds one).",
+                       registry=_ENVS)
     dataset_path: str = _field("", "Dataset file for the environment; '' = generated prompts.")
     seed: int = _field(0, "Seed of prompt generation / dataset shuffling.", ge=0)
     reward_model_path: str = _field(
@@ -437,12 +445,6 @@ class RunConfig:
         _validate_fields(self)
         if not self.output_dir.strip():
             raise ValueError("output_dir must be non-empty")
-        k = self.rollout.num_samples_per_prompt
-        if self.algorithm.advantage in _GROUP_ADVANTAGES and k < 2:
-            raise ValueError(
-                f"rollout.num_samples_per_prompt must be >= 2 for "
-                f"algorithm.advantage={self.algorithm.advantage!r} (group baseline), got {k}"
-            )
         if self.placement == "separate" and self.train.offload_optimizer:
             raise ValueError("train.offload_optimizer needs placement=colocated: under "
                              "placement=separate the trainer ranks hold no vLLM engine")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import math
 import operator
 import os
@@ -33,6 +34,7 @@ import yaml
 
 __all__ = [
     "apply_overrides",
+    "check_registered",
     "describe",
     "doc_field",
     "flatten",
@@ -58,15 +60,20 @@ _FALSE = ("false", "0", "no", "off")
 _NONE = ("none", "null")
 
 
-def doc_field(default: Any, doc: str, **bounds: float) -> Any:
+def doc_field(default: Any, doc: str, *, registry: str | None = None, **bounds: float) -> Any:
     """A dataclass field carrying its doc and numeric bounds (gt/ge/lt/le).
 
     A dataclass type as `default` makes a nested section (default_factory).
     Bounds are skipped when the value is None (optional fields).
+    registry: "module:NAME" of the `Registry` a str field names an entry of. The
+    field stays open (anything registered before the run is built is valid);
+    `check_registered` validates it, `help_text` lists the registered names.
     """
     assert doc.strip(), "every config field needs a doc"
     assert set(bounds) <= set(BOUNDS), f"unknown bound in {sorted(bounds)}"
     metadata = {"doc": doc, **bounds}
+    if registry is not None:
+        metadata["registry"] = registry
     if isinstance(default, type) and is_dataclass(default):
         return field(default_factory=default, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -270,9 +277,41 @@ def describe(cfg: Any) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _registry(spec: str) -> Any:
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _registry_fields(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
+    """(dotted key, value, registry spec) of every registry-named field of cfg."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if is_dataclass(value):
+            yield from _registry_fields(value, f"{prefix}{f.name}.")
+        elif "registry" in f.metadata:
+            yield prefix + f.name, value, f.metadata["registry"]
+
+
+def check_registered(cfg: Any) -> None:
+    """Every registry-named field of cfg names a registered entry (at build time:
+    entries a user registers before building the run count).
+
+    Raises:
+        ValueError: names the key, the registered names and the closest one.
+    """
+    for key, value, spec in _registry_fields(cfg):
+        try:
+            _registry(spec).get(value)
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
+
+
 def help_text(cfg: Any) -> str:
-    """describe(cfg) as aligned `--key=value  doc` lines, for a CLI --help."""
-    rows = describe(cfg)
+    """describe(cfg) as aligned `--key=value  doc` lines, for a CLI --help;
+    a registry-named field lists what is registered now."""
+    names = {key: _registry(spec).names() for key, _, spec in _registry_fields(cfg)}
+    rows = [(k, v, f"{d} Registered: {', '.join(names[k])}." if k in names else d)
+            for k, v, d in describe(cfg)]
     width = max(len(k) + len(v) for k, v, _ in rows) + 4
     return "\n".join(f"--{k}={v}".ljust(width) + f"  {d}" for k, v, d in rows)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import get_args, get_type_hints
 
 import pytest
 import torch
@@ -50,8 +49,8 @@ def test_kl_in_reward_sums_over_loss_tokens():
     torch.testing.assert_close(out, torch.tensor([0.94, -0.1]))
 
 
-def test_registry_matches_config_and_suggests():
-    literal = get_type_hints(AlgorithmConfig)["kl_estimator"]
-    assert set(get_args(literal)) == set(KL_ESTIMATORS.names())
+def test_registry_holds_the_config_default_and_suggests():
+    assert AlgorithmConfig().kl_estimator in KL_ESTIMATORS
+    assert {"k1", "k2", "k3"} <= set(KL_ESTIMATORS.names())
     with pytest.raises(ValueError, match="did you mean 'k3'"):
         get_kl_estimator("k4")

@@ -1,0 +1,33 @@
+"""The controller's stop checks on metrics (pure: no engine, no ranks)."""
+
+from __future__ import annotations
+
+from hybrid_engine.config import RunConfig, apply_overrides
+from hybrid_engine.guards import Guards
+
+
+def _cfg(**overrides: object) -> RunConfig:
+    return apply_overrides(RunConfig(), overrides)  # dotted keys
+
+
+def test_mismatch_alarm_flags_always_and_aborts_only_when_asked() -> None:
+    m = {"mismatch_abs_mean": 0.5, "mismatch_abs_max": 2.0}
+    warn = Guards(_cfg(mismatch_alarm=0.1))
+    assert warn.check(3, m) is None and m["mismatch_alarm"] == 1.0
+    stop = Guards(_cfg(mismatch_alarm=0.1, mismatch_abort=True))
+    msg = stop.check(3, dict(m))
+    assert msg is not None and msg.startswith("step 3: rollout/trainer log-prob mismatch 0.5")
+    quiet = {"mismatch_abs_mean": 0.05}
+    assert stop.check(4, quiet) is None and "mismatch_alarm" not in quiet
+
+
+def test_nonfinite_streak_counts_resets_and_aborts_at_the_limit() -> None:
+    g = Guards(_cfg(**{"train.max_nonfinite_in_a_row": 2}), lambda: "ckpt/step_00000003")
+    rows = [{"skipped": 1.0}, {"skipped": 0.0}, {"skipped": 1.0}, {"eval/accuracy": 0.5},
+            {"skipped": 1.0}]
+    answers = [g.check(i, r) for i, r in enumerate(rows, 1)]
+    assert [r.get("nonfinite_in_a_row") for r in rows] == [1.0, 0.0, 1.0, None, 2.0]
+    assert answers[:4] == [None] * 4
+    assert "step 5: 2 steps in a row" in answers[4] and "ckpt/step_00000003" in answers[4]
+    unlimited = Guards(_cfg(**{"train.max_nonfinite_in_a_row": 0}))
+    assert all(unlimited.check(i, {"skipped": 1.0}) is None for i in range(10))
