@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from hybrid_engine.parallel import watchdog
 import torch.distributed as dist
 
 __all__ = ["MetricsSink", "PhaseTimer", "plot_metrics", "trajectory_metrics"]
@@ -63,7 +65,8 @@ class PhaseTimer:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        yield
+        with watchdog.phase(name):  # names the phase if a peer goes silent here
+            yield
         self.metrics[f"{name}_s"] = self.metrics.get(f"{name}_s", 0.0) + time.perf_counter() - t0
         self.metrics[f"mem_{name}_bytes"] = _memory_bytes()
 

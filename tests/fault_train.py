@@ -1,12 +1,14 @@
-"""`hybrid-engine train` with one rank armed to SIGKILL itself mid-phase (test helper).
+"""`hybrid-engine train` with one rank armed to SIGKILL or SIGSTOP itself mid-phase
+(test helper).
 
-    HE_FAULT=<phase>:<n> HE_FAULT_RANK=1 HE_FAULT_STAMP=<file> \\
+    HE_FAULT=<phase>:<n>[:<signal>] HE_FAULT_RANK=1 HE_FAULT_STAMP=<file> \\
         torchrun ... tests/fault_train.py train --recipe=... [overrides]
 
 phase: rollout (entering the n-th generate), train (the n-th optimizer step),
 sync (the n-th weight sync) or save (the n-th checkpoint commit: shards
-written, the folder not yet marked complete). Just before the kill the rank
-writes time.time() to HE_FAULT_STAMP. Without HE_FAULT it is the plain CLI.
+written, the folder not yet marked complete). signal: kill (default) or stop.
+Just before the signal the rank writes time.time() to HE_FAULT_STAMP. Without
+HE_FAULT it is the plain CLI.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def _arm() -> None:
     fault = os.environ.get("HE_FAULT")
     if not fault or os.environ.get("RANK") != os.environ.get("HE_FAULT_RANK", "1"):
         return
-    phase, n = fault.split(":")
+    phase, n, *how = fault.split(":")
+    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[how[0] if how else "kill"]
     import hybrid_engine.checkpoint as ckpt
     from hybrid_engine.roles.sync import WeightSync
     from hybrid_engine.roles.trainer import Trainer
@@ -38,7 +41,7 @@ def _arm() -> None:
         calls[0] += 1
         if calls[0] == int(n):
             Path(os.environ["HE_FAULT_STAMP"]).write_text(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
         return original(*args, **kwargs)
 
     setattr(owner, name, armed)

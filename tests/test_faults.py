@@ -93,6 +93,29 @@ def test_killed_rank_stops_the_job_and_resume_reproduces(model_dir, reference, t
     assert _steps(out) == _steps(reference)
 
 
+@pytest.mark.parametrize("phase", ["rollout", "train", "sync", "save"])
+def test_stopped_rank_brings_the_job_down_with_one_error_line(model_dir, tmp_path,
+                                                              phase) -> None:
+    """A SIGSTOPped rank neither exits nor answers: vLLM's shared-memory all-reduce
+    would spin on it forever. The watchdog names it and ends the job within
+    collective_timeout_s + 30 s, leaving no process behind (issue 18, item 6)."""
+    import psutil
+
+    out, stamp, timeout = tmp_path / "run", tmp_path / "stopped_at", 20
+    proc = _train(model_dir, out, f"--collective_timeout_s={timeout}",
+                  fault=f"{phase}:2:stop", stamp=stamp)
+    exited = time.time()
+    text = proc.stdout
+    assert proc.returncode != 0 and stamp.exists(), text[-3000:]
+    assert exited - float(stamp.read_text()) < timeout + 30, text[-3000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1 (last in phase "), errors
+    assert "stopped, hung or dead" in errors[0]
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert left == [], left  # the stopped rank was killed, not left behind
+
+
 def test_resume_refuses_another_models_checkpoint(model_dir, reference, tmp_path) -> None:
     from hybrid_engine.models.tiny import PRESETS, write_tiny_model
 

@@ -61,6 +61,7 @@ from hybrid_engine.algorithms.losses import LossFn, policy_loss_fn
 from hybrid_engine.algorithms.mismatch import with_mismatch_metrics
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
 from hybrid_engine.config import RunConfig, apply_overrides
+from hybrid_engine.parallel import watchdog
 from hybrid_engine.parallel.dist import all_groups, init_distributed, set_collective_timeout
 from hybrid_engine.parallel.fsdp import DTYPES, resolve_model_path
 from hybrid_engine.parallel.offload import OptimizerOffload
@@ -164,6 +165,9 @@ class HybridActor:
         cfg.validate_for_run()
         self.cfg = cfg
         self._owns_group = init_distributed(cfg.collective_timeout_s, single_process=True)
+        # A stopped or hung peer aborts the job after collective_timeout_s (vLLM's own
+        # all-reduces have no timeout); None on one rank or when a host runs its own.
+        self._watchdog = None if watchdog.current() else watchdog.start(cfg.collective_timeout_s)
         host_groups = [] if self._owns_group else all_groups()
         self.rank = dist.get_rank()
         self.model_path = str(resolve_model_path(cfg.model.path))
@@ -351,7 +355,7 @@ class HybridActor:
     def save(self, path: str | Path, *, extra: dict | None = None, critic: Any = None) -> None:
         """Atomic DCP checkpoint of the policy (and critic) with extra JSON state.
         The layout after it is the one before (`Phases.optimizer_on_device`)."""
-        with self.phases.optimizer_on_device():
+        with watchdog.phase("save"), self.phases.optimizer_on_device():
             save_training_state(path, trainer=self.trainer, critic=critic, extra=extra)
 
     def load(self, path: str | Path, *, critic: Any = None) -> dict | None:
@@ -364,7 +368,8 @@ class HybridActor:
 
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Writes the current policy as a HF folder (atomic; collective)."""
-        export_hf(path, model=self.trainer, hf_config_source=self.model_path, dtype=dtype)
+        with watchdog.phase("export"):
+            export_hf(path, model=self.trainer, hf_config_source=self.model_path, dtype=dtype)
 
     def shutdown(self) -> None:
         """Stops the engine; destroys the process group if this actor created it.
@@ -372,6 +377,8 @@ class HybridActor:
         vLLM's teardown also destroys the default group: call after the job's
         last collective. Idempotent.
         """
+        if self._watchdog is not None:
+            watchdog.stop()  # a clean shutdown is not a silent rank
         self.rollout.shutdown()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()

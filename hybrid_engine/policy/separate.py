@@ -40,6 +40,7 @@ from hybrid_engine.policy.colocated import greedy_sampling, policy_train, train_
 from hybrid_engine.algorithms.losses import LossFn
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
 from hybrid_engine.config import RolloutConfig, RunConfig
+from hybrid_engine.parallel import watchdog
 from hybrid_engine.parallel.dist import (
     all_groups,
     init_distributed,
@@ -144,6 +145,9 @@ class SeparatePolicy:
         cfg.validate_for_run()
         self.cfg = cfg
         self._owns_group = init_distributed(cfg.collective_timeout_s, single_process=True)
+        # A stopped or hung peer aborts the job after collective_timeout_s (vLLM's own
+        # all-reduces have no timeout); None on one rank or when a host runs its own.
+        self._watchdog = None if watchdog.current() else watchdog.start(cfg.collective_timeout_s)
         host_groups = [] if self._owns_group else all_groups()
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.num_trainers, _ = split_ranks(world, cfg.rollout)
@@ -266,9 +270,10 @@ class SeparatePolicy:
 
     def save(self, path: str | Path, *, extra: dict | None = None, critic: Any = None) -> None:
         """Atomic DCP checkpoint, written by the trainer ranks (collective)."""
-        if self.is_trainer:
-            save_training_state(path, trainer=self.trainer, critic=critic, extra=extra)
-        dist.barrier()
+        with watchdog.phase("save"):
+            if self.is_trainer:
+                save_training_state(path, trainer=self.trainer, critic=critic, extra=extra)
+            dist.barrier()
 
     def load(self, path: str | Path, *, critic: Any = None) -> dict | None:
         """Restores a checkpoint on the trainer ranks; the next generate syncs.
@@ -281,12 +286,15 @@ class SeparatePolicy:
 
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Writes the current policy as a HF folder (trainer ranks; collective)."""
-        if self.is_trainer:
-            export_hf(path, model=self.trainer, hf_config_source=self.model_path, dtype=dtype)
-        dist.barrier()
+        with watchdog.phase("export"):
+            if self.is_trainer:
+                export_hf(path, model=self.trainer, hf_config_source=self.model_path, dtype=dtype)
+            dist.barrier()
 
     def shutdown(self) -> None:
         """Stops the engine (rollout ranks); destroys the group if this object made it."""
+        if self._watchdog is not None:
+            watchdog.stop()  # a clean shutdown is not a silent rank
         if self.rollout is not None:
             self.rollout.shutdown()
         if self._owns_group and dist.is_initialized():

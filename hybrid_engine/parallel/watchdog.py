@@ -1,0 +1,255 @@
+"""The watchdog: a stopped, dead or hung peer takes the job down instead of hanging it.
+
+Job: torch's collectives time out (`collective_timeout_s`), but vLLM's own
+all-reduces do not: the CPU shared-memory all-reduce and, on GPU, pynccl and
+the custom all-reduce spin forever on a peer that never arrives, and torchrun
+reacts only to ranks that exit. Every rank therefore runs a daemon thread that,
+every `interval_s`, publishes to the launcher's key-value store (its own client
+connection, so a main thread blocked in the store cannot stall it) a beat
+count, the rank's phase and its progress count, and reads every peer's. It
+aborts the whole job when
+
+- a peer's beat has not changed for `timeout_s`: the peer is stopped
+  (SIGSTOP, a frozen VM), dead without its launcher noticing, or its
+  interpreter is wedged. The message names the silent rank and its phase;
+- this rank's progress (phase entries) has not changed for `timeout_s` while a
+  peer's differs: the ranks wait in different phases, in a collective that no
+  one will complete. Ranks that all sit in the same phase are all working
+  (a long generate), never an abort.
+
+Aborting: the first rank to decide posts its message in the store and prints
+one `error: ...` line; it SIGKILLs silent peers on its own host (a stopped
+process would otherwise hold the launcher for its 30 s grace), runs the
+registered cleanup hooks (shared-memory names), and every rank leaves with
+`os._exit(2)` (the CLI's code for a run that stopped itself).
+
+Phases come from `phase(name)` (the controller's phase timer: generate, score,
+train, sync, eval; the policy's save; build and export). A rank that shuts down
+cleanly says so, and its silence afterwards is not a fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import torch.distributed as dist
+
+__all__ = ["Watchdog", "add_cleanup", "current", "phase", "start", "stop"]
+
+log = logging.getLogger("hybrid_engine.watchdog")
+
+_KEY = "hybrid_engine/watchdog/"
+_ABORT_KEY = _KEY + "abort"
+_EXIT_CODE = 2
+_ACTIVE: Watchdog | None = None
+_CLEANUPS: list[Callable[[], None]] = []
+
+
+def add_cleanup(fn: Callable[[], None]) -> None:
+    """Registers fn to run (best effort) before the watchdog ends the process."""
+    _CLEANUPS.append(fn)
+
+
+def current() -> Watchdog | None:
+    """The running watchdog of this process, if any."""
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Marks this rank as in phase `name` for the block (progress + 1 on entry
+    and exit); a no-op without a running watchdog."""
+    wd = _ACTIVE
+    if wd is None:
+        yield
+        return
+    previous = wd.enter(name)
+    try:
+        yield
+    finally:
+        wd.enter(previous)
+
+
+def start(timeout_s: float, *, interval_s: float | None = None) -> Watchdog | None:
+    """Starts this process's watchdog when the default group has more than one
+    rank (collective: every rank must call it). Idempotent; None on one rank."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        return _ACTIVE
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    _ACTIVE = Watchdog(dist.get_rank(), dist.get_world_size(), timeout_s,
+                       interval_s=interval_s)
+    return _ACTIVE
+
+
+def stop() -> None:
+    """Stops the watchdog after telling the peers this rank is done (a clean
+    shutdown is not a silent rank)."""
+    global _ACTIVE
+    wd, _ACTIVE = _ACTIVE, None
+    if wd is not None:
+        wd.close()
+
+
+def _connect(timeout_s: float) -> dist.Store:
+    """A client of the launcher's store of its own (torchrun's agent store, or
+    rank 0's under a plain env:// launch)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class Watchdog:
+    """One rank's watchdog thread (see the module doc).
+
+    Args:
+        rank, world_size: this rank in the default group.
+        timeout_s: silence (or disagreeing progress) that aborts the job.
+        interval_s: publish/check period; default timeout_s / 10 in [0.5, 5] s.
+        store: the key-value store to use; default a new client of the launcher's.
+    """
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, *,
+                 interval_s: float | None = None, store: dist.Store | None = None) -> None:
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.interval_s = interval_s or min(5.0, max(0.5, timeout_s / 10))
+        # Silence is measured from the last beat seen, up to two periods after the
+        # peer's last sign of life; deciding 3 periods early keeps the verdict within
+        # timeout_s of it, ahead of the collective (gloo, NCCL) that would time out
+        # with a traceback instead of one error line.
+        self.silence_s = max(self.interval_s, timeout_s - 3 * self.interval_s)
+        self.store = store or _connect(min(timeout_s, 30.0))
+        self.phase, self.progress, self.beat = "build", 0, 0
+        self._progress_at = time.monotonic()
+        self._seen: dict[int, tuple[int, float, dict]] = {}  # peer -> (beat, when, state)
+        self._done = threading.Event()
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="hybrid-engine-watchdog",
+                                        daemon=True)
+        self._thread.start()
+        log.info("watchdog on: a rank silent or stuck for %.0f s aborts the job", timeout_s)
+
+    # --- the main thread's side --------------------------------------------------
+
+    def enter(self, name: str) -> str:
+        """Marks a phase change; returns the previous phase."""
+        previous, self.phase = self.phase, name
+        self.progress += 1
+        self._progress_at = time.monotonic()
+        return previous
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=self.interval_s * 2 + 5)
+        with contextlib.suppress(Exception):
+            self.store.set(self._key(self.rank), json.dumps({"done": True}))
+
+    # --- the thread ------------------------------------------------------------
+
+    def _key(self, rank: int) -> str:
+        return f"{_KEY}{rank}"
+
+    def _publish(self) -> None:
+        self.store.set(self._key(self.rank), json.dumps({
+            "beat": self.beat, "phase": self.phase, "progress": self.progress,
+            "pid": os.getpid(), "host": socket.gethostname()}))
+
+    def _run(self) -> None:
+        store_failing_since = None
+        while not self._done.wait(self.interval_s):
+            self.beat += 1
+            try:
+                self._publish()
+                verdict = self.check(self._read_peers(), time.monotonic())
+                store_failing_since = None
+            except Exception as e:  # noqa: BLE001 -- the store's host may be gone
+                now = time.monotonic()
+                store_failing_since = store_failing_since or now
+                verdict = None
+                if now - store_failing_since > self.timeout_s:
+                    verdict = (f"the launcher's key-value store has not answered for "
+                               f"{self.timeout_s:.0f} s ({type(e).__name__}: {e})", [])
+            if self._done.is_set():
+                return
+            if self._aborted_elsewhere():
+                self._exit(None, [])
+            if verdict is not None:
+                self._exit(*verdict)
+
+    def _read_peers(self) -> dict[int, dict | None]:
+        peers = {}
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            key = self._key(r)
+            peers[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+        return peers
+
+    def check(self, peers: dict[int, dict | None], now: float) -> tuple[str, list[dict]] | None:
+        """The abort message and the silent peers' states, or None (pure given
+        the peers' published states and the clock; updates what was seen)."""
+        silent = []
+        for r, state in peers.items():
+            if state is not None and state.get("done"):
+                continue
+            beat = state["beat"] if state is not None else -1
+            seen = self._seen.get(r)
+            if seen is None or seen[0] != beat:
+                self._seen[r] = (beat, now, state or {})
+                continue
+            if now - seen[1] > self.silence_s:
+                silent.append({"rank": r, "silent_s": now - seen[1], **seen[2]})
+        if silent:
+            who = ", ".join(f"rank {s['rank']}" + (f" (last in phase {s['phase']!r})"
+                                                    if "phase" in s else " (never started)")
+                            for s in silent)
+            return (f"{who} silent for {max(s['silent_s'] for s in silent):.0f} s "
+                    f"(collective_timeout_s={self.timeout_s:g}): "
+                    f"stopped, hung or dead; this rank ({self.rank}) waits in phase "
+                    f"{self.phase!r}; aborting the job", silent)
+        live = {r: s for r, s in peers.items() if s is not None and not s.get("done")}
+        if now - self._progress_at > self.silence_s and any(
+                s["progress"] != self.progress for s in live.values()):
+            where = ", ".join(f"rank {r} in {s['phase']!r} (#{s['progress']})"
+                              for r, s in sorted({**live, self.rank: {
+                                  "phase": self.phase, "progress": self.progress}}.items()))
+            return (f"no progress for {now - self._progress_at:.0f} s "
+                    f"(collective_timeout_s={self.timeout_s:g}) with "
+                    f"the ranks in different phases: {where}: a collective no rank will "
+                    "complete; aborting the job", [])
+        return None
+
+    def _aborted_elsewhere(self) -> bool:
+        try:
+            return bool(self.store.check([_ABORT_KEY]))
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _exit(self, msg: str | None, silent: list[dict]) -> None:
+        """Posts msg (the first rank to post prints it), kills silent peers on
+        this host, cleans up, and ends this process."""
+        if msg is not None:
+            first = True  # a store that cannot answer cannot say another rank spoke
+            with contextlib.suppress(Exception):
+                first = self.store.compare_set(_ABORT_KEY, "", msg).decode() == msg
+            if first:
+                print(f"error: {msg}", file=sys.stderr, flush=True)
+        here = socket.gethostname()
+        for s in silent:
+            if s.get("host") == here and s.get("pid"):
+                with contextlib.suppress(OSError):
+                    os.kill(int(s["pid"]), signal.SIGKILL)
+        for fn in _CLEANUPS:
+            with contextlib.suppress(Exception):
+                fn()
+        os._exit(_EXIT_CODE)

@@ -1,0 +1,77 @@
+"""The watchdog's verdicts, on a real in-memory store with a clock we choose
+(the end-to-end case, a SIGSTOPped rank under torchrun, is in tests/test_faults.py)."""
+
+from __future__ import annotations
+
+import json
+
+import torch.distributed as dist
+
+from hybrid_engine.parallel import watchdog
+from hybrid_engine.parallel.watchdog import Watchdog
+
+
+def _dog(timeout_s: float = 20.0) -> Watchdog:
+    # A long period: the thread stays idle, the test drives check() itself.
+    wd = Watchdog(0, 3, timeout_s, interval_s=1000.0, store=dist.HashStore())
+    wd.silence_s = timeout_s
+    return wd
+
+
+def _state(beat: int, progress: int = 4, phase: str = "generate") -> dict:
+    return {"beat": beat, "phase": phase, "progress": progress, "pid": 1, "host": "h"}
+
+
+def test_a_peer_whose_beat_stops_is_named_with_its_phase() -> None:
+    wd = _dog()
+    wd.progress = 4
+    assert wd.check({1: _state(0), 2: _state(0, phase="train")}, now=0.0) is None
+    assert wd.check({1: _state(5), 2: _state(0, phase="train")}, now=15.0) is None
+    verdict = wd.check({1: _state(6), 2: _state(0, phase="train")}, now=21.0)
+    assert verdict is not None
+    msg, silent = verdict
+    assert [s["rank"] for s in silent] == [2]  # rank 1 kept beating
+    assert msg.startswith("rank 2 (last in phase 'train') silent for 21 s "
+                          "(collective_timeout_s=20)")
+    assert "this rank (0) waits in phase 'build'" in msg
+    wd.close()
+
+
+def test_a_peer_that_never_starts_or_is_done_is_judged_right() -> None:
+    wd = _dog()
+    assert wd.check({1: None, 2: {"done": True}}, now=0.0) is None
+    msg, _ = wd.check({1: None, 2: {"done": True}}, now=30.0)
+    assert msg.startswith("rank 1 (never started) silent") and "rank 2" not in msg
+    wd.close()
+
+
+def test_no_progress_aborts_only_when_the_ranks_disagree() -> None:
+    wd = _dog()
+    wd.enter("sync")
+    wd._progress_at = 0.0
+    same = {1: _state(1, progress=wd.progress, phase="sync"),
+            2: _state(1, progress=wd.progress, phase="sync")}
+    assert wd.check(same, now=0.0) is None
+    same = {r: {**s, "beat": 2} for r, s in same.items()}
+    assert wd.check(same, now=100.0) is None  # all in one long phase: working
+    behind = {**same, 2: _state(3, progress=wd.progress - 1, phase="train")}
+    msg, silent = wd.check(behind, now=101.0)
+    assert silent == [] and msg.startswith("no progress for 101 s")
+    assert "rank 0 in 'sync'" in msg and "rank 2 in 'train'" in msg
+    wd.close()
+
+
+def test_phase_marks_and_restores_and_close_says_done() -> None:
+    store = dist.HashStore()
+    wd = Watchdog(1, 2, 20.0, interval_s=1000.0, store=store)
+    watchdog._ACTIVE = wd
+    try:
+        with watchdog.phase("train"):
+            assert (wd.phase, wd.progress) == ("train", 1)
+        assert (wd.phase, wd.progress) == ("build", 2)
+    finally:
+        watchdog._ACTIVE = None
+        wd.close()
+    assert json.loads(store.get("hybrid_engine/watchdog/1")) == {"done": True}
+    with watchdog.phase("train"):  # no watchdog: a no-op
+        pass
