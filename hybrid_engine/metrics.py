@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hybrid_engine.parallel import watchdog
-import torch.distributed as dist
 
 __all__ = ["MetricsSink", "PhaseTimer", "plot_metrics", "trajectory_metrics"]
 

@@ -437,7 +437,9 @@ class RunConfig:
     collective_timeout_s: float = _field(
         600.0,
         "Timeout of every collective on every process group (ours, FSDP2's, vLLM's): a "
-        "rank waiting longer for a dead or stuck peer raises instead of hanging.",
+        "rank waiting longer for a dead or stuck peer raises instead of hanging. Also the "
+        "watchdog's limit: a peer silent this long (stopped, wedged, spinning in vLLM's "
+        "all-reduce) aborts the job with one error line.",
         gt=0,
     )
 

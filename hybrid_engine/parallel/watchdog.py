@@ -82,11 +82,16 @@ def phase(name: str) -> Iterator[None]:
 
 def start(timeout_s: float, *, interval_s: float | None = None) -> Watchdog | None:
     """Starts this process's watchdog when the default group has more than one
-    rank (collective: every rank must call it). Idempotent; None on one rank."""
+    rank (every rank must call it). Idempotent; None on one rank or without an
+    env:// launch's MASTER_ADDR/MASTER_PORT."""
     global _ACTIVE
     if _ACTIVE is not None:
         return _ACTIVE
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+        log.warning("no watchdog: MASTER_ADDR/MASTER_PORT unset (not an env:// launch); "
+                    "a stopped peer inside vLLM's all-reduce can hang this job")
         return None
     _ACTIVE = Watchdog(dist.get_rank(), dist.get_world_size(), timeout_s,
                        interval_s=interval_s)
