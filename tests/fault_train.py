@@ -6,7 +6,8 @@
 
 phase: rollout (entering the n-th generate), train (the n-th optimizer step),
 sync (the n-th weight sync) or save (the n-th checkpoint commit: shards
-written, the folder not yet marked complete). signal: kill (default) or stop.
+written, the folder not yet marked complete). signal: kill (default) or stop
+(this rank), or launcher (SIGKILL to its parent, torchrun).
 Just before the signal the rank writes time.time() to HE_FAULT_STAMP. Without
 HE_FAULT it is the plain CLI.
 """
@@ -26,7 +27,9 @@ def _arm() -> None:
     if not fault or os.environ.get("RANK") != os.environ.get("HE_FAULT_RANK", "1"):
         return
     phase, n, *how = fault.split(":")
-    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[how[0] if how else "kill"]
+    how = how[0] if how else "kill"
+    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "launcher": signal.SIGKILL}[how]
+    target = os.getppid() if how == "launcher" else os.getpid()
     import hybrid_engine.checkpoint as ckpt
     from hybrid_engine.roles.sync import WeightSync
     from hybrid_engine.roles.trainer import Trainer
@@ -41,7 +44,7 @@ def _arm() -> None:
         calls[0] += 1
         if calls[0] == int(n):
             Path(os.environ["HE_FAULT_STAMP"]).write_text(repr(time.time()))
-            os.kill(os.getpid(), sig)
+            os.kill(target, sig)
         return original(*args, **kwargs)
 
     setattr(owner, name, armed)

@@ -118,6 +118,27 @@ def test_stopped_rank_brings_the_job_down_with_one_error_line(model_dir, tmp_pat
     assert left == [], left  # the stopped rank was killed, not left behind
 
 
+def test_ranks_exit_when_their_launcher_dies(model_dir, tmp_path) -> None:
+    """SIGKILL to torchrun leaves its ranks as orphans that nothing will stop;
+    each notices its new parent within one watchdog beat and exits, with one
+    error line, leaving no process behind (issue 18, item 11)."""
+    import psutil
+
+    out, stamp = tmp_path / "run", tmp_path / "killed_at"
+    # With collective_timeout_s=60 the store's silence would take 60 s to notice.
+    proc = _train(model_dir, out, "--collective_timeout_s=60", "--train.num_steps=50",
+                  fault="train:2:launcher", stamp=stamp)
+    # torchrun died at once; communicate() returns when the ranks close its pipe.
+    down_after = time.time() - float(stamp.read_text())
+    print(f"ranks down {down_after:.1f} s after SIGKILL to torchrun")
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and "the launcher (torchrun, pid" in errors[0], proc.stdout[-3000:]
+    assert down_after < 20, proc.stdout[-3000:]
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert left == [], left
+
+
 def test_resume_refuses_another_models_checkpoint(model_dir, reference, tmp_path) -> None:
     from hybrid_engine.models.tiny import PRESETS, write_tiny_model
 

@@ -23,6 +23,10 @@ process would otherwise hold the launcher for its 30 s grace), runs the
 registered cleanup hooks (shared-memory names), and every rank leaves with
 `os._exit(2)` (the CLI's code for a run that stopped itself).
 
+Under torchrun, a rank whose parent changes (the launcher was SIGKILLed or
+OOM-killed, so nothing will stop its ranks) leaves the same way at its next
+check.
+
 Phases come from `phase(name)` (the controller's phase timer: generate, score,
 train, sync, eval; the policy's save; build and export). A rank that shuts down
 cleanly says so, and its silence afterwards is not a fault.
@@ -137,6 +141,9 @@ class Watchdog:
         self.phase, self.progress, self.beat = "build", 0, 0
         self._progress_at = time.monotonic()
         self._seen: dict[int, tuple[int, float, dict]] = {}  # peer -> (beat, when, state)
+        # Under torchrun the ranks are its children: a new parent means the
+        # launcher died (SIGKILL, OOM), and no one is left to stop this rank.
+        self._launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self._done = threading.Event()
         self._publish()
         self._thread = threading.Thread(target=self._run, name="hybrid-engine-watchdog",
@@ -173,6 +180,11 @@ class Watchdog:
         store_failing_since = None
         while not self._done.wait(self.interval_s):
             self.beat += 1
+            if self._launcher is not None and os.getppid() != self._launcher:
+                # One line per host (its launcher died), then every rank leaves.
+                self._exit(f"the launcher (torchrun, pid {self._launcher}) is gone; rank "
+                           f"{self.rank} stops in phase {self.phase!r}", [],
+                           post=False, say=os.environ.get("LOCAL_RANK", "0") == "0")
             try:
                 self._publish()
                 verdict = self.check(self._read_peers(), time.monotonic())
@@ -240,13 +252,15 @@ class Watchdog:
         except Exception:  # noqa: BLE001
             return False
 
-    def _exit(self, msg: str | None, silent: list[dict]) -> None:
-        """Posts msg (the first rank to post prints it), kills silent peers on
-        this host, cleans up, and ends this process."""
+    def _exit(self, msg: str | None, silent: list[dict], *, post: bool = True,
+              say: bool = True) -> None:
+        """Posts msg (the first rank to post prints it; without post, print it
+        if say), kills silent peers on this host, cleans up, and ends this process."""
         if msg is not None:
-            first = True  # a store that cannot answer cannot say another rank spoke
-            with contextlib.suppress(Exception):
-                first = self.store.compare_set(_ABORT_KEY, "", msg).decode() == msg
+            first = say  # a store that cannot answer cannot say another rank spoke
+            if post:
+                with contextlib.suppress(Exception):
+                    first = self.store.compare_set(_ABORT_KEY, "", msg).decode() == msg
             if first:
                 print(f"error: {msg}", file=sys.stderr, flush=True)
         here = socket.gethostname()
