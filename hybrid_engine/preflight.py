@@ -4,7 +4,8 @@ Job: everything about a `RunConfig` that can be checked cheaply without
 building the trainer or vLLM: the output folder (and resume / overwrite
 intent), the model folder (config.json, a supported architecture, weights,
 a tokenizer that fits the vocabulary), the parallel layout, the KV cache
-against the machine's memory, the dataset file and the reward function.
+against the machine's memory and one max_model_len sequence, stop tokens and
+max_model_len against the model, the dataset file and the reward function.
 
 Invariant: no collective and no write; every rank runs the same checks on
 the same files and reaches the same verdict, a `ValueError` with one
@@ -23,7 +24,8 @@ from typing import Any
 from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoints
 from hybrid_engine.config import RunConfig, check_registered
 
-__all__ = ["check_safetensors", "check_gpu", "check_kv_cache", "check_model_for_run", "check_model_folder", "check_output_dir", "preflight"]
+__all__ = ["check_gpu", "check_kv_cache", "check_model_folder", "check_model_for_run",
+           "check_output_dir", "check_rollout_limits", "check_safetensors", "preflight"]
 
 
 def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume: bool,
@@ -46,6 +48,7 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     else:
         check_parallel(hf, cfg.rollout.tensor_parallel_size, world_size)
     check_kv_cache(cfg.rollout.kv_cache_gib, local_world_size)
+    check_rollout_limits(cfg.rollout, hf, dtype=cfg.model.rollout_dtype)
     check_gpu(local_world_size)
     check_registered(cfg)  # names of estimators, losses, envs: lists the registered ones
     from hybrid_engine.algorithms.algorithm import Algorithm
@@ -70,6 +73,13 @@ def check_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
     overwrite (so nothing is lost by a repeated command)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"output_dir={str(out)!r} exists and is not a folder")
+    parent = out.absolute()
+    while not parent.exists():  # the nearest existing folder is where it will be made
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"output_dir={str(out)!r} cannot be made: {str(parent)!r} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"output_dir={str(out)!r}: no permission to write in {str(parent)!r}")
     ckpts = out / "checkpoints"
     if resume:
         if latest_checkpoint(ckpts) is None:
@@ -121,6 +131,46 @@ def check_model_folder(folder: Path) -> Any:
                          f"the model's vocab_size is {vocab}: tokenizer and weights belong to "
                          "different models")
     return hf
+
+
+_CPU_KV_BLOCK_TOKENS = 128  # vLLM-CPU's default block_size (platforms/cpu.py) [0.32]
+
+
+def check_rollout_limits(rollout: Any, hf: Any, *, dtype: str) -> None:
+    """What vLLM would refuse with a message about its own internals:
+    stop_token_ids outside the vocabulary, a max_model_len past the model's
+    positions, and (CPU) a KV cache that cannot hold one max_model_len sequence."""
+    import torch
+
+    text = hf.get_text_config()
+    bad = [t for t in rollout.stop_token_ids if not 0 <= t < text.vocab_size]
+    if bad:
+        raise ValueError(f"rollout.stop_token_ids {bad} are outside the model's vocabulary "
+                         f"(vocab_size={text.vocab_size})")
+    positions = getattr(text, "max_position_embeddings", None)
+    rope = getattr(text, "rope_scaling", None) or {}
+    scaled = rope.get("rope_type", rope.get("type", "default")) != "default"  # vLLM derives it
+    if (positions and rollout.max_model_len > positions and not scaled
+            and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1"):
+        raise ValueError(f"rollout.max_model_len={rollout.max_model_len} is more than the "
+                         f"model's max_position_embeddings={positions}: lower it")
+    if torch.cuda.is_available():
+        return  # the GPU engine sizes its cache from free memory (rollout/cuda.py)
+    tp = rollout.tensor_parallel_size
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    per_token = (2 * text.num_hidden_layers * max(1, kv_heads // tp) * head_dim
+                 * torch.empty(0, dtype=getattr(torch, dtype)).element_size())
+    # vLLM-CPU pages the cache in blocks of 128 tokens and reserves one (the null block).
+    block = _CPU_KV_BLOCK_TOKENS * per_token
+    budget = int(rollout.kv_cache_gib * 2**30)
+    holds = max(0, budget // block - 1) * _CPU_KV_BLOCK_TOKENS
+    if holds < rollout.max_model_len:
+        raise ValueError(
+            f"rollout.kv_cache_gib={rollout.kv_cache_gib:g} holds {holds} tokens of this model "
+            f"per rank ({per_token} bytes each in {dtype}, in blocks of {_CPU_KV_BLOCK_TOKENS} "
+            f"less one reserved), less than one sequence of rollout.max_model_len="
+            f"{rollout.max_model_len}: raise kv_cache_gib or lower max_model_len")
 
 
 def check_parallel(hf: Any, tp: int, world_size: int, *, what: str = "world size") -> None:

@@ -144,6 +144,11 @@ def test_bad_model_folder(model_dir, tmp_path, kind, expected) -> None:
     (["--env.reward_fn=no_colon"], "must look like 'path/to/file.py:function'"),
     (["--env.reward_fn=/no/such/file.py:reward"], "does not exist"),
     (["--env.reward_fn=x.py:r", "--env.reward_model_path=/m"], "set at most one of env.reward_fn"),
+    (["--rollout.max_model_len=100000"], "more than the model's max_position_embeddings=512"),
+    (["--rollout.kv_cache_gib=0.0001"], ["less than one sequence of rollout.max_model_len=128",
+                                         "raise kv_cache_gib"]),
+    (["--rollout.stop_token_ids=99999"], "stop_token_ids [99999] are outside the model's vocab"),
+    (["--env.max_digits=5000"], "env.max_digits must be <= 4000"),
 ])
 def test_bad_config(model_dir, tmp_path, args, expected) -> None:
     out = tmp_path / "run"
@@ -200,6 +205,7 @@ def test_output_dir_is_a_file(model_dir, tmp_path) -> None:
     out = tmp_path / "run"
     out.write_text("not a folder")
     _assert_one_error(_train(model_dir, out), out, "exists and is not a folder")
+    _assert_one_error(_train(model_dir, out / "sub"), out / "sub", "cannot be made")
 
 
 # --- with the engine running ------------------------------------------------------
@@ -210,6 +216,8 @@ _REWARDS = {
     "nan": "def reward(prompt, completion, answer):\n    return float('nan')\n",
     "inf": "def reward(prompt, completion, answer):\n    return {'correct': float('inf')}\n",
     "not_a_number": "def reward(prompt, completion, answer):\n    return 'high'\n",
+    "exits": "import sys\n\ndef reward(prompt, completion, answer):\n    sys.exit(3)\n",
+    "hangs": "import time\n\ndef reward(prompt, completion, answer):\n    time.sleep(3600)\n",
 }
 
 
@@ -219,11 +227,15 @@ _REWARDS = {
     ("nan", ["reward components must be finite numbers", "nan", "sample with prompt '"]),
     ("inf", ["reward components must be finite numbers", "inf"]),
     ("not_a_number", ["must return a number or a non-empty mapping", "'high'"]),
+    ("exits", ["reward function raised SystemExit: 3", "sample with prompt '"]),
+    ("hangs", ["no result within env.reward_timeout_s=2 s", "reward.py:reward",
+               "sample with prompt '"]),
 ])
 def test_bad_reward(model_dir, tmp_path, kind, expected) -> None:
     (tmp_path / "reward.py").write_text(_REWARDS[kind])
     out = tmp_path / "run"
-    proc = _train(model_dir, out, f"--env.reward_fn={tmp_path / 'reward.py'}:reward")
+    proc = _train(model_dir, out, f"--env.reward_fn={tmp_path / 'reward.py'}:reward",
+                  "--env.reward_timeout_s=2")
     _assert_one_error(proc, out, expected)
     assert not (out / "checkpoints").exists()  # failed in step 1, before any save
 

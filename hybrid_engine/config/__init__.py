@@ -369,11 +369,19 @@ class EnvConfig:
         "'package.module:function', called as function(prompt, completion, answer) -> "
         "float or {name: float}; '' = the environment's own reward.",
     )
+    reward_timeout_s: float = _field(
+        60.0,
+        "reward_fn: seconds one call may take; a call that has not returned by then stops "
+        "the run with an error naming the sample (0 = no limit).",
+        ge=0,
+    )
     num_eval_prompts: int = _field(
         64, "Held-out prompts per evaluation (greedy, one sample each).", ge=1
     )
     min_digits: int = _field(1, "arithmetic: fewest digits of a generated operand.", ge=1)
-    max_digits: int = _field(3, "arithmetic: most digits of a generated operand.", ge=1)
+    max_digits: int = _field(
+        3, "arithmetic: most digits of a generated operand (at most 4000: Python converts "
+        "ints of up to 4300 digits to text).", ge=1, le=4000)
     operators: tuple[str, ...] = _field(
         ("+", "-"), "arithmetic: operators of generated problems (subset of + and -)."
     )

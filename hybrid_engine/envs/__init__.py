@@ -66,7 +66,8 @@ def make_env(cfg: EnvConfig, tokenizer: Any) -> Environment:
     if cfg.reward_fn:
         from hybrid_engine.envs.custom_reward import CustomRewardEnv, load_reward_fn
 
-        env = CustomRewardEnv(env, load_reward_fn(cfg.reward_fn), tokenizer, fn_name=cfg.reward_fn)
+        env = CustomRewardEnv(env, load_reward_fn(cfg.reward_fn), tokenizer, fn_name=cfg.reward_fn,
+                              timeout_s=cfg.reward_timeout_s)
     if cfg.reward_model_path:
         from hybrid_engine.envs.reward_model import RewardModel, RewardModelEnv
 

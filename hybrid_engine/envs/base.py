@@ -94,7 +94,7 @@ def checked_reward(
     where = f"environment {env_name!r}, sample with prompt {prompt_text[:200]!r}"
     try:
         components = fn(traj, prompt_text)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a sys.exit() in a user's reward is a bug too
         raise RewardError(f"{where}: reward function raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(components, Mapping) or not components:
         raise RewardError(

@@ -10,10 +10,12 @@ the environment's reference answer when it has one). Everything else --
 prompts, evaluation prompts, checkpoint state, multi-turn hooks -- comes from
 the wrapped environment.
 
-Invariant: the user's function runs behind `checked_reward`, so a raise or a
-NaN / inf / non-number is a `RewardError` naming the function and the sample,
-identical on every rank (every rank scores the same trajectories), never a
-silent NaN in the advantages.
+Invariant: the user's function runs behind `checked_reward`, so a raise (also
+`sys.exit`) or a NaN / inf / non-number is a `RewardError` naming the function
+and the sample, identical on every rank (every rank scores the same
+trajectories), never a silent NaN in the advantages. With a timeout, each call
+runs in a daemon thread: one that has not returned after `timeout_s` is a
+`RewardError` too (the stuck thread is abandoned; the run stops anyway).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import importlib
 import importlib.util
 import numbers
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,10 +78,13 @@ class CustomRewardEnv:
         fn: the user's reward function.
         tokenizer: the policy's tokenizer.
         fn_name: how error messages name the function (the config spec).
+        timeout_s: the most one call may take; 0 = no limit.
     """
 
-    def __init__(self, base_env: Any, fn: UserRewardFn, tokenizer: Any, *, fn_name: str) -> None:
+    def __init__(self, base_env: Any, fn: UserRewardFn, tokenizer: Any, *, fn_name: str,
+                 timeout_s: float = 0.0) -> None:
         self.base_env, self.fn, self.tokenizer = base_env, fn, tokenizer
+        self.timeout_s = timeout_s
         self.eos_id = eos_token_id(tokenizer)
         self.name = f"{getattr(base_env, 'name', type(base_env).__name__)} (reward_fn {fn_name})"
 
@@ -97,7 +103,7 @@ class CustomRewardEnv:
             answer = answer_for(prompt_text) if answer_for is not None else None
         except ValueError:
             answer = None
-        out = self.fn(prompt_text, decode(self.tokenizer, ids), answer)
+        out = _call(self.fn, self.timeout_s, prompt_text, decode(self.tokenizer, ids), answer)
         if isinstance(out, numbers.Real) and not isinstance(out, bool):
             return {"reward": out}
         return out  # a mapping, or something checked_reward rejects with the value shown
@@ -105,3 +111,27 @@ class CustomRewardEnv:
     def score(self, trajs: Sequence[Any]) -> None:
         """Fills reward and reward_components of every trajectory from the user function."""
         score_trajectories(self.name, self.tokenizer, trajs, self._reward)
+
+
+def _call(fn: UserRewardFn, timeout_s: float, *args: Any) -> Any:
+    """fn(*args); with timeout_s > 0 in a daemon thread, raising TimeoutError
+    if it has not returned by then. What fn raises is re-raised here."""
+    if not timeout_s:
+        return fn(*args)
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn(*args))
+        except BaseException as e:  # noqa: BLE001 -- re-raised in the caller's thread
+            error.append(e)
+
+    worker = threading.Thread(target=run, name="reward_fn", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise TimeoutError(f"no result within env.reward_timeout_s={timeout_s:g} s")
+    if error:
+        raise error[0]
+    return result[0]
