@@ -38,7 +38,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _train(model: Path, out: Path, *extra: str, fault: str | None = None,
-           stamp: Path | None = None):  # noqa: ANN202
+           stamp: Path | None = None, master_port: int | None = None):  # noqa: ANN202
     env = {"HE_FAULT": fault, "HE_FAULT_RANK": "1", "HE_FAULT_STAMP": str(stamp)} if fault else {}
     return run_torchrun(
         [str(HERE / "fault_train.py"), "train", "--recipe=tiny_grpo_debug", "--no-progress",
@@ -46,7 +46,7 @@ def _train(model: Path, out: Path, *extra: str, fault: str | None = None,
          "--sync.verify=false", f"--train.num_steps={STEPS}", "--checkpoint_every=1",
          "--keep_checkpoints=2", "--train.lr=1e-3",
          f"--env.reward_fn={model.parent / 'reward.py'}:reward", *extra],
-        2, timeout=300, env=env, check=False)
+        2, timeout=300, env=env, check=False, master_port=master_port)
 
 
 def _steps(out: Path) -> dict[int, dict]:
@@ -137,6 +137,22 @@ def test_ranks_exit_when_their_launcher_dies(model_dir, tmp_path) -> None:
     left = [p.pid for p in psutil.process_iter(["cmdline"])
             if str(out) in " ".join(p.info["cmdline"] or [])]
     assert left == [], left
+
+
+def test_relaunch_on_the_same_port_right_after_a_kill(model_dir, tmp_path) -> None:
+    """A fixed --master_port (no --standalone: torchrun's run id is "none") used
+    again at once after a rank was killed: the killed launch's shared-memory
+    segments are too young for the sweep, and the new launch must not collide
+    with them (was `create shm ... errno: 17`; issue 18, item 11)."""
+    from hybrid_engine.testing import free_port
+
+    port = free_port()
+    first = _train(model_dir, tmp_path / "first", fault="rollout:2", master_port=port,
+                   stamp=tmp_path / "killed_at")
+    assert first.returncode != 0, first.stdout[-3000:]
+    second = _train(model_dir, tmp_path / "second", master_port=port)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert "errno: 17" not in second.stdout
 
 
 def test_resume_refuses_another_models_checkpoint(model_dir, reference, tmp_path) -> None:

@@ -25,11 +25,15 @@ _OURS = re.compile(r"he\d+-.+")  # prefix() + vLLM's name
 
 
 def prefix() -> str:
-    """MASTER_PORT (unique among live jobs) and torchrun's run id (random per
-    launch with --standalone, so a reused port meets no leftover segment)."""
+    """MASTER_PORT (unique among live jobs), the launcher's pid (the ranks of one
+    host share their parent, torchrun's agent; a relaunch on the same port is a
+    new process, so it meets no leftover segment of a killed launch that the
+    sweep's age limit still spares) and torchrun's run id (random per launch
+    with --standalone)."""
     port = os.environ.get("MASTER_PORT", str(os.getpid()))
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return f"he{port}-" if run == "none" else f"he{port}-{run[:8]}-"
+    base = f"he{port}-{os.getppid()}-"
+    return base if run == "none" else f"{base}{run[:8]}-"
 
 
 def unlink_job_segments() -> None:

@@ -274,17 +274,21 @@ def run_in_subprocess(
 def run_torchrun(
     argv: Sequence[str], nproc: int, *, timeout: float = 300.0,
     env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
-    check: bool = True,
+    check: bool = True, master_port: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Runs `torchrun --standalone --nproc_per_node=nproc ARGV...` and returns its output.
+    """Runs `torchrun --standalone --nproc_per_node=nproc ARGV...` and returns its output
+    (with master_port: a fixed `--master_addr=127.0.0.1 --master_port=PORT`
+    launch instead of --standalone, torchrun's run id then "none").
 
     argv is what follows torchrun's own flags: a script path and its
     arguments, or ["-m", "module", ...]. Raises RankError on the deadline (the
     whole process tree is killed) and, if check, on a non-zero exit, with the
     output tail. stdout and stderr come merged, in `.stdout`.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", *argv]
+    where = (["--standalone"] if master_port is None else
+             ["--master_addr=127.0.0.1", f"--master_port={master_port}"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}",
+           *argv]
     full_env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

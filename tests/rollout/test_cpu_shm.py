@@ -64,9 +64,13 @@ def test_sweep_of_other_names_takes_only_segments_changed_after_a_time(tmp_path)
     assert earlier.exists() and ours.exists()
 
 
-def test_prefix_is_unique_per_port_and_run(monkeypatch) -> None:
+def test_prefix_is_unique_per_port_launcher_and_run(monkeypatch) -> None:
     monkeypatch.setenv("MASTER_PORT", "29512")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "0123456789abcdef")
-    assert cpu_shm.prefix() == "he29512-01234567-"
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    assert cpu_shm.prefix() == "he29512-"
+    launcher = os.getppid()
+    assert cpu_shm.prefix() == f"he29512-{launcher}-01234567-"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # a fixed --master_port, no --standalone
+    assert cpu_shm.prefix() == f"he29512-{launcher}-"
+    monkeypatch.setattr(os, "getppid", lambda: launcher + 1)  # a relaunch on the same port
+    assert cpu_shm.prefix() == f"he29512-{launcher + 1}-"
+    assert cpu_shm._OURS.fullmatch(cpu_shm.prefix() + "vllm_shm")
