@@ -14,6 +14,8 @@ Output folder layout (cfg.output_dir):
     checkpoints/       step_<n>/ complete DCP checkpoints (newest keep_checkpoints)
     final/             the policy as a HF folder
     metrics.png        reward and accuracy over steps
+    .lock              held (flock) by the running job's rank 0: a second job
+                       on the same folder is refused, not interleaved
 
 Invariant: the controller is built the same way for every placement, algorithm
 and task; this module is the only place that knows which roles exist.
@@ -21,11 +23,13 @@ and task; this module is the only place that knows which roles exist.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
+import socket
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +46,7 @@ from hybrid_engine.metrics import MetricsSink, plot_metrics
 from hybrid_engine.preflight import preflight
 from hybrid_engine.policy.separate import SeparatePolicy
 
-__all__ = ["Job", "JobCheckpointer", "RunAborted", "make_policy"]
+__all__ = ["Job", "JobCheckpointer", "RunAborted", "lock_output_dir", "make_policy"]
 
 log = logging.getLogger("hybrid_engine.train")
 
@@ -101,11 +105,16 @@ class Job:
                   resume=resume, overwrite=overwrite)
         torch.manual_seed(cfg.seed)
         self.cfg, self.out = cfg, Path(cfg.output_dir)
-        self.actor = make_policy(cfg)
+        self._lock = lock_output_dir(self.out)  # before anything is cleared or written
+        try:
+            self.actor = make_policy(cfg)
+        except BaseException:
+            self._unlock()
+            raise
         try:
             self._build(cfg, resume, progress, overwrite)
         except BaseException:
-            self.actor.shutdown()  # the engine goes before the error does
+            self.shutdown()  # the engine goes before the error does
             raise
 
     def _build(self, cfg: RunConfig, resume: bool, progress: bool, overwrite: bool) -> None:
@@ -206,6 +215,43 @@ class Job:
 
     def shutdown(self) -> None:
         self.actor.shutdown()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file releases the flock
+            self._lock = None
+
+
+def lock_output_dir(out: Path) -> IO[str] | None:
+    """Rank 0 takes an exclusive flock on out/.lock for the job's life (the
+    kernel drops it when the process dies, so a crash leaves no stale lock);
+    collective under a process group: every rank raises the same ValueError
+    when another job holds it. Returns the open lock file (rank 0) or None."""
+    held, msg = None, ""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        f = (out / ".lock").open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            who = f.read().strip() or "another job"
+            f.close()
+            msg = (f"output_dir={str(out)!r} is in use by a running job ({who}): wait for it "
+                   "to end, or pass another --output_dir")
+        else:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            f.flush()
+            held = f
+    box = [msg]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise ValueError(box[0])
+    return held
 
 
 def configure_logging() -> None:

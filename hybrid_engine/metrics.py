@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -114,9 +115,10 @@ class MetricsSink:
         self.dir.mkdir(parents=True, exist_ok=True)
         kept = []
         if resume is not None and self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln)["step"] < resume]
-        self.path.write_text("".join(ln + "\n" for ln in kept))
+            kept = [ln for ln in _rows(self.path) if json.loads(ln)["step"] < resume]
+        tmp = self.path.with_name(self.path.name + ".tmp")  # replaced whole, never torn
+        tmp.write_text("".join(ln + "\n" for ln in kept))
+        os.replace(tmp, self.path)
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(self.dir / "tb"), purge_step=resume)
@@ -125,8 +127,7 @@ class MetricsSink:
         if not _rank0():
             return
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        _append(self.path, (json.dumps(row) + "\n").encode())
         for k, v in metrics.items():
             self.writer.add_scalar(k, float(v), step)
         self.writer.flush()
@@ -136,6 +137,40 @@ class MetricsSink:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _append(path: Path, data: bytes) -> None:
+    """Appends data whole or not at all: a short or failed write (a full disk)
+    is cut back to the old size before the error goes on."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _rows(path: Path) -> list[str]:
+    """The JSON lines of a metrics.jsonl. A torn last line (a crash or a full
+    disk mid-append) is dropped with a warning; a bad line before it is an
+    error naming the file and line."""
+    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    for i, ln in enumerate(lines):
+        try:
+            json.loads(ln)["step"]
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines) - 1:
+                log.warning("%s: dropping a torn last line (%d chars)", path, len(ln))
+                return lines[:-1]
+            raise ValueError(f"{path}:{i + 1} is not a metrics row: {ln[:80]!r}") from None
+    return lines
 
 
 def format_line(step: int, m: Mapping[str, float]) -> str:
@@ -158,7 +193,7 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(ln) for ln in Path(metrics_path).read_text().splitlines() if ln.strip()]
+    rows = [json.loads(ln) for ln in _rows(Path(metrics_path))]
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, label, style in (("reward_mean", "train reward", "-"),
                               ("accuracy", "train accuracy", "-"),

@@ -155,6 +155,44 @@ def test_relaunch_on_the_same_port_right_after_a_kill(model_dir, tmp_path) -> No
     assert "errno: 17" not in second.stdout
 
 
+def test_a_second_job_on_the_same_output_dir_is_refused(model_dir, tmp_path) -> None:
+    """Two jobs into one output_dir used to interleave metrics.jsonl and overwrite
+    each other's checkpoints; the second (here with --overwrite, which would
+    have deleted the first's outputs) now gets one error line and touches
+    nothing (issue 18, item 11)."""
+    import threading
+
+    out, first, release = tmp_path / "run", [], tmp_path / "release"
+    # The first job's reward waits for `release` from step 2 on: it is surely
+    # still running (with a checkpoint and metrics rows) while the second starts.
+    (tmp_path / "reward.py").write_text(
+        "import os, time, zlib\n\n"
+        "def reward(prompt, completion, answer):\n"
+        f"    while os.path.exists({str(step_checkpoint_path(out / 'checkpoints', 1))!r}) "
+        f"and not os.path.exists({str(release)!r}):\n"
+        "        time.sleep(0.2)\n"
+        "    return float(zlib.crc32(completion.encode()) % 2)\n")
+    runner = threading.Thread(target=lambda: first.append(_train(
+        model_dir, out, "--train.num_steps=8", "--env.reward_timeout_s=600",
+        f"--env.reward_fn={tmp_path / 'reward.py'}:reward")))
+    runner.start()
+    deadline = time.time() + 240
+    while not step_checkpoint_path(out / "checkpoints", 1).exists():
+        assert time.time() < deadline and runner.is_alive(), "the first job never saved"
+        time.sleep(0.5)
+    second = _train(model_dir, out, "--overwrite")
+    release.write_text("go")
+    runner.join()
+    errors = [ln for ln in second.stdout.splitlines() if ln.startswith("error")]
+    assert second.returncode != 0 and len(errors) == 1, second.stdout[-3000:]
+    assert "is in use by a running job (pid " in errors[0], errors
+    assert first[0].returncode == 0, first[0].stdout[-3000:]
+    rows = _steps(out)
+    assert sorted(rows) == list(range(0, 9)) or sorted(rows) == list(range(1, 9)), sorted(rows)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == len(rows)  # no step twice
+    assert latest_checkpoint(out / "checkpoints") == step_checkpoint_path(out / "checkpoints", 8)
+
+
 def test_resume_refuses_another_models_checkpoint(model_dir, reference, tmp_path) -> None:
     from hybrid_engine.models.tiny import PRESETS, write_tiny_model
 
