@@ -15,22 +15,34 @@ before that leaves only a `.tmp-` folder (no marker), which
 `load_training_state` rejects with a ValueError; a previous checkpoint at
 another path is never touched.
 
+Integrity: `_commit` also writes MANIFEST.json (every file's size and CRC-32,
+computed by the ranks in parallel). `checkpoint_problem` re-reads the files
+against it, so a truncated, missing or bit-flipped shard is named before
+anything loads it; the run's resume then falls back to the checkpoint before
+(`job.JobCheckpointer`). A save that fails on any rank (full disk, I/O error)
+fails on every rank with one `CheckpointWriteError` that says why, and the
+half-written folder is removed: the previous checkpoint stays the newest.
+
 Layout of a checkpoint folder:
     dcp/            DCP shards + metadata: "model", "optim" (+ "critic_model",
                     "critic_optim"), keyed by HF parameter names
     rng/rank{r}.pt  torch CPU (+ CUDA), python `random` and numpy states of rank r
     meta.json       world size, trainer step + scheduler (+ critic's), extra
+    MANIFEST.json   {file: [bytes, crc32]} of every file above
     COMPLETE        written last
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import logging
 import os
 import random
 import shutil
 import uuid
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +50,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
 
@@ -52,6 +66,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPLETE_MARKER",
+    "CheckpointWriteError",
+    "checkpoint_problem",
     "export_hf",
     "latest_checkpoint",
     "load_training_state",
@@ -64,6 +80,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
+MANIFEST = "MANIFEST.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
@@ -84,14 +101,118 @@ def _tmp_folder(path: Path) -> Path:
     return path.with_name(f"{path.name}.tmp-{token[0]}")
 
 
-def _commit(tmp: Path, path: Path) -> None:
+class CheckpointWriteError(RuntimeError):
+    """A save failed on some rank (full disk, I/O error); raised on every rank.
+    The half-written folder is gone and the previous checkpoint is intact."""
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+# What a failed write raises: torch.save says only "[enforce fail at
+# inline_container.cc] unexpected pos", safetensors "I/O error: ... (os error 28)".
+_WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+def _failure(e: BaseException) -> tuple[int | None, str, bool]:
+    """The rank that failed when known (DCP hands every rank each rank's
+    exception), one line for the failure, and whether it says the disk is full
+    (torch.save's error has no errno, only text)."""
+    rank = None
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, first = next(iter(sorted(e.failures.items())))
+        e = first[0] if isinstance(first, tuple) else first
+    text = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    full = getattr(e, "errno", None) in _NO_SPACE or any(
+        s in text for s in ("No space left", "File too large", "Disk quota", "os error 28"))
+    return rank, text, full
+
+
+def _probe_write(folder: Path) -> bool:
+    """Whether a 1 MiB write into folder fails for lack of space now (DCP's
+    torch.save into a file stream reports a full disk only as "unexpected pos")."""
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(bytes(1 << 20))
+    except OSError as e:
+        return e.errno in _NO_SPACE
+    finally:
+        probe.unlink(missing_ok=True)
+    return False
+
+
+def _agree(err: BaseException | None, tmp: Path, path: Path) -> None:
+    """Collective: raises CheckpointWriteError on every rank if any rank failed
+    (rank 0 removes tmp first); returns normally on all ranks otherwise."""
+    mine = None
+    if err is not None:
+        failed_rank, what, full = _failure(err)
+        free = shutil.disk_usage(tmp.parent).free / 2**20
+        mine = (failed_rank, what, full or _probe_write(tmp.parent) or free < 64, free)
+    every: list[Any] = [None] * dist.get_world_size(train_group())
+    dist.all_gather_object(every, mine, group=train_group())
+    failed = [(r, f) for r, f in enumerate(every) if f is not None]
+    if not failed:
+        return
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    # The message is built from gathered values only: every rank's is the same.
+    rank, (failed_rank, what, _, free) = failed[0]
+    rank = rank if failed_rank is None else failed_rank
+    if "inline_container" in what:  # torch.save's only words for a short write
+        what = "a file write was cut short"
+    if any(f[2] for _, f in failed):
+        what = f"no space left on device ({free:.0f} MiB free under {tmp.parent}): {what}"
+    raise CheckpointWriteError(
+        f"could not write checkpoint {path}: rank {rank}: {what}; the half-written folder "
+        "was removed and the previous checkpoint is intact"
+    ) from err
+
+
+def _crc32(f: Path) -> int:
+    crc = 0
+    with open(f, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _my_share(folder: Path, names: list[str]) -> dict[str, list[int]]:
+    """[bytes, crc32] of this rank's share of names (every N-th file, so ranks
+    read in parallel on a file system they share)."""
+    n, r = dist.get_world_size(train_group()), _rank()
+    return {name: [(folder / name).stat().st_size, _crc32(folder / name)]
+            for name in names[r::n]}
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def _commit(tmp: Path, path: Path, *, manifest: bool = False) -> None:
     """Collective: barrier, then rank 0 marks tmp complete and renames it to path.
 
-    An existing folder at path is moved aside first and deleted after the
-    rename, so path holds either the old or the new complete checkpoint."""
+    With manifest, the ranks first checksum tmp's files between them and rank
+    0 writes MANIFEST.json. An existing folder at path is moved aside first
+    and deleted after the rename, so path holds either the old or the new
+    complete checkpoint. A failure on any rank raises CheckpointWriteError
+    on every rank and removes tmp."""
     dist.barrier(group=train_group())
+    err = None
+    try:
+        sums = _my_share(tmp, _files(tmp)) if manifest else {}
+    except OSError as e:
+        err, sums = e, {}
+    shares: list[Any] = [None] * dist.get_world_size(train_group())
+    dist.all_gather_object(shares, sums, group=train_group())
+    if _rank() == 0 and err is None:
+        try:
+            if manifest:
+                table = {k: v for share in shares for k, v in share.items()}
+                (tmp / MANIFEST).write_text(json.dumps(dict(sorted(table.items())), indent=0))
+            (tmp / COMPLETE_MARKER).write_text("ok\n")
+        except OSError as e:
+            err = e
+    _agree(err, tmp, path)
     if _rank() == 0:
-        (tmp / COMPLETE_MARKER).write_text("ok\n")
         old = None
         if path.exists():
             old = path.with_name(f"{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
@@ -100,6 +221,49 @@ def _commit(tmp: Path, path: Path) -> None:
         if old is not None:
             shutil.rmtree(old)
     dist.barrier(group=train_group())
+
+
+def _problem_in(folder: Path, names: list[str], table: dict[str, list[int]]) -> str | None:
+    for name in names:
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size, crc = table[name]
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written"
+        if _crc32(f) != crc:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def checkpoint_problem(path: str | os.PathLike, *, group: Any = None) -> str | None:
+    """Why path is not a sound checkpoint, or None: not complete, or a file
+    missing, truncated or changed since it was written (MANIFEST.json).
+
+    Collective over group (default: the train group) when a process group is
+    up: each rank reads every N-th file and all agree on the answer. A
+    checkpoint written before manifests existed is taken as sound.
+    """
+    path = Path(path)
+    collective = dist.is_initialized()
+    if collective and group is None:
+        group = train_group()
+    n, r = (dist.get_world_size(group), dist.get_rank(group)) if collective else (1, 0)
+    if not (path / COMPLETE_MARKER).is_file():
+        problem = f"no {COMPLETE_MARKER} marker"
+    elif not (path / MANIFEST).is_file():
+        problem = None
+    else:
+        try:
+            table = json.loads((path / MANIFEST).read_text())
+            problem = _problem_in(path, sorted(table)[r::n], table)
+        except (OSError, ValueError) as e:
+            problem = f"{MANIFEST} unreadable ({e})"
+    if collective:
+        every: list[Any] = [None] * n
+        dist.all_gather_object(every, problem, group=group)
+        problem = next((p for p in every if p is not None), None)
+    return problem
 
 
 def _check_shapes(path: Path, state: dict[str, Any]) -> None:
@@ -118,11 +282,15 @@ def _check_shapes(path: Path, state: dict[str, Any]) -> None:
 
 
 def _check_complete(path: Path) -> None:
+    """Collective: raises ValueError unless path is a complete, undamaged checkpoint."""
     if not (path / COMPLETE_MARKER).is_file():
         raise ValueError(
             f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker): the save "
             "was interrupted or the path is wrong; load an earlier checkpoint"
         )
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} is damaged: {problem}; load an earlier checkpoint")
 
 
 # --------------------------------------------------------------------------
@@ -175,17 +343,38 @@ def _dcp_state(trainer: Trainer, critic: Critic | None) -> dict[str, Any]:
 
 
 def _write_state(
-    folder: Path, trainer: Trainer, critic: Critic | None, extra: dict | None
+    folder: Path, trainer: Trainer, critic: Critic | None, extra: dict | None, path: Path
 ) -> None:
     """Collective: every rank writes its DCP shards and RNG file, rank 0 meta.json.
 
-    Leaves folder without the COMPLETE marker (that is `_commit`'s job)."""
-    rank = _rank()
+    Leaves folder without the COMPLETE marker (that is `_commit`'s job). A
+    write failure on any rank raises CheckpointWriteError on every rank."""
+    rank, err = _rank(), None
     if rank == 0:
-        (folder / "rng").mkdir(parents=True, exist_ok=True)
-    dist.barrier(group=train_group())
-    dcp.save(_dcp_state(trainer, critic), checkpoint_id=folder / "dcp", process_group=train_group())
-    torch.save(_rng_state(), folder / "rng" / f"rank{rank}.pt")
+        try:
+            (folder / "rng").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            err = e
+    _agree(err, folder, path)
+    try:  # DCP hands every rank's write failure to every rank
+        dcp.save(_dcp_state(trainer, critic), checkpoint_id=folder / "dcp",
+                 process_group=train_group())
+    except (CheckpointException, OSError) as e:
+        err = e
+    _agree(err, folder, path)
+    try:
+        _write_rest(folder, trainer, critic, extra)
+    except _WRITE_ERRORS as e:
+        err = e
+    _agree(err, folder, path)
+
+
+def _write_rest(folder: Path, trainer: Trainer, critic: Critic | None, extra: dict | None) -> None:
+    """This rank's RNG file; rank 0 also meta.json."""
+    rank = _rank()
+    buf = io.BytesIO()  # serialised first: a failed file write then says why (errno),
+    torch.save(_rng_state(), buf)  # where torch.save to a path says "inline_container.cc"
+    (folder / "rng" / f"rank{rank}.pt").write_bytes(buf.getbuffer())
     if rank == 0:
         meta = {
             "world_size": dist.get_world_size(train_group()),
@@ -217,11 +406,16 @@ def save_training_state(
         trainer: the policy trainer (module, optimizer, scheduler, step).
         critic: the value model, if the run has one.
         extra: controller state (JSON-able), taken from rank 0.
+
+    Raises:
+        CheckpointWriteError: on every rank, if a write failed on any rank (the
+            message names the rank and says when the disk is full); nothing is
+            left at `<path>.tmp-*` and an older checkpoint at path is intact.
     """
     path = Path(path)
     tmp = _tmp_folder(path)
-    _write_state(tmp, trainer, critic, extra)
-    _commit(tmp, path)
+    _write_state(tmp, trainer, critic, extra, path)
+    _commit(tmp, path, manifest=True)
 
 
 def load_training_state(
@@ -242,8 +436,9 @@ def load_training_state(
         The `extra` dict passed to save (None if none was).
 
     Raises:
-        ValueError: path is not a complete checkpoint, critic presence differs, or
-            the checkpoint holds a model of another shape.
+        ValueError: path is not a complete checkpoint, a file differs from its
+            MANIFEST.json entry, critic presence differs, or the checkpoint holds
+            a model of another shape.
     """
     path = Path(path)
     _check_complete(path)
@@ -291,9 +486,10 @@ def _write_shard(folder: Path, tensors: dict[str, Tensor], index: int,
 
 
 def _gather_and_write(module: FSDPModule, folder: Path, dtype: torch.dtype | None,
-                      max_shard_bytes: int) -> None:
+                      max_shard_bytes: int) -> Exception | None:
     """Collective: all-gathers one parameter at a time; rank 0 buffers at most
-    about one shard of full tensors and writes it."""
+    about one shard of full tensors and writes it. A write error stops rank
+    0's writing but not its part in the gathers; it is returned."""
     is_writer = _rank() == 0
     weight_map: dict[str, str] = {}
     buf: dict[str, Tensor] = {}
@@ -305,12 +501,34 @@ def _gather_and_write(module: FSDPModule, folder: Path, dtype: torch.dtype | Non
         t = full.detach().to("cpu", dtype=dtype or full.dtype).contiguous()
         if buf and buf_bytes + t.nbytes > max_shard_bytes:
             num_shards += 1
-            _write_shard(folder, buf, num_shards, weight_map)
+            try:
+                _write_shard(folder, buf, num_shards, weight_map)
+            except _WRITE_ERRORS as e:
+                return _drain(module, name, e)
             buf, buf_bytes = {}, 0
         buf[name] = t
         buf_bytes += t.nbytes
     if not is_writer:
-        return
+        return None
+    try:
+        _write_last(folder, buf, num_shards, weight_map)
+    except _WRITE_ERRORS as e:
+        return e
+    return None
+
+
+def _drain(module: FSDPModule, after: str, err: Exception) -> Exception:
+    """Takes part in the gathers of every parameter after `after` (rank 0,
+    once its writing failed), so the other ranks' collectives still match."""
+    names = [n for n, _ in sharded_named_parameters(module)]
+    for _, param in list(sharded_named_parameters(module))[names.index(after) + 1:]:
+        param.full_tensor()
+    return err
+
+
+def _write_last(folder: Path, buf: dict[str, Tensor], num_shards: int,
+                weight_map: dict[str, str]) -> None:
+    """Rank 0: the last buffered shard, and the index when there are several."""
     if num_shards == 0:  # everything fits in one file: the HF single-file layout
         save_file(buf, str(folder / "model.safetensors"), metadata={"format": "pt"})
         return
@@ -354,14 +572,23 @@ def export_hf(
     module.reshard()  # the guard: a forward without backward leaves the root unsharded
     path, source = Path(path), Path(hf_config_source)
     tmp = _tmp_folder(path)
+    err = None
     if _rank() == 0:
-        tmp.mkdir(parents=True)
-    _gather_and_write(module, tmp, dtype, max_shard_bytes)
-    if _rank() == 0:
-        config = AutoConfig.from_pretrained(source)
-        config.dtype = dtype or next(module.parameters()).dtype
-        config.save_pretrained(tmp)
-        _copy_side_files(source, tmp)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            err = e
+    _agree(err, tmp, path)
+    err = _gather_and_write(module, tmp, dtype, max_shard_bytes)
+    if _rank() == 0 and err is None:
+        try:
+            config = AutoConfig.from_pretrained(source)
+            config.dtype = dtype or next(module.parameters()).dtype
+            config.save_pretrained(tmp)
+            _copy_side_files(source, tmp)
+        except _WRITE_ERRORS as e:
+            err = e
+    _agree(err, tmp, path)
     _commit(tmp, path)
 
 

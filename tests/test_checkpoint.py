@@ -10,6 +10,10 @@ start-up is paid once:
   reduction order: nothing may differ).
 - an interrupted save (the shards written, no COMPLETE marker, no rename) is
   rejected; the previous complete checkpoint still loads.
+- integrity: a shard with bytes flipped or cut short is named (MANIFEST.json
+  checksums) before anything loads it; a save whose writes fail on one rank
+  (RLIMIT_FSIZE, as on a full disk) raises one CheckpointWriteError on both
+  ranks, leaves no .tmp- folder and the previous checkpoint loads.
 - export of a trained untied and a tied model: the HF folder's tensors equal the
   full tensors bitwise, and its logits equal the FSDP model's (max diff 0).
 """
@@ -116,7 +120,7 @@ def _check_roundtrip(path: str, vocab: int, root: str) -> dict:
     from pathlib import Path
 
     tmp = _tmp_folder(Path(ckpt))
-    _write_state(tmp, trainer, critic, {"rl_step": 3})
+    _write_state(tmp, trainer, critic, {"rl_step": 3}, Path(ckpt))
     torch.distributed.barrier()
 
     fresh, fresh_critic, _, _ = _roles(path, vocab)
@@ -135,6 +139,61 @@ def _check_roundtrip(path: str, vocab: int, root: str) -> dict:
                 saved_step=saved["step"], lr=saved["sched"]["_last_lr"],
                 folders=sorted(p.name.split("-")[0] for p in Path(root).iterdir()),
                 saved_weights=saved["weights"], saved_optim=saved["optim"])
+
+
+def _check_integrity(path: str, vocab: int, root: str) -> dict:
+    """Damaged shards are named before loading; a failed write fails on every rank."""
+    import resource
+    import shutil
+    import signal
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from hybrid_engine.checkpoint import CheckpointWriteError, checkpoint_problem, \
+        load_training_state, save_training_state
+
+    trainer, critic, batch, loss_fn = _roles(path, vocab)
+    _step(trainer, critic, batch, loss_fn)
+    good, out = Path(root) / "good", {}
+    save_training_state(good, trainer=trainer, critic=critic, extra={"rl_step": 1})
+    out["sound"] = checkpoint_problem(good)
+    manifest = __import__("json").loads((good / "MANIFEST.json").read_text())
+    shard = sorted(n for n in manifest if n.endswith(".distcp"))[-1]
+    for how in ("flipped", "short"):
+        bad = Path(root) / how
+        if dist.get_rank() == 0:
+            shutil.copytree(good, bad)
+            data = bytearray((bad / shard).read_bytes())
+            if how == "flipped":  # bytes in the middle of a tensor: DCP loads it silently
+                data[len(data) // 2: len(data) // 2 + 8] = bytes(8)
+            else:
+                data = data[:-100]
+            (bad / shard).write_bytes(bytes(data))
+        dist.barrier()
+        out[f"{how}_problem"] = checkpoint_problem(bad)
+        try:
+            load_training_state(bad, trainer=trainer, critic=critic)
+            out[f"{how}_error"] = ""
+        except ValueError as e:
+            out[f"{how}_error"] = str(e)
+    # A full disk on rank 1 at the next save: its shard write fails (EFBIG).
+    _step(trainer, critic, batch, loss_fn)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if dist.get_rank() == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limits[1]))
+    try:
+        save_training_state(good, trainer=trainer, critic=critic, extra={"rl_step": 2})
+        out["write_error"] = ""
+    except CheckpointWriteError as e:
+        out["write_error"] = str(e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    dist.barrier()
+    out["left"] = sorted(p.name for p in Path(root).iterdir())
+    out["after_failed_save"] = load_training_state(good, trainer=trainer, critic=critic)
+    return out
 
 
 def _check_export(path: str, vocab: int, out: str) -> dict:
@@ -194,6 +253,7 @@ def _two_rank_checks(root: str) -> dict:
                    for name in SPECS},
         export={name: _check_export(f"{root}/{name}", vocab[name], f"{root}/export_{name}")
                 for name in SPECS},
+        integrity=_check_integrity(f"{root}/untied", vocab["untied"], f"{root}/integrity"),
     )
 
 
@@ -259,6 +319,32 @@ def test_interrupted_save_is_rejected_and_previous_loads(two_ranks):
         assert rt["extra"]["rl_step"] == 2  # the earlier checkpoint, not the partial one
         # The replaced checkpoint was deleted; only the interrupted save's folder is left.
         assert rt["folders"] == ["ckpt", "ckpt.tmp"]
+
+
+def test_damaged_checkpoint_is_named_before_it_loads(two_ranks):
+    """Bytes flipped inside a shard used to load silently (DCP has no checksum);
+    a shard cut short gave a raw traceback (issue 18, item 11)."""
+    for r in two_ranks:
+        ig = r["integrity"]
+        assert ig["sound"] is None
+        assert ig["flipped_problem"].endswith("does not match its checksum")
+        assert "bytes," in ig["short_problem"] and "were written" in ig["short_problem"]
+        for how in ("flipped", "short"):
+            assert ig[f"{how}_error"].startswith("checkpoint ") and " is damaged: " in \
+                ig[f"{how}_error"], ig[f"{how}_error"]
+
+
+def test_failed_save_fails_on_every_rank_and_keeps_the_previous(two_ranks):
+    """A write that fails on one rank (a full disk) used to leave the other rank
+    in a collective and print torch's 'inline_container' text; now both ranks
+    raise one error that says why, and nothing half-written stays."""
+    for r in two_ranks:
+        ig = r["integrity"]
+        assert "could not write checkpoint" in ig["write_error"], ig["write_error"]
+        assert "rank 1: no space left on device" in ig["write_error"]
+        assert "previous checkpoint is intact" in ig["write_error"]
+        assert not [n for n in ig["left"] if ".tmp-" in n], ig["left"]
+        assert ig["after_failed_save"] == {"rl_step": 1}
 
 
 def test_load_on_another_rank_count(two_ranks, root):
