@@ -103,29 +103,36 @@ def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
 def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     """Builds the config, runs the job on this world (torchrun or one process).
 
-    Bad input (a ValueError: config, files, model, rewards, checkpoints) and a
-    run that aborts itself are one `error: ...` line and exit code 2; anything
-    else is a bug and keeps its traceback.
+    Bad input (a ValueError: config, files, model, rewards, checkpoints), a
+    run that aborts itself and a checkpoint that could not be written (full
+    disk) are one `error: ...` line and exit code 2; anything else is a bug
+    and keeps its traceback.
     """
     from hybrid_engine.config import parse_cli_overrides
     from hybrid_engine.parallel.dist import set_collective_timeout
+    from hybrid_engine.checkpoint import CheckpointWriteError
+    from hybrid_engine.parallel import signals
     from hybrid_engine.job import Job, RunAborted, configure_logging
     from hybrid_engine.config.recipes import build_config
 
     configure_logging()
-    store = _default_store()
-    try:
-        cfg = build_config(args.recipe, args.config, parse_cli_overrides(overrides))
-        cfg.validate_for_run()
-        set_collective_timeout(cfg.collective_timeout_s)
-        job = Job(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
+    # From here to the end, SIGINT/SIGTERM (to torchrun or to any one rank) is a
+    # request to stop after the current step, on every rank (parallel/signals.py).
+    with signals.stop_on_signals():
+        store = _default_store()
         try:
-            summary = job.run()
-        finally:
-            job.shutdown()  # vLLM's teardown; ends the process group too
-    except (ValueError, RunAborted) as e:
-        _say_once(str(e), store)
-        return 2
+            cfg = build_config(args.recipe, args.config, parse_cli_overrides(overrides))
+            cfg.validate_for_run()
+            set_collective_timeout(cfg.collective_timeout_s)
+            job = Job(cfg, resume=args.resume, progress=not args.no_progress,
+                      overwrite=args.overwrite)
+            try:
+                summary = job.run()
+            finally:
+                job.shutdown()  # vLLM's teardown; ends the process group too
+        except (ValueError, RunAborted, CheckpointWriteError) as e:
+            _say_once(str(e), store)
+            return 2
     summary.pop("history")
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary), flush=True)

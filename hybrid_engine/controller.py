@@ -26,9 +26,8 @@ checkpointing is on), so nothing is written half-done.
 from __future__ import annotations
 
 import contextlib
-import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from hybrid_engine.config import RunConfig
 from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.metrics import PhaseTimer, trajectory_metrics
+from hybrid_engine.parallel import signals
 
 __all__ = ["Controller", "Checkpointer", "any_rank"]
 
@@ -99,7 +99,6 @@ class Controller:
         self.checkpointer, self.on_metrics = checkpointer, on_metrics or (lambda s, m: None)
         self.guards = guards or Guards(cfg)
         self.state = _State()
-        self._stop_signal: int | None = None
 
     # --- state ---------------------------------------------------------------------
 
@@ -171,7 +170,7 @@ class Controller:
         """Why to stop now (None: go on); the same answer on every rank."""
         s, cfg = self.state, self.cfg
         wall = s.wall_s + time.monotonic() - t_start
-        if any_rank(self._stop_signal is not None):
+        if any_rank(signals.requested() is not None):
             return "signal"
         if s.step >= cfg.train.num_steps:
             return "num_steps"
@@ -184,12 +183,14 @@ class Controller:
     def run(self, *, handle_signals: bool = True) -> dict[str, Any]:
         """Steps until a stop condition; returns {"steps", "stop_reason", "wall_s", "history"}.
 
-        handle_signals: catch SIGINT/SIGTERM during the run (restored after) and
-        stop after the current step instead of dying mid-step.
+        handle_signals: catch SIGINT/SIGTERM during the run (`parallel.signals`;
+        restored after) and stop after the current step instead of dying
+        mid-step: every rank stops after the same step, also when only one
+        rank got the signal.
         """
         s, cfg = self.state, self.cfg
         t_start = time.monotonic()
-        with self._signals(handle_signals):
+        with signals.stop_on_signals() if handle_signals else contextlib.nullcontext():
             if cfg.eval_every and s.step == 0 and not s.history:
                 self._record(0, self.evaluate())
             while (reason := self._done(t_start)) is None:
@@ -225,18 +226,3 @@ class Controller:
         extra["wall_s"] = self.state.wall_s + time.monotonic() - t_start
         self.checkpointer.save(self.state.step, extra)
 
-    @contextlib.contextmanager
-    def _signals(self, enabled: bool) -> Iterator[None]:
-        if not enabled:
-            yield
-            return
-
-        def request_stop(signum: int, frame: Any) -> None:  # noqa: ARG001
-            self._stop_signal = signum
-
-        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)

@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from hybrid_engine.policy.colocated import HybridActor
 from hybrid_engine.algorithms.algorithm import Algorithm
-from hybrid_engine.checkpoint import latest_checkpoint, prune_checkpoints, step_checkpoint_path
+from hybrid_engine.checkpoint import (
+    checkpoint_problem, latest_checkpoint, prune_checkpoints, step_checkpoint_path, step_checkpoints)
 from hybrid_engine.config import RunConfig, to_dict
 from hybrid_engine.controller import Controller
 from hybrid_engine.guards import Guards, RunAborted
@@ -64,14 +65,27 @@ class JobCheckpointer:
         log.info("saved checkpoint %s", path)
 
     def load_latest(self) -> dict:
-        """Restores the newest complete checkpoint; returns the controller state.
+        """Restores the newest sound checkpoint; returns the controller state.
+
+        A damaged one (a file missing, truncated or changed since the save:
+        `checkpoint_problem`, every rank checking a share) is skipped with a
+        warning for the one before; it stays on disk for inspection.
 
         Raises:
-            ValueError: no complete checkpoint under the folder.
+            ValueError: no sound checkpoint under the folder.
         """
-        path = latest_checkpoint(self.root)
+        path = None
+        for _, candidate in reversed(step_checkpoints(self.root)):
+            problem = checkpoint_problem(candidate, group=dist.group.WORLD)
+            if problem is None:
+                path = candidate
+                break
+            log.warning("checkpoint %s is damaged (%s): resuming from the one before",
+                        candidate, problem)
         if path is None:
-            raise ValueError(f"no complete checkpoint under {self.root} to resume from")
+            raise ValueError(f"no complete checkpoint under {self.root} to resume from"
+                             + (": every one is damaged (see the warnings above)"
+                                if step_checkpoints(self.root) else ""))
         extra = self.actor.load(path, critic=self.critic)
         log.info("resumed from %s (step %d)", path, extra["step"])
         return extra
@@ -120,6 +134,8 @@ class Job:
     def _build(self, cfg: RunConfig, resume: bool, progress: bool, overwrite: bool) -> None:
         """Every role but the actor, the checkpointer, the sink (and resume)."""
         self.rank0 = dist.get_rank() == 0
+        if self.rank0:
+            sweep_unfinished(self.out)
         if overwrite and not resume:
             self._clear_outputs()
         # An env whose score() runs a model (reward model) is called in the training layout.
@@ -221,6 +237,27 @@ class Job:
         if self._lock is not None:
             self._lock.close()  # closing the file releases the flock
             self._lock = None
+
+
+def sweep_unfinished(out: Path) -> None:
+    """Removes the unfinished folders an earlier job on out left when it died
+    mid-save or mid-export (`<name>.tmp-*`; never loaded, see checkpoint.py).
+    A `<name>.old-*` whose `<name>` is gone (a death between the two renames of
+    a commit) is the previous complete folder: it is moved back, not removed.
+    Call with out's lock held, so no running job owns them."""
+    for folder in (out, out / "checkpoints"):
+        if not folder.is_dir():
+            continue
+        for old in sorted(folder.glob("*.old-*")):
+            base = old.with_name(old.name.split(".old-")[0])
+            if not base.exists():
+                os.replace(old, base)
+                log.warning("restored %s from %s (a save died between its renames)", base, old)
+            else:
+                shutil.rmtree(old, ignore_errors=True)
+        for tmp in sorted(folder.glob("*.tmp-*")):
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.info("removed %s: an earlier job's unfinished save or export", tmp)
 
 
 def lock_output_dir(out: Path) -> IO[str] | None:

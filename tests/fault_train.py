@@ -5,9 +5,13 @@
         torchrun ... tests/fault_train.py train --recipe=... [overrides]
 
 phase: rollout (entering the n-th generate), train (the n-th optimizer step),
-sync (the n-th weight sync) or save (the n-th checkpoint commit: shards
-written, the folder not yet marked complete). signal: kill (default) or stop
-(this rank), or launcher (SIGKILL to its parent, torchrun).
+sync (the n-th weight sync), save (the n-th checkpoint commit: shards
+written, the folder not yet marked complete), build (the vLLM engine's
+construction, at start-up) or export (the final HF export). signal: kill
+(default), stop or term (to this rank), launcher or launcher-term (SIGKILL or
+SIGTERM to its parent, torchrun), or fsize (save
+only: at the n-th save, before any shard is written, this rank's files may no
+longer grow past 64 KiB, RLIMIT_FSIZE, as on a full disk).
 Just before the signal the rank writes time.time() to HE_FAULT_STAMP. Without
 HE_FAULT it is the plain CLI.
 """
@@ -28,15 +32,19 @@ def _arm() -> None:
         return
     phase, n, *how = fault.split(":")
     how = how[0] if how else "kill"
-    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "launcher": signal.SIGKILL}[how]
-    target = os.getppid() if how == "launcher" else os.getpid()
+    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM,
+           "launcher": signal.SIGKILL, "launcher-term": signal.SIGTERM, "fsize": None}[how]
+    target = os.getppid() if how.startswith("launcher") else os.getpid()
     import hybrid_engine.checkpoint as ckpt
     from hybrid_engine.roles.sync import WeightSync
     from hybrid_engine.roles.trainer import Trainer
     from hybrid_engine.rollout.engine import VLLMRollout
 
     owner, name = {"rollout": (VLLMRollout, "generate"), "train": (Trainer, "train_step"),
-                   "sync": (WeightSync, "sync"), "save": (ckpt, "_commit")}[phase]
+                   "sync": (WeightSync, "sync"), "save": (ckpt, "_commit"),
+                   "build": (VLLMRollout, "__init__"), "export": (ckpt, "_gather_and_write")}[phase]
+    if how == "fsize":
+        owner, name = ckpt, "_write_state"
     original, calls = getattr(owner, name), [0]
 
     @functools.wraps(original)
@@ -44,7 +52,13 @@ def _arm() -> None:
         calls[0] += 1
         if calls[0] == int(n):
             Path(os.environ["HE_FAULT_STAMP"]).write_text(repr(time.time()))
-            os.kill(target, sig)
+            if sig is None:  # a full disk: writes past the limit fail with EFBIG
+                import resource
+
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+            else:
+                os.kill(target, sig)
         return original(*args, **kwargs)
 
     setattr(owner, name, armed)

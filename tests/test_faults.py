@@ -91,6 +91,61 @@ def test_killed_rank_stops_the_job_and_resume_reproduces(model_dir, reference, t
     proc = _train(model_dir, out, "--resume")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert _steps(out) == _steps(reference)
+    assert not list(ckpts.glob("*.tmp-*"))  # the killed save's folder was swept
+
+
+def _summary(stdout: str) -> dict:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith('{"steps"')]
+    assert len(lines) == 1, stdout[-3000:]
+    return json.loads(lines[0])
+
+
+@pytest.mark.parametrize("where", ["build:1:term", "train:2:term", "export:1:term"])
+def test_sigterm_to_one_rank_stops_every_rank_cleanly(model_dir, reference, tmp_path,
+                                                      where) -> None:
+    """SIGTERM to one rank (a scheduler, an OOM handler) used to take the job down
+    at once with a traceback, and at start-up or in the final export it left
+    final.tmp-* behind. Now, wherever it lands, every rank finishes the step in
+    progress, the checkpoint and final/ are complete, and all exit 0 with no
+    traceback; a resume then reproduces the straight run (issue 18, item 3)."""
+    out = tmp_path / "run"
+    proc = _train(model_dir, out, fault=where, stamp=tmp_path / "at")
+    text = proc.stdout
+    assert proc.returncode == 0 and (tmp_path / "at").exists(), text[-3000:]
+    assert "Traceback" not in text and not [ln for ln in text.splitlines()
+                                            if ln.startswith("error")], text[-3000:]
+    assert "rank 1 got SIGTERM: stopping after the current step" in text
+    summary = _summary(text)
+    steps = {"build": 0, "train": 2, "export": STEPS}[where.split(":")[0]]
+    assert summary["steps"] == steps, summary
+    assert summary["stop_reason"] == ("num_steps" if steps == STEPS else "signal"), summary
+    assert (out / "final" / "COMPLETE").is_file() and not list(out.glob("final.*"))
+    ckpts = out / "checkpoints"
+    assert latest_checkpoint(ckpts) == (step_checkpoint_path(ckpts, steps) if steps else None)
+    assert not list(ckpts.glob("*.tmp-*")) if ckpts.exists() else True
+    if 0 < steps < STEPS:
+        proc = _train(model_dir, out, "--resume")
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        assert _steps(out) == _steps(reference)
+
+
+def test_sigterm_to_torchrun_saves_and_every_rank_exits_cleanly(model_dir, tmp_path) -> None:
+    """torchrun forwards SIGTERM to every rank and gives them its shutdown
+    timeout (30 s unless --shutdown-timeout): the ranks finish the step, save,
+    export and exit 0. torchrun itself then exits 1 with its SignalException
+    (its own contract, not ours): the ranks print no traceback and no error."""
+    out = tmp_path / "run"
+    proc = _train(model_dir, out, fault="train:2:launcher-term", stamp=tmp_path / "at")
+    text = proc.stdout
+    print(f"torchrun exit code after SIGTERM: {proc.returncode}")
+    assert "rank 0 got SIGTERM" in text and "rank 1 got SIGTERM" in text, text[-3000:]
+    assert not [ln for ln in text.splitlines() if ln.startswith("error")], text[-3000:]
+    # One traceback at most: torchrun's own SignalException, none from a rank.
+    assert text.count("Traceback (most recent call last)") == text.count(
+        "SignalException: Process") <= 1, text[-3000:]
+    ckpts = out / "checkpoints"
+    assert latest_checkpoint(ckpts) == step_checkpoint_path(ckpts, 2), text[-3000:]
+    assert (out / "final" / "COMPLETE").is_file() and not list(out.glob("final.*"))
 
 
 @pytest.mark.parametrize("phase", ["rollout", "train", "sync", "save"])
@@ -191,6 +246,51 @@ def test_a_second_job_on_the_same_output_dir_is_refused(model_dir, tmp_path) -> 
     assert sorted(rows) == list(range(0, 9)) or sorted(rows) == list(range(1, 9)), sorted(rows)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == len(rows)  # no step twice
     assert latest_checkpoint(out / "checkpoints") == step_checkpoint_path(out / "checkpoints", 8)
+
+
+def test_a_failed_save_stops_with_one_error_and_resume_continues(model_dir, reference,
+                                                                 tmp_path) -> None:
+    """A full disk during a save (rank 1's files may not grow past 64 KiB from the
+    3rd save on) used to print torch's 'inline_container' error; now one error
+    line says so, no half-written folder stays, and a resume reproduces the
+    straight run (issue 18, item 11)."""
+    out = tmp_path / "run"
+    proc = _train(model_dir, out, fault="save:3:fsize", stamp=tmp_path / "at")
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stdout[-3000:]
+    assert "could not write checkpoint" in errors[0] and "step_00000003" in errors[0], errors
+    assert "rank 1: no space left on device" in errors[0], errors
+    assert "inline_container" not in proc.stdout
+    # No rank's traceback: the only one is torchrun's own report of a non-zero exit.
+    assert proc.stdout.count("Traceback (most recent") == proc.stdout.count(
+        "ChildFailedError:") <= 1, proc.stdout[-3000:]
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001", "step_00000002"]
+    proc = _train(model_dir, out, "--resume")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert _steps(out) == _steps(reference)
+
+
+def test_a_damaged_newest_checkpoint_yields_to_the_one_before(model_dir, reference,
+                                                              tmp_path) -> None:
+    """Bytes flipped in the newest checkpoint's shard: the resume names it, warns,
+    and continues from the one before, reproducing the straight run (issue 18,
+    item 11)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    ckpts = out / "checkpoints"
+    newest = step_checkpoint_path(ckpts, STEPS)
+    shard = sorted((newest / "dcp").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(rows[:-1]) + "\n")  # as if step 4 had not ended
+    proc = _train(model_dir, out, "--resume")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"checkpoint {newest} is damaged ({shard.relative_to(newest)} does not match its " \
+           "checksum): resuming from the one before" in proc.stdout, proc.stdout[-3000:]
+    assert _steps(out) == _steps(reference)
 
 
 def test_resume_refuses_another_models_checkpoint(model_dir, reference, tmp_path) -> None:

@@ -1,0 +1,76 @@
+"""SIGINT/SIGTERM as a request to stop, the same on every rank.
+
+Job: while `stop_on_signals()` is active (the whole `hybrid-engine train`
+command, from before the engines are built to after `final/` is written;
+`Controller.run` for an embedding trainer), SIGINT and SIGTERM only record
+the request. The controller reads `requested()` at each step boundary through
+a collective OR (`controller.any_rank`), so a signal to torchrun (which
+forwards SIGTERM to every rank) and a signal to one rank (a scheduler, an OOM
+handler) end the same way: every rank finishes the step in progress, the
+checkpoint is written when checkpointing is on, `final/` is exported, and the
+process exits 0. A signal during start-up or during the final export no
+longer kills a rank half-way (which left `final.tmp-*` folders and took the
+job down with a traceback); one during start-up stops before the first step.
+
+Only the main thread can set handlers; elsewhere `stop_on_signals` is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["requested", "reset", "stop_on_signals"]
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_requested: int | None = None
+_depth = 0  # nesting of stop_on_signals; the outermost starts with no request
+
+
+def requested() -> int | None:
+    """The first signal received since `reset` (None: none)."""
+    return _requested
+
+
+def reset() -> None:
+    """Forgets a received signal (a new run in the same process)."""
+    global _requested
+    _requested = None
+
+
+def _request(signum: int, frame: Any) -> None:  # noqa: ARG001
+    global _requested
+    if _requested is None:
+        log.warning("rank %s got %s: stopping after the current step (checkpoint when "
+                    "checkpointing is on, then final/), exit code 0",
+                    os.environ.get("RANK", "0"), signal.Signals(signum).name)
+    _requested = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within: SIGINT/SIGTERM set `requested()` instead of ending the process.
+    The outermost use starts with no request; an inner one (the controller's
+    inside the CLI's) keeps what the outer received. Restores the previous
+    handlers on exit."""
+    global _depth
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if _depth == 0:
+        reset()
+    previous = {sig: signal.signal(sig, _request) for sig in SIGNALS}
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
