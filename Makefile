@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 CONSTRAINTS := requirements/constraints-cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench gpu-check env lock clean
+.PHONY: install test test-fast demo bench chaos gpu-check env lock clean
 
 # --- install -----------------------------------------------------------------
 # Stamps make a second `make install` a no-op unless an input changed.
@@ -52,6 +52,13 @@ demo: install
 # Every benchmark (~50 min on 2 cores); writes benchmarks/results/<date>.md.
 bench: install
 	$(VENV)/bin/hybrid-engine bench all
+
+# Random-moment SIGKILLs of a real 2-rank run (rank 0, rank 1 or torchrun):
+# time to exit, leftovers, checkpoints, resume = the straight run. Writes
+# benchmarks/results/chaos_<device>_<yyyymm>.md. CHAOS_ARGS=--kills=5 for fewer.
+CHAOS_ARGS ?= --kills=20 --seed=0
+chaos: install
+	$(PY) benchmarks/chaos.py $(CHAOS_ARGS)
 
 # What only a GPU can check: every test marked `gpu` (skipped with its reason
 # without CUDA) and the copy kernel against a plain copy (bench_kernels: its

@@ -7,8 +7,12 @@ killed by SIGKILL cannot unlink anything; each such job leaves 8 MB per TP
 pair). vllm_rollout.py applies the prefix to vLLM's segment names.
 
 A segment is an orphan when it carries our prefix (he<digits>-), belongs to this user,
-is older than `min_age_s` (a live job creates and maps its segment at once;
-the age covers that gap) and no live process maps it (/proc/<pid>/maps).
+no live process maps it (/proc/<pid>/maps), and either the launcher whose pid
+its name carries is gone or it is older than `min_age_s` (a live job creates
+and maps its segment at once; the age covers that gap). The same sweep, by
+age alone, removes the ring buffers of vLLM's message queues (`psm_*`) and
+Python's named semaphores (`sem.mp-*`) that killed ranks leave: both are
+mapped for as long as any process uses them (`sweep_foreign_orphans`).
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["prefix", "sweep_orphans", "unlink_job_segments"]
+__all__ = ["prefix", "sweep_foreign_orphans", "sweep_orphans", "unlink_job_segments"]
 
 SHM = Path("/dev/shm")
-_OURS = re.compile(r"he\d+-.+")  # prefix() + vLLM's name
+_OURS = re.compile(r"he\d+-(\d+)-.+")  # prefix() + vLLM's name; group 1: the launcher's pid
+_FOREIGN = re.compile(r"psm_[0-9a-f]+|sem\.mp-.+")  # vLLM's shm ring buffers, Python's semaphores
 
 
 def prefix() -> str:
@@ -34,6 +39,22 @@ def prefix() -> str:
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     base = f"he{port}-{os.getppid()}-"
     return base if run == "none" else f"{base}{run[:8]}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        pass
+    return True
+
+
+def sweep_foreign_orphans(min_age_s: float = 60.0) -> list[str]:
+    """Unlinks `psm_*` and `sem.mp-*` entries of this user that no live process
+    maps and that are older than min_age_s; returns their names."""
+    return sweep_orphans(min_age_s, pattern=_FOREIGN)
 
 
 def unlink_job_segments() -> None:
@@ -72,14 +93,16 @@ def sweep_orphans(min_age_s: float = 60.0, root: Path = SHM, *, pattern: re.Patt
     uid, now = os.getuid(), time.time()
     old = []
     for f in root.iterdir():
-        if not pattern.fullmatch(f.name):
+        match = pattern.fullmatch(f.name)
+        if not match:
             continue
         try:
             st = f.stat()
         except FileNotFoundError:
             continue
         recent = changed_after is None or st.st_ctime >= changed_after
-        if st.st_uid == uid and now - st.st_mtime >= min_age_s and recent:
+        dead = pattern is _OURS and not _alive(int(match.group(1)))
+        if st.st_uid == uid and (dead or now - st.st_mtime >= min_age_s) and recent:
             old.append((f, (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)))
     if not old:
         return []

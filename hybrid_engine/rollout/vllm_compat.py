@@ -79,7 +79,7 @@ def isolate_cpu_shm_names() -> None:
     shm = cc._CPUSHMDistributed
     if getattr(shm, "_hybrid_engine_patched", False):
         return
-    removed = cpu_shm.sweep_orphans()
+    removed = cpu_shm.sweep_orphans() + cpu_shm.sweep_foreign_orphans()
     if removed:
         _log.info("removed %d shared-memory segment(s) of dead jobs from /dev/shm", len(removed))
     original = shm.make_group_name

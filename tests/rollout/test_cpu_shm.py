@@ -1,6 +1,8 @@
 """cpu_shm.sweep_orphans: removes our segments that nothing maps, keeps a segment a
-live process maps, a fresh one (a job between creating and mapping it), and
-files without our prefix. Real files, a real mapping in a real child process."""
+live process maps, a fresh one of a live launcher (a job between creating and
+mapping it), and files without our prefix; a dead launcher's segment goes at
+any age; vLLM's psm_* and Python's sem.mp-* go by age. Real files, a real
+mapping in a real child process."""
 
 from __future__ import annotations
 
@@ -28,10 +30,13 @@ def _segment(root, name: str, age_s: float):
     return path
 
 
+ME = os.getpid()  # a live launcher: only the age rule applies to its segments
+
+
 def test_sweep_removes_only_unmapped_old_segments_with_our_prefix(tmp_path) -> None:
-    orphan = _segment(tmp_path, "he1234-abcd1234--tp:0-[0-1]-cpushm_0", age_s=3600)
-    live = _segment(tmp_path, "he5678-ef012345--tp:0-[0-1]-cpushm_0", age_s=3600)
-    fresh = _segment(tmp_path, "he9999-00000000--tp:0-[0-1]-cpushm_0", age_s=0)
+    orphan = _segment(tmp_path, f"he1234-{ME}-abcd1234--tp:0-[0-1]-cpushm_0", age_s=3600)
+    live = _segment(tmp_path, f"he5678-{ME}-ef012345--tp:0-[0-1]-cpushm_0", age_s=3600)
+    fresh = _segment(tmp_path, f"he9999-{ME}-00000000--tp:0-[0-1]-cpushm_0", age_s=0)
     other = _segment(tmp_path, "psm_deadbeef", age_s=3600)
     not_ours = _segment(tmp_path, "heartbeat", age_s=3600)  # "he" but not he<port>-
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(live)], stdin=subprocess.PIPE,
@@ -48,12 +53,31 @@ def test_sweep_removes_only_unmapped_old_segments_with_our_prefix(tmp_path) -> N
     assert cpu_shm.sweep_orphans(min_age_s=60, root=tmp_path) == [live.name]
 
 
+def test_a_dead_launchers_fresh_segment_goes_at_once(tmp_path) -> None:
+    """A relaunch right after a kill: the dead job's segments are seconds old,
+    but the launcher pid in their names is gone, so the age rule does not apply."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = _segment(tmp_path, f"he1234-{gone.pid}-abcd1234--tp:0-[0-1]-cpushm_0", age_s=0)
+    fresh = _segment(tmp_path, f"he1234-{ME}-abcd1234--tp:0-[0-1]-cpushm_0", age_s=0)
+    assert cpu_shm.sweep_orphans(min_age_s=60, root=tmp_path) == [dead.name]
+    assert fresh.exists()
+
+
+def test_foreign_orphans_are_vllm_ring_buffers_and_python_semaphores(tmp_path) -> None:
+    for name in ("psm_0123abcd", "sem.mp-k2j3h4", f"he1234-{ME}-x", "psm_notHex", "other"):
+        _segment(tmp_path, name, age_s=3600)
+    _segment(tmp_path, "psm_4567ef01", age_s=0)  # too young
+    removed = cpu_shm.sweep_orphans(min_age_s=60, root=tmp_path, pattern=cpu_shm._FOREIGN)
+    assert sorted(removed) == ["psm_0123abcd", "sem.mp-k2j3h4"]
+
+
 def test_sweep_of_other_names_takes_only_segments_changed_after_a_time(tmp_path) -> None:
     import re
 
     # ctime is "now" at each write/utime and cannot be set back: order the files instead.
     earlier = _segment(tmp_path, "psm_0123abcd", age_s=3600)
-    ours = _segment(tmp_path, "he1234-abcd1234--tp:0-[0-1]-cpushm_0", age_s=3600)
+    ours = _segment(tmp_path, f"he1234-{ME}-abcd1234--tp:0-[0-1]-cpushm_0", age_s=3600)
     time.sleep(0.05)
     cutoff = time.time()
     time.sleep(0.05)
