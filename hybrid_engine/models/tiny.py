@@ -87,7 +87,10 @@ class TinyModelSpec:
     seed: int = 0
     """Seed of the weights; same spec -> byte-identical safetensors."""
     init_std: float = 0.02
-    """Std of the normal init of every matrix and bias; norm weights are 1."""
+    """Std of the normal init of every matrix and bias."""
+    norm_std: float = 0.0
+    """Std of the norm weights around 1 (0: all ones, as HF inits them). Tests
+    of weight movement set it, so a norm swapped with another shows."""
     rope_theta: float = 10000.0
     """RoPE base."""
     rms_norm_eps: float = 1e-6
@@ -234,10 +237,12 @@ def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
 
 
 def _init_tensor(name: str, shape: tuple[int, ...], spec: TinyModelSpec) -> torch.Tensor:
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
     # Per-tensor seed: values depend only on (seed, name), not on draw order.
     gen = torch.Generator().manual_seed((spec.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
+    if name.endswith("norm.weight"):
+        if spec.norm_std == 0:
+            return torch.ones(shape)
+        return torch.empty(shape).normal_(1.0, spec.norm_std, generator=gen)
     return torch.empty(shape).normal_(0.0, spec.init_std, generator=gen)
 
 

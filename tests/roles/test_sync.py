@@ -66,9 +66,11 @@ def _max_logprob_diff(model_full, out) -> float:
     return worst
 
 
-def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str):  # noqa: ANN202
-    """The HF model in fp32, FSDP2-sharded per layer + root over the world, and a
-    colocated vLLM engine of the same folder (TP = tp, the given dtype)."""
+def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str,  # noqa: ANN202
+                              master: str = "float32"):
+    """The HF model in the master dtype (fp32 unless given), FSDP2-sharded per
+    layer + root over the world, and a colocated vLLM engine of the same folder
+    (TP = tp, the given dtype)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -79,7 +81,7 @@ def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str):  # noqa: ANN
     from hybrid_engine.rollout.engine import VLLMRollout
 
     world = dist.get_world_size()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, master))
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -90,7 +92,7 @@ def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str):  # noqa: ANN
     return model, rollout
 
 
-def _sync_case(model_dir: str, tp: int, dtype: str) -> dict:
+def _sync_case(model_dir: str, tp: int, dtype: str, master: str = "float32") -> dict:
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -98,7 +100,7 @@ def _sync_case(model_dir: str, tp: int, dtype: str) -> dict:
     from hybrid_engine.config import SyncConfig
     from hybrid_engine.roles.sync import WeightSync
 
-    model, rollout = _sharded_model_and_engine(model_dir, tp, dtype)
+    model, rollout = _sharded_model_and_engine(model_dir, tp, dtype, master)
     before = _greedy(rollout, 8)
     _train_one_step(model, seed=1)
     sync = WeightSync(model.config, SyncConfig(method="reshard", bucket_mb=0.05, verify=True),
@@ -133,13 +135,23 @@ def _sync_case(model_dir: str, tp: int, dtype: str) -> dict:
     return out
 
 
+# norm_std: random norm weights, so a norm written to another layer's slot shows.
 CASES = [
-    ("qwen2", dict(arch="qwen2", vocab_size=1000), 2, 2, "float32"),
+    ("qwen2", dict(arch="qwen2", vocab_size=1000, norm_std=0.1), 2, 2, "float32"),
     ("llama-kv1-tied", dict(arch="llama", num_kv_heads=1, tie_word_embeddings=True), 2, 1, "float32"),
-    ("qwen3-kv1", dict(arch="qwen3", num_kv_heads=1, vocab_size=1001), 4, 2, "float32"),
+    ("qwen3-kv1", dict(arch="qwen3", num_kv_heads=1, vocab_size=1001, norm_std=0.1), 4, 2,
+     "float32"),
     ("qwen2-tied-bf16", dict(arch="qwen2", tie_word_embeddings=True), 4, 4, "bfloat16"),
     ("llama-bias-replicas", dict(arch="llama", vocab_size=1000, attention_bias=True), 4, 1,
      "float32"),
+    # Odd world (issue 18, item 6): N=3 does not divide hidden 128, intermediate
+    # 256 nor the prime vocabulary 1009, so every FSDP row split is uneven.
+    ("qwen2-n3-prime-vocab", dict(arch="qwen2", vocab_size=1009, norm_std=0.1), 3, 1,
+     "float32"),
+    # N=3 and T=3: 6 heads, 3 KV heads (one per TP rank), intermediate 258 = 3 x 86,
+    # prime vocabulary 1117 (uneven FSDP rows) that vLLM pads to 1152 = 3 x 384.
+    ("llama-n3-t3", dict(arch="llama", hidden_size=192, num_heads=6, num_kv_heads=3,
+                         intermediate_size=258, vocab_size=1117, norm_std=0.1), 3, 3, "float32"),
 ]
 
 
@@ -159,6 +171,21 @@ def test_sync_is_exact_and_vllm_follows_training(tmp_path, name, spec, world, tp
         if dtype == "float32":
             assert o["max_diff"] < 1e-4, o
             assert o["greedy_equal"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_sync_from_bf16_master_weights(tmp_path):
+    """master_dtype=bfloat16 (issue 18, item 6): the FSDP parameters themselves are
+    bf16, the wire dtype too (no cast); every synced weight equals vLLM's own
+    loader's bit for bit (verify), with the minimum bytes, and the naive path agrees."""
+    from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
+
+    model_dir = str(write_tiny_model(tmp_path / "m", TinyModelSpec(arch="qwen3", norm_std=0.1)))
+    for o in run_ranks(_sync_case, 2, model_dir, 2, "bfloat16", "bfloat16", timeout=420):
+        assert o["changed"] and o["naive_equal"]
+        for m in (o["m1"], o["m2"]):
+            assert m["sync_bytes_received"] == o["min_bytes"]
 
 
 # --- naive_bucketed: the naive path with buckets, bit-exact with naive ---------
