@@ -23,6 +23,7 @@ and task; this module is the only place that knows which roles exist.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -119,16 +120,18 @@ class Job:
                   resume=resume, overwrite=overwrite)
         torch.manual_seed(cfg.seed)
         self.cfg, self.out = cfg, Path(cfg.output_dir)
+        made_out = not self.out.exists()
         self._lock = lock_output_dir(self.out)  # before anything is cleared or written
         try:
             self.actor = make_policy(cfg)
         except BaseException:
-            self._unlock()
+            self._unlock(remove_if_unused=made_out)  # a failed start leaves no empty folder
             raise
         try:
             self._build(cfg, resume, progress, overwrite)
         except BaseException:
-            self.shutdown()  # the engine goes before the error does
+            self.actor.shutdown()  # the engine goes before the error does
+            self._unlock(remove_if_unused=made_out)
             raise
 
     def _build(self, cfg: RunConfig, resume: bool, progress: bool, overwrite: bool) -> None:
@@ -233,10 +236,17 @@ class Job:
         self.actor.shutdown()
         self._unlock()
 
-    def _unlock(self) -> None:
-        if self._lock is not None:
-            self._lock.close()  # closing the file releases the flock
-            self._lock = None
+    def _unlock(self, remove_if_unused: bool = False) -> None:
+        """Releases out's lock; with remove_if_unused (the job created out and
+        failed to start), out goes too when the lock file is all it holds."""
+        if self._lock is None:
+            return
+        self._lock.close()  # closing the file releases the flock
+        self._lock = None
+        if remove_if_unused and [p.name for p in self.out.iterdir()] == [".lock"]:
+            (self.out / ".lock").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # another job may have just taken it
+                self.out.rmdir()
 
 
 def sweep_unfinished(out: Path) -> None:
