@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import FSDPModule
 
 from hybrid_engine.parallel.dist import train_group
-from hybrid_engine.parallel.fsdp import sharded_named_parameters
+from hybrid_engine.parallel.fsdp import reshard_all, sharded_named_parameters
 
 if TYPE_CHECKING:
     from hybrid_engine.roles.critic import Critic
@@ -331,11 +331,11 @@ def _dcp_state(trainer: Trainer, critic: Critic | None) -> dict[str, Any]:
 
     Both roles keep their FSDP root resharded outside a step, so the
     optimizer's DTensors are the module's (the trainer's guard)."""
-    trainer.module.reshard()
+    reshard_all(trainer.module)
     model_sd, optim_sd = get_state_dict(trainer.module, trainer.optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     if critic is not None:
-        critic.module.reshard()
+        reshard_all(critic.module)
         state["critic_model"], state["critic_optim"] = get_state_dict(
             critic.module, critic.optimizer
         )
@@ -569,7 +569,7 @@ def export_hf(
     from transformers import AutoConfig
 
     module = model.module if hasattr(model, "module") else model
-    module.reshard()  # the guard: a forward without backward leaves the root unsharded
+    reshard_all(module)  # the guard: a forward without backward leaves the root unsharded
     path, source = Path(path), Path(hf_config_source)
     tmp = _tmp_folder(path)
     err = None

@@ -207,6 +207,16 @@ class TrainConfig:
     activation_checkpointing: bool = _field(
         False, "Recompute decoder-layer activations in backward to save memory."
     )
+    sharding: Literal["full", "grad_op"] = _field(
+        "full",
+        "Training layout over the data-parallel ranks (AdamW state always sharded): 'full' "
+        "reshards each layer's parameters after its forward and reduce-scatters gradients "
+        "after every micro-batch (least memory: 3 collectives per layer per micro-batch); "
+        "'grad_op' keeps them gathered from forward to backward and across a step's "
+        "micro-batches, accumulating whole gradients locally and reduce-scattering once "
+        "per optimizer step (2 collectives per layer per step; holds the whole model and "
+        "its gradient on every rank during the step).",
+    )
     offload_optimizer: bool = _field(
         False,
         "Colocated: move the policy's AdamW state to host memory from the weight sync "

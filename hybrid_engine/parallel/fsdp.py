@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DTYPES",
+    "SHARDINGS",
     "HiddenStatesHead",
     "LoadStats",
     "apply_fsdp",
@@ -60,12 +61,14 @@ __all__ = [
     "hf_name",
     "init_rotary_buffers",
     "load_sharded_safetensors",
+    "reshard_all",
     "resolve_model_path",
     "shard_rows",
     "sharded_named_parameters",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SHARDINGS = ("full", "grad_op")  # TrainConfig.sharding
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 
 
@@ -169,8 +172,12 @@ def _build_meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool)
 
 
 def apply_fsdp(
-    model: PreTrainedModel, mesh: DeviceMesh, mp: MixedPrecisionPolicy, checkpointing: bool
+    model: PreTrainedModel, mesh: DeviceMesh, mp: MixedPrecisionPolicy, checkpointing: bool,
+    *, reshard_after_forward: bool = True,
 ) -> None:
+    """`fully_shard` on every decoder layer, then the root. reshard_after_forward=False
+    (train.sharding=grad_op) keeps each layer's parameters gathered from its forward
+    to its backward: one all-gather per layer per pass instead of two."""
     layers = model.model.layers
     for i, layer in enumerate(layers):
         if checkpointing:
@@ -180,7 +187,7 @@ def apply_fsdp(
 
             layer = checkpoint_wrapper(layer)
             layers[i] = layer
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # Root group: embed_tokens, final norm, lm_head (one parameter when tied).
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
@@ -205,6 +212,7 @@ def build_fsdp_model(
     activation_checkpointing: bool = False,
     requires_grad: bool = True,
     trust_remote_code: bool = False,
+    sharding: str = "full",
 ) -> tuple[FSDPModule, LoadStats]:
     """Builds the FSDP2 layout of a checkpoint without materialising it anywhere.
 
@@ -216,6 +224,8 @@ def build_fsdp_model(
         activation_checkpointing: recompute decoder layers in backward.
         requires_grad: False freezes every parameter (reference model).
         trust_remote_code: passed to transformers.
+        sharding: "full" (parameters resharded after each layer's forward) or
+            "grad_op" (kept gathered until its backward); see TrainConfig.sharding.
 
     Returns:
         (model, stats): the root FSDPModule (a HF `*ForCausalLM` whose lm_head
@@ -225,14 +235,18 @@ def build_fsdp_model(
     model = _build_meta_model(folder, DTYPES[master_dtype], trust_remote_code)
     model.requires_grad_(requires_grad)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=DTYPES[master_dtype])
-    stats = shard_and_load(model, folder, mesh, mp, checkpointing=activation_checkpointing)
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    stats = shard_and_load(model, folder, mesh, mp, checkpointing=activation_checkpointing,
+                           reshard_after_forward=sharding == "full")
     return model, stats
 
 
 def shard_and_load(model: nn.Module, folder: Path, mesh: DeviceMesh, mp: MixedPrecisionPolicy, *,
                    checkpointing: bool = False, device: torch.device | None = None,
                    load_into: nn.Module | None = None,
-                   init: Callable[[nn.Module], None] | None = None) -> LoadStats:
+                   init: Callable[[nn.Module], None] | None = None,
+                   reshard_after_forward: bool = True) -> LoadStats:
     """The one FSDP2 construction path of every model we train or score with
     (policy, reference, critic, reward model): a model built on the meta device
     is sharded (`apply_fsdp`), materialised shard-only (`to_empty`), its rotary
@@ -248,7 +262,7 @@ def shard_and_load(model: nn.Module, folder: Path, mesh: DeviceMesh, mp: MixedPr
     Returns:
         What this rank read from the files.
     """
-    apply_fsdp(model, mesh, mp, checkpointing)
+    apply_fsdp(model, mesh, mp, checkpointing, reshard_after_forward=reshard_after_forward)
     if device is None:
         device = default_device() if mesh.device_type == "cuda" else torch.device(mesh.device_type)
     model.to_empty(device=device)
@@ -379,8 +393,16 @@ def sharded_named_parameters(model: nn.Module) -> Iterator[tuple[str, DTensor]]:
 def _check_param(name: str, param: Tensor) -> None:
     assert isinstance(param, DTensor) and param.placements == (Shard(0),), (
         f"{name} is a {type(param).__name__}, not a Shard(0) DTensor: the FSDP root is "
-        "unsharded (a forward without backward leaves it so); call module.reshard()"
+        "unsharded (a forward without backward leaves it so); call reshard_all(module)"
     )
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Frees every gathered parameter: the root's group (a forward without backward
+    leaves it gathered) and, with sharding=grad_op, every layer's too."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def assert_sharded(model: nn.Module) -> None:

@@ -34,6 +34,7 @@ from hybrid_engine.algorithms.losses import value_loss
 from hybrid_engine.parallel.fsdp import (
     DTYPES,
     dp_mesh,
+    reshard_all,
     resolve_model_path,
     shard_and_load,
 )
@@ -214,7 +215,7 @@ class Critic:
             vf_error_mean (token means over all ranks), grad_norm (before
             clipping), lr, num_loss_tokens, skipped (1.0 = gradient not finite).
         """
-        self.module.reshard()
+        reshard_all(self.module)
         assert {id(p) for p in self.module.parameters()} == self._param_ids
         group = self.mesh.get_group()
         norm = batch.loss_mask_BT.sum().float().to(self.device)

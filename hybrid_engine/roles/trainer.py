@@ -14,7 +14,7 @@ backward, so peak logits memory is one chunk, not B x T x V.
 
 Invariant (FSDP2 root-unshard guard): the optimizer is built in __init__
 over the sharded DTensor parameters, before any forward, and every forward
-without backward ends with `module.reshard()`. FSDP2 keeps the root group
+without backward ends with `reshard_all(module)`. FSDP2 keeps the root group
 (embed, final norm, lm_head) unsharded from its forward until the end of
 backward; without a backward it stays unsharded, `parameters()` then returns
 plain full tensors, and an optimizer, weight sync or checkpoint built from
@@ -59,6 +59,7 @@ from hybrid_engine.parallel.fsdp import (
     build_fsdp_model,
     default_device,
     dp_mesh,
+    reshard_all,
     sharded_named_parameters,
 )
 
@@ -200,7 +201,7 @@ def batch_logprobs(
     """Log-probs and entropy of a whole batch, micro-batch by micro-batch, no grad.
 
     Collective: every rank of mesh must call it (with its own batch). Ends
-    with `module.reshard()` (see the module docstring).
+    with `reshard_all(module)` (see the module docstring).
 
     Returns:
         (logp_BT, entropy_BT): float32 on the batch's device, 0 outside loss_mask_BT.
@@ -223,7 +224,7 @@ def batch_logprobs(
             entropy_BT[start:end, :width] = ent.cpu()
     finally:
         # The guard: a forward without backward leaves the FSDP root unsharded.
-        module.reshard()
+        reshard_all(module)
     return logp_BT.to(batch.tokens_BT.device), entropy_BT.to(batch.tokens_BT.device)
 
 
@@ -432,7 +433,7 @@ class Trainer:
             model_path, self.mesh, master_dtype=model_cfg.master_dtype,
             compute_dtype=model_cfg.compute_dtype,
             activation_checkpointing=train_cfg.activation_checkpointing,
-            trust_remote_code=model_cfg.trust_remote_code,
+            trust_remote_code=model_cfg.trust_remote_code, sharding=train_cfg.sharding,
         )
         # Guard, part 1: built before any forward, over the sharded DTensors.
         self._param_ids, self.optimizer, self.scheduler = build_optimizer(self.module, train_cfg)
@@ -441,7 +442,7 @@ class Trainer:
 
     def _check_sharded(self) -> None:
         """Guard, part 2: the module exposes exactly the optimizer's sharded parameters."""
-        self.module.reshard()
+        reshard_all(self.module)
         assert_sharded(self.module)
         assert {id(p) for p in self.module.parameters()} == self._param_ids, (
             "the module's parameters are not the optimizer's sharded DTensors")
@@ -517,7 +518,10 @@ class Trainer:
         dist.all_reduce(norm, group=group)
         num_mb = num_micro_batches(batch, self.mesh)
         self.optimizer.zero_grad(set_to_none=True)
-        per_mb = [self._accumulate(batch, i, loss_fn, norm, entropy_grad) for i in range(num_mb)]
+        per_mb = []
+        for i in range(num_mb):
+            with self._micro_batch_comm(last=i == num_mb - 1):
+                per_mb.append(self._accumulate(batch, i, loss_fn, norm, entropy_grad))
         grad_norm, lr, skipped = clip_and_step(self.optimizer, self.scheduler,
                                                self.train_cfg.grad_clip, advance_lr=advance_lr)
         self.step += not skipped
@@ -527,6 +531,23 @@ class Trainer:
         metrics.update(grad_norm=grad_norm, lr=lr, tokens=float(tokens),
                        num_micro_batches=float(num_mb), skipped=float(skipped))
         return metrics
+
+    @contextlib.contextmanager
+    def _micro_batch_comm(self, *, last: bool) -> Iterator[None]:
+        """sharding=grad_op: a micro-batch before the step's last keeps its layers
+        gathered after backward and its gradients whole and local (no reduce-scatter):
+        one all-gather and one reduce-scatter per layer per optimizer step. `full`
+        reduces every micro-batch (its gradients never exist whole)."""
+        defer = self.train_cfg.sharding == "grad_op" and not last
+        if defer:
+            self.module.set_requires_gradient_sync(False)
+            self.module.set_reshard_after_backward(False)
+        try:
+            yield
+        finally:
+            if defer:
+                self.module.set_requires_gradient_sync(True)
+                self.module.set_reshard_after_backward(True)
 
     def _accumulate(
         self, batch: TrainBatch, i: int, loss_fn: LossFn, norm: Tensor, entropy_grad: bool

@@ -338,15 +338,32 @@ def _check_splits(path: str, vocab: int) -> dict:
         ("mbs1", {"micro_batch_size": 1}, {}),
         ("max_tokens", {"max_tokens_per_micro_batch": 20}, {}),  # 3 vs 4 micro-batches
         ("checkpointing", {"micro_batch_size": 2}, {"activation_checkpointing": True}),
+        ("grad_op", {"micro_batch_size": 1}, {"sharding": "grad_op"}),
+        ("grad_op_checkpointing", {"micro_batch_size": 2},
+         {"sharding": "grad_op", "activation_checkpointing": True}),
     ]:
-        run = start_run(path, batch_kw, vocab=vocab, **kw).steps(3)
+        run = start_run(path, batch_kw, vocab=vocab, **kw).steps(2)
+        collectives = count_collectives(run)  # the third step
         out[name] = dict(diff=max_diff(full_weights(run.trainer.module), ref), losses=run.losses,
-                         grad_norms=run.grad_norms, num_micro_batches=len(run.batch.bounds))
+                         grad_norms=run.grad_norms, num_micro_batches=len(run.batch.bounds),
+                         collectives=collectives, sharded=_is_sharded(run.trainer.module))
     bf16 = start_run(path, {"micro_batch_size": 2}, vocab=vocab, compute_dtype="bfloat16").steps(2)
     out["bf16"] = dict(losses=bf16.losses, diff=max_diff(full_weights(bf16.trainer.module), ref),
                        dtypes={str(p.dtype) for p in bf16.trainer.module.parameters()})
     out["ten_steps"] = base.steps(7).losses
     return out
+
+
+def count_collectives(run: Run) -> dict[str, int]:
+    """One train step of run under the profiler: how many all-gathers and
+    reduce-scatters this rank issued (the c10d ops FSDP2 calls)."""
+    from collections import Counter
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run.steps(1)
+    names = Counter(e.name for e in prof.events())
+    return {"all_gather": names["c10d::_allgather_base_"],
+            "reduce_scatter": names["c10d::_reduce_scatter_base_"]}
 
 
 def _check_profile(path: str, vocab: int, folder: str) -> dict:
@@ -508,7 +525,8 @@ def test_guard_no_grad_forward_then_step_updates_every_parameter(two_ranks):
         assert out["guard"]["step_sharded"]
 
 
-@pytest.mark.parametrize("variant", ["mbs1", "max_tokens", "checkpointing"])
+@pytest.mark.parametrize("variant", ["mbs1", "max_tokens", "checkpointing", "grad_op",
+                                     "grad_op_checkpointing"])
 def test_micro_batch_split_does_not_change_the_update(two_ranks, variant):
     counts = [out["splits"][variant]["num_micro_batches"] for out in two_ranks]
     if variant == "max_tokens":
@@ -518,6 +536,24 @@ def test_micro_batch_split_does_not_change_the_update(two_ranks, variant):
         assert r["diff"] < WEIGHT_ATOL
         assert r["losses"] == pytest.approx(base["losses"][:3], rel=1e-6)
         assert r["grad_norms"] == pytest.approx(base["grad_norms"][:3], rel=1e-5)
+
+
+def test_grad_op_gathers_and_reduces_once_per_step(two_ranks):
+    """train.sharding: `full` all-gathers every FSDP group in forward and every layer
+    again in backward, and reduce-scatters every group, per micro-batch; `grad_op`
+    does each once per optimizer step, whatever the micro-batch count, and leaves
+    the parameters sharded after the step (the sync and the checkpoint read them)."""
+    for out in two_ranks:
+        s = out["splits"]
+        m = s["mbs1"]["num_micro_batches"]
+        groups = s["mbs1"]["collectives"]["reduce_scatter"] // m  # layers + root
+        assert m == 4 and s["grad_op"]["num_micro_batches"] == m and groups >= 3
+        assert s["mbs1"]["collectives"] == {"all_gather": m * (2 * groups - 1),
+                                            "reduce_scatter": m * groups}
+        assert s["grad_op"]["collectives"] == {"all_gather": groups, "reduce_scatter": groups}
+        # activation checkpointing recomputes a layer's forward in backward: no new gather
+        assert s["grad_op_checkpointing"]["collectives"] == s["grad_op"]["collectives"]
+        assert s["grad_op"]["sharded"] and s["grad_op_checkpointing"]["sharded"]
 
 
 def test_train_step_metrics_and_falling_loss(two_ranks):
@@ -564,7 +600,7 @@ def test_profile_split_attributes_overlaps_once():
     assert out["compute_s"] == pytest.approx(0.5)
 
 
-def _parity_run(root: str, steps: int) -> dict | None:
+def _parity_run(root: str, steps: int, sharding: str = "full") -> dict | None:
     """3 steps on this rank's rows; rank 0 returns losses, grad norms, full weights
     (and, on a 1-rank run, the plain transformers reference too)."""
     import torch.distributed as dist
@@ -572,11 +608,12 @@ def _parity_run(root: str, steps: int) -> dict | None:
     from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
 
     spec = TinyModelSpec(**SPECS["qwen2"])
-    path = f"{root}/qwen2_w{dist.get_world_size()}"
+    path = f"{root}/qwen2_w{dist.get_world_size()}_{sharding}"
     if dist.get_rank() == 0:
         write_tiny_model(path, spec)
     dist.barrier()
-    run = start_run(path, {"micro_batch_size": 2}, vocab=spec.vocab_size).steps(steps)
+    run = start_run(path, {"micro_batch_size": 2}, vocab=spec.vocab_size,
+                    sharding=sharding).steps(steps)
     weights = full_weights(run.trainer.module)
     if dist.get_rank():
         return None
@@ -596,9 +633,11 @@ def _to_numpy(x):
 
 @pytest.mark.slow
 def test_one_two_four_ranks_match_a_plain_model(tmp_path):
-    """FSDP2 over 1, 2 and 4 ranks vs a plain transformers model in one process (the
-    1-rank run is FSDP2 over a 1-rank mesh; the reference is not FSDP at all)."""
+    """FSDP2 over 1, 2 and 4 ranks (and 2 with sharding=grad_op) vs a plain transformers
+    model in one process (the 1-rank run is FSDP2 over a 1-rank mesh; the reference is
+    not FSDP at all)."""
     runs = {w: run_ranks(_parity_run, w, str(tmp_path), 3, timeout=240)[0] for w in (1, 2, 4)}
+    runs["2 grad_op"] = run_ranks(_parity_run, 2, str(tmp_path), 3, "grad_op", timeout=240)[0]
     plain = runs[1]["plain"]
     assert plain["losses"][-1] < plain["losses"][0]
     for w, r in runs.items():
