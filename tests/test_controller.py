@@ -62,6 +62,7 @@ def _config(model_dir: str, out_dir: str, overrides: dict):
         "rollout.num_samples_per_prompt": 4, "rollout.max_tokens": 8, "train.num_steps": 2,
         "train.prompts_per_step": 4, "train.lr": 1e-3, "checkpoint_every": 0, "eval_every": 0,
         "env.num_eval_prompts": 4, "rollout.emulate_gpu_sleep": True,
+        "rollout.release_memory": "true",  # every phase: the emulation acts every step
     }
     return apply_overrides(get_recipe("tiny_grpo_debug"), {**base, **overrides})
 
@@ -248,7 +249,7 @@ def test_broken_sync_trips_the_mismatch_alarm(model_dir, tmp_path, emulate) -> N
     return NaN samples at the next generate, before any alarm."""
     overrides = {"rollout.tensor_parallel_size": 2, "train.num_steps": 4, "train.lr": 1e-2,
                  "sync.verify": False, "mismatch_alarm": 1e-3, "mismatch_abort": True,
-                 "rollout.emulate_gpu_sleep": emulate}
+                 "rollout.emulate_gpu_sleep": emulate, "rollout.release_memory": "true"}
     out = run_ranks(_run_with_layer0_unsynced, 2, model_dir, str(tmp_path / "run"), overrides,
                     timeout=400)
     expected = "NaN log-probs" if emulate else "log-prob mismatch"

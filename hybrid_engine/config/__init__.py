@@ -152,10 +152,19 @@ class RolloutConfig:
         "train); 0 = half the world (rounded down to a multiple of tensor_parallel_size).",
         ge=0,
     )
-    release_memory: bool = _field(
-        True,
-        "Release the engine's memory while the trainer runs (GPU: sleep; CPU: the KV cache); "
-        "False keeps both resident (the naive colocation, for comparison).",
+    release_memory: Literal["auto", "true", "false"] = _field(
+        "auto",
+        "Release the engine's memory while the trainer runs (GPU: sleep; CPU: the KV cache): "
+        "'true' in every training phase; 'auto' only when the trainer's measured peak would "
+        "not fit beside the resident engine (see memory_budget; the first phase, unmeasured, "
+        "releases); 'false' never (both stay resident).",
+    )
+    memory_budget: float = _field(
+        0.9,
+        "release_memory=auto on CPU: the fraction of the machine's RAM the job may use; the "
+        "engine stays resident when the trainer's peak fits in it beside what is used now. "
+        "(GPU: the device's free memory decides.)",
+        gt=0, le=1,
     )
     emulate_gpu_sleep: bool = _field(
         False,

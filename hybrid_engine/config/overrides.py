@@ -185,6 +185,11 @@ def _convert(value: Any, tp: Any, key: str, *, parse_str: bool) -> Any:
     if origin is Literal:
         if isinstance(value, str) and value in args:
             return value
+        if isinstance(value, bool) and str(value).lower() in args:  # "true"/"false" literals
+            return str(value).lower()
+        if parse_str and isinstance(value, str) and value.lower() in ("true", "false") \
+                and value.lower() in args:
+            return value.lower()
         raise ValueError(f"{key} must be one of {', '.join(map(repr, args))}, got {value!r}")
     if origin is tuple:
         return _convert_tuple(value, args, tp, key, parse_str=parse_str)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -66,6 +67,7 @@ from hybrid_engine.parallel.dist import all_groups, init_distributed, set_collec
 from hybrid_engine.parallel.fsdp import DTYPES, resolve_model_path
 from hybrid_engine.parallel.offload import OptimizerOffload
 from hybrid_engine.parallel.shards import gather_response_field, local_batch
+from hybrid_engine.policy.memory import ReleasePolicy
 from hybrid_engine.policy.phases import Phases
 from hybrid_engine.policy.updates import policy_updates
 from hybrid_engine.preflight import check_model_for_run
@@ -195,7 +197,10 @@ class HybridActor:
                         if cfg.train.offload_optimizer else None)
         self.phases = Phases(self.rollout, lambda: self.syncer.sync(self.trainer.module,
                                                                     self.rollout),
-                             self.offload, release=cfg.rollout.release_memory)
+                             self.offload, release=ReleasePolicy(
+                                 cfg.rollout.release_memory, budget=cfg.rollout.memory_budget,
+                                 local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+                                 device=self.trainer.device))
         if cfg.model.master_dtype != "float32":
             # vLLM loaded the file itself; the trainer holds it rounded to the master
             # dtype. The first generate syncs, so step 0 samples the trainer's weights.

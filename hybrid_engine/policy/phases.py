@@ -5,7 +5,9 @@ together and live here, changed only by the transitions below (each logged
 at DEBUG on the `hybrid_engine.policy.phases` logger):
 
     layout      "inference" (the engine holds its memory) or "training"
-                (the engine released it, when rollout.release_memory is on)
+                (the engine released it, when rollout.release_memory says so:
+                `true`, or `auto` when the trainer would not fit beside it,
+                policy/memory.py)
     weights     "valid"  vLLM holds the trainer's current weights
                 "stale"  the trainer changed them since (a train step, a load)
                 "lost"   a release discarded vLLM's weights (GPU sleep level 2,
@@ -43,6 +45,8 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from hybrid_engine.policy.memory import ReleasePolicy
+
 if TYPE_CHECKING:
     from hybrid_engine.parallel.offload import OptimizerOffload
     from hybrid_engine.rollout.engine import VLLMRollout
@@ -61,16 +65,21 @@ class Phases:
             weights_valid).
         sync: writes the trainer's weights into the engine; returns metrics.
         offload: the optimizer offload (train.offload_optimizer), or None.
-        release: rollout.release_memory: release the engine in training.
+        release: rollout.release_memory: whether the engine releases its memory
+            for a training phase (a bool, or a `ReleasePolicy` that decides per
+            phase: release_memory=auto).
 
     Attributes:
         layout: "inference" or "training".
-        released_bytes: what the last release freed.
+        released_bytes: what the release into the current (or last) training
+            layout freed (0 when the engine stayed resident).
     """
 
     def __init__(self, rollout: VLLMRollout, sync: Callable[[], dict[str, float]],
-                 offload: OptimizerOffload | None = None, *, release: bool = True) -> None:
-        self.rollout, self._sync, self.offload, self.release = rollout, sync, offload, release
+                 offload: OptimizerOffload | None = None, *,
+                 release: bool | ReleasePolicy = True) -> None:
+        self.rollout, self._sync, self.offload = rollout, sync, offload
+        self.release = release if isinstance(release, ReleasePolicy) else ReleasePolicy(release)
         self.layout = "inference"
         self._trainer_changed = False
         self.released_bytes = 0
@@ -101,9 +110,10 @@ class Phases:
         """The training layout: the engine releases its memory (if configured), the
         optimizer state comes back to the device (if parked)."""
         if self.layout != "training":
-            if self.release:
-                self.released_bytes = self.rollout.release_memory()
+            release = self.release.should_release()
+            self.released_bytes = self.rollout.release_memory() if release else 0
             self.layout = "training"
+            self.release.training_started()
             self._log("to_train")
         if self.offload is not None and self.offload.offloaded:
             self.offload.reload()
@@ -138,6 +148,7 @@ class Phases:
         if self.weights != "valid":
             metrics = self.sync()
         if self.layout == "training":
+            self.release.training_ended()
             self.rollout.restore_memory()  # a no-op when nothing was released
             self.layout = "inference"
             self._log("to_rollout")

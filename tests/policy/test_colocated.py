@@ -55,7 +55,8 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
         "rollout.tensor_parallel_size": 2, "rollout.max_tokens": 6, "rollout.max_model_len": 64,
         "rollout.kv_cache_gib": 0.25, "rollout.enforce_eager": True, "train.lr": 1e-2,
         "model.compute_dtype": "float32", "model.rollout_dtype": "float32",
-        "train.offload_optimizer": True, "rollout.emulate_gpu_sleep": True})
+        "train.offload_optimizer": True, "rollout.emulate_gpu_sleep": True,
+        "rollout.release_memory": "true"})
     try:
         timeouts = collective_timeouts()
         out = {"host_kept": all(timeouts[name] == t for name, t in host.items()),
@@ -170,7 +171,8 @@ def _g1_case(model_dir: str) -> dict:
     actor = HybridActor.from_pretrained(model_dir, overrides={
         "rollout.tensor_parallel_size": 2, "rollout.max_tokens": 4, "rollout.max_model_len": 64,
         "rollout.kv_cache_gib": 0.25, "rollout.enforce_eager": True,
-        "model.rollout_dtype": "float32", "rollout.emulate_gpu_sleep": True})
+        "model.rollout_dtype": "float32", "rollout.emulate_gpu_sleep": True,
+        "rollout.release_memory": "true"})
     out = {}
     try:
         actor.generate(PROMPTS, num_samples=1)

@@ -44,7 +44,7 @@ def _train(model: Path, reward: Path, out: Path, nproc: int, *extra: str):  # no
          "--rollout.max_tokens=8", "--train.num_steps=3", "--eval_every=3",
          "--checkpoint_every=2", f"--env.reward_fn={reward}:reward",
          # Colocated twins release every step: emulate GPU sleep (weights lost) there too.
-         "--rollout.emulate_gpu_sleep=true", *extra],
+         "--rollout.emulate_gpu_sleep=true", "--rollout.release_memory=true", *extra],
         nproc, timeout=400)
 
 
