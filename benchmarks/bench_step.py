@@ -117,8 +117,13 @@ GEMM_N = 2048
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
-                   help="PRESET:N[:separate][@JOBS] (presets: hybrid_engine.models.tiny.PRESETS; "
-                        "@JOBS overrides --jobs for that config)")
+                   help="PRESET:N[:separate][@JOBS][+KEY=VALUE...] (presets: "
+                        "hybrid_engine.models.tiny.PRESETS; @JOBS overrides --jobs for that "
+                        "config; each +KEY=VALUE is a train override for it alone, e.g. "
+                        "qwen2-180m:2+train.sharding=grad_op)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a train override for every config (repeatable), e.g. "
+                        "--set model.compute_dtype=bfloat16")
     p.add_argument("--headline", default="qwen2-180m:2",
                    help="config whose values are the JSON's top-level keys (else the last)")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1",
@@ -127,22 +132,36 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=2, help="steps per job before the timed ones")
     p.add_argument("--quick", action="store_true",
-                   help="tiny at N=1,2 colocated, 1 job, 4 timed steps (1 warm-up)")
+                   help="tiny at N=1 and N=2 (sharding=grad_op) colocated, 1 job, 4 timed "
+                        "steps (1 warm-up)")
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--cache-dir", default=str(REPO / ".cache" / "bench_models"))
     args = p.parse_args(argv)
     if args.quick:
-        args.configs, args.jobs, args.steps, args.warmup = ["tiny:1", "tiny:2"], 1, 4, 1
+        args.configs, args.jobs, args.steps, args.warmup = \
+            ["tiny:1", "tiny:2+train.sharding=grad_op"], 1, 4, 1
     if args.jobs < 1 or args.steps < 1 or args.warmup < 1:
         p.error("--jobs, --steps and --warmup must be >= 1 (step 1's wall has no previous step)")
+    for kv in args.set:
+        _check_set(kv, p)
     args.parsed = [_parse_config(c, args.jobs, p) for c in args.configs]
     return args
 
 
-def _parse_config(c: str, default_jobs: int, p: argparse.ArgumentParser) -> tuple[str, int, str, int]:
-    """'PRESET:N[:separate][@JOBS]' -> (preset, N, placement, jobs)."""
+def _check_set(kv: str, p: argparse.ArgumentParser) -> None:
+    key, eq, value = kv.partition("=")
+    if not eq or not key or not value or key.startswith("-"):
+        p.error(f"{kv!r} is not KEY=VALUE (a dotted config key, e.g. train.sharding=grad_op)")
+
+
+def _parse_config(c: str, default_jobs: int,
+                  p: argparse.ArgumentParser) -> tuple[str, int, str, int, tuple[str, ...]]:
+    """'PRESET:N[:separate][@JOBS][+KEY=VALUE...]' -> (preset, N, placement, jobs, sets)."""
     from hybrid_engine.models.tiny import PRESETS
 
+    c, *sets = c.split("+")
+    for kv in sets:
+        _check_set(kv, p)
     c, _, jobs = c.partition("@")
     if jobs and (not jobs.isdigit() or int(jobs) < 1):
         p.error(f"--configs: @{jobs} in {c!r} is not a job count >= 1")
@@ -154,7 +173,7 @@ def _parse_config(c: str, default_jobs: int, p: argparse.ArgumentParser) -> tupl
         p.error(f"--configs: {c!r} is not PRESET:N[:separate] with PRESET in {sorted(PRESETS)}")
     if placement == "separate" and int(n) < 2:
         p.error(f"--configs: {c!r}: separate placement needs N >= 2")
-    return preset, int(n), placement, int(jobs) if jobs else default_jobs
+    return preset, int(n), placement, int(jobs) if jobs else default_jobs, tuple(sets)
 
 
 # --------------------------------------------------------------------------
@@ -228,7 +247,7 @@ def _threads(nproc: int) -> int:
 
 
 def _run_job(args: argparse.Namespace, preset: str, nproc: int, placement: str,
-             out: Path, work: Path) -> dict:
+             sets: tuple[str, ...], out: Path, work: Path) -> dict:
     """Runs one training job; returns its metrics rows, resolved config and profiles."""
     prompts, k, max_tokens = WORKLOADS[args.workload]
     num_steps = args.warmup + args.steps + 1  # + the profiled step
@@ -241,6 +260,7 @@ def _run_job(args: argparse.Namespace, preset: str, nproc: int, placement: str,
         f"--train.prompts_per_step={prompts}", f"--train.num_steps={num_steps}",
         "--checkpoint_every=0", "--eval_every=0", "--max_wall_s=3000",
         f"--env.reward_fn={work / 'reward.py'}:reward",
+        *(f"--{kv}" for kv in (*args.set, *sets)),
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", "-m", "hybrid_engine.cli", "train",
@@ -368,7 +388,7 @@ def _same_config(jobs: list[dict]) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("| model | params | N | placement | T | jobs x steps | step s (IQR) | generate s | "
+    head = ("| model | params | N | placement | settings | T | jobs x steps | step s (IQR) | generate s | "
             "score s | train s | sync s | overhead | train: trainer (compute/comm/opt) + other | "
             "gen tok/s | "
             "train MFU (IQR) |")
@@ -380,7 +400,7 @@ def _table(rows: list[dict]) -> str:
         split = f"{r['train_step_s']:.3f} ({split}) + {r['train_other_s']:.3f}"
         lines.append(
             f"| {r['preset']} | {r['model_params'] / 1e6:.1f}M | {r['world_size']} | "
-            f"{r['placement']} | {r['tp']} | {r['jobs']} x {r['steps_timed'] // r['jobs']} | "
+            f"{r['placement']} | {', '.join(r.get('overrides', [])) or '-'} | {r['tp']} | {r['jobs']} x {r['steps_timed'] // r['jobs']} | "
             f"{r['step_s']:.3f} ({r['step_s_iqr']:.3f}) | {r['generate_s']:.3f} | "
             f"{r['score_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.3f} | "
             f"{r['overhead_s']:.3f} ({r['overhead_frac']:.0%}) | {split} | "
@@ -430,23 +450,26 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
         work = Path(tmp)
         (work / "reward.py").write_text(REWARD)
-        for preset, n, placement, num_jobs in args.parsed:
+        for c, (preset, n, placement, num_jobs, sets) in enumerate(args.parsed):
             jobs = []
             for j in range(num_jobs):
-                print(f"{preset} N={n} {placement}: job {j + 1}/{num_jobs} ...",
+                print(f"{preset} N={n} {placement} {' '.join(sets)}: job {j + 1}/{num_jobs} ...",
                       file=sys.stderr, flush=True)
-                jobs.append(_run_job(args, preset, n, placement,
-                                     work / f"{preset}-n{n}-{placement}-j{j}", work))
+                jobs.append(_run_job(args, preset, n, placement, sets,
+                                     work / f"c{c}-{preset}-n{n}-{placement}-j{j}", work))
             dtype = jobs[0]["config"]["model"]["compute_dtype"]
             peak = _matmul_peak(_threads(n), dtype)  # after the jobs: nothing else runs
-            rows.append(_config_row(args, preset, n, placement, jobs, peak, dtype))
+            row = _config_row(args, preset, n, placement, jobs, peak, dtype)
+            row["overrides"] = [*args.set, *sets]
+            row["config_name"] = args.configs[c].partition("@")[0].split("+")[0] + \
+                "".join(f"+{kv}" for kv in sets)
+            rows.append(row)
     table = _table(rows)
     print(table)
     path = result_path(args.out_dir, "step", quick=args.quick)
     chart = path.with_suffix(".png")
     _chart(rows, chart)
-    names = [f"{r['preset']}:{r['world_size']}" + (":separate" if r["placement"] == "separate" else "")
-             for r in rows]
+    names = [r["config_name"] for r in rows]
     head = rows[names.index(args.headline)] if args.headline in names else rows[-1]
     path.write_text(
         result_header(__file__, argv) +

@@ -23,11 +23,19 @@ ACCEPTANCE = ("step_s", "step_s_iqr", "generate_s", "train_s", "sync_s", "train_
 
 def test_configs_parse_with_jobs_and_reject_bad_input() -> None:
     args = bench_step._args(["--configs", "tiny:2:separate@2", "qwen2-180m:1", "--jobs", "3"])
-    assert args.parsed == [("tiny", 2, "separate", 2), ("qwen2-180m", 1, "colocated", 3)]
+    assert args.parsed == [("tiny", 2, "separate", 2, ()), ("qwen2-180m", 1, "colocated", 3, ())]
     assert [c[3] for c in bench_step._args([]).parsed] == [2, 3, 1]  # the budgeted default
-    for bad in ("tiny:x", "tiny:1:separate", "nope:2", "tiny:2@0", "tiny:2:sideways"):
+    args = bench_step._args(["--configs", "tiny:2@2+train.sharding=grad_op+rollout.release_memory=true",
+                             "--set", "model.compute_dtype=bfloat16"])
+    assert args.parsed == [("tiny", 2, "colocated", 2,
+                            ("train.sharding=grad_op", "rollout.release_memory=true"))]
+    assert args.set == ["model.compute_dtype=bfloat16"]
+    for bad in ("tiny:x", "tiny:1:separate", "nope:2", "tiny:2@0", "tiny:2:sideways",
+                "tiny:2+sharding", "tiny:2+=1"):
         with pytest.raises(SystemExit):
             bench_step._args(["--configs", bad])
+    with pytest.raises(SystemExit):
+        bench_step._args(["--set", "no_value"])
 
 
 def test_wall_steps_are_differences_of_step_ends_and_skip_warmup_and_profiled() -> None:
@@ -109,6 +117,9 @@ def test_quick_schema_and_consistency(quick) -> None:
         ("tiny", 1, "colocated"), ("tiny", 2, "colocated")]
     for r in rows:
         _check_row(r)
+    # --quick's N=2 config carries an override: it reaches the job's resolved config
+    assert rows[1]["overrides"] == ["train.sharding=grad_op"]
+    assert [r["resolved_config"]["train"]["sharding"] for r in rows] == ["full", "grad_op"]
     for key in ACCEPTANCE:  # --quick: the headline is the last config
         assert result[key] == rows[-1][key], key
 
@@ -120,7 +131,7 @@ def test_quick_result_file_and_chart(quick) -> None:
     md = Path(result["result"])
     assert md.parent == out and md.name.startswith("step_cpu_") and md.name.endswith("_quick.md")
     text = md.read_text()
-    assert "| tiny | 0.6M | 1 | colocated | 1 | 1 x 4 |" in text
-    assert "| tiny | 0.6M | 2 | colocated | 2 | 1 x 4 |" in text
+    assert "| tiny | 0.6M | 1 | colocated | - | 1 | 1 x 4 |" in text
+    assert "| tiny | 0.6M | 2 | colocated | train.sharding=grad_op | 2 | 1 x 4 |" in text
     assert '"resolved_config"' in text and '"tokens_per_step"' in text
     assert Path(result["chart"]).stat().st_size > 0
