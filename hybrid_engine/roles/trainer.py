@@ -74,6 +74,7 @@ __all__ = [
 
 PROFILE_ENV = "HYBRID_ENGINE_PROFILE_TRAIN"
 _OPTIMIZER_RANGE = "hybrid_engine::optimizer"
+_FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 _COMM_PREFIXES = ("gloo:", "nccl:")
 
 
@@ -348,14 +349,17 @@ def _maybe_profile(call: int, rank: int) -> Iterator[None]:
 def build_optimizer(
     module: torch.nn.Module, train_cfg: TrainConfig,
 ) -> tuple[frozenset[int], torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over a module's sharded parameters (no weight decay on 1-D ones)
-    and its LR schedule. Returns (ids of the optimized parameters, optimizer,
+    """AdamW over a module's sharded parameters (no weight decay on 1-D ones;
+    torch's fused implementation on CPU and CUDA) and its LR schedule. Returns (ids of the optimized parameters, optimizer,
     scheduler). Call before any forward (FSDP2 root-unshard guard)."""
     params = [p for _, p in sharded_named_parameters(module)]
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.ndim >= 2]},
          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
         lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay,
+        # torch's fused kernel: one pass over each tensor (CPU: 3x faster than the
+        # default per-tensor loop on 1 thread, measured on 98M elements; foreach is slower)
+        fused=bool(params) and params[0].device.type in _FUSED_ADAMW_DEVICES,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train_cfg))
     return frozenset(id(p) for p in params), optimizer, scheduler
