@@ -347,10 +347,11 @@ def _maybe_profile(call: int, rank: int) -> Iterator[None]:
 
 
 def build_optimizer(
-    module: torch.nn.Module, train_cfg: TrainConfig,
+    module: torch.nn.Module, train_cfg: TrainConfig, *, fused: bool = True,
 ) -> tuple[frozenset[int], torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over a module's sharded parameters (no weight decay on 1-D ones;
-    torch's fused implementation on CPU and CUDA) and its LR schedule. Returns (ids of the optimized parameters, optimizer,
+    torch's fused implementation on CPU and CUDA unless fused=False: torch's
+    per-tensor loop, whose rounding differs) and its LR schedule. Returns (ids of the optimized parameters, optimizer,
     scheduler). Call before any forward (FSDP2 root-unshard guard)."""
     params = [p for _, p in sharded_named_parameters(module)]
     optimizer = torch.optim.AdamW(
@@ -359,7 +360,7 @@ def build_optimizer(
         lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay,
         # torch's fused kernel: one pass over each tensor (CPU: 3x faster than the
         # default per-tensor loop on 1 thread, measured on 98M elements; foreach is slower)
-        fused=bool(params) and params[0].device.type in _FUSED_ADAMW_DEVICES,
+        fused=fused and bool(params) and params[0].device.type in _FUSED_ADAMW_DEVICES,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train_cfg))
     return frozenset(id(p) for p in params), optimizer, scheduler
@@ -414,6 +415,7 @@ class Trainer:
         *,
         logits_chunk_tokens: int = 1024,
         temperature: float = 1.0,
+        fused_adamw: bool = True,
     ) -> None:
         """Builds the sharded model, the optimizer and the schedule.
 
@@ -425,6 +427,8 @@ class Trainer:
             mesh: 1-D data-parallel mesh; None = the whole default group.
             logits_chunk_tokens: positions per vocabulary-projection chunk.
             temperature: sampling temperature; logits are divided by it.
+            fused_adamw: torch's fused AdamW kernel (CPU/CUDA); False keeps its
+                per-tensor loop (slower, rounded differently).
         """
         if logits_chunk_tokens < 1 or temperature <= 0:
             raise ValueError(f"need logits_chunk_tokens >= 1 and temperature > 0, got "
@@ -440,7 +444,8 @@ class Trainer:
             trust_remote_code=model_cfg.trust_remote_code, sharding=train_cfg.sharding,
         )
         # Guard, part 1: built before any forward, over the sharded DTensors.
-        self._param_ids, self.optimizer, self.scheduler = build_optimizer(self.module, train_cfg)
+        self._param_ids, self.optimizer, self.scheduler = build_optimizer(
+            self.module, train_cfg, fused=fused_adamw)
         self.step = 0
         self._calls = 0  # train_step calls (PROFILE_ENV counts them)
 

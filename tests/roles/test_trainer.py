@@ -351,7 +351,11 @@ def _check_splits(path: str, vocab: int) -> dict:
     out["bf16"] = dict(losses=bf16.losses, diff=max_diff(full_weights(bf16.trainer.module), ref),
                        dtypes={str(p.dtype) for p in bf16.trainer.module.parameters()})
     out["ten_steps"] = base.steps(7).losses
-    out["fused_adamw"] = base.trainer.optimizer.defaults["fused"] is True
+    from hybrid_engine.config import ModelConfig, TrainConfig
+    from hybrid_engine.roles.trainer import Trainer
+
+    loop = Trainer(path, TrainConfig(), ModelConfig(), fused_adamw=False).optimizer
+    out["fused_adamw"] = (base.trainer.optimizer.defaults["fused"], loop.defaults["fused"])
     return out
 
 
@@ -565,7 +569,7 @@ def test_train_step_metrics_and_falling_loss(two_ranks):
     assert all(b < a for a, b in zip(losses, losses[1:]))
     m = out["metrics"]
     assert m["lr"] == pytest.approx(LR) and m["skipped"] == 0.0
-    assert out["fused_adamw"]  # one fused pass per tensor, not torch's CPU default loop
+    assert out["fused_adamw"] == (True, False)  # fused by default; the loop on request
     assert m["num_seqs"] == 8 and m["num_micro_batches"] == 1 and m["grad_norm"] > 0
     assert m["tokens"] >= m["num_tokens"] > 0 and m["train_step_s"] > 0
     bf16 = out["bf16"]
