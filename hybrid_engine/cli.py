@@ -248,6 +248,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hybrid-engine` console script."""
+    from hybrid_engine.parallel import watchdog
+
+    watchdog.watch_launcher()  # a rank whose torchrun dies leaves, even before the rendezvous
     args, rest = _parser().parse_known_args(argv)
     if args.cmd == "config":
         return _cmd_config(args, rest)

@@ -7,7 +7,8 @@
 phase: rollout (entering the n-th generate), train (the n-th optimizer step),
 sync (the n-th weight sync), save (the n-th checkpoint commit: shards
 written, the folder not yet marked complete), build (the vLLM engine's
-construction, at start-up) or export (the final HF export). signal: kill
+construction, at start-up), export (the final HF export) or start (n ignored:
+at once, before the CLI runs, i.e. before the rendezvous). signal: kill
 (default), stop or term (to this rank), launcher or launcher-term (SIGKILL or
 SIGTERM to its parent, torchrun), or fsize (save
 only: at the n-th save, before any shard is written, this rank's files may no
@@ -35,6 +36,11 @@ def _arm() -> None:
     sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM,
            "launcher": signal.SIGKILL, "launcher-term": signal.SIGTERM, "fsize": None}[how]
     target = os.getppid() if how.startswith("launcher") else os.getpid()
+    if phase == "start":
+        Path(os.environ["HE_FAULT_STAMP"]).write_text(repr(time.time()))
+        os.kill(target, sig)
+        time.sleep(0.5)  # the launcher is gone before the CLI starts
+        return
     import hybrid_engine.checkpoint as ckpt
     from hybrid_engine.roles.sync import WeightSync
     from hybrid_engine.roles.trainer import Trainer

@@ -194,6 +194,24 @@ def test_ranks_exit_when_their_launcher_dies(model_dir, tmp_path) -> None:
     assert left == [], left
 
 
+def test_ranks_exit_when_their_launcher_dies_at_start_up(model_dir, tmp_path) -> None:
+    """torchrun SIGKILLed before the rendezvous (found by `make chaos`: its ranks
+    waited in the rendezvous for minutes): the rank whose launcher was already gone
+    when it started, and its peer, leave within seconds with one error line."""
+    import psutil
+
+    out, stamp = tmp_path / "run", tmp_path / "killed_at"
+    proc = _train(model_dir, out, fault="start:1:launcher", stamp=stamp)
+    down_after = time.time() - float(stamp.read_text())
+    print(f"ranks down {down_after:.1f} s after SIGKILL to torchrun at start-up")
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
+    assert errors and all("the launcher (torchrun" in e for e in errors), proc.stdout[-3000:]
+    assert down_after < 20, proc.stdout[-3000:]
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert left == [], left
+
+
 def test_relaunch_on_the_same_port_right_after_a_kill(model_dir, tmp_path) -> None:
     """A fixed --master_port (no --standalone: torchrun's run id is "none") used
     again at once after a rank was killed: the killed launch's shared-memory

@@ -23,9 +23,12 @@ process would otherwise hold the launcher for its 30 s grace), runs the
 registered cleanup hooks (shared-memory names), and every rank leaves with
 `os._exit(2)` (the CLI's code for a run that stopped itself).
 
-Under torchrun, a rank whose parent changes (the launcher was SIGKILLed or
-OOM-killed, so nothing will stop its ranks) leaves the same way at its next
-check.
+Under torchrun, a rank whose launcher dies (SIGKILL, OOM), so that nothing
+will stop it, leaves the same way within half a second: `watch_launcher()`,
+which the CLI starts first thing, before the rendezvous (a rank orphaned at
+start-up would otherwise wait in it for the store's timeout), runs a thread
+that compares the parent pid with torchrun's; a rank whose parent is already
+init or not a Python process when it starts (it was adopted) leaves at once.
 
 Phases come from `phase(name)` (the controller's phase timer: generate, score,
 train, sync, eval; the policy's save; build and export). A rank that shuts down
@@ -48,7 +51,7 @@ from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["Watchdog", "add_cleanup", "current", "phase", "start", "stop"]
+__all__ = ["Watchdog", "add_cleanup", "current", "phase", "start", "stop", "watch_launcher"]
 
 log = logging.getLogger("hybrid_engine.watchdog")
 
@@ -82,6 +85,62 @@ def phase(name: str) -> Iterator[None]:
         yield
     finally:
         wd.enter(previous)
+
+
+_launcher_thread: threading.Thread | None = None
+
+
+def _looks_like_launcher(pid: int) -> bool:
+    """pid could be torchrun: not init (which adopts orphans) and a Python
+    process (torchrun, `python -m torch.distributed.run`, accelerate and any
+    launcher built on torch's elastic agent are); True when unreadable."""
+    if pid == 1:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return True
+    return b"python" in cmdline or b"torchrun" in cmdline
+
+
+def watch_launcher(interval_s: float = 0.5) -> None:
+    """Under torchrun (TORCHELASTIC_RUN_ID set): a daemon thread ends this rank
+    with one error line (from local rank 0) and exit code 2 when its parent is
+    no longer the launcher. Call as early as possible; idempotent; a no-op
+    outside torchrun."""
+    global _launcher_thread
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _launcher_thread is not None:
+        return
+    launcher = os.getppid()
+    if not _looks_like_launcher(launcher):  # it died before this rank got here
+        _launcher_gone(f"the launcher (torchrun) was gone before rank "
+                       f"{os.environ.get('RANK', '?')} started")
+
+    def run() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != launcher:
+                _launcher_gone(f"the launcher (torchrun, pid {launcher}) is gone")
+
+    _launcher_thread = threading.Thread(target=run, name="hybrid-engine-launcher", daemon=True)
+    _launcher_thread.start()
+
+
+def _launcher_gone(msg: str) -> None:
+    """One line per host, the watchdog's cleanups, exit code 2."""
+    wd = _ACTIVE
+    where = f"; rank {os.environ.get('RANK', '?')} stops in phase " \
+        f"{wd.phase if wd is not None else 'start'!r}"
+    say = os.environ.get("LOCAL_RANK", "0") == "0"
+    if wd is not None:
+        wd._exit(msg + where, [], post=False, say=say)
+    if say:
+        print(f"error: {msg}{where}", file=sys.stderr, flush=True)
+    for fn in _CLEANUPS:
+        with contextlib.suppress(Exception):
+            fn()
+    os._exit(_EXIT_CODE)
 
 
 def start(timeout_s: float, *, interval_s: float | None = None) -> Watchdog | None:
@@ -141,9 +200,6 @@ class Watchdog:
         self.phase, self.progress, self.beat = "build", 0, 0
         self._progress_at = time.monotonic()
         self._seen: dict[int, tuple[int, float, dict]] = {}  # peer -> (beat, when, state)
-        # Under torchrun the ranks are its children: a new parent means the
-        # launcher died (SIGKILL, OOM), and no one is left to stop this rank.
-        self._launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self._done = threading.Event()
         self._publish()
         self._thread = threading.Thread(target=self._run, name="hybrid-engine-watchdog",
@@ -180,11 +236,6 @@ class Watchdog:
         store_failing_since = None
         while not self._done.wait(self.interval_s):
             self.beat += 1
-            if self._launcher is not None and os.getppid() != self._launcher:
-                # One line per host (its launcher died), then every rank leaves.
-                self._exit(f"the launcher (torchrun, pid {self._launcher}) is gone; rank "
-                           f"{self.rank} stops in phase {self.phase!r}", [],
-                           post=False, say=os.environ.get("LOCAL_RANK", "0") == "0")
             try:
                 self._publish()
                 verdict = self.check(self._read_peers(), time.monotonic())
