@@ -475,7 +475,8 @@ def main(argv=None) -> None:
         result_header(__file__, argv) +
         f"Workload {args.workload}: {prompts} prompts x K={k} completions x {max_tokens} new "
         f"tokens per step; recipe tiny_grpo_debug with bf16 rollout, reshard sync (64 MiB "
-        f"buckets), fp32 training; fresh jobs per config as in the table, {args.warmup} warm-up "
+        f"buckets), fp32 training, full sharding, release_memory=auto, unless a config's "
+        f"settings say otherwise; fresh jobs per config as in the table, {args.warmup} warm-up "
         f"+ {args.steps} timed steps each, then one profiled step (train split). step s: wall "
         "clock between consecutive steps' ends, median (IQR) over all timed steps of all jobs; "
         "phases likewise; overhead = wall - phases. Train: the trainer's train_step seconds "

@@ -27,6 +27,7 @@ def test_demo_outputs_and_cached_warm_start(tmp_path) -> None:
     first, log1 = _demo(tmp_path, "a")
     assert {"acc_start", "acc_end", "steps", "wall_s", "output_dir"} <= first.keys()
     assert first["steps"] == 2 and first["world_size"] == 2
+    assert 0 < first["step_s_median"] < first["wall_s"]
     out = tmp_path / "a"
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]

@@ -129,6 +129,16 @@ def _base_model(cache: Path, rank: int) -> Path:
     return path
 
 
+def _step_s_median(history: list[dict]) -> float | None:
+    """Median wall seconds per RL step: differences of consecutive steps' ends
+    (the first step's end counts from the RL phase's start)."""
+    import statistics
+
+    ends = [0.0] + [h["elapsed_s"] for h in history if h.get("step", 0) > 0 and "elapsed_s" in h]
+    walls = [b - a for a, b in zip(ends, ends[1:])]
+    return round(statistics.median(walls), 3) if walls else None
+
+
 def _rank_main(args: argparse.Namespace) -> int:
     import logging
 
@@ -162,6 +172,7 @@ def _rank_main(args: argparse.Namespace) -> int:
             "steps": summary["steps"], "wall_s": round(summary["wall_s"], 1),
             "output_dir": summary["output_dir"], "stop_reason": summary["stop_reason"],
             "warm_start_s": round(warm_s, 1), "world_size": world,
+            "step_s_median": _step_s_median(summary["history"]),
             "plot": str(Path(summary["output_dir"]) / "metrics.png"),
             "final_model": summary["final_model"],
         }
