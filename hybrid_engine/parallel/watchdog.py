@@ -150,6 +150,7 @@ def start(timeout_s: float, *, interval_s: float | None = None) -> Watchdog | No
     global _ACTIVE
     if _ACTIVE is not None:
         return _ACTIVE
+    watch_launcher()  # an embedding trainer's ranks too (the CLI started it earlier)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     if not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
