@@ -40,13 +40,17 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     cfg.validate_for_run()
     check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
     hf = check_model_folder(resolve_model_path(cfg.model.path))
+    trainers = world_size
     if cfg.placement == "separate":
         from hybrid_engine.policy.separate import split_ranks
 
-        _, rollout_ranks = split_ranks(world_size, cfg.rollout)
+        trainers, rollout_ranks = split_ranks(world_size, cfg.rollout)
         check_parallel(hf, cfg.rollout.tensor_parallel_size, rollout_ranks, what="rollout ranks")
     else:
         check_parallel(hf, cfg.rollout.tensor_parallel_size, world_size)
+    from hybrid_engine.parallel.sharding import check_shard_group
+
+    check_shard_group(cfg.train, trainers)
     check_kv_cache(cfg.rollout.kv_cache_gib, local_world_size)
     check_rollout_limits(cfg.rollout, hf, dtype=cfg.model.rollout_dtype)
     check_gpu(local_world_size)

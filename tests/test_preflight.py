@@ -82,3 +82,17 @@ def test_preflight_runs_the_rollout_limits(model_dir, tmp_path) -> None:
     bad = apply_overrides(cfg, ["rollout.max_model_len=100000"])
     with pytest.raises(ValueError, match="max_position_embeddings"):
         preflight(bad, world_size=2, local_world_size=2, resume=False, overwrite=False)
+
+
+def test_preflight_checks_the_shard_group_against_the_trainer_ranks(model_dir, tmp_path) -> None:
+    """train.sharding=hybrid: a group size that does not split the trainer ranks fails
+    before any rank builds a mesh (under separate placement: the trainer ranks only)."""
+    cfg = apply_overrides(get_recipe("tiny_grpo_debug"), [
+        f"model.path={model_dir}", f"output_dir={tmp_path / 'run'}", "train.sharding=hybrid",
+        "train.shard_group_size=2", "rollout.tensor_parallel_size=1"])
+    preflight(cfg, world_size=4, local_world_size=4, resume=False, overwrite=False)
+    with pytest.raises(ValueError, match="shard_group_size=2 must divide the 3 trainer"):
+        preflight(cfg, world_size=3, local_world_size=3, resume=False, overwrite=False)
+    separate = apply_overrides(cfg, ["placement=separate"])  # 2 of 4 ranks train
+    with pytest.raises(ValueError, match="shard_group_size=2 must divide the 2 trainer"):
+        preflight(separate, world_size=4, local_world_size=4, resume=False, overwrite=False)

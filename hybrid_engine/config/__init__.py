@@ -161,9 +161,10 @@ class RolloutConfig:
     )
     memory_budget: float = _field(
         0.9,
-        "release_memory=auto on CPU: the fraction of the machine's RAM the job may use; the "
-        "engine stays resident when the trainer's peak fits in it beside what is used now. "
-        "(GPU: the device's free memory decides.)",
+        "The fraction of the machine's RAM (GPU: of the device's memory) the job may use. "
+        "release_memory=auto on CPU: the engine stays resident when the trainer's peak fits "
+        "in it beside what is used now (GPU: the device's free memory decides). "
+        "train.sharding=auto: the per-rank budget its layout must fit in.",
         gt=0, le=1,
     )
     emulate_gpu_sleep: bool = _field(
@@ -216,15 +217,27 @@ class TrainConfig:
     activation_checkpointing: bool = _field(
         False, "Recompute decoder-layer activations in backward to save memory."
     )
-    sharding: Literal["full", "grad_op"] = _field(
+    sharding: Literal["full", "grad_op", "replicate", "hybrid", "auto"] = _field(
         "full",
-        "Training layout over the data-parallel ranks (AdamW state always sharded): 'full' "
-        "reshards each layer's parameters after its forward and reduce-scatters gradients "
-        "after every micro-batch (least memory: 3 collectives per layer per micro-batch); "
-        "'grad_op' keeps them gathered from forward to backward and across a step's "
-        "micro-batches, accumulating whole gradients locally and reduce-scattering once "
-        "per optimizer step (2 collectives per layer per step; holds the whole model and "
-        "its gradient on every rank during the step).",
+        "Training layout over the data-parallel ranks: 'full' reshards each layer's "
+        "parameters after its forward and reduce-scatters gradients after every "
+        "micro-batch (least memory: 3 collectives per layer per micro-batch); 'grad_op' "
+        "keeps them gathered from forward to backward and across a step's micro-batches, "
+        "accumulating whole gradients locally and reduce-scattering once per optimizer "
+        "step (holds the whole model and its gradient during the step); 'replicate' holds "
+        "parameters, gradients and AdamW state whole on every rank and all-reduces the "
+        "gradients once per step (DDP semantics, FSDP2's HSDP mesh with shard groups of "
+        "one; the sync then moves nothing between ranks); 'hybrid' shards over groups of "
+        "shard_group_size ranks and replicates across groups (HSDP), gathering and reducing "
+        "once per step like grad_op; 'auto' picks the first of replicate, hybrid (when "
+        "shard_group_size is set), grad_op, full whose estimated memory fits the budget "
+        "(rollout.memory_budget) beside the rollout's resident share, and logs why.",
+    )
+    shard_group_size: int = _field(
+        0,
+        "sharding='hybrid' (and 'auto'): ranks per shard group; must divide the trainer "
+        "ranks and lie strictly between 1 and their number. 0 = unset.",
+        ge=0,
     )
     offload_optimizer: bool = _field(
         False,
@@ -260,6 +273,10 @@ class TrainConfig:
         _validate_fields(self)
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"{_prefix(self)}betas must each be in [0, 1), got {self.betas}")
+        if self.sharding == "hybrid" and self.shard_group_size < 2:
+            raise ValueError(f"{_prefix(self)}sharding=hybrid needs {_prefix(self)}"
+                             f"shard_group_size >= 2 (ranks per shard group), got "
+                             f"{self.shard_group_size}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,6 +11,10 @@ Invariant: every parameter of a built model is a DTensor placed `Shard(0)`
 over the mesh whose local tensor equals rows [start, end) of the checkpoint
 tensor, with (start, end) = `shard_rows(dim0, world_size, rank)` (torch.chunk
 semantics: ceil-sized chunks, the last ranks may hold fewer or zero rows).
+With train.sharding=replicate or hybrid the mesh is 2-D, (replicate, shard)
+= (N/S, S), the placements `(Replicate(), Shard(0))` (FSDP2's HSDP), and the
+same holds with S ranks in place of N, counted within the rank's shard group
+(`local_rows`); S = 1 (replicate) holds every parameter whole.
 No rank ever holds a full parameter during init: the model is built on the
 meta device, sharded, materialised shard-only by `to_empty`, then each rank
 reads only its own rows from the file (`safe_open(...).get_slice(name)[a:b]`).
@@ -40,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hybrid_engine.reshard.plan import shard_rows
 
@@ -58,9 +62,11 @@ __all__ = [
     "shard_and_load",
     "default_device",
     "dp_mesh",
+    "fsdp_mesh",
     "hf_name",
     "init_rotary_buffers",
     "load_sharded_safetensors",
+    "local_rows",
     "reshard_all",
     "resolve_model_path",
     "shard_rows",
@@ -68,7 +74,8 @@ __all__ = [
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-SHARDINGS = ("full", "grad_op")  # TrainConfig.sharding
+SHARDINGS = ("full", "grad_op", "replicate", "hybrid")  # TrainConfig.sharding, resolved
+_PLACEMENTS = ((Shard(0),), (Replicate(), Shard(0)))
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 
 
@@ -102,6 +109,37 @@ def dp_mesh(device: torch.device | None = None, *, whole_world: bool = False) ->
     if group is not None:
         return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+_MESHES: dict[tuple[tuple[int, ...], int], DeviceMesh] = {}
+
+
+def fsdp_mesh(dp: DeviceMesh, shard_size: int) -> DeviceMesh:
+    """The mesh FSDP2 shards over: dp itself when shard_size is its size, else a 2-D
+    (replicate, shard) mesh of the same ranks, shard groups of shard_size consecutive
+    ranks (HSDP; shard_size 1 = replicated). Built once per (ranks, size), from
+    groups only their members create (it runs on the trainer ranks alone under
+    separate placement).
+
+    Raises:
+        ValueError: shard_size does not divide the mesh's size.
+    """
+    world = dp.size()
+    if shard_size == world:
+        return dp
+    if not 1 <= shard_size <= world or world % shard_size:
+        raise ValueError(f"shard group size {shard_size} must divide the {world} "
+                         "data-parallel ranks")
+    ranks = tuple(dp.mesh.flatten().tolist())
+    key = (ranks, shard_size)
+    if key not in _MESHES:
+        grid = torch.tensor(ranks).view(world // shard_size, shard_size)
+        r, s = divmod(dp.get_local_rank(), shard_size)
+        groups = [dist.new_group(grid[:, s].tolist(), use_local_synchronization=True),
+                  dist.new_group(grid[r].tolist(), use_local_synchronization=True)]
+        _MESHES[key] = DeviceMesh.from_group(groups, dp.device_type, mesh=grid,
+                                             mesh_dim_names=("replicate", "shard"))
+    return _MESHES[key]
 
 
 def hf_name(name: str) -> str:
@@ -213,6 +251,7 @@ def build_fsdp_model(
     requires_grad: bool = True,
     trust_remote_code: bool = False,
     sharding: str = "full",
+    shard_group_size: int = 0,
 ) -> tuple[FSDPModule, LoadStats]:
     """Builds the FSDP2 layout of a checkpoint without materialising it anywhere.
 
@@ -224,8 +263,11 @@ def build_fsdp_model(
         activation_checkpointing: recompute decoder layers in backward.
         requires_grad: False freezes every parameter (reference model).
         trust_remote_code: passed to transformers.
-        sharding: "full" (parameters resharded after each layer's forward) or
-            "grad_op" (kept gathered until its backward); see TrainConfig.sharding.
+        sharding: "full" (parameters resharded after each layer's forward),
+            "grad_op" (kept gathered until its backward), "replicate" (whole on
+            every rank) or "hybrid" (sharded over groups of shard_group_size
+            ranks, replicated across them); see TrainConfig.sharding.
+        shard_group_size: ranks per shard group (sharding="hybrid" only).
 
     Returns:
         (model, stats): the root FSDPModule (a HF `*ForCausalLM` whose lm_head
@@ -237,7 +279,9 @@ def build_fsdp_model(
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=DTYPES[master_dtype])
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
-    stats = shard_and_load(model, folder, mesh, mp, checkpointing=activation_checkpointing,
+    size = {"replicate": 1, "hybrid": shard_group_size}.get(sharding, mesh.size())
+    stats = shard_and_load(model, folder, fsdp_mesh(mesh, size), mp,
+                           checkpointing=activation_checkpointing,
                            reshard_after_forward=sharding == "full")
     return model, stats
 
@@ -311,12 +355,12 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
 def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> LoadStats:
     """Fills each rank's `Shard(0)` rows of every parameter from the safetensors files.
 
-    Reads only rows `shard_rows(dim0, world, rank)` of each tensor (file
-    dtype, cast on copy). Tied parameters are loaded once, from the name
+    Reads only rows `local_rows(param)` of each tensor (file dtype, cast on
+    copy). Tied parameters are loaded once, from the name
     `named_parameters` reports (the embedding's).
 
     Args:
-        model: a module whose parameters are DTensors placed Shard(0) on a 1-D mesh.
+        model: a module whose parameters are DTensors placed as FSDP2 places them.
         folder: the checkpoint folder.
 
     Returns:
@@ -343,8 +387,7 @@ def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> Loa
                     raise ValueError(
                         f"{name}: file shape {sl.get_shape()} != model {tuple(param.shape)}"
                     )
-                mesh = param.device_mesh
-                start, end = shard_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
+                start, end = local_rows(param)
                 local = param.to_local()
                 assert local.shape[0] == end - start, (name, local.shape, start, end)
                 if end > start:
@@ -363,12 +406,14 @@ def _agree_finite(nonfinite: str | None, by_file: dict, folder: str | os.PathLik
     """Every rank of the mesh raises if any rank read a non-finite weight
     (a rank alone raising would leave the others waiting in a collective)."""
     params = [p for ps in by_file.values() for _, p in ps]
-    group = params[0].device_mesh.get_group() if params else None
-    found: list = [nonfinite]
-    if group is not None and dist.get_world_size(group) > 1:
-        found = [None] * dist.get_world_size(group)
-        dist.all_gather_object(found, nonfinite, group=group)
-    bad = [n for n in found if n is not None]
+    mesh = params[0].device_mesh if params else None
+    bad = [] if nonfinite is None else [nonfinite]
+    for dim in range(mesh.ndim if mesh is not None else 0):  # a 2-D mesh: along each dim
+        group = mesh.get_group(dim)
+        if dist.get_world_size(group) > 1:
+            found: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(found, bad[0] if bad else None, group=group)
+            bad = [n for n in found if n is not None][:1]
     if bad:
         raise ValueError(f"model folder {str(folder)!r}: {bad[0]} holds NaN or inf values "
                          "(a corrupt or diverged checkpoint); training from it is meaningless")
@@ -391,10 +436,18 @@ def sharded_named_parameters(model: nn.Module) -> Iterator[tuple[str, DTensor]]:
 
 
 def _check_param(name: str, param: Tensor) -> None:
-    assert isinstance(param, DTensor) and param.placements == (Shard(0),), (
+    assert isinstance(param, DTensor) and param.placements in _PLACEMENTS, (
         f"{name} is a {type(param).__name__}, not a Shard(0) DTensor: the FSDP root is "
         "unsharded (a forward without backward leaves it so); call reshard_all(module)"
     )
+
+
+def local_rows(param: DTensor) -> tuple[int, int]:
+    """[start, end) rows of the full parameter that this rank's local tensor holds:
+    its Shard(0) chunk within its shard group (the mesh's last dim)."""
+    mesh = param.device_mesh
+    dim = mesh.ndim - 1
+    return shard_rows(param.shape[0], mesh.size(dim), mesh.get_local_rank(dim))
 
 
 def reshard_all(model: nn.Module) -> None:

@@ -64,8 +64,13 @@ from hybrid_engine.checkpoint import export_hf, load_training_state, save_traini
 from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.parallel import watchdog
 from hybrid_engine.parallel.dist import all_groups, init_distributed, set_collective_timeout
-from hybrid_engine.parallel.fsdp import DTYPES, resolve_model_path
+from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_path
 from hybrid_engine.parallel.offload import OptimizerOffload
+from hybrid_engine.parallel.sharding import (
+    model_dims_at,
+    resolve_train_config,
+    shard_group_size,
+)
 from hybrid_engine.parallel.shards import gather_response_field, local_batch
 from hybrid_engine.policy.memory import ReleasePolicy
 from hybrid_engine.policy.phases import Phases
@@ -177,7 +182,10 @@ class HybridActor:
         check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size,
                             dist.get_world_size())
         t0 = time.perf_counter()
-        self.trainer = Trainer(self.model_path, cfg.train, cfg.model,
+        world = dist.get_world_size()
+        train_cfg = resolve_train_config(cfg, model_dims_at(self.model_path), world, colocated=True,
+                                         device=default_device())
+        self.trainer = Trainer(self.model_path, train_cfg, cfg.model,
                                logits_chunk_tokens=cfg.train.logits_chunk_tokens,
                                temperature=cfg.rollout.temperature)
         # GPU: the engine's budget leaves room for the optimizer state the first step creates.
@@ -186,7 +194,8 @@ class HybridActor:
                                    reserve_bytes=reserve)
         self.syncer = WeightSync(self.trainer.module.config, cfg.sync,
                                  tp=cfg.rollout.tensor_parallel_size,
-                                 wire_dtype=DTYPES[cfg.model.rollout_dtype])
+                                 wire_dtype=DTYPES[cfg.model.rollout_dtype],
+                                 shard_group_size=shard_group_size(train_cfg, world))
         # Groups made here (vLLM's, the FSDP mesh's) get cfg's timeout; a host's are its own.
         set_collective_timeout(cfg.collective_timeout_s,
                                [g for g in all_groups() if g not in host_groups])
@@ -207,8 +216,8 @@ class HybridActor:
             # (An fp32 master holds every checkpoint value exactly: vLLM's own cast of
             # the file and the sync's are the same rounding.)
             self.phases.trained()
-        log.info("hybrid actor ready in %.1f s: FSDP2 over %d rank(s), vLLM TP=%d",
-                 time.perf_counter() - t0, dist.get_world_size(),
+        log.info("hybrid actor ready in %.1f s: FSDP2 (%s) over %d rank(s), vLLM TP=%d",
+                 time.perf_counter() - t0, train_cfg.sharding, world,
                  cfg.rollout.tensor_parallel_size)
 
     @classmethod

@@ -48,7 +48,12 @@ from hybrid_engine.parallel.dist import (
     set_collective_timeout,
     set_train_group,
 )
-from hybrid_engine.parallel.fsdp import DTYPES, resolve_model_path
+from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_path
+from hybrid_engine.parallel.sharding import (
+    model_dims_at,
+    resolve_train_config,
+    shard_group_size,
+)
 from hybrid_engine.roles.sync import WeightSync
 from hybrid_engine.rollout.engine import Completions
 from hybrid_engine.trajectory import TrainBatch, Trajectory
@@ -158,6 +163,9 @@ class SeparatePolicy:
         check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size,
                             world - self.num_trainers, what="rollout ranks")
         t0 = time.perf_counter()
+        # Every rank resolves the layout (sharding=auto: collective): the plan needs it.
+        train_cfg = resolve_train_config(cfg, model_dims_at(self.model_path), self.num_trainers,
+                                         colocated=False, device=default_device())
         # Every rank makes both groups, before any engine exists (names must agree).
         trainer_group = dist.new_group(list(range(self.num_trainers)))
         rollout_ranks = list(range(self.num_trainers, world))
@@ -169,7 +177,7 @@ class SeparatePolicy:
             from hybrid_engine.roles.trainer import Trainer
 
             set_train_group(trainer_group)
-            self.trainer = Trainer(self.model_path, cfg.train, cfg.model,
+            self.trainer = Trainer(self.model_path, train_cfg, cfg.model,
                                    logits_chunk_tokens=cfg.train.logits_chunk_tokens,
                                    temperature=cfg.rollout.temperature)
             hf_config = self.trainer.module.config
@@ -186,7 +194,8 @@ class SeparatePolicy:
         resync_group_counter()  # only the rollout ranks made vLLM's groups
         self.syncer = WeightSync(hf_config, cfg.sync, tp=cfg.rollout.tensor_parallel_size,
                                  wire_dtype=DTYPES[cfg.model.rollout_dtype],
-                                 num_trainers=self.num_trainers)
+                                 num_trainers=self.num_trainers,
+                                 shard_group_size=shard_group_size(train_cfg, self.num_trainers))
         set_collective_timeout(cfg.collective_timeout_s,
                                [g for g in all_groups() if g not in host_groups])
         self._shared = _SharedRollout(self.rollout, cfg.rollout, src=self.num_trainers)

@@ -5,16 +5,24 @@ N (N/T replicas; global rank g is TP rank g % T of replica g // T) -- or,
 under separate placement, FSDP2 over ranks 0..M-1 and the rollout on ranks
 M..N-1 (rank g is TP rank (g - M) % T) -- list every
 block that must move: from which source rank's shard of which HF tensor, to
-which destination rank's vLLM parameter at which offset. A block whose source
+which destination rank's vLLM parameter at which offset.
+
+The source ranks form M/S shard groups of S ranks (`train.sharding`: S = M
+for full/grad_op, 1 for replicate, train.shard_group_size for hybrid): source
+rank g holds rows `shard_rows(rows, S, g % S)` of every tensor, and so does
+every rank at the same position of another group. A destination takes each
+row from the group `serving_group(d)`: its own when it is a source rank
+(colocated), else the groups take the rollout ranks in turn. A block whose source
 and destination rank coincide is *local* (copied directly, never through a
 buffer); the others are *remote* and go through per-peer buffers exchanged
 with all_to_all_single, in buckets of bounded size. Under separate placement
 no rank is both source and destination, so every block is remote.
 
 Invariant: every element of every destination parameter (padding aside)
-comes from exactly one block, and that block's source is the rank that owns
-the element's row in FSDP2's layout. So the bytes a rank receives are exactly
-the elements it needs and does not own: the theoretical minimum. The plan is
+comes from exactly one block, and that block's source is a rank that owns
+the element's row in FSDP2's layout (the destination itself whenever it owns
+it). So the bytes a rank receives are exactly the elements it needs and does
+not own: the theoretical minimum for the layout (replicate colocated: zero). The plan is
 a pure function of (HF dims, N, T, bucket size), computed identically on
 every rank, so all ranks agree on buffer layouts without exchanging metadata.
 """
@@ -26,7 +34,7 @@ from dataclasses import dataclass, field
 
 from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, tp_layout
 
-__all__ = ["Block", "ReshardPlan", "build_plan", "shard_rows", "target_group"]
+__all__ = ["Block", "ReshardPlan", "build_plan", "serving_group", "shard_rows", "target_group"]
 
 
 def shard_rows(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -69,6 +77,8 @@ class ReshardPlan:
         world_size, tp: N and T.
         num_sources: M, the ranks 0..M-1 whose FSDP2 shards are the sources
             (N when colocated); ranks M..N-1 hold targets only.
+        shard_group_size: S, the ranks one copy of the weights is sharded
+            over (M/S replicas of it; S = M unless replicated or hybrid).
         hf_shapes: every HF parameter as 2-D (rows, cols).
         targets: per global rank, its vLLM parameters (layout order).
         groups: target names per group (embeddings, each decoder layer, the
@@ -89,6 +99,17 @@ class ReshardPlan:
     groups: list[list[str]] = field(default_factory=list)
     local: list[list[Block]] = field(default_factory=list)
     buckets: list[list[Block]] = field(default_factory=list)
+    shard_group_size: int = 0  # 0: num_sources (set in __post_init__)
+
+    def __post_init__(self) -> None:
+        self.shard_group_size = self.shard_group_size or self.num_sources
+
+    def source_rows(self, name: str, rank: int) -> tuple[int, int]:
+        """[start, end) rows of HF tensor name that rank holds (empty: not a source)."""
+        rows = self.hf_shapes[name][0]
+        if rank >= self.num_sources:
+            return rows, rows
+        return shard_rows(rows, self.shard_group_size, rank % self.shard_group_size)
 
     def group_buckets(self, group: int) -> list[int]:
         """Indices of the buckets of one group, in order."""
@@ -115,8 +136,8 @@ class ReshardPlan:
         """Elements rank receives when every HF tensor is all-gathered (naive path;
         under separate placement a rollout rank receives every full tensor)."""
         total = 0
-        for rows, cols in self.hf_shapes.values():
-            r0, r1 = shard_rows(rows, self.num_sources, rank)
+        for name, (rows, cols) in self.hf_shapes.items():
+            r0, r1 = self.source_rows(name, rank)
             total += (rows - (r1 - r0)) * cols
         return total
 
@@ -125,17 +146,29 @@ class ReshardPlan:
         return sum(t.shape[0] * t.shape[1] for t in self.targets[rank])
 
 
+def serving_group(d_rank: int, first_target: int, shard_group_size: int,
+                  num_groups: int) -> int:
+    """The shard group whose ranks send destination d_rank its rows: its own when
+    d_rank is a source (colocated: first_target = 0), else round-robin over the
+    rollout ranks, so the groups feed equal shares (within one) of them."""
+    if first_target == 0:
+        return d_rank // shard_group_size
+    return (d_rank - first_target) % num_groups
+
+
 def _blocks_for(d_rank: int, target: TargetParam, shapes: dict[str, tuple[int, int]],
-                num_sources: int) -> list[Block]:
+                sources: range) -> list[Block]:
+    """Blocks filling target on d_rank from one shard group (sources: its ranks,
+    in shard order)."""
     out = []
     for seg in target.segments:
         rows = shapes[seg.hf_name][0]
-        for s in range(num_sources):
-            s0, s1 = shard_rows(rows, num_sources, s)
+        for s, src in enumerate(sources):
+            s0, s1 = shard_rows(rows, len(sources), s)
             r0, r1 = max(seg.rows[0], s0), min(seg.rows[1], s1)
             if r1 <= r0:
                 continue
-            out.append(Block(s, d_rank, seg.hf_name, r0 - s0, seg.cols, target.name,
+            out.append(Block(src, d_rank, seg.hf_name, r0 - s0, seg.cols, target.name,
                              seg.dst_row + (r0 - seg.rows[0]), seg.dst_col, r1 - r0))
     return out
 
@@ -184,7 +217,8 @@ def target_group(name: str, num_layers: int) -> int:
 
 
 def build_plan(dims: ModelDims, world_size: int, tp: int, *,
-               bucket_elems: int = 1 << 24, num_trainers: int | None = None) -> ReshardPlan:
+               bucket_elems: int = 1 << 24, num_trainers: int | None = None,
+               shard_group_size: int | None = None) -> ReshardPlan:
     """Builds the plan for N = world_size ranks and rollout TP size tp.
 
     Args:
@@ -196,10 +230,12 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
         num_trainers: None = colocated (FSDP2 over all N ranks, each also a
             rollout rank); M = separate placement (FSDP2 shards every HF
             tensor's rows over ranks 0..M-1, the rollout runs on M..N-1).
+        shard_group_size: S, ranks per shard group of the sources (None = M:
+            one group; 1 = replicated; train.sharding=hybrid: its group size).
 
     Raises:
         ValueError: T does not divide the rollout ranks, M is not in [1, N),
-            or T does not fit the model's heads.
+            S does not divide M, or T does not fit the model's heads.
     """
     m = world_size if num_trainers is None else num_trainers
     if not 1 <= m <= world_size or (num_trainers is not None and m == world_size):
@@ -211,6 +247,9 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
                          f"{'world size' if num_trainers is None else 'rollout ranks'} {rollout_ranks}")
     if bucket_elems < 1:
         raise ValueError(f"bucket size must be positive, got {bucket_elems} elements")
+    size = m if shard_group_size is None else shard_group_size
+    if not 1 <= size <= m or m % size:
+        raise ValueError(f"shard group size {shard_group_size} must divide the {m} source ranks")
     shapes = hf_shapes(dims)
     layouts = [tp_layout(dims, tp, r) for r in range(tp)]
     first = world_size - rollout_ranks  # 0 colocated, M separate
@@ -222,8 +261,10 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
     local: list[list[Block]] = [[] for _ in range(world_size)]
     by_target: dict[str, list[Block]] = defaultdict(list)
     for g in range(world_size):
+        group = serving_group(g, first, size, m // size)
+        sources = range(group * size, (group + 1) * size)
         for t in targets[g]:
-            for b in _blocks_for(g, t, shapes, m):
+            for b in _blocks_for(g, t, shapes, sources):
                 b = Block(**{**_asdict(b), "group": group_of[t.name]})
                 (local[g].append(b) if b.src_rank == g else by_target[t.name].append(b))
     # Canonical order: layout order of targets (so groups are contiguous),
@@ -231,4 +272,4 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
     order = [t.name for t in layouts[0]]
     remote = [b for name in order for b in sorted(by_target[name], key=lambda b: b.dst_rank)]
     return ReshardPlan(world_size, tp, m, shapes, targets, groups, local,
-                       _bucketize(remote, world_size, bucket_elems))
+                       _bucketize(remote, world_size, bucket_elems), size)

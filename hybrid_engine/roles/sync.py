@@ -73,10 +73,14 @@ class WeightSync:
         group: process group of the plan's world (default group if None).
         num_trainers: None = colocated; M = separate placement (ranks 0..M-1
             train, the others roll out).
+        shard_group_size: ranks one copy of the trainer's weights is sharded over
+            (None = all trainer ranks; 1 = train.sharding=replicate; hybrid: its
+            group size).
     """
 
     def __init__(self, hf_config: Any, cfg: SyncConfig, *, tp: int, wire_dtype: torch.dtype,
-                 group: dist.ProcessGroup | None = None, num_trainers: int | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, num_trainers: int | None = None,
+                 shard_group_size: int | None = None) -> None:
         if cfg.method == "naive_bucketed" and num_trainers is not None:
             raise ValueError(
                 f"sync.method='naive_bucketed' needs colocated placement (every rank holds an "
@@ -89,7 +93,12 @@ class WeightSync:
         itemsize = torch.empty((), dtype=wire_dtype).element_size()
         bucket_elems = max(1, int(cfg.bucket_mb * 2**20) // itemsize)
         self.plan = build_plan(self.dims, world, tp, bucket_elems=bucket_elems,
-                               num_trainers=num_trainers)
+                               num_trainers=num_trainers, shard_group_size=shard_group_size)
+        if cfg.method == "naive_bucketed" and self.plan.shard_group_size not in (1, world):
+            raise ValueError(
+                "sync.method='naive_bucketed' gathers Shard(0) rows over all ranks; with "
+                f"shard groups of {self.plan.shard_group_size} (train.sharding=hybrid) use "
+                "sync.method='reshard' or 'naive'")
         self.separate = num_trainers is not None
         self.executor = ReshardExecutor(self.plan, self.rank, wire_dtype=wire_dtype, group=group)
         self.target_shapes = {t.name: t.shape for t in self.plan.targets[self.rank]}
@@ -109,15 +118,19 @@ class WeightSync:
             return {n: torch.empty(0, c, device=self.device)
                     for n, (_, c) in self.plan.hf_shapes.items()}
         out = {}
-        world = self.plan.num_sources
+        size = self.plan.shard_group_size
         for name, p in hf_named_parameters(model):
             rows, cols = self.plan.hf_shapes[name]
             local = p.to_local() if isinstance(p, DTensor) else p
-            r0, r1 = shard_rows(rows, world, self.rank) if isinstance(p, DTensor) else (0, rows)
-            if local.shape[0] != r1 - r0:
+            r0, r1 = self.plan.source_rows(name, self.rank) if isinstance(p, DTensor) \
+                else (0, rows)
+            if local.shape[0] != r1 - r0 or (isinstance(p, DTensor)
+                                             and p.device_mesh.size(-1) != size):
                 raise ValueError(
-                    f"{name}: local shard has {local.shape[0]} rows, the plan expects "
-                    f"{r1 - r0} (FSDP2 Shard(0) over {world} ranks with torch.chunk sizes)")
+                    f"{name}: local shard has {local.shape[0]} rows over a shard group of "
+                    f"{p.device_mesh.size(-1) if isinstance(p, DTensor) else 1} rank(s); the "
+                    f"plan expects {r1 - r0} (FSDP2 Shard(0) over groups of {size} ranks, "
+                    "torch.chunk sizes): the sync's shard_group_size is not the trainer's")
             out[name] = local.detach().contiguous().view(r1 - r0, cols)
         missing = set(self.plan.hf_shapes) - set(out)
         if missing:
@@ -380,9 +393,11 @@ class BucketedGather:
 
     def _local_rows(self, p: torch.Tensor, s: _Slot) -> torch.Tensor:
         """This rank's rows of p as [rows, cols] (a DTensor's local shard; the
-        same rows of a replicated plain tensor)."""
+        same rows of a replicated plain tensor or DTensor, train.sharding=replicate)."""
         r0, r1 = shard_rows(s.rows, self.world, self.rank)
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor) and p.device_mesh.size(-1) == 1 and self.world > 1:
+            local = p.to_local()[r0:r1]
+        elif isinstance(p, DTensor):
             local = p.to_local()
             if local.shape[0] != r1 - r0:
                 raise ValueError(f"{s.name}: local shard has {local.shape[0]} rows, expected "

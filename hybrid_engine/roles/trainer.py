@@ -433,6 +433,9 @@ class Trainer:
         if logits_chunk_tokens < 1 or temperature <= 0:
             raise ValueError(f"need logits_chunk_tokens >= 1 and temperature > 0, got "
                              f"{logits_chunk_tokens}, {temperature}")
+        if train_cfg.sharding == "auto":
+            raise ValueError("train.sharding='auto' must be resolved before the trainer is "
+                             "built (hybrid_engine.parallel.sharding.resolve_train_config)")
         self.train_cfg = train_cfg
         self.chunk_tokens, self.temperature = logits_chunk_tokens, temperature
         self.mesh = mesh if mesh is not None else dp_mesh()
@@ -442,6 +445,7 @@ class Trainer:
             compute_dtype=model_cfg.compute_dtype,
             activation_checkpointing=train_cfg.activation_checkpointing,
             trust_remote_code=model_cfg.trust_remote_code, sharding=train_cfg.sharding,
+            shard_group_size=train_cfg.shard_group_size,
         )
         # Guard, part 1: built before any forward, over the sharded DTensors.
         self._param_ids, self.optimizer, self.scheduler = build_optimizer(
@@ -543,11 +547,12 @@ class Trainer:
 
     @contextlib.contextmanager
     def _micro_batch_comm(self, *, last: bool) -> Iterator[None]:
-        """sharding=grad_op: a micro-batch before the step's last keeps its layers
-        gathered after backward and its gradients whole and local (no reduce-scatter):
-        one all-gather and one reduce-scatter per layer per optimizer step. `full`
-        reduces every micro-batch (its gradients never exist whole)."""
-        defer = self.train_cfg.sharding == "grad_op" and not last
+        """Every sharding but `full`: a micro-batch before the step's last keeps its
+        layers gathered after backward and its gradients whole and local (no
+        reduction): one all-gather and one reduction per layer per optimizer step
+        (replicate: no gather, one all-reduce). `full` reduces every micro-batch
+        (its gradients never exist whole)."""
+        defer = self.train_cfg.sharding != "full" and not last
         if defer:
             self.module.set_requires_gradient_sync(False)
             self.module.set_reshard_after_backward(False)

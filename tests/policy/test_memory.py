@@ -1,7 +1,8 @@
 """rollout.release_memory=auto (policy/memory.py): the trainer's transient peak is
 measured for real (a CPU allocation shows up in it), the rule releases only when that
 peak does not fit, and a real 2-rank job releases the KV cache in its first training
-phase only when there is room, in every phase when rollout.memory_budget is too small."""
+phase only when there is room, in every phase when rollout.memory_budget is too small;
+the same budget makes train.sharding=auto pick `replicate` or `full`."""
 
 from __future__ import annotations
 
@@ -62,17 +63,20 @@ def _released_per_step(model_dir: str, out_dir: str, budget: float) -> list[floa
         "model.path": model_dir, "output_dir": out_dir, "env.name": "test_digits",
         "rollout.num_samples_per_prompt": 4, "rollout.max_tokens": 8, "train.num_steps": 4,
         "train.prompts_per_step": 4, "checkpoint_every": 0, "eval_every": 0,
-        "rollout.release_memory": "auto", "rollout.memory_budget": budget})
+        "rollout.release_memory": "auto", "rollout.memory_budget": budget,
+        "train.sharding": "auto"})
     job = Job(cfg, progress=False)
     rank = dist.get_rank()
     try:
         summary = job.run()
         peak = job.actor.phases.release.trainer_peak
+        layout = job.actor.trainer.train_cfg.sharding
     finally:
         job.shutdown()
     hist = [h for h in summary["history"] if h["step"] > 0]
     assert all(not h["skipped_degenerate"] for h in hist)  # every step trained
-    return [h["mem_released_bytes"] for h in hist] + [peak, rank]
+    synced = sum(h["sync_bytes_received"] for h in summary["history"])
+    return [h["mem_released_bytes"] for h in hist] + [peak, rank, layout, synced]
 
 
 @pytest.mark.vllm
@@ -85,7 +89,11 @@ def test_auto_keeps_the_engine_resident_when_the_trainer_fits(tmp_path) -> None:
         out = run_ranks(_released_per_step, 2, model, str(tmp_path / f"run{budget}"), budget,
                         timeout=400)
         for r in out:
-            released, peak = r[:4], r[4]
+            released, peak, layout, synced = r[:4], r[4], r[6], r[7]
+            # train.sharding=auto: replicated when it fits (the sync then moves nothing
+            # between ranks), fully sharded when nothing fits
+            assert (layout, synced == 0) == (("full", False) if expect_every_step
+                                             else ("replicate", True))
             assert released[0] > 0 and peak is not None  # unmeasured: the first phase releases
             if expect_every_step:
                 assert all(b == released[0] for b in released)  # KV freed and regrown each step

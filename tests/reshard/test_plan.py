@@ -85,7 +85,8 @@ def _execute(plan, full, rank: int) -> dict[str, torch.Tensor]:
     blocks = plan.local[rank] + [b for bk in plan.buckets for b in bk if b.dst_rank == rank]
     for b in blocks:
         t = full[b.hf_name]
-        s0, _ = shard_rows(t.shape[0], plan.num_sources, b.src_rank)
+        s0, s1 = plan.source_rows(b.hf_name, b.src_rank)
+        assert b.src_row + b.rows <= s1 - s0, f"{b.hf_name}: rank {b.src_rank} lacks the rows"
         src = t[s0 + b.src_row : s0 + b.src_row + b.rows, b.cols[0] : b.cols[1]]
         dst = out[b.target][b.dst_row : b.dst_row + b.rows, b.dst_col : b.dst_col + src.shape[1]]
         assert torch.count_nonzero(dst) == 0, f"{b.target}: block overlaps an earlier one"
@@ -94,7 +95,8 @@ def _execute(plan, full, rank: int) -> dict[str, torch.Tensor]:
 
 
 def _owner(ids: torch.Tensor, full, world: int) -> torch.Tensor:
-    """Rank owning each id's row under FSDP2 Shard(0)."""
+    """Rank owning each id's row under FSDP2 Shard(0) over world ranks (with
+    shard groups of S ranks: the owner's position in its group)."""
     owner = torch.full(ids.shape, -1, dtype=torch.int64)
     for t in full.values():
         lo, hi = t[0, 0].item(), t[-1, -1].item()
@@ -204,6 +206,57 @@ def test_separate_plan_moves_each_rollout_ranks_whole_shard(spec, world, trainer
         plan.elements_received(g) for g in range(world))
 
 
+LAYOUTS = [("qwen2", 2, 1, 1), ("qwen2", 2, 2, 1), ("llama-kv1-tied", 4, 2, 1),
+           ("qwen3-kv1", 4, 2, 2), ("qwen2-mha-tied", 4, 4, 2), ("llama-bias", 4, 1, 2)]
+
+
+@pytest.mark.parametrize("spec,world,tp,shard", LAYOUTS)
+def test_replicated_and_hybrid_sources_move_only_what_the_group_lacks(spec, world, tp, shard):
+    """train.sharding=replicate (S=1) / hybrid (S ranks per shard group): every
+    rank holds rows shard_rows(rows, S, g % S); a rank receives exactly the
+    elements of its vLLM weights that it does not hold, all from its own shard
+    group -- replicate: nothing at all, every block local."""
+    d = _dims(spec)
+    plan = build_plan(d, world, tp, bucket_elems=20000, shard_group_size=shard)
+    assert plan.shard_group_size == shard
+    full = _id_tensors(d, plan.hf_shapes)
+    for g in range(world):
+        got = _execute(plan, full, g)
+        want = _expected(full, d, tp, g % tp)
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"rank {g}: {name}"
+        ids = torch.cat([w.reshape(-1) for w in want.values()])
+        ids = ids[ids > 0]
+        held = _owner(ids, full, shard) == g % shard
+        assert plan.elements_received(g) == int((~held).sum())
+        group = range(g // shard * shard, (g // shard + 1) * shard)
+        assert all(b.src_rank in group for b in plan.local[g]) and all(
+            b.src_rank in group for bk in plan.buckets for b in bk if b.dst_rank == g)
+    if shard == 1:
+        assert plan.buckets == [] and all(plan.elements_received(g) == 0 for g in range(world))
+
+
+@pytest.mark.parametrize("world,trainers,tp,shard", [(4, 2, 1, 1), (6, 4, 2, 2), (8, 4, 1, 2)])
+def test_separate_plan_spreads_rollout_ranks_over_replicated_groups(world, trainers, tp, shard):
+    """Separate placement with M/S shard groups: each rollout rank gets its whole TP
+    shard from one group, and the groups take the rollout ranks in turn."""
+    d = _dims("qwen3-kv1")
+    plan = build_plan(d, world, tp, bucket_elems=20000, num_trainers=trainers,
+                      shard_group_size=shard)
+    full = _id_tensors(d, plan.hf_shapes)
+    served = [0] * (trainers // shard)
+    for g in range(trainers, world):
+        got = _execute(plan, full, g)
+        want = _expected(full, d, tp, (g - trainers) % tp)
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"rank {g}: {name}"
+        assert plan.elements_received(g) == sum(int((w > 0).sum()) for w in want.values())
+        groups = {b.src_rank // shard for bk in plan.buckets for b in bk if b.dst_rank == g}
+        assert len(groups) == 1
+        served[groups.pop()] += 1
+    assert max(served) - min(served) <= 1 and min(served) >= 1, served
+
+
 def test_bad_sizes_are_rejected():
     d = _dims("qwen2")
     with pytest.raises(ValueError, match="must divide the world size 4"):
@@ -216,6 +269,8 @@ def test_bad_sizes_are_rejected():
         build_plan(d, 4, 2, num_trainers=1)
     with pytest.raises(ValueError, match="1 <= trainer ranks < world size 4"):
         build_plan(d, 4, 1, num_trainers=4)
+    with pytest.raises(ValueError, match="shard group size 3 must divide the 4 source ranks"):
+        build_plan(d, 4, 1, shard_group_size=3)
 
 
 def test_unsupported_architecture_lists_supported_ones():

@@ -67,10 +67,11 @@ def _max_logprob_diff(model_full, out) -> float:
 
 
 def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str,  # noqa: ANN202
-                              master: str = "float32"):
+                              master: str = "float32", shard: int = 0):
     """The HF model in the master dtype (fp32 unless given), FSDP2-sharded per
-    layer + root over the world, and a colocated vLLM engine of the same folder
-    (TP = tp, the given dtype)."""
+    layer + root over the world (shard > 0: over groups of that many ranks,
+    replicated across them, as train.sharding=replicate/hybrid), and a colocated
+    vLLM engine of the same folder (TP = tp, the given dtype)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -83,6 +84,10 @@ def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str,  # noqa: ANN2
     world = dist.get_world_size()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, master))
     mesh = init_device_mesh("cpu", (world,))
+    if shard:
+        from hybrid_engine.parallel.fsdp import fsdp_mesh
+
+        mesh = fsdp_mesh(mesh, shard)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -92,7 +97,8 @@ def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str,  # noqa: ANN2
     return model, rollout
 
 
-def _sync_case(model_dir: str, tp: int, dtype: str, master: str = "float32") -> dict:
+def _sync_case(model_dir: str, tp: int, dtype: str, master: str = "float32",
+               shard: int = 0) -> dict:
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -100,11 +106,11 @@ def _sync_case(model_dir: str, tp: int, dtype: str, master: str = "float32") -> 
     from hybrid_engine.config import SyncConfig
     from hybrid_engine.roles.sync import WeightSync
 
-    model, rollout = _sharded_model_and_engine(model_dir, tp, dtype, master)
+    model, rollout = _sharded_model_and_engine(model_dir, tp, dtype, master, shard)
     before = _greedy(rollout, 8)
     _train_one_step(model, seed=1)
     sync = WeightSync(model.config, SyncConfig(method="reshard", bucket_mb=0.05, verify=True),
-                      tp=tp, wire_dtype=getattr(torch, dtype))
+                      tp=tp, wire_dtype=getattr(torch, dtype), shard_group_size=shard or None)
     m1 = sync.sync(model, rollout)  # raises if any weight differs from vLLM's loader
     after = _greedy(rollout, 8)
     _train_one_step(model, seed=2)  # a second sync reuses the cached plan and buffers
@@ -171,6 +177,34 @@ def test_sync_is_exact_and_vllm_follows_training(tmp_path, name, spec, world, tp
         if dtype == "float32":
             assert o["max_diff"] < 1e-4, o
             assert o["greedy_equal"]
+
+
+# train.sharding=replicate (shard groups of 1) and hybrid (2 groups of 2 on 4 ranks)
+LAYOUTS = [
+    ("qwen2-replicate", dict(arch="qwen2", vocab_size=1000, norm_std=0.1), 2, 2, 1),
+    ("qwen3-hybrid-2x2", dict(arch="qwen3", num_kv_heads=1, vocab_size=1001, norm_std=0.1),
+     4, 2, 2),
+]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("name,spec,world,tp,shard", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+def test_sync_is_exact_from_replicated_and_hybrid_layouts(tmp_path, name, spec, world, tp,
+                                                          shard):
+    """Every source rank holds rows shard_rows(rows, S, g % S): the sync is bit-exact
+    (verify), moves only what a rank's shard group lacks (replicate: nothing), and
+    vLLM then follows the trained weights."""
+    from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
+
+    model_dir = str(write_tiny_model(tmp_path / name, TinyModelSpec(**spec)))
+    outs = run_ranks(_sync_case, world, model_dir, tp, "float32", "float32", shard, timeout=420)
+    for o in outs:
+        assert o["changed"] and o["naive_equal"]
+        for m in (o["m1"], o["m2"]):
+            assert m["sync_bytes_received"] == o["min_bytes"]
+            assert (m["sync_bytes_received"] == 0) == (shard == 1)
+        assert o["max_diff"] < 1e-4 and o["greedy_equal"]
 
 
 @pytest.mark.vllm

@@ -287,9 +287,12 @@ def _check_train_memory(path: str, vocab: int) -> dict:
 
 
 def _is_sharded(module) -> bool:
-    from torch.distributed.tensor import DTensor, Shard
+    """Every parameter its layout's DTensor: Shard(0) on a 1-D mesh, or (Replicate,
+    Shard(0)) on the 2-D mesh of train.sharding=replicate/hybrid."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    return all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in module.parameters())
+    return all(isinstance(p, DTensor) and p.placements in ((Shard(0),), (Replicate(), Shard(0)))
+               for p in module.parameters())
 
 
 def _check_guard(path: str, vocab: int) -> dict:
@@ -341,12 +344,16 @@ def _check_splits(path: str, vocab: int) -> dict:
         ("grad_op", {"micro_batch_size": 1}, {"sharding": "grad_op"}),
         ("grad_op_checkpointing", {"micro_batch_size": 2},
          {"sharding": "grad_op", "activation_checkpointing": True}),
+        ("replicate", {"micro_batch_size": 1}, {"sharding": "replicate"}),
     ]:
         run = start_run(path, batch_kw, vocab=vocab, **kw).steps(2)
         collectives = count_collectives(run)  # the third step
+        local = {n: tuple(p.to_local().shape) for n, p in run.trainer.module.named_parameters()}
         out[name] = dict(diff=max_diff(full_weights(run.trainer.module), ref), losses=run.losses,
                          grad_norms=run.grad_norms, num_micro_batches=len(run.batch.bounds),
-                         collectives=collectives, sharded=_is_sharded(run.trainer.module))
+                         collectives=collectives, sharded=_is_sharded(run.trainer.module),
+                         whole=all(local[n] == tuple(p.shape)
+                                   for n, p in run.trainer.module.named_parameters()))
     bf16 = start_run(path, {"micro_batch_size": 2}, vocab=vocab, compute_dtype="bfloat16").steps(2)
     out["bf16"] = dict(losses=bf16.losses, diff=max_diff(full_weights(bf16.trainer.module), ref),
                        dtypes={str(p.dtype) for p in bf16.trainer.module.parameters()})
@@ -368,7 +375,8 @@ def count_collectives(run: Run) -> dict[str, int]:
         run.steps(1)
     names = Counter(e.name for e in prof.events())
     return {"all_gather": names["c10d::_allgather_base_"],
-            "reduce_scatter": names["c10d::_reduce_scatter_base_"]}
+            "reduce_scatter": names["c10d::_reduce_scatter_base_"],
+            "all_reduce": names["c10d::allreduce_"]}
 
 
 def _check_profile(path: str, vocab: int, folder: str) -> dict:
@@ -531,7 +539,7 @@ def test_guard_no_grad_forward_then_step_updates_every_parameter(two_ranks):
 
 
 @pytest.mark.parametrize("variant", ["mbs1", "max_tokens", "checkpointing", "grad_op",
-                                     "grad_op_checkpointing"])
+                                     "grad_op_checkpointing", "replicate"])
 def test_micro_batch_split_does_not_change_the_update(two_ranks, variant):
     counts = [out["splits"][variant]["num_micro_batches"] for out in two_ranks]
     if variant == "max_tokens":
@@ -547,15 +555,24 @@ def test_grad_op_gathers_and_reduces_once_per_step(two_ranks):
     """train.sharding: `full` all-gathers every FSDP group in forward and every layer
     again in backward, and reduce-scatters every group, per micro-batch; `grad_op`
     does each once per optimizer step, whatever the micro-batch count, and leaves
-    the parameters sharded after the step (the sync and the checkpoint read them)."""
+    the parameters sharded after the step (the sync and the checkpoint read them);
+    `replicate` gathers nothing and all-reduces each group once per step."""
     for out in two_ranks:
         s = out["splits"]
         m = s["mbs1"]["num_micro_batches"]
         groups = s["mbs1"]["collectives"]["reduce_scatter"] // m  # layers + root
         assert m == 4 and s["grad_op"]["num_micro_batches"] == m and groups >= 3
+        other = s["mbs1"]["collectives"]["all_reduce"]  # the step's loss normaliser, metrics
         assert s["mbs1"]["collectives"] == {"all_gather": m * (2 * groups - 1),
-                                            "reduce_scatter": m * groups}
-        assert s["grad_op"]["collectives"] == {"all_gather": groups, "reduce_scatter": groups}
+                                            "reduce_scatter": m * groups, "all_reduce": other}
+        assert s["grad_op"]["collectives"] == {"all_gather": groups, "reduce_scatter": groups,
+                                               "all_reduce": other}
+        # replicate: shard groups of one rank, nothing to gather; one all-reduce per
+        # group per step (DDP), and every parameter whole on the rank (so the gradient
+        # norm needs no all-reduce of its own: one fewer)
+        assert s["replicate"]["collectives"] == {"all_gather": 0, "reduce_scatter": 0,
+                                                 "all_reduce": other + groups - 1}
+        assert s["replicate"]["whole"] and not s["grad_op"]["whole"]
         # activation checkpointing recomputes a layer's forward in backward: no new gather
         assert s["grad_op_checkpointing"]["collectives"] == s["grad_op"]["collectives"]
         assert s["grad_op"]["sharded"] and s["grad_op_checkpointing"]["sharded"]
@@ -606,7 +623,8 @@ def test_profile_split_attributes_overlaps_once():
     assert out["compute_s"] == pytest.approx(0.5)
 
 
-def _parity_run(root: str, steps: int, sharding: str = "full") -> dict | None:
+def _parity_run(root: str, steps: int, sharding: str = "full",
+                shard_group_size: int = 0) -> dict | None:
     """3 steps on this rank's rows; rank 0 returns losses, grad norms, full weights
     (and, on a 1-rank run, the plain transformers reference too)."""
     import torch.distributed as dist
@@ -619,7 +637,7 @@ def _parity_run(root: str, steps: int, sharding: str = "full") -> dict | None:
         write_tiny_model(path, spec)
     dist.barrier()
     run = start_run(path, {"micro_batch_size": 2}, vocab=spec.vocab_size,
-                    sharding=sharding).steps(steps)
+                    sharding=sharding, shard_group_size=shard_group_size).steps(steps)
     weights = full_weights(run.trainer.module)
     if dist.get_rank():
         return None
@@ -639,11 +657,13 @@ def _to_numpy(x):
 
 @pytest.mark.slow
 def test_one_two_four_ranks_match_a_plain_model(tmp_path):
-    """FSDP2 over 1, 2 and 4 ranks (and 2 with sharding=grad_op) vs a plain transformers
-    model in one process (the 1-rank run is FSDP2 over a 1-rank mesh; the reference is
-    not FSDP at all)."""
+    """FSDP2 over 1, 2 and 4 ranks, and every other layout (grad_op and replicate on 2
+    ranks, hybrid as 2 shard groups of 2 on 4), vs a plain transformers model in one
+    process (the 1-rank run is FSDP2 over a 1-rank mesh; the reference is not FSDP)."""
     runs = {w: run_ranks(_parity_run, w, str(tmp_path), 3, timeout=240)[0] for w in (1, 2, 4)}
-    runs["2 grad_op"] = run_ranks(_parity_run, 2, str(tmp_path), 3, "grad_op", timeout=240)[0]
+    for name, world, size in [("grad_op", 2, 0), ("replicate", 2, 0), ("hybrid", 4, 2)]:
+        runs[f"{world} {name}"] = run_ranks(_parity_run, world, str(tmp_path), 3, name, size,
+                                            timeout=240)[0]
     plain = runs[1]["plain"]
     assert plain["losses"][-1] < plain["losses"][0]
     for w, r in runs.items():
