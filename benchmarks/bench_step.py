@@ -54,6 +54,10 @@ ONE profiled step (left out of every timing).
   least 1). With more ranks than cores (N=4 on 2 cores) a rank gets only
   cores / (N x threads) of that, so the per-rank peak is scaled by it
   (matmul_peak_per_rank_flops).
+- train_floor_s: the same model FLOPs per rank at the per-rank matmul peak
+  (= train_s x train_mfu): the train phase's distance to its floor is
+  train_s / train_floor_s. train_top_ops: the profiled step's 10 ops with the
+  most self time, as shares of that step (medians over jobs x ranks).
 - generated_tok_s = sampled completion tokens per step (all replicas, each
   sample once) / generate_s (medians); gen_tok_s_median: the same per step
   from the controller's gen_tok_s metric.
@@ -336,6 +340,9 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
     _med_iqr(row, "train_mfu", _jobs_of(timed, lambda r: _train_flops(
         params, r.get("tokens", 0.0), r.get("num_tokens", 0.0)) / train_ranks
         / max(r.get("train_s", 0.0), 1e-9) / (peak * share)))
+    # the train phase's floor: its model FLOPs per rank at the per-rank GEMM peak
+    _med_iqr(row, "train_floor_s", _jobs_of(timed, lambda r: _train_flops(
+        params, r.get("tokens", 0.0), r.get("num_tokens", 0.0)) / train_ranks / (peak * share)))
     _med_iqr(row, "train_step_s", _jobs_of(timed, lambda r: r.get("train_step_s", 0.0)))
     _med_iqr(row, "train_other_s", _jobs_of(
         timed, lambda r: r.get("train_s", 0.0) - r.get("train_step_s", 0.0)))
@@ -371,6 +378,11 @@ def _train_split(jobs: list[dict], train_step_s: float) -> dict:
     for key in ("compute", "comm", "optimizer"):  # medians of fractions: renormalised
         out[f"train_{key}_frac"] /= total
         out[f"train_{key}_s"] = out[f"train_{key}_frac"] * train_step_s
+    # the profiled step's top ops by self time, as shares of that step (medians)
+    ops = {k for p in profs for k in p.get("top_self_s", {})}
+    share = {k: statistics.median(p.get("top_self_s", {}).get(k, 0.0) / p["wall_s"]
+                                  for p in profs) for k in ops}
+    out["train_top_ops"] = dict(sorted(share.items(), key=lambda kv: -kv[1])[:10])
     return out
 
 
@@ -408,6 +420,18 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _top_ops(rows: list[dict]) -> str:
+    """Per config: the profiled train step's 10 ops with the most self time."""
+    out = []
+    for r in rows:
+        ops = r.get("train_top_ops") or {}
+        if ops:
+            out.append(f"- {r['config_name']} (train floor {r['train_floor_s']:.3f} s = model "
+                       f"FLOPs / per-rank GEMM peak, train {r['train_s']:.3f} s): " + ", ".join(
+                           f"`{k}` {v:.0%}" for k, v in ops.items()))
+    return "\n".join(out)
+
+
 def _chart(rows: list[dict], path: Path) -> None:
     """Stacked horizontal bars: median seconds per phase (and overhead) per config."""
     import matplotlib
@@ -436,7 +460,8 @@ def _chart(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-HEADLINE_KEYS = ("step_s", "step_s_iqr", "generate_s", "score_s", "train_s", "sync_s",
+HEADLINE_KEYS = ("step_s", "step_s_iqr", "generate_s", "score_s", "train_s", "train_floor_s",
+                 "sync_s",
                  "overhead_s", "overhead_frac", "train_mfu", "train_mfu_iqr", "matmul_peak_flops",
                  "matmul_peak_per_rank_flops", "generated_tok_s", "tokens_per_step",
                  "preset", "model_params", "world_size", "placement", "tp", "jobs",
@@ -486,7 +511,9 @@ def main(argv=None) -> None:
         f"({GEMM_N}^3, training dtype, the rank's threads, measured in this run). Ranks share "
         "the machine's cores (OMP threads = cores // N); with more ranks than cores they "
         f"time-share them. Headline: {names[rows.index(head)]}.\n\n"
-        f"{table}\n\n![phases]({chart.name})\n\n```json\n{json.dumps(rows, indent=1)}\n```\n")
+        f"{table}\n\n![phases]({chart.name})\n\nThe profiled train step's top 10 ops by "
+        f"self time (share of that step, median over jobs x ranks):\n\n{_top_ops(rows)}\n\n"
+        f"```json\n{json.dumps(rows, indent=1)}\n```\n")
     summary = {key: head[key] for key in HEADLINE_KEYS}
     print(json.dumps({**summary, "workload": args.workload, "configs": rows,
                       "result": str(path), "chart": str(chart)}))

@@ -98,6 +98,10 @@ def _check_row(r: dict) -> None:
     assert parts == pytest.approx(r["train_step_s"])
     assert r["train_compute_s"] > 0 and r["train_optimizer_s"] > 0
     assert 0 < r["train_step_s"] <= r["train_s"] and r["train_other_s"] >= 0
+    # the floor is the MFU's other face; the top ops are shares of the profiled step
+    assert r["train_floor_s"] == pytest.approx(r["train_s"] * r["train_mfu"], rel=0.5)
+    ops = list(r["train_top_ops"].values())
+    assert len(ops) == 10 and ops == sorted(ops, reverse=True) and 0 < sum(ops) <= 1
     if r["world_size"] > 1:
         assert r["train_comm_s"] > 0  # FSDP2 gathers and reduces across the ranks
     cfg = r["resolved_config"]
@@ -134,4 +138,5 @@ def test_quick_result_file_and_chart(quick) -> None:
     assert "| tiny | 0.6M | 1 | colocated | - | 1 | 1 x 4 |" in text
     assert "| tiny | 0.6M | 2 | colocated | train.sharding=grad_op | 2 | 1 x 4 |" in text
     assert '"resolved_config"' in text and '"tokens_per_step"' in text
+    assert "top 10 ops by self time" in text and "- tiny:1 (train floor " in text
     assert Path(result["chart"]).stat().st_size > 0

@@ -42,14 +42,15 @@ TRAIN_KW = dict(lr=1e-3, warmup_steps=3, lr_schedule="cosine", num_steps=10, gra
 # --------------------------------------------------------------------------
 
 
-def _roles(path: str, vocab: int, with_critic: bool = True):
+def _roles(path: str, vocab: int, with_critic: bool = True, sharding: str = "full"):
     from hybrid_engine.algorithms import policy_loss_fn
     from hybrid_engine.config import AlgorithmConfig, ModelConfig, TrainConfig
     from hybrid_engine.roles.critic import Critic
     from hybrid_engine.roles.trainer import Trainer
 
     model_cfg = ModelConfig(compute_dtype="float32")
-    trainer = Trainer(path, TrainConfig(**TRAIN_KW), model_cfg, logits_chunk_tokens=16)
+    trainer = Trainer(path, TrainConfig(**TRAIN_KW, sharding=sharding), model_cfg,
+                      logits_chunk_tokens=16)
     critic = Critic(path, TrainConfig(**TRAIN_KW), model_cfg) if with_critic else None
     batch = rank_batch(make_trajs(8, vocab), micro_batch_size=2)
     batch = dataclasses.replace(batch, old_logp_BT=trainer.compute_logprobs(batch)[0])
@@ -139,6 +140,30 @@ def _check_roundtrip(path: str, vocab: int, root: str) -> dict:
                 saved_step=saved["step"], lr=saved["sched"]["_last_lr"],
                 folders=sorted(p.name.split("-")[0] for p in Path(root).iterdir()),
                 saved_weights=saved["weights"], saved_optim=saved["optim"])
+
+
+def _check_layouts(path: str, vocab: int, root: str) -> dict:
+    """train.sharding=replicate saved after 2 steps, loaded into a fresh replicate
+    trainer and into a `full` one (a resume may change the layout: DCP reshards)."""
+    from hybrid_engine.checkpoint import load_training_state, save_training_state
+
+    def snap(t) -> dict:
+        return dict(weights=full_weights(t.module), optim=_optim_state(t.optimizer),
+                    step=t.step, sched=t.scheduler.state_dict())
+
+    trainer, _, batch, loss_fn = _roles(path, vocab, with_critic=False, sharding="replicate")
+    for _ in range(2):
+        trainer.train_step(batch, loss_fn)
+    save_training_state(f"{root}/ckpt", trainer=trainer, extra={})
+    saved = snap(trainer)
+    continued = trainer.train_step(batch, loss_fn)["loss"]
+    out = {}
+    for sharding in ("replicate", "full"):
+        fresh, _, _, _ = _roles(path, vocab, with_critic=False, sharding=sharding)
+        load_training_state(f"{root}/ckpt", trainer=fresh)
+        out[sharding] = dict(mismatched=_same(saved, snap(fresh)),
+                             resumed=fresh.train_step(batch, loss_fn)["loss"])
+    return dict(continued=continued, **out)
 
 
 def _check_integrity(path: str, vocab: int, root: str) -> dict:
@@ -254,6 +279,7 @@ def _two_rank_checks(root: str) -> dict:
         export={name: _check_export(f"{root}/{name}", vocab[name], f"{root}/export_{name}")
                 for name in SPECS},
         integrity=_check_integrity(f"{root}/untied", vocab["untied"], f"{root}/integrity"),
+        layouts=_check_layouts(f"{root}/untied", vocab["untied"], f"{root}/layouts"),
     )
 
 
@@ -309,6 +335,17 @@ def test_step_after_load_equals_continuing(two_ranks, name):
         rt = r["roundtrip"][name]
         assert rt["resumed"] == rt["continued"]  # (policy loss, critic loss), bitwise
         assert rt["weights_equal"] == []
+
+
+def test_replicated_layout_saves_and_resumes_in_any_layout(two_ranks):
+    """A train.sharding=replicate checkpoint loads bitwise into replicate and into
+    full (weights, AdamW state, schedule), and the next step equals continuing."""
+    for r in two_ranks:
+        lay = r["layouts"]
+        for sharding in ("replicate", "full"):
+            assert lay[sharding]["mismatched"] == [], sharding
+        assert lay["replicate"]["resumed"] == lay["continued"]
+        assert lay["full"]["resumed"] == pytest.approx(lay["continued"], rel=1e-6)
 
 
 def test_interrupted_save_is_rejected_and_previous_loads(two_ranks):
