@@ -200,7 +200,12 @@ class TrainConfig:
     )
     grad_clip: float = _field(1.0, "Max global gradient norm.", gt=0)
     micro_batch_size: int = _field(
-        4, "Sequences per forward/backward on one rank (gradient accumulation splits).", ge=1
+        4,
+        "Sequences per forward/backward on one rank (gradient accumulation splits). With "
+        "any sharding but 'full' each micro-batch adds a pass over the whole gradient "
+        "(accumulated in master_dtype): prefer few large micro-batches where memory allows "
+        "(see max_tokens_per_micro_batch).",
+        ge=1,
     )
     max_tokens_per_micro_batch: int | None = _field(
         None,

@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_groups", "collective_timeouts", "free_port", "init_distributed", "is_launched", "rank0_logger",
+__all__ = ["all_gather_ragged", "all_groups", "collective_timeouts", "free_port", "init_distributed", "is_launched", "rank0_logger",
            "resync_group_counter", "set_collective_timeout", "set_train_group", "train_group",
            "train_rank_world"]
 
@@ -145,3 +145,50 @@ def resync_group_counter() -> None:
     count = torch.tensor([c10d._world.group_count], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     c10d._world.group_count = int(count)
+
+
+def all_gather_ragged(rows: list[torch.Tensor], group: dist.ProcessGroup | None = None,
+                      ) -> list[list[torch.Tensor]]:
+    """Every rank's list of 1-D tensors (any lengths, any count, one dtype), per rank
+    in rank order: three all-gathers of tensors (counts, lengths, the concatenated
+    values padded to the longest), no pickling. Collective over group; on NCCL the
+    exchange goes through the current CUDA device and the results come back on CPU.
+
+    Raises:
+        ValueError: the ranks' dtypes differ (checked through the values' byte views).
+    """
+    world = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    dtype = rows[0].dtype if rows else torch.float32
+    code = torch.tensor([len(rows), _DTYPE_CODES.get(dtype, -1)], device=device)
+    heads = [torch.empty_like(code) for _ in range(world)]
+    dist.all_gather(heads, code, group=group)
+    counts = [int(h[0]) for h in heads]
+    if not any(counts):
+        return [[] for _ in range(world)]
+    kinds = {int(h[1]) for h, n in zip(heads, counts) if n}
+    if len(kinds) > 1 or -1 in kinds:
+        raise ValueError(f"all_gather_ragged needs one dtype of {list(_DTYPE_CODES)} on every "
+                         f"rank, got codes {sorted(kinds)}")
+    dtype = next((d for d, c in _DTYPE_CODES.items() if c in kinds), dtype)
+    lens = torch.zeros(max(counts), dtype=torch.int64, device=device)
+    lens[: len(rows)] = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
+    all_lens = [torch.empty_like(lens) for _ in range(world)]
+    dist.all_gather(all_lens, lens, group=group)
+    totals = [int(x.sum()) for x in all_lens]
+    flat = torch.zeros(max(max(totals), 1), dtype=dtype, device=device)
+    if rows:
+        flat[: totals[dist.get_rank(group)]] = torch.cat([r.reshape(-1) for r in rows]).to(dtype)
+    flats = [torch.empty_like(flat) for _ in range(world)]
+    # byte views: gloo has no bf16 collectives, and one code path for every dtype
+    dist.all_gather([f.view(torch.uint8) for f in flats], flat.view(torch.uint8), group=group)
+    out = []
+    for n, ls, f in zip(counts, all_lens, flats, strict=True):
+        sizes = ls[:n].tolist()
+        out.append(list(f[: sum(sizes)].cpu().split(sizes)))
+    return out
+
+
+_DTYPE_CODES = {torch.float32: 0, torch.int64: 1, torch.bfloat16: 2, torch.int32: 3,
+                torch.float64: 4}

@@ -19,10 +19,9 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from hybrid_engine.parallel.dist import train_group, train_rank_world
+from hybrid_engine.parallel.dist import all_gather_ragged, train_group, train_rank_world
 from hybrid_engine.trajectory import TrainBatch, Trajectory, collate_trajectories
 
 __all__ = ["gather_response_field", "local_batch", "local_range", "scatter_response_field"]
@@ -70,9 +69,7 @@ def gather_response_field(
     _, world = _world()
     if world == 1:
         return local
-    parts: list = [None] * world
-    dist.all_gather_object(parts, [v.tolist() for v in local], group=train_group())
-    out = [torch.tensor(v, dtype=torch.float32) for part in parts for v in part]
+    out = [v for part in all_gather_ragged(local, train_group()) for v in part]
     if len(out) != len(trajs):
         raise AssertionError(f"gathered {len(out)} rows for {len(trajs)} trajectories")
     return out

@@ -226,14 +226,16 @@ class VLLMRollout:
             include_stop_str=include_stop_str,
             max_tokens=None if limits is None else [limits[p] for p in mine],
         )
-        if num_replicas > 1:
-            import torch.distributed as dist
+        if num_replicas > 1:  # every replica's results, as tensors (no pickling)
+            from hybrid_engine.parallel.dist import all_gather_ragged
 
-            gathered: list = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(gathered, (token_ids, logprobs), group=self.group)
+            ids = all_gather_ragged([torch.tensor(t, dtype=torch.int64) for t in token_ids],
+                                    self.group)
+            lps = all_gather_ragged([torch.tensor(lp, dtype=torch.float64) for lp in logprobs],
+                                    self.group)
             tp = self.cfg.tensor_parallel_size
-            token_ids = [t for r in range(num_replicas) for t in gathered[r * tp][0]]
-            logprobs = [lp for r in range(num_replicas) for lp in gathered[r * tp][1]]
+            token_ids = [t.tolist() for r in range(num_replicas) for t in ids[r * tp]]
+            logprobs = [lp.tolist() for r in range(num_replicas) for lp in lps[r * tp]]
         if any(math.isnan(x) for lps in logprobs for x in lps):
             raise RuntimeError("sampled tokens have NaN log-probs: vLLM's weights are not valid "
                                "(discarded by a release and never rewritten?)")

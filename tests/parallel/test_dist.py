@@ -40,3 +40,45 @@ def test_collective_timeout_covers_every_group() -> None:
     assert r0["after"] == r1["after"] == [2.0, 2.0]  # the default group and the new one
     assert r0["raised"] is not None and "timed out" in r0["raised"].lower(), r0["raised"]
     assert 1.5 < r0["waited_s"] < 6.0
+
+
+def _ragged_case() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from hybrid_engine.parallel.dist import all_gather_ragged
+
+    rank = dist.get_rank()
+    out = {}
+    for name, dtype in [("f32", torch.float32), ("i64", torch.int64), ("bf16", torch.bfloat16),
+                        ("f64", torch.float64)]:
+        # rank 0: three rows (one empty), rank 1: none, rank 2: one long row
+        rows = {0: [torch.arange(3), torch.arange(0), torch.arange(5) * -1.5],
+                1: [], 2: [torch.arange(7) / 3]}[rank]
+        out[name] = all_gather_ragged([r.to(dtype) for r in rows])
+    out["none"] = all_gather_ragged([])
+    try:
+        all_gather_ragged([torch.ones(2, dtype=torch.float32 if rank else torch.int64)])
+        out["mixed"] = ""
+    except ValueError as e:
+        out["mixed"] = str(e)
+    return out
+
+
+def test_all_gather_ragged_moves_any_rows_as_tensors() -> None:
+    """Results between ranks as tensors: every rank gets every rank's rows, in order,
+    bit for bit, whatever their count and lengths (none, empty rows) and dtype."""
+    import torch
+
+    want = [[torch.arange(3), torch.arange(0), torch.arange(5) * -1.5], [],
+            [torch.arange(7) / 3]]
+    for got in run_ranks(_ragged_case, 3, timeout=120):
+        for name, dtype in [("f32", torch.float32), ("i64", torch.int64),
+                            ("bf16", torch.bfloat16), ("f64", torch.float64)]:
+            rows = got[name]
+            assert [len(r) for r in rows] == [3, 0, 1]
+            for mine, ref in zip(rows, want, strict=True):
+                for a, b in zip(mine, ref, strict=True):
+                    assert a.dtype == dtype and torch.equal(a, b.to(dtype)), name
+        assert got["none"] == [[], [], []]
+        assert "one dtype" in got["mixed"]
