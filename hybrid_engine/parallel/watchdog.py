@@ -287,7 +287,10 @@ class Watchdog:
                     f"stopped, hung or dead; this rank ({self.rank}) waits in phase "
                     f"{self.phase!r}; aborting the job", silent)
         live = {r: s for r, s in peers.items() if s is not None and not s.get("done")}
-        if now - self._progress_at > self.silence_s and any(
+        # A peer whose beat has stopped is judged by the silence rule above (its
+        # published phase may predate its stop); "different phases" is for live ones.
+        beating = all(now - self._seen[r][1] <= 2 * self.interval_s for r in live)
+        if now - self._progress_at > self.silence_s and beating and any(
                 s["progress"] != self.progress for s in live.values()):
             where = ", ".join(f"rank {r} in {s['phase']!r} (#{s['progress']})"
                               for r, s in sorted({**live, self.rank: {

@@ -61,6 +61,27 @@ def test_no_progress_aborts_only_when_the_ranks_disagree() -> None:
     wd.close()
 
 
+def test_a_stopped_peer_is_named_silent_not_as_a_phase_disagreement() -> None:
+    """A SIGSTOPped peer's last published phase may predate its stop, so the
+    ranks look in different phases; while its beat is stalled the watchdog
+    waits for the silence verdict, which names it (a CI run once got the
+    phase-disagreement line instead)."""
+    wd = _dog()
+    wd.interval_s = 1.0  # the thread still sleeps its first 1000 s period
+    wd.enter("save")
+    wd._progress_at = -5.0  # rank 0 entered 'save' 5 s before rank 2's last beat was seen
+    assert wd.check({1: _state(1, progress=wd.progress, phase="save"),
+                     2: _state(1, progress=wd.progress - 1, phase="build")}, now=0.0) is None
+    # rank 1 beats on; rank 2 stopped at beat 1, one phase behind
+    assert wd.check({1: _state(30, progress=wd.progress, phase="save"),
+                     2: _state(1, progress=wd.progress - 1, phase="build")}, now=16.0) is None
+    msg, silent = wd.check({1: _state(31, progress=wd.progress, phase="save"),
+                            2: _state(1, progress=wd.progress - 1, phase="build")}, now=21.0)
+    assert [s["rank"] for s in silent] == [2]
+    assert msg.startswith("rank 2 (last in phase 'build') silent for 21 s")
+    wd.close()
+
+
 def test_phase_marks_and_restores_and_close_says_done() -> None:
     store = dist.HashStore()
     wd = Watchdog(1, 2, 20.0, interval_s=1000.0, store=store)
