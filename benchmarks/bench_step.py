@@ -58,6 +58,13 @@ ONE profiled step (left out of every timing).
   (= train_s x train_mfu): the train phase's distance to its floor is
   train_s / train_floor_s. train_top_ops: the profiled step's 10 ops with the
   most self time, as shares of that step (medians over jobs x ranks).
+- CPU time: step_user_s / step_sys_s = rank 0's user / system CPU seconds in
+  the four phases (getrusage of the process, all threads: vLLM's and gloo's
+  too), and <phase>_user_s / <phase>_sys_s per phase (medians). System time is
+  the kernel's: mostly page faults (memory mapped or first touched: a KV cache
+  regrown, buffers allocated afresh) and the shared-memory / socket traffic of
+  the collectives. With one thread per rank, user + sys near the wall time
+  means the rank computed or spun the whole phase; far below it, it waited.
 - generated_tok_s = sampled completion tokens per step (all replicas, each
   sample once) / generate_s (medians); gen_tok_s_median: the same per step
   from the controller's gen_tok_s metric.
@@ -326,6 +333,12 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
     _med_iqr(row, "step_s", step_jobs)
     for ph in PHASES:
         _med_iqr(row, f"{ph}_s", _jobs_of(timed, lambda r, ph=ph: r.get(f"{ph}_s", 0.0)))
+    for kind in ("user", "sys"):  # rank 0's CPU seconds in the phases (metrics.PhaseTimer)
+        for ph in PHASES:
+            _med_iqr(row, f"{ph}_{kind}_s", _jobs_of(
+                timed, lambda r, key=f"{ph}_{kind}_s": r.get(key, 0.0)))
+        _med_iqr(row, f"step_{kind}_s", _jobs_of(
+            timed, lambda r, kind=kind: sum(r.get(f"{ph}_{kind}_s", 0.0) for ph in PHASES)))
     _med_iqr(row, "overhead_s", _jobs_of(
         timed, lambda r: r["step_wall_s"] - sum(r.get(f"{ph}_s", 0.0) for ph in PHASES)))
     row["overhead_frac"] = row["overhead_s"] / row["step_s"]
@@ -403,7 +416,7 @@ def _table(rows: list[dict]) -> str:
     head = ("| model | params | N | placement | settings | T | jobs x steps | step s (IQR) | generate s | "
             "score s | train s | sync s | overhead | train: trainer (compute/comm/opt) + other | "
             "gen tok/s | "
-            "train MFU (IQR) |")
+            "train MFU (IQR) | rank-0 CPU s: user / sys (sys: gen / train / sync) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         split = ("n/a" if not r["train_profiled"] else
@@ -416,7 +429,9 @@ def _table(rows: list[dict]) -> str:
             f"{r['step_s']:.3f} ({r['step_s_iqr']:.3f}) | {r['generate_s']:.3f} | "
             f"{r['score_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.3f} | "
             f"{r['overhead_s']:.3f} ({r['overhead_frac']:.0%}) | {split} | "
-            f"{r['generated_tok_s']:.0f} | {r['train_mfu']:.1%} ({r['train_mfu_iqr']:.1%}) |")
+            f"{r['generated_tok_s']:.0f} | {r['train_mfu']:.1%} ({r['train_mfu_iqr']:.1%}) | "
+            f"{r['step_user_s']:.2f} / {r['step_sys_s']:.2f} ({r['generate_sys_s']:.2f} / "
+            f"{r['train_sys_s']:.2f} / {r['sync_sys_s']:.2f}) |")
     return "\n".join(lines)
 
 
@@ -461,7 +476,7 @@ def _chart(rows: list[dict], path: Path) -> None:
 
 
 HEADLINE_KEYS = ("step_s", "step_s_iqr", "generate_s", "score_s", "train_s", "train_floor_s",
-                 "sync_s",
+                 "sync_s", "step_user_s", "step_sys_s",
                  "overhead_s", "overhead_frac", "train_mfu", "train_mfu_iqr", "matmul_peak_flops",
                  "matmul_peak_per_rank_flops", "generated_tok_s", "tokens_per_step",
                  "preset", "model_params", "world_size", "placement", "tp", "jobs",

@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import FSDPModule
 
 from hybrid_engine.parallel.dist import train_group
-from hybrid_engine.parallel.fsdp import reshard_all, sharded_named_parameters
+from hybrid_engine.parallel.fsdp import full_tensor, reshard_all, sharded_named_parameters
 
 if TYPE_CHECKING:
     from hybrid_engine.roles.critic import Critic
@@ -495,7 +495,7 @@ def _gather_and_write(module: FSDPModule, folder: Path, dtype: torch.dtype | Non
     buf: dict[str, Tensor] = {}
     buf_bytes, num_shards = 0, 0
     for name, param in sharded_named_parameters(module):
-        full = param.full_tensor()
+        full = full_tensor(param)
         if not is_writer:
             continue
         t = full.detach().to("cpu", dtype=dtype or full.dtype).contiguous()
@@ -522,7 +522,7 @@ def _drain(module: FSDPModule, after: str, err: Exception) -> Exception:
     once its writing failed), so the other ranks' collectives still match."""
     names = [n for n, _ in sharded_named_parameters(module)]
     for _, param in list(sharded_named_parameters(module))[names.index(after) + 1:]:
-        param.full_tensor()
+        full_tensor(param)
     return err
 
 

@@ -1,7 +1,7 @@
 """Per-step metrics: phase timing and memory, rollout statistics, and where they go.
 
-Job: `PhaseTimer` measures seconds and memory of each phase of a step
-(generate, score, train, sync, eval); `trajectory_metrics` summarises a
+Job: `PhaseTimer` measures seconds (wall, and the rank's user and system CPU
+time) and memory of each phase of a step (generate, score, train, sync, eval); `trajectory_metrics` summarises a
 step's samples (reward, accuracy, lengths); `MetricsSink` writes each step to
 `metrics.jsonl`, TensorBoard and one log line (rank 0 only), and
 `plot_metrics` draws reward and accuracy over steps to a PNG.
@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import resource
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -55,8 +56,17 @@ def _memory_bytes() -> float:
     return float(psutil.Process().memory_info().rss)
 
 
+def _cpu_times() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process, all its threads (vLLM's included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
+
+
 class PhaseTimer:
-    """Collects `<phase>_s` and `mem_<phase>_bytes` for the phases of one step."""
+    """Collects, for the phases of one step, `<phase>_s` (wall), `<phase>_user_s` and
+    `<phase>_sys_s` (this rank's CPU time in user and kernel mode: system time is
+    mostly page faults, i.e. memory being mapped or first touched) and
+    `mem_<phase>_bytes`."""
 
     def __init__(self) -> None:
         self.metrics: dict[str, float] = {}
@@ -65,10 +75,13 @@ class PhaseTimer:
     def phase(self, name: str) -> Iterator[None]:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
+        t0, (u0, s0) = time.perf_counter(), _cpu_times()
         with watchdog.phase(name):  # names the phase if a peer goes silent here
             yield
-        self.metrics[f"{name}_s"] = self.metrics.get(f"{name}_s", 0.0) + time.perf_counter() - t0
+        (u1, s1), m = _cpu_times(), self.metrics
+        for key, dt in ((f"{name}_s", time.perf_counter() - t0), (f"{name}_user_s", u1 - u0),
+                        (f"{name}_sys_s", s1 - s0)):
+            m[key] = m.get(key, 0.0) + dt
         self.metrics[f"mem_{name}_bytes"] = _memory_bytes()
 
 

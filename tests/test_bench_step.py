@@ -104,6 +104,12 @@ def _check_row(r: dict) -> None:
     assert len(ops) == 10 and ops == sorted(ops, reverse=True) and 0 < sum(ops) <= 1
     if r["world_size"] > 1:
         assert r["train_comm_s"] > 0  # FSDP2 gathers and reduces across the ranks
+    # rank 0's CPU time: the phases' user + sys, each within (threads x) its phase's wall
+    for kind in ("user", "sys"):
+        assert r[f"step_{kind}_s"] > 0
+        assert r[f"step_{kind}_s"] == pytest.approx(sum(
+            r[f"{ph}_{kind}_s"] for ph in ("generate", "score", "train", "sync")), rel=0.5)
+    assert r["train_user_s"] > 0.3 * r["train_s"]  # training computes, it does not wait
     cfg = r["resolved_config"]
     assert cfg["model"]["rollout_dtype"] == "bfloat16" and cfg["model"]["compute_dtype"] == r["compute_dtype"]
     sync = cfg["sync"]

@@ -86,12 +86,12 @@ class ModelConfig:
         "(checked by RunConfig.validate_for_run); empty in recipes that leave it to the user.",
     )
     master_dtype: Dtype = _field(
-        "float32", "dtype of the FSDP2 master weights and optimizer state."
+        "float32", "dtype of the master weights (FSDP2 shards, or replicated) and optimizer state."
     )
     compute_dtype: Dtype = _field(
         "bfloat16",
-        "dtype of training forward/backward (FSDP2 MixedPrecisionPolicy param_dtype); "
-        "gradients are reduced in master_dtype.",
+        "dtype of training forward/backward (FSDP2 MixedPrecisionPolicy param_dtype; "
+        "train.sharding=replicate: torch.autocast); gradients are reduced in master_dtype.",
     )
     rollout_dtype: Dtype = _field(
         "bfloat16", "dtype of the vLLM weights; weight sync casts master -> this."
@@ -231,8 +231,8 @@ class TrainConfig:
         "accumulating whole gradients locally and reduce-scattering once per optimizer "
         "step (holds the whole model and its gradient during the step); 'replicate' holds "
         "parameters, gradients and AdamW state whole on every rank and all-reduces the "
-        "gradients once per step (DDP semantics, FSDP2's HSDP mesh with shard groups of "
-        "one; the sync then moves nothing between ranks); 'hybrid' shards over groups of "
+        "gradients once per step, in buckets while backward runs (DDP, no FSDP: plain "
+        "parameters; the sync then moves nothing between ranks); 'hybrid' shards over groups of "
         "shard_group_size ranks and replicates across groups (HSDP), gathering and reducing "
         "once per step like grad_op; 'auto' picks the first of replicate, hybrid (when "
         "shard_group_size is set), grad_op, full whose estimated memory fits the budget "

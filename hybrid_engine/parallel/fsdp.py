@@ -4,17 +4,20 @@ Job: build the training layout of the actor: a transformers causal LM
 (Qwen2, Llama, Qwen3) with `fully_shard` on every decoder layer and at the
 root, over a 1-D data-parallel DeviceMesh (gloo on CPU, NCCL on CUDA), fp32
 (master_dtype) parameters, optional bf16 compute through MixedPrecisionPolicy,
-and optional activation checkpointing. The trainer, the reference and the
+and optional activation checkpointing; or, replicated, the same model under
+DDP. The trainer, the reference and the
 weight sync all build and read the model through this module.
 
 Invariant: every parameter of a built model is a DTensor placed `Shard(0)`
 over the mesh whose local tensor equals rows [start, end) of the checkpoint
 tensor, with (start, end) = `shard_rows(dim0, world_size, rank)` (torch.chunk
 semantics: ceil-sized chunks, the last ranks may hold fewer or zero rows).
-With train.sharding=replicate or hybrid the mesh is 2-D, (replicate, shard)
-= (N/S, S), the placements `(Replicate(), Shard(0))` (FSDP2's HSDP), and the
-same holds with S ranks in place of N, counted within the rank's shard group
-(`local_rows`); S = 1 (replicate) holds every parameter whole.
+With train.sharding=hybrid the mesh is 2-D, (replicate, shard) = (N/S, S),
+the placements `(Replicate(), Shard(0))` (FSDP2's HSDP), and the same holds
+with S ranks in place of N, counted within the rank's shard group
+(`local_rows`). train.sharding=replicate is no FSDP at all: plain parameters,
+whole on every rank, gradients averaged by DDP (`_build_replicated`), bf16
+compute by torch.autocast (`compute_autocast`).
 No rank ever holds a full parameter during init: the model is built on the
 meta device, sharded, materialised shard-only by `to_empty`, then each rank
 reads only its own rows from the file (`safe_open(...).get_slice(name)[a:b]`).
@@ -59,6 +62,8 @@ __all__ = [
     "apply_fsdp",
     "assert_sharded",
     "build_fsdp_model",
+    "compute_autocast",
+    "full_tensor",
     "shard_and_load",
     "default_device",
     "dp_mesh",
@@ -216,18 +221,21 @@ def apply_fsdp(
     """`fully_shard` on every decoder layer, then the root. reshard_after_forward=False
     (train.sharding=grad_op) keeps each layer's parameters gathered from its forward
     to its backward: one all-gather per layer per pass instead of two."""
-    layers = model.model.layers
-    for i, layer in enumerate(layers):
-        if checkpointing:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                checkpoint_wrapper,
-            )
-
-            layer = checkpoint_wrapper(layer)
-            layers[i] = layer
+    if checkpointing:
+        _wrap_checkpointing(model)
+    for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # Root group: embed_tokens, final norm, lm_head (one parameter when tied).
     fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def _wrap_checkpointing(model: PreTrainedModel) -> None:
+    """Activation checkpointing: every decoder layer recomputed in backward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer)
 
 
 def init_rotary_buffers(model: nn.Module, device: torch.device) -> None:
@@ -276,14 +284,51 @@ def build_fsdp_model(
     folder = resolve_model_path(model_path)
     model = _build_meta_model(folder, DTYPES[master_dtype], trust_remote_code)
     model.requires_grad_(requires_grad)
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=DTYPES[master_dtype])
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
-    size = {"replicate": 1, "hybrid": shard_group_size}.get(sharding, mesh.size())
+    if sharding == "replicate":
+        return _build_replicated(model, folder, mesh, DTYPES[master_dtype],
+                                 DTYPES[compute_dtype], activation_checkpointing)
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=DTYPES[master_dtype])
+    size = {"hybrid": shard_group_size}.get(sharding, mesh.size())
     stats = shard_and_load(model, folder, fsdp_mesh(mesh, size), mp,
                            checkpointing=activation_checkpointing,
                            reshard_after_forward=sharding == "full")
     return model, stats
+
+
+def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
+                      master: torch.dtype, compute: torch.dtype,
+                      checkpointing: bool) -> tuple[nn.Module, LoadStats]:
+    """train.sharding=replicate: plain parameters, whole on every rank, gradients
+    averaged by DDP (torch's composable `replicate`: buckets all-reduced while
+    backward runs, the gradients views of the buckets) and compute_dtype through
+    torch.autocast (`compute_autocast`). FSDP2's HSDP with shard groups of one
+    rank gives the same semantics but copies every parameter into and out of its
+    all-gather buffers and every gradient through its reduce-scatter buffers,
+    each step: on the 181M W1 step (2 ranks, bf16 compute) its train_step took
+    3.5-4.1 s where this takes 2.3 s (the measurement is in docs/architecture.md)."""
+    from torch.distributed._composable.replicate import replicate
+
+    if checkpointing:
+        _wrap_checkpointing(model)
+    device = default_device() if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    model.to_empty(device=device)
+    init_rotary_buffers(model, device)
+    stats = load_sharded_safetensors(model, folder)
+    if any(p.requires_grad for p in model.parameters()):
+        # init_sync=False: every rank loaded the same file, nothing to broadcast;
+        # broadcast_buffers=False: the only buffers are the rotary tables.
+        replicate(model, device_id=device, process_group=mesh.get_group(),
+                  init_sync=False, broadcast_buffers=False, gradient_as_bucket_view=True)
+    model.compute_autocast = compute if compute != master else None
+    return model, stats
+
+
+def compute_autocast(model: nn.Module) -> torch.dtype | None:
+    """The dtype a forward of model runs under torch.autocast (None: none, the
+    parameters' dtype or FSDP2's MixedPrecisionPolicy decides)."""
+    return getattr(model, "compute_autocast", None)
 
 
 def shard_and_load(model: nn.Module, folder: Path, mesh: DeviceMesh, mp: MixedPrecisionPolicy, *,
@@ -388,7 +433,7 @@ def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> Loa
                         f"{name}: file shape {sl.get_shape()} != model {tuple(param.shape)}"
                     )
                 start, end = local_rows(param)
-                local = param.to_local()
+                local = param.to_local() if isinstance(param, DTensor) else param
                 assert local.shape[0] == end - start, (name, local.shape, start, end)
                 if end > start:
                     with torch.no_grad():
@@ -406,7 +451,8 @@ def _agree_finite(nonfinite: str | None, by_file: dict, folder: str | os.PathLik
     """Every rank of the mesh raises if any rank read a non-finite weight
     (a rank alone raising would leave the others waiting in a collective)."""
     params = [p for ps in by_file.values() for _, p in ps]
-    mesh = params[0].device_mesh if params else None
+    # replicated plain parameters: every rank read the same rows and found the same
+    mesh = params[0].device_mesh if params and isinstance(params[0], DTensor) else None
     bad = [] if nonfinite is None else [nonfinite]
     for dim in range(mesh.ndim if mesh is not None else 0):  # a 2-D mesh: along each dim
         group = mesh.get_group(dim)
@@ -424,27 +470,38 @@ def _agree_finite(nonfinite: str | None, by_file: dict, folder: str | os.PathLik
 # --------------------------------------------------------------------------
 
 
-def sharded_named_parameters(model: nn.Module) -> Iterator[tuple[str, DTensor]]:
-    """(checkpoint name, sharded DTensor parameter) pairs; tied parameters once.
+def sharded_named_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(checkpoint name, parameter) pairs; tied parameters once. The parameters are
+    sharded DTensors, or plain whole tensors in a replicated model (no FSDP).
 
     Raises:
-        AssertionError: a parameter is not a Shard(0) DTensor (see `assert_sharded`).
+        AssertionError: a parameter of an FSDP model is not a Shard(0) DTensor
+            (see `assert_sharded`).
     """
+    fsdp = isinstance(model, FSDPModule)
     for name, param in model.named_parameters():
-        _check_param(name, param)
+        _check_param(name, param, fsdp)
         yield hf_name(name), param
 
 
-def _check_param(name: str, param: Tensor) -> None:
-    assert isinstance(param, DTensor) and param.placements in _PLACEMENTS, (
+def _check_param(name: str, param: Tensor, fsdp: bool) -> None:
+    assert (isinstance(param, DTensor) and param.placements in _PLACEMENTS) or not fsdp, (
         f"{name} is a {type(param).__name__}, not a Shard(0) DTensor: the FSDP root is "
         "unsharded (a forward without backward leaves it so); call reshard_all(module)"
     )
 
 
-def local_rows(param: DTensor) -> tuple[int, int]:
+def full_tensor(param: Tensor) -> Tensor:
+    """The whole parameter: all-gathered from a DTensor (collective), or param itself."""
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+def local_rows(param: Tensor) -> tuple[int, int]:
     """[start, end) rows of the full parameter that this rank's local tensor holds:
-    its Shard(0) chunk within its shard group (the mesh's last dim)."""
+    its Shard(0) chunk within its shard group (the mesh's last dim); all of a
+    plain (replicated) tensor."""
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0]
     mesh = param.device_mesh
     dim = mesh.ndim - 1
     return shard_rows(param.shape[0], mesh.size(dim), mesh.get_local_rank(dim))
@@ -459,12 +516,14 @@ def reshard_all(model: nn.Module) -> None:
 
 
 def assert_sharded(model: nn.Module) -> None:
-    """Asserts every parameter of model is registered as its Shard(0) DTensor.
+    """Asserts every parameter of an FSDP model is registered as its Shard(0)
+    DTensor (a replicated model's plain parameters pass).
 
     After a forward with no backward FSDP2 leaves the root unsharded: the
     module then exposes plain full tensors for embed/norm/lm_head, and
     anything built from `parameters()` (an optimizer, a weight sync, a
     checkpoint) silently holds the wrong tensors.
     """
+    fsdp = isinstance(model, FSDPModule)
     for name, param in model.named_parameters():
-        _check_param(name, param)
+        _check_param(name, param, fsdp)

@@ -20,6 +20,9 @@ backward; without a backward it stays unsharded, `parameters()` then returns
 plain full tensors, and an optimizer, weight sync or checkpoint built from
 them silently misses those parameters. `train_step` reshards and asserts
 that the module's parameters are exactly the optimizer's DTensors.
+(train.sharding=replicate has no FSDP: plain parameters under DDP, bf16
+compute by torch.autocast around each micro-batch's forward and its
+vocabulary projection, `fsdp.compute_autocast`.)
 
 Profiling (benchmarks): with `HYBRID_ENGINE_PROFILE_TRAIN=<n>:<dir>` in the
 environment, the n-th `train_step` call (1-based) runs under torch.profiler
@@ -57,6 +60,7 @@ from hybrid_engine.algorithms.losses import ADDITIVE_METRICS, LossFn, LossInputs
 from hybrid_engine.parallel.fsdp import (
     assert_sharded,
     build_fsdp_model,
+    compute_autocast,
     default_device,
     dp_mesh,
     reshard_all,
@@ -161,6 +165,14 @@ def micro_batch_logprobs(
         (logp_BT, entropy_BT): float32 on device, logp_BT[b, t] = log
         p(tokens[b, t] | tokens[b, :t]); both 0 outside loss_mask_BT.
     """
+    autocast = compute_autocast(module)
+    with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+        return _micro_batch_logprobs(module, mb, device, chunk_tokens, temperature, entropy_grad)
+
+
+def _micro_batch_logprobs(module: torch.nn.Module, mb: TrainBatch, device: torch.device,
+                          chunk_tokens: int, temperature: float,
+                          entropy_grad: bool) -> tuple[Tensor, Tensor]:
     tokens_BT = mb.tokens_BT.to(device)
     rows_N, cols_N = mb.loss_mask_BT.to(device).nonzero(as_tuple=True)
     # Target at column t is predicted by the output at t - 1 (t = 0 is never a target).
@@ -553,15 +565,18 @@ class Trainer:
         (replicate: no gather, one all-reduce). `full` reduces every micro-batch
         (its gradients never exist whole)."""
         defer = self.train_cfg.sharding != "full" and not last
+        fsdp = isinstance(self.module, FSDPModule)  # replicate: DDP, nothing to reshard
         if defer:
             self.module.set_requires_gradient_sync(False)
-            self.module.set_reshard_after_backward(False)
+            if fsdp:
+                self.module.set_reshard_after_backward(False)
         try:
             yield
         finally:
             if defer:
                 self.module.set_requires_gradient_sync(True)
-                self.module.set_reshard_after_backward(True)
+                if fsdp:
+                    self.module.set_reshard_after_backward(True)
 
     def _accumulate(
         self, batch: TrainBatch, i: int, loss_fn: LossFn, norm: Tensor, entropy_grad: bool

@@ -60,6 +60,9 @@ ALGORITHMS = {
     "grpo": (),
     # A reference and a critic: built on the trainer ranks, mirrored to the rollout ranks.
     "ppo-kl": ("--algorithm.advantage=gae", "--algorithm.kl_coef=0.05"),
+    # The replicated layout (DDP, plain parameters) on the trainer ranks: verified syncs
+    # from whole local tensors, each rollout rank served by one trainer.
+    "grpo-replicate": ("--train.sharding=replicate",),
 }
 
 

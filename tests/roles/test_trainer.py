@@ -112,9 +112,9 @@ def start_run(path: str, batch_kw: dict, *, vocab: int, num_seqs: int = 8,
 
 def full_weights(module) -> dict[str, torch.Tensor]:
     """Checkpoint name -> full tensor (collective all-gather), for comparisons."""
-    from hybrid_engine.parallel.fsdp import sharded_named_parameters
+    from hybrid_engine.parallel.fsdp import full_tensor, sharded_named_parameters
 
-    return {n: p.full_tensor().detach().clone() for n, p in sharded_named_parameters(module)}
+    return {n: full_tensor(p).detach().clone() for n, p in sharded_named_parameters(module)}
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -348,7 +348,8 @@ def _check_splits(path: str, vocab: int) -> dict:
     ]:
         run = start_run(path, batch_kw, vocab=vocab, **kw).steps(2)
         collectives = count_collectives(run)  # the third step
-        local = {n: tuple(p.to_local().shape) for n, p in run.trainer.module.named_parameters()}
+        local = {n: tuple(getattr(p, "_local_tensor", p).shape)
+                 for n, p in run.trainer.module.named_parameters()}
         out[name] = dict(diff=max_diff(full_weights(run.trainer.module), ref), losses=run.losses,
                          grad_norms=run.grad_norms, num_micro_batches=len(run.batch.bounds),
                          collectives=collectives, sharded=_is_sharded(run.trainer.module),
@@ -357,6 +358,13 @@ def _check_splits(path: str, vocab: int) -> dict:
     bf16 = start_run(path, {"micro_batch_size": 2}, vocab=vocab, compute_dtype="bfloat16").steps(2)
     out["bf16"] = dict(losses=bf16.losses, diff=max_diff(full_weights(bf16.trainer.module), ref),
                        dtypes={str(p.dtype) for p in bf16.trainer.module.parameters()})
+    # replicate computes in bf16 by torch.autocast (no FSDP MixedPrecisionPolicy there)
+    rep = start_run(path, {"micro_batch_size": 2}, vocab=vocab, compute_dtype="bfloat16",
+                    sharding="replicate").steps(2)
+    out["replicate_bf16"] = dict(
+        losses=rep.losses, diff=max_diff(full_weights(rep.trainer.module), ref),
+        dtypes={str(p.dtype) for p in rep.trainer.module.parameters()},
+        vs_fsdp_bf16=max_diff(full_weights(rep.trainer.module), full_weights(bf16.trainer.module)))
     out["ten_steps"] = base.steps(7).losses
     from hybrid_engine.config import ModelConfig, TrainConfig
     from hybrid_engine.roles.trainer import Trainer
@@ -556,7 +564,7 @@ def test_grad_op_gathers_and_reduces_once_per_step(two_ranks):
     again in backward, and reduce-scatters every group, per micro-batch; `grad_op`
     does each once per optimizer step, whatever the micro-batch count, and leaves
     the parameters sharded after the step (the sync and the checkpoint read them);
-    `replicate` gathers nothing and all-reduces each group once per step."""
+    `replicate` gathers nothing and all-reduces the gradient once per step."""
     for out in two_ranks:
         s = out["splits"]
         m = s["mbs1"]["num_micro_batches"]
@@ -567,12 +575,16 @@ def test_grad_op_gathers_and_reduces_once_per_step(two_ranks):
                                             "reduce_scatter": m * groups, "all_reduce": other}
         assert s["grad_op"]["collectives"] == {"all_gather": groups, "reduce_scatter": groups,
                                                "all_reduce": other}
-        # replicate: shard groups of one rank, nothing to gather; one all-reduce per
-        # group per step (DDP), and every parameter whole on the rank (so the gradient
-        # norm needs no all-reduce of its own: one fewer)
-        assert s["replicate"]["collectives"] == {"all_gather": 0, "reduce_scatter": 0,
-                                                 "all_reduce": other + groups - 1}
+        # replicate (DDP): nothing gathered or scattered; the gradient all-reduced once
+        # per step, whatever the micro-batch count (4 here), in DDP's buckets (this
+        # model: its 1 MiB first bucket and one more), not one per layer; every
+        # parameter whole on the rank, so the gradient norm needs no all-reduce of its
+        # own (other - 1). That the average is right: the split tests' weights.
+        rep = s["replicate"]["collectives"]
+        assert rep == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": other - 1 + 2}
+        assert s["replicate"]["num_micro_batches"] == m and groups > 2
         assert s["replicate"]["whole"] and not s["grad_op"]["whole"]
+        assert not s["replicate"]["sharded"]  # plain tensors: no FSDP
         # activation checkpointing recomputes a layer's forward in backward: no new gather
         assert s["grad_op_checkpointing"]["collectives"] == s["grad_op"]["collectives"]
         assert s["grad_op"]["sharded"] and s["grad_op_checkpointing"]["sharded"]
@@ -589,9 +601,13 @@ def test_train_step_metrics_and_falling_loss(two_ranks):
     assert out["fused_adamw"] == (True, False)  # fused by default; the loop on request
     assert m["num_seqs"] == 8 and m["num_micro_batches"] == 1 and m["grad_norm"] > 0
     assert m["tokens"] >= m["num_tokens"] > 0 and m["train_step_s"] > 0
-    bf16 = out["bf16"]
-    assert bf16["dtypes"] == {"torch.float32"}  # master weights stay fp32
-    assert all(map(torch.isfinite, torch.tensor(bf16["losses"]))) and bf16["diff"] < 1e-3
+    for name in ("bf16", "replicate_bf16"):
+        bf16 = out[name]
+        assert bf16["dtypes"] == {"torch.float32"}, name  # master weights stay fp32
+        assert all(map(torch.isfinite, torch.tensor(bf16["losses"]))), name
+        # close to the fp32 run, but not equal: the forward really ran in bf16
+        assert 0 < bf16["diff"] < 1e-3, name
+    assert out["replicate_bf16"]["vs_fsdp_bf16"] < 1e-3
 
 
 def test_profile_env_profiles_only_the_named_call(two_ranks):
