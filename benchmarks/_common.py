@@ -21,11 +21,26 @@ def result_header(script: str, argv: list[str] | None, *, device_detail: str = "
     info = env_info()
     name = Path(script).name
     cmd = " ".join(["python", f"benchmarks/{name}", *(sys.argv[1:] if argv is None else argv)])
+    if info["device"] == "cpu":  # CPUs of one "class" differ: AMX makes bf16 GEMMs ~6x faster
+        cpu = cpu_name()
+        device_detail += f" ({'' if cpu in device_detail else cpu + ', '}{cpu_isa()})"
     return (f"# {Path(script).stem} ({datetime.datetime.now().isoformat(timespec='seconds')})\n\n"
             f"Command: `{cmd}`\n\n"
             f"Versions: torch {info['torch']}, vLLM {info['vllm']} ({info['vllm_build']}), "
             f"transformers {info['transformers']}; device {info['device']}{device_detail}, "
             f"{info['cpu_count']} cores{after_cores}.\n\n")
+
+
+def cpu_isa() -> str:
+    """The CPU's bf16 matrix instructions as /proc/cpuinfo lists them: AVX512-BF16
+    and AMX-BF16, each present or not (bf16 GEMM peaks differ several-fold)."""
+    try:
+        flags = next((ln.split(":", 1)[1].split() for ln in
+                      Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), [])
+    except OSError:
+        return "ISA unknown"
+    return ", ".join(f"{label} {'yes' if flag in flags else 'no'}" for flag, label in
+                     (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16")))
 
 
 def result_path(out_dir: str | Path, topic: str, *, tag: str = "", quick: bool = False) -> Path:

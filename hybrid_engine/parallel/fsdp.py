@@ -306,8 +306,9 @@ def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
     torch.autocast (`compute_autocast`). FSDP2's HSDP with shard groups of one
     rank gives the same semantics but copies every parameter into and out of its
     all-gather buffers and every gradient through its reduce-scatter buffers,
-    each step: on the 181M W1 step (2 ranks, bf16 compute) its train_step took
-    3.5-4.1 s where this takes 2.3 s (the measurement is in docs/architecture.md)."""
+    each step: on the 181M W1 step (2 ranks, bf16 compute, one Xeon) its train
+    phase took 2.80 s where this takes 1.83 s (benchmarks/results/
+    step_w1_replicate_hsdp_* and step_w1_replicate_ddp_*)."""
     from torch.distributed._composable.replicate import replicate
 
     if checkpointing:
