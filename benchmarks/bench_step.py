@@ -58,6 +58,13 @@ ONE profiled step (left out of every timing).
   (= train_s x train_mfu): the train phase's distance to its floor is
   train_s / train_floor_s. train_top_ops: the profiled step's 10 ops with the
   most self time, as shares of that step (medians over jobs x ranks).
+- generate_floor_s: decoding reads every weight of the replica's TP shard once
+  per decode step: max new tokens x parameters x rollout bytes / T, at one
+  rank's copy bandwidth (mem_bandwidth_per_rank: best of 5 copies of a 512 MiB
+  tensor, read + written bytes, the rank's threads, measured after the jobs
+  like the GEMM peak). sync_floor_s: every byte the sync installs (received
+  or local) read once from the master weights and written once, at the same
+  bandwidth; the network is left out. Both are lower bounds.
 - CPU time: step_user_s / step_sys_s = rank 0's user / system CPU seconds in
   the four phases (getrusage of the process, all threads: vLLM's and gloo's
   too), and <phase>_user_s / <phase>_sys_s per phase (medians). System time is
@@ -234,6 +241,51 @@ print(2 * n ** 3 / best)
 """
 
 
+_STREAM = """
+import sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+a = torch.ones(int(sys.argv[2]), dtype=torch.uint8); b = torch.empty_like(a)
+b.copy_(a)
+best = float("inf")
+for _ in range(5):
+    t0 = time.perf_counter(); b.copy_(a); best = min(best, time.perf_counter() - t0)
+print(2 * a.numel() / best)
+"""
+STREAM_BYTES = 512 * 2**20
+
+
+def _mem_bandwidth(threads: int) -> float:
+    """Best bytes/s (read + written) of a STREAM_BYTES tensor copy on `threads`
+    threads (own process)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.run([sys.executable, "-c", _STREAM, str(threads), str(STREAM_BYTES)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"memory bandwidth measurement failed:\n{proc.stderr[-2000:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _gen_floor_s(params_total: int, config: dict, decode_steps: int, bandwidth: float) -> float:
+    """Decoding reads every weight of a replica's TP shard once per decode step:
+    decode_steps x params x rollout bytes / T at one rank's copy bandwidth (prefill,
+    attention and the KV cache are left out: < 5% of the bytes at these lengths)."""
+    tp = config["rollout"]["tensor_parallel_size"]
+    return decode_steps * params_total * _ITEMSIZE[config["model"]["rollout_dtype"]] / tp / bandwidth
+
+
+def _sync_floor_s(row: dict, config: dict, bandwidth: float) -> float:
+    """Every byte the sync installs (received or local, in the rollout dtype) is read
+    once from the master weights and written once: (master + rollout) bytes per
+    element at one rank's copy bandwidth. The network is not in it (a lower bound)."""
+    rollout = _ITEMSIZE[config["model"]["rollout_dtype"]]
+    ratio = (_ITEMSIZE[config["model"]["master_dtype"]] + rollout) / rollout
+    return (row.get("sync_bytes_received", 0.0) + row.get("sync_bytes_local", 0.0)) * ratio \
+        / bandwidth
+
+
 def _matmul_peak(threads: int, dtype: str) -> float:
     """Best FLOP/s of a GEMM_N^3 matmul in dtype on `threads` threads (own process)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -319,7 +371,7 @@ def _med_iqr(row: dict, name: str, jobs: list[list[float]]) -> None:
 
 
 def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
-                peak: float, dtype: str) -> dict:
+                peak: float, dtype: str, bandwidth: float) -> dict:
     timed = [_timed(j, args.warmup, args.steps) for j in jobs]
     params = _param_counts(preset)
     threads = _threads(nproc)
@@ -356,6 +408,11 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
     # the train phase's floor: its model FLOPs per rank at the per-rank GEMM peak
     _med_iqr(row, "train_floor_s", _jobs_of(timed, lambda r: _train_flops(
         params, r.get("tokens", 0.0), r.get("num_tokens", 0.0)) / train_ranks / (peak * share)))
+    # generate and sync floors: bytes at one rank's measured copy bandwidth
+    config, max_tokens = jobs[0]["config"], WORKLOADS[args.workload][2]
+    row["mem_bandwidth_per_rank"] = bandwidth
+    row["generate_floor_s"] = _gen_floor_s(params["total"], config, max_tokens, bandwidth)
+    _med_iqr(row, "sync_floor_s", _jobs_of(timed, lambda r: _sync_floor_s(r, config, bandwidth)))
     _med_iqr(row, "train_step_s", _jobs_of(timed, lambda r: r.get("train_step_s", 0.0)))
     _med_iqr(row, "train_other_s", _jobs_of(
         timed, lambda r: r.get("train_s", 0.0) - r.get("train_step_s", 0.0)))
@@ -435,6 +492,22 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _floors(rows: list[dict]) -> str:
+    """Per config: each phase against its floor (the step's floor is their sum)."""
+    head = ("| config | generate s (floor) | train s (floor) | sync s (floor) | step s (sum of "
+            "floors) | copy GB/s per rank | GEMM TFLOP/s per rank |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        floor = r["generate_floor_s"] + r["train_floor_s"] + r["sync_floor_s"]
+        lines.append(
+            f"| {r['config_name']} | {r['generate_s']:.3f} ({r['generate_floor_s']:.3f}) | "
+            f"{r['train_s']:.3f} ({r['train_floor_s']:.3f}) | {r['sync_s']:.3f} "
+            f"({r['sync_floor_s']:.3f}) | {r['step_s']:.3f} ({floor:.3f}) | "
+            f"{r['mem_bandwidth_per_rank'] / 1e9:.1f} | "
+            f"{r['matmul_peak_per_rank_flops'] / 1e12:.2f} |")
+    return "\n".join(lines)
+
+
 def _top_ops(rows: list[dict]) -> str:
     """Per config: the profiled train step's 10 ops with the most self time."""
     out = []
@@ -475,8 +548,9 @@ def _chart(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-HEADLINE_KEYS = ("step_s", "step_s_iqr", "generate_s", "score_s", "train_s", "train_floor_s",
-                 "sync_s", "step_user_s", "step_sys_s",
+HEADLINE_KEYS = ("step_s", "step_s_iqr", "generate_s", "generate_floor_s", "score_s", "train_s",
+                 "train_floor_s", "sync_s", "sync_floor_s", "step_user_s", "step_sys_s",
+                 "mem_bandwidth_per_rank",
                  "overhead_s", "overhead_frac", "train_mfu", "train_mfu_iqr", "matmul_peak_flops",
                  "matmul_peak_per_rank_flops", "generated_tok_s", "tokens_per_step",
                  "preset", "model_params", "world_size", "placement", "tp", "jobs",
@@ -499,7 +573,8 @@ def main(argv=None) -> None:
                                      work / f"c{c}-{preset}-n{n}-{placement}-j{j}", work))
             dtype = jobs[0]["config"]["model"]["compute_dtype"]
             peak = _matmul_peak(_threads(n), dtype)  # after the jobs: nothing else runs
-            row = _config_row(args, preset, n, placement, jobs, peak, dtype)
+            bandwidth = _mem_bandwidth(_threads(n))
+            row = _config_row(args, preset, n, placement, jobs, peak, dtype, bandwidth)
             row["overrides"] = [*args.set, *sets]
             row["config_name"] = args.configs[c].partition("@")[0].split("+")[0] + \
                 "".join(f"+{kv}" for kv in sets)
@@ -526,7 +601,11 @@ def main(argv=None) -> None:
         f"({GEMM_N}^3, training dtype, the rank's threads, measured in this run). Ranks share "
         "the machine's cores (OMP threads = cores // N); with more ranks than cores they "
         f"time-share them. Headline: {names[rows.index(head)]}.\n\n"
-        f"{table}\n\n![phases]({chart.name})\n\nThe profiled train step's top 10 ops by "
+        f"{table}\n\n![phases]({chart.name})\n\nEach phase against its floor (generate: "
+        "every weight of the TP shard read once per decode step (max new tokens), sync: every "
+        "installed byte read from the master weights and written once, both at one rank's "
+        "measured copy bandwidth; train: model FLOPs at the per-rank GEMM peak):\n\n"
+        f"{_floors(rows)}\n\nThe profiled train step's top 10 ops by "
         f"self time (share of that step, median over jobs x ranks):\n\n{_top_ops(rows)}\n\n"
         f"```json\n{json.dumps(rows, indent=1)}\n```\n")
     summary = {key: head[key] for key in HEADLINE_KEYS}

@@ -51,6 +51,16 @@ def test_train_flops_count_the_body_on_all_tokens_and_the_head_on_loss_tokens() 
     assert bench_step._train_flops(p, 100, 10) == 6 * p["body"] * 100 + 6 * p["lm_head"] * 10
 
 
+def test_generate_and_sync_floors_are_bytes_over_bandwidth() -> None:
+    cfg = {"rollout": {"tensor_parallel_size": 2},
+           "model": {"rollout_dtype": "bfloat16", "master_dtype": "float32"}}
+    # 16 decode steps, each reading the TP shard: 1000 params x 2 bytes / T=2
+    assert bench_step._gen_floor_s(1000, cfg, 16, 1e3) == pytest.approx(16 * 1000 * 2 / 2 / 1e3)
+    # 300 installed bf16 bytes: read as fp32 (600) and written (300)
+    row = {"sync_bytes_received": 200.0, "sync_bytes_local": 100.0}
+    assert bench_step._sync_floor_s(row, cfg, 1e3) == pytest.approx(0.9)
+
+
 def test_train_ranks_follow_the_placement() -> None:
     def cfg(tp: int, num_ranks: int = 0) -> dict:
         return {"rollout": {"tensor_parallel_size": tp, "num_ranks": num_ranks}}
@@ -104,6 +114,9 @@ def _check_row(r: dict) -> None:
     assert len(ops) == 10 and ops == sorted(ops, reverse=True) and 0 < sum(ops) <= 1
     if r["world_size"] > 1:
         assert r["train_comm_s"] > 0  # FSDP2 gathers and reduces across the ranks
+    # every phase has a floor below it (lower bounds from measured bandwidth and peak)
+    assert r["mem_bandwidth_per_rank"] > 1e8
+    assert 0 < r["generate_floor_s"] < r["generate_s"] and 0 < r["sync_floor_s"] < r["sync_s"]
     # rank 0's CPU time: the phases' user + sys, each within (threads x) its phase's wall
     for kind in ("user", "sys"):
         assert r[f"step_{kind}_s"] > 0
@@ -145,4 +158,5 @@ def test_quick_result_file_and_chart(quick) -> None:
     assert "| tiny | 0.6M | 2 | colocated | train.sharding=grad_op | 2 | 1 x 4 |" in text
     assert '"resolved_config"' in text and '"tokens_per_step"' in text
     assert "top 10 ops by self time" in text and "- tiny:1 (train floor " in text
+    assert "Each phase against its floor" in text and "| tiny:1 | " in text
     assert Path(result["chart"]).stat().st_size > 0
