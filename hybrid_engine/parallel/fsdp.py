@@ -18,7 +18,7 @@ with S ranks in place of N, counted within the rank's shard group
 (`local_rows`). train.sharding=replicate is no FSDP at all: plain parameters,
 whole on every rank, gradients averaged by DDP (`_build_replicated`), bf16
 compute by torch.autocast (`compute_autocast`).
-No rank ever holds a full parameter during init: the model is built on the
+Under FSDP no rank ever holds a full parameter during init: the model is built on the
 meta device, sharded, materialised shard-only by `to_empty`, then each rank
 reads only its own rows from the file (`safe_open(...).get_slice(name)[a:b]`).
 `LoadStats` counts what each rank read so callers and tests can check it.

@@ -410,7 +410,8 @@ class Trainer:
     every rank of the mesh, each with its own rows of the global batch.
 
     Attributes:
-        module: the root FSDPModule (HF `*ForCausalLM`, lm_head returns hidden states).
+        module: the root FSDPModule (HF `*ForCausalLM`, lm_head returns hidden states;
+            train.sharding=replicate: the same model, plain, under DDP).
         mesh: the 1-D data-parallel mesh.
         optimizer: AdamW over the sharded DTensor parameters (fp32 state).
         scheduler: LambdaLR with `lr_lambda(train_cfg)`.
