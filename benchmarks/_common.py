@@ -34,13 +34,22 @@ def result_header(script: str, argv: list[str] | None, *, device_detail: str = "
 def cpu_isa() -> str:
     """The CPU's bf16 matrix instructions as /proc/cpuinfo lists them: AVX512-BF16
     and AMX-BF16, each present or not (bf16 GEMM peaks differ several-fold)."""
-    try:
-        flags = next((ln.split(":", 1)[1].split() for ln in
-                      Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), [])
-    except OSError:
+    flags = _cpuinfo("flags")
+    if flags is None:
         return "ISA unknown"
-    return ", ".join(f"{label} {'yes' if flag in flags else 'no'}" for flag, label in
+    return ", ".join(f"{label} {'yes' if flag in flags.split() else 'no'}" for flag, label in
                      (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16")))
+
+
+def _cpuinfo(key: str) -> str | None:
+    """The first /proc/cpuinfo value of key (None: no such file or key)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":", 1)[0].strip() == key:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def result_path(out_dir: str | Path, topic: str, *, tag: str = "", quick: bool = False) -> Path:
@@ -57,12 +66,9 @@ def result_path(out_dir: str | Path, topic: str, *, tag: str = "", quick: bool =
 
 def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo (else what platform knows)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    name = _cpuinfo("model name")
+    if name:
+        return name
     import platform
 
     return platform.processor() or "unknown CPU"

@@ -265,7 +265,11 @@ def _mem_bandwidth(threads: int) -> float:
     return float(proc.stdout.strip().splitlines()[-1])
 
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a config dtype name ("float32", "bfloat16")."""
+    from hybrid_engine.parallel.fsdp import DTYPES
+
+    return DTYPES[dtype].itemsize
 
 
 def _gen_floor_s(params_total: int, config: dict, decode_steps: int, bandwidth: float) -> float:
@@ -273,15 +277,15 @@ def _gen_floor_s(params_total: int, config: dict, decode_steps: int, bandwidth: 
     decode_steps x params x rollout bytes / T at one rank's copy bandwidth (prefill,
     attention and the KV cache are left out: < 5% of the bytes at these lengths)."""
     tp = config["rollout"]["tensor_parallel_size"]
-    return decode_steps * params_total * _ITEMSIZE[config["model"]["rollout_dtype"]] / tp / bandwidth
+    return decode_steps * params_total * _itemsize(config["model"]["rollout_dtype"]) / tp / bandwidth
 
 
 def _sync_floor_s(row: dict, config: dict, bandwidth: float) -> float:
     """Every byte the sync installs (received or local, in the rollout dtype) is read
     once from the master weights and written once: (master + rollout) bytes per
     element at one rank's copy bandwidth. The network is not in it (a lower bound)."""
-    rollout = _ITEMSIZE[config["model"]["rollout_dtype"]]
-    ratio = (_ITEMSIZE[config["model"]["master_dtype"]] + rollout) / rollout
+    rollout = _itemsize(config["model"]["rollout_dtype"])
+    ratio = (_itemsize(config["model"]["master_dtype"]) + rollout) / rollout
     return (row.get("sync_bytes_received", 0.0) + row.get("sync_bytes_local", 0.0)) * ratio \
         / bandwidth
 

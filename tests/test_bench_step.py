@@ -160,3 +160,17 @@ def test_quick_result_file_and_chart(quick) -> None:
     assert "top 10 ops by self time" in text and "- tiny:1 (train floor " in text
     assert "Each phase against its floor" in text and "| tiny:1 | " in text
     assert Path(result["chart"]).stat().st_size > 0
+
+
+def test_result_header_names_the_cpu_and_its_bf16_matrix_units(monkeypatch) -> None:
+    """CPUs of one 'class' differ several-fold in bf16 GEMM peak (AMX or not): every
+    result file says which CPU it ran on and whether it has AVX512-BF16 and AMX-BF16."""
+    import _common
+
+    info = "model name\t: Test CPU 9000\nflags\t\t: fpu avx512_bf16 sse\n"
+    monkeypatch.setattr(_common.Path, "read_text", lambda self, *a, **k: info)
+    assert _common.cpu_name() == "Test CPU 9000"
+    assert _common.cpu_isa() == "AVX512-BF16 yes, AMX-BF16 no"
+    header = _common.result_header("bench_x.py", [])
+    if "device cpu" in header:
+        assert "(Test CPU 9000, AVX512-BF16 yes, AMX-BF16 no)" in header
