@@ -56,6 +56,7 @@ setup(
         "accelerate>=1.0",
         "pyyaml>=6",
         "tqdm>=4.66",
+        "psutil>=5.9",  # memory budgets, the launcher, RSS in metrics (vLLM needs it too)
         "tensorboard>=2.16",
     ],
     extras_require={

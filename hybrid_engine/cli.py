@@ -109,12 +109,18 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     and keeps its traceback.
     """
     from hybrid_engine.config import parse_cli_overrides
-    from hybrid_engine.parallel.dist import set_collective_timeout
+    from hybrid_engine.parallel.dist import is_launched, set_collective_timeout
     from hybrid_engine.checkpoint import CheckpointWriteError
     from hybrid_engine.parallel import signals
     from hybrid_engine.job import Job, RunAborted, configure_logging
     from hybrid_engine.config.recipes import build_config
 
+    if args.nproc is not None:
+        if is_launched():
+            print("error: --nproc starts ranks from a shell; this process is already one of "
+                  "a launched world (drop --nproc under torchrun)", file=sys.stderr)
+            return 2
+        return _relaunch_train(args, overrides)
     configure_logging()
     # From here to the end, SIGINT/SIGTERM (to torchrun or to any one rank) is a
     # request to stop after the current step, on every rank (parallel/signals.py).
@@ -137,6 +143,29 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def _relaunch_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`train --nproc N`: this command again on N local ranks under
+    `hybrid_engine.launch` (torchrun whose SIGINT/SIGTERM go to the ranks: a
+    clean stop exits 0). A bad config fails here, before any rank starts."""
+    from hybrid_engine.config import parse_cli_overrides
+    from hybrid_engine.config.recipes import build_config
+    from hybrid_engine.launch import launch_local
+
+    if args.nproc < 1:
+        print(f"error: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
+        return 2
+    try:
+        build_config(args.recipe, args.config, parse_cli_overrides(overrides))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    argv = ["-m", "hybrid_engine.cli", "train", f"--recipe={args.recipe}"]
+    argv += [f"--config={args.config}"] if args.config else []
+    argv += [flag for flag, on in (("--resume", args.resume), ("--overwrite", args.overwrite),
+                                   ("--no-progress", args.no_progress)) if on]
+    return launch_local(args.nproc, [*argv, *overrides])
 
 
 def _default_store():  # noqa: ANN202
@@ -200,8 +229,8 @@ def _parser() -> argparse.ArgumentParser:
         "train", help="RL-train a HF model on this world (torchrun or one process)",
         description="Runs generate -> score -> advantages -> train -> sync steps with the "
                     "policy colocated in FSDP2 and vLLM layouts. Launch with "
-                    "`torchrun --nproc_per_node=N -m hybrid_engine.cli train ...` (or the "
-                    "`hybrid-engine` script) or alone for one process.",
+                    "`hybrid-engine train --nproc N ...`, or `torchrun --nproc_per_node=N -m "
+                    "hybrid_engine.cli train ...`, or alone for one process.",
         epilog="Any further --section.key=value arguments override config fields, e.g. "
                "--model.path=DIR --train.num_steps=50; `hybrid-engine config --keys` lists them. "
                "Writes metrics.jsonl, tb/, checkpoints/, final/ and metrics.png under output_dir; "
@@ -214,6 +243,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="start over in an output_dir holding an earlier run's checkpoints "
                          "(deletes them, its metrics and its final model)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument("--nproc", type=int, metavar="N",
+                    help="start N ranks on this machine (torchrun through hybrid_engine.launch: "
+                         "Ctrl-C or SIGTERM stops them after the current step, with a checkpoint, "
+                         "and exits 0); without it, run on the world that launched this process")
 
     from hybrid_engine import demo
 

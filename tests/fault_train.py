@@ -10,7 +10,8 @@ written, the folder not yet marked complete), build (the vLLM engine's
 construction, at start-up), export (the final HF export) or start (n ignored:
 at once, before the CLI runs, i.e. before the rendezvous). signal: kill
 (default), stop or term (to this rank), launcher or launcher-term (SIGKILL or
-SIGTERM to its parent, torchrun), or fsize (save
+SIGTERM to its parent, torchrun), launch or launch-term (SIGKILL or SIGTERM to
+torchrun's parent: hybrid_engine.launch when it started torchrun), or fsize (save
 only: at the n-th save, before any shard is written, this rank's files may no
 longer grow past 64 KiB, RLIMIT_FSIZE, as on a full disk).
 Just before the signal the rank writes time.time() to HE_FAULT_STAMP. Without
@@ -34,12 +35,20 @@ def _arm() -> None:
     phase, n, *how = fault.split(":")
     how = how[0] if how else "kill"
     sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM,
-           "launcher": signal.SIGKILL, "launcher-term": signal.SIGTERM, "fsize": None}[how]
-    target = os.getppid() if how.startswith("launcher") else os.getpid()
+           "launcher": signal.SIGKILL, "launcher-term": signal.SIGTERM,
+           "launch": signal.SIGKILL, "launch-term": signal.SIGTERM, "fsize": None}[how]
+    if how.startswith("launcher"):
+        target = os.getppid()
+    elif how.startswith("launch"):
+        import psutil
+
+        target = psutil.Process(os.getppid()).ppid()
+    else:
+        target = os.getpid()
     if phase == "start":
         Path(os.environ["HE_FAULT_STAMP"]).write_text(repr(time.time()))
         os.kill(target, sig)
-        time.sleep(0.5)  # the launcher is gone before the CLI starts
+        time.sleep(0.5)  # the signal has landed before the CLI starts
         return
     import hybrid_engine.checkpoint as ckpt
     from hybrid_engine.roles.sync import WeightSync

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,47 @@ def test_custom_loop_under_accelerate_launch(model_dir, tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [s["step"] for s in _steps(proc.stdout)] == [0]
     assert (out / "COMPLETE").is_file()
+
+
+_ARMED = '''
+import os, runpy, signal, sys, time
+from pathlib import Path
+
+from hybrid_engine.policy.colocated import HybridActor
+
+original, calls = HybridActor.train_step, [0]
+
+
+def armed(self, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 2 and os.environ["RANK"] == "1":  # SIGKILL to torchrun mid-run
+        Path(os.environ["HE_STAMP"]).write_text(repr(time.time()))
+        os.kill(os.getppid(), signal.SIGKILL)
+    return original(self, *args, **kwargs)
+
+
+HybridActor.train_step = armed
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def test_custom_loop_ranks_exit_when_torchrun_dies(model_dir, tmp_path) -> None:
+    """An embedding trainer has no `hybrid-engine` CLI: the actor's watchdog must
+    watch the launcher itself. SIGKILL to torchrun at the loop's 2nd train step:
+    both ranks leave within seconds, with one error line, and nothing is left."""
+    import psutil
+
+    wrapper, stamp, out = tmp_path / "armed.py", tmp_path / "killed_at", tmp_path / "policy"
+    wrapper.write_text(_ARMED)
+    proc = run_torchrun([str(wrapper), str(EXAMPLE), model_dir, "--tp", "2", "--steps", "50",
+                         "--out", str(out)], 2, timeout=300, cwd=tmp_path, check=False,
+                        env={"HE_STAMP": str(stamp)})
+    down_after = time.time() - float(stamp.read_text())
+    print(f"custom loop ranks down {down_after:.1f} s after SIGKILL to torchrun")
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and "the launcher (torchrun, pid" in errors[0], proc.stdout[-3000:]
+    assert down_after < 20 and not (out / "COMPLETE").exists(), proc.stdout[-3000:]
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if str(wrapper) in " ".join(p.info["cmdline"] or [])]
+    assert left == [], left

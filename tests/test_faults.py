@@ -38,7 +38,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _train(model: Path, out: Path, *extra: str, fault: str | None = None,
-           stamp: Path | None = None, master_port: int | None = None):  # noqa: ANN202
+           stamp: Path | None = None, master_port: int | None = None,
+           launcher: str = "torchrun"):  # noqa: ANN202
     env = {"HE_FAULT": fault, "HE_FAULT_RANK": "1", "HE_FAULT_STAMP": str(stamp)} if fault else {}
     return run_torchrun(
         [str(HERE / "fault_train.py"), "train", "--recipe=tiny_grpo_debug", "--no-progress",
@@ -46,7 +47,7 @@ def _train(model: Path, out: Path, *extra: str, fault: str | None = None,
          "--sync.verify=false", f"--train.num_steps={STEPS}", "--checkpoint_every=1",
          "--keep_checkpoints=2", "--train.lr=1e-3",
          f"--env.reward_fn={model.parent / 'reward.py'}:reward", *extra],
-        2, timeout=300, env=env, check=False, master_port=master_port)
+        2, timeout=300, env=env, check=False, master_port=master_port, launcher=launcher)
 
 
 def _steps(out: Path) -> dict[int, dict]:
@@ -146,6 +147,53 @@ def test_sigterm_to_torchrun_saves_and_every_rank_exits_cleanly(model_dir, tmp_p
     ckpts = out / "checkpoints"
     assert latest_checkpoint(ckpts) == step_checkpoint_path(ckpts, 2), text[-3000:]
     assert (out / "final" / "COMPLETE").is_file() and not list(out.glob("final.*"))
+
+
+@pytest.mark.parametrize("where", ["train:2", "start:1"])
+def test_sigterm_to_hybrid_engine_launch_exits_0(model_dir, reference, tmp_path,
+                                                 where) -> None:
+    """`python -m hybrid_engine.launch` (torchrun's arguments; what `hybrid-engine
+    train --nproc N` runs) sends SIGTERM to the ranks, not to torchrun: they stop
+    after the step, save and export, and torchrun and the launcher exit 0 with no
+    traceback (plain torchrun exits 1 with its SignalException, the test above).
+    At start-up the signal is held until a rank catches SIGTERM, instead of killing
+    a rank whose interpreter is still starting."""
+    out = tmp_path / "run"
+    proc = _train(model_dir, out, fault=f"{where}:launch-term", stamp=tmp_path / "at",
+                  launcher="hybrid_engine.launch")
+    text = proc.stdout
+    assert proc.returncode == 0 and (tmp_path / "at").exists(), text[-3000:]
+    assert "Traceback" not in text and not [ln for ln in text.splitlines()
+                                            if ln.startswith("error")], text[-3000:]
+    assert "rank 0 got SIGTERM" in text and "rank 1 got SIGTERM" in text, text[-3000:]
+    assert text.count("hybrid_engine.launch: SIGTERM to rank pid") == 2, text[-3000:]
+    steps = 2 if where.startswith("train") else 0
+    summary = _summary(text)
+    assert summary["steps"] == steps and summary["stop_reason"] == "signal", summary
+    ckpts = out / "checkpoints"
+    assert latest_checkpoint(ckpts) == (step_checkpoint_path(ckpts, steps) if steps else None)
+    assert (out / "final" / "COMPLETE").is_file() and not list(out.glob("final.*"))
+    if steps:
+        assert _steps(out) == {s: m for s, m in _steps(reference).items() if s <= steps}
+
+
+def test_sigkill_to_hybrid_engine_launch_takes_the_job_down(model_dir, tmp_path) -> None:
+    """SIGKILL to the launcher kills torchrun with it (PR_SET_PDEATHSIG), and the
+    ranks, orphaned, leave within a watchdog beat: nothing is left running."""
+    import psutil
+
+    out, stamp = tmp_path / "run", tmp_path / "killed_at"
+    proc = _train(model_dir, out, "--collective_timeout_s=60", "--train.num_steps=50",
+                  fault="train:2:launch", stamp=stamp, launcher="hybrid_engine.launch")
+    down_after = time.time() - float(stamp.read_text())
+    print(f"ranks down {down_after:.1f} s after SIGKILL to hybrid_engine.launch")
+    assert proc.returncode == -9, proc.stdout[-3000:]
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and "the launcher (torchrun, pid" in errors[0], proc.stdout[-3000:]
+    assert down_after < 20, proc.stdout[-3000:]
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert left == [], left
 
 
 @pytest.mark.parametrize("phase", ["rollout", "train", "sync", "save"])

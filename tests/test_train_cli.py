@@ -90,6 +90,35 @@ def test_sigint_finishes_the_step_and_checkpoints(model_dir, tmp_path) -> None:
     assert rows[-1]["step"] == summary["steps"]
 
 
+def test_train_nproc_stops_on_ctrl_c_with_exit_0(model_dir, tmp_path) -> None:
+    """`hybrid-engine train --nproc 2` launches through hybrid_engine.launch: Ctrl-C
+    (SIGINT to the terminal's foreground group: the launcher alone, torchrun runs in
+    its own group) reaches the ranks, which finish the step and save; torchrun and
+    the command then exit 0 with no traceback (plain torchrun: exit 1)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hybrid_engine.cli", "train", "--nproc", "2",
+           *_args(model_dir, out, "--train.num_steps=1000", "--checkpoint_every=1000")[3:]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "run did not start"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and "Traceback" not in stdout, stdout[-3000:]
+    assert "rank 0 got SIGINT" in stdout and "rank 1 got SIGINT" in stdout, stdout[-3000:]
+    summary = _summary(stdout)
+    assert summary["stop_reason"] == "signal", stdout[-3000:]
+    assert [s for s, _ in step_checkpoints(out / "checkpoints")] == [summary["steps"]]
+    assert (out / "final" / "COMPLETE").is_file()
+
+
 def test_single_process_without_torchrun(model_dir, tmp_path) -> None:
     out = tmp_path / "run"
     cmd = [sys.executable, *_args(model_dir, out, "--train.num_steps=1",

@@ -78,17 +78,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _relaunch(args: argparse.Namespace) -> int:
-    import subprocess
+    from hybrid_engine.launch import launch_local
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.nproc}", "-m", "hybrid_engine.cli", "demo",
-           f"--output-dir={args.output_dir}", f"--cache-dir={args.cache_dir}",
-           f"--minutes={args.minutes}", f"--steps={args.steps}"]
+    argv = ["-m", "hybrid_engine.cli", "demo",
+            f"--output-dir={args.output_dir}", f"--cache-dir={args.cache_dir}",
+            f"--minutes={args.minutes}", f"--steps={args.steps}"]
     if args.warm_start_steps is not None:
-        cmd.append(f"--warm-start-steps={args.warm_start_steps}")
-    cmd += [f"--set={item}" for item in args.overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
-    return subprocess.call(cmd, env=env)
+        argv.append(f"--warm-start-steps={args.warm_start_steps}")
+    argv += [f"--set={item}" for item in args.overrides]
+    return launch_local(args.nproc, argv)
 
 
 def demo_config(model_path: str, output_dir: str, *, world: int, minutes: float, steps: int,  # noqa: ANN201

@@ -274,11 +274,12 @@ def run_in_subprocess(
 def run_torchrun(
     argv: Sequence[str], nproc: int, *, timeout: float = 300.0,
     env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
-    check: bool = True, master_port: int | None = None,
+    check: bool = True, master_port: int | None = None, launcher: str = "torchrun",
 ) -> subprocess.CompletedProcess[str]:
     """Runs `torchrun --standalone --nproc_per_node=nproc ARGV...` and returns its output
     (with master_port: a fixed `--master_addr=127.0.0.1 --master_port=PORT`
-    launch instead of --standalone, torchrun's run id then "none").
+    launch instead of --standalone, torchrun's run id then "none"; with
+    launcher="hybrid_engine.launch": torchrun under that module).
 
     argv is what follows torchrun's own flags: a script path and its
     arguments, or ["-m", "module", ...]. Raises RankError on the deadline (the
@@ -287,8 +288,10 @@ def run_torchrun(
     """
     where = (["--standalone"] if master_port is None else
              ["--master_addr=127.0.0.1", f"--master_port={master_port}"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}",
-           *argv]
+    module = {"torchrun": "torch.distributed.run", "hybrid_engine.launch": "hybrid_engine.launch"}
+    if launcher not in module:
+        raise ValueError(f"launcher must be one of {sorted(module)}, got {launcher!r}")
+    cmd = [sys.executable, "-m", module[launcher], *where, f"--nproc_per_node={nproc}", *argv]
     full_env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

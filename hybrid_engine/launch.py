@@ -1,0 +1,140 @@
+"""torchrun with a clean stop: `python -m hybrid_engine.launch [torchrun args] ...`.
+
+Takes exactly torchrun's arguments and runs torchrun under them. The one
+difference is what a signal does. torchrun answers SIGINT/SIGTERM by
+forwarding SIGTERM to its ranks, waiting at most its shutdown timeout (30 s)
+and then exiting 1 with a `SignalException` traceback, whatever the ranks
+did: that is torch's contract for a signalled launcher. Here SIGINT/SIGTERM go
+to the ranks alone; torchrun never sees them. `hybrid-engine train` ranks
+treat a signal as "stop after the current step" (parallel/signals.py): every
+rank finishes its step, saves when checkpointing is on, exports `final/` and
+exits 0, so torchrun, and this launcher, exit 0 with no traceback and no time
+limit on the step.
+
+- A rank gets the signal once it has installed its SIGTERM handler (read from
+  /proc/PID/status), so a signal during a rank's interpreter start-up is held,
+  not lost and not fatal; a rank with no handler after 30 s gets it anyway.
+- A second SIGINT/SIGTERM goes to torchrun itself: its usual shutdown (SIGTERM
+  to the ranks, SIGKILL after its timeout, exit 1).
+- torchrun runs in its own process group, so Ctrl-C in a terminal reaches only
+  this launcher, and dies with it (PR_SET_PDEATHSIG): SIGKILL to the launcher
+  is SIGKILL to torchrun, whose ranks then leave on their own
+  (parallel/watchdog.watch_launcher).
+
+The exit code is torchrun's (128 + N when a signal N ended it).
+`hybrid-engine train --nproc N` and `hybrid-engine demo` launch through here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = ["launch", "launch_local", "main"]
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+HANDLER_WAIT_S = 30.0  # a rank without a SIGTERM handler after this long gets the signal anyway
+_POLL_S = 0.1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the launcher dies (Linux prctl)."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def catches_sigterm(pid: int) -> bool:
+    """True if process `pid` has a handler for SIGTERM (its SigCgt mask in
+    /proc/PID/status); True when that cannot be read (not Linux: no holding)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except OSError:
+        pass
+    return True
+
+
+def _say(msg: str) -> None:
+    print(f"hybrid_engine.launch: {msg}", file=sys.stderr, flush=True)
+
+
+def launch(torchrun_args: Sequence[str], *, env: dict[str, str] | None = None) -> int:
+    """Runs `torchrun *torchrun_args` until it exits; returns its exit code.
+    SIGINT/SIGTERM meanwhile go to the ranks (see the module docstring)."""
+    import psutil
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:  # noqa: ARG001
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in SIGNALS}
+    try:
+        proc = subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=_die_with_parent)
+        torchrun = psutil.Process(proc.pid)
+        told: set[int] = set()  # ranks that got the first signal
+        escalated = False
+        first_at = 0.0
+        while proc.poll() is None:
+            time.sleep(_POLL_S)
+            if not received or escalated:
+                continue
+            if len(received) > 1:
+                _say(f"{signal.Signals(received[-1]).name} again: to torchrun (its shutdown: "
+                     "SIGTERM to the ranks, SIGKILL after its timeout, exit 1)")
+                proc.send_signal(signal.SIGTERM)
+                escalated = True
+                continue
+            first_at = first_at or time.monotonic()
+            patient = time.monotonic() - first_at < HANDLER_WAIT_S
+            try:
+                ranks = torchrun.children()
+            except psutil.NoSuchProcess:
+                continue
+            for rank in ranks:
+                if rank.pid in told or (patient and not catches_sigterm(rank.pid)):
+                    continue
+                try:
+                    rank.send_signal(received[0])
+                except psutil.NoSuchProcess:
+                    continue
+                told.add(rank.pid)
+                _say(f"{signal.Signals(received[0]).name} to rank pid {rank.pid}: the ranks stop "
+                     "after the current step; send it again to stop torchrun at once")
+        code = proc.returncode
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def launch_local(nproc: int, argv: Sequence[str]) -> int:
+    """`launch` of `torchrun --standalone --nproc_per_node=nproc ARGV`, each rank
+    with OMP_NUM_THREADS = cores / nproc unless the environment sets it."""
+    import os
+
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return launch(["--standalone", f"--nproc_per_node={nproc}", *argv], env=env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: `python -m hybrid_engine.launch` with torchrun's arguments."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n")[0].replace("`", "") + "\n\n" + __doc__.split("\n\n", 1)[1],
+              end="")
+        print("\ntorchrun's own options: python -m torch.distributed.run --help")
+        return 0 if args else 2
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
