@@ -158,8 +158,9 @@ def main(argv=None) -> None:
     print(table)
     prompts, k, max_tokens = bench_step.WORKLOADS[args.workload]
     path = result_path(args.out_dir, f"peer_{args.workload}")
+    peer = _peer_versions(args.peer_python) if peers else ""
     path.write_text(
-        result_header(__file__, argv) +
+        result_header(__file__, argv) + (f"Peer: {peer}.\n\n" if peer else "") +
         f"Workload {args.workload}: {prompts} prompts x K={k} completions x {max_tokens} new "
         f"tokens per optimizer step, model {args.preset}, 2 ranks x 1 OMP thread; {args.jobs} "
         f"rounds, each a fresh job of every variant in the order of the table; {args.warmup} "
@@ -177,8 +178,15 @@ def main(argv=None) -> None:
                       "headline_vs_best_peer_ci95": head.get("vs_best_peer_ci95")}))
 
 
+def _peer_versions(python: str) -> str:
+    code = ("import importlib.metadata as m; print(', '.join(f'{p} {m.version(p)}' "
+            "for p in ('trl', 'datasets', 'accelerate')))")
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return proc.stdout.strip() or f"versions unknown ({proc.stderr.strip()[-200:]})"
+
+
 def _table(rows: list[dict], best_peer: str | None) -> str:
-    out = [f"| variant | settings | jobs x steps | step s (IQR) | vs {best_peer} (95% CI) | "
+    out = [f"| variant | settings | jobs x steps | step s (IQR) | vs {best_peer or 'peer'} (95% CI) | "
            "ours: generate / train / sync s | completion tokens per step | RSS MiB |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -238,6 +238,13 @@ class TrainConfig:
         "shard_group_size is set), grad_op, full whose estimated memory fits the budget "
         "(rollout.memory_budget) beside the rollout's resident share, and logs why.",
     )
+    cpu_shm_allreduce: bool = _field(
+        True,
+        "sharding='replicate' on CPU with every trainer rank on one host: average the "
+        "gradients through vLLM-CPU's shared-memory all-reduce (the one its TP groups use) "
+        "instead of gloo's TCP loopback (725 MB fp32 on 2 ranks: 0.16 s against 0.52 s, "
+        "without gloo's system time). Ignored elsewhere; false: always the process group.",
+    )
     shard_group_size: int = _field(
         0,
         "sharding='hybrid' (and 'auto'): ranks per shard group; must divide the trainer "

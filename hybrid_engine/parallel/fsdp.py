@@ -35,6 +35,7 @@ Two layout details callers rely on:
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ from hybrid_engine.reshard.plan import shard_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DTYPES",
@@ -260,6 +263,7 @@ def build_fsdp_model(
     trust_remote_code: bool = False,
     sharding: str = "full",
     shard_group_size: int = 0,
+    cpu_shm_allreduce: bool = False,
 ) -> tuple[FSDPModule, LoadStats]:
     """Builds the FSDP2 layout of a checkpoint without materialising it anywhere.
 
@@ -276,6 +280,8 @@ def build_fsdp_model(
             every rank) or "hybrid" (sharded over groups of shard_group_size
             ranks, replicated across them); see TrainConfig.sharding.
         shard_group_size: ranks per shard group (sharding="hybrid" only).
+        cpu_shm_allreduce: sharding="replicate": average the gradients through
+            shared memory where it can (parallel/shm_allreduce.py), else gloo.
 
     Returns:
         (model, stats): the root FSDPModule (a HF `*ForCausalLM` whose lm_head
@@ -288,7 +294,8 @@ def build_fsdp_model(
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     if sharding == "replicate":
         return _build_replicated(model, folder, mesh, DTYPES[master_dtype],
-                                 DTYPES[compute_dtype], activation_checkpointing)
+                                 DTYPES[compute_dtype], activation_checkpointing,
+                                 cpu_shm_allreduce)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=DTYPES[master_dtype])
     size = {"hybrid": shard_group_size}.get(sharding, mesh.size())
     stats = shard_and_load(model, folder, fsdp_mesh(mesh, size), mp,
@@ -299,7 +306,8 @@ def build_fsdp_model(
 
 def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
                       master: torch.dtype, compute: torch.dtype,
-                      checkpointing: bool) -> tuple[nn.Module, LoadStats]:
+                      checkpointing: bool, cpu_shm_allreduce: bool = False,
+                      ) -> tuple[nn.Module, LoadStats]:
     """train.sharding=replicate: plain parameters, whole on every rank, gradients
     averaged by DDP (torch's composable `replicate`: buckets all-reduced while
     backward runs, the gradients views of the buckets) and compute_dtype through
@@ -322,6 +330,15 @@ def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
         # broadcast_buffers=False: the only buffers are the rotary tables.
         replicate(model, device_id=device, process_group=mesh.get_group(),
                   init_sync=False, broadcast_buffers=False, gradient_as_bucket_view=True)
+        if cpu_shm_allreduce and mesh.size() > 1:
+            from hybrid_engine.parallel import shm_allreduce
+
+            why_not = shm_allreduce.unusable_because(device, mesh.get_group())
+            if why_not is None:
+                shm_allreduce.register(model, mesh.get_group())
+            else:
+                log.info("train.cpu_shm_allreduce: gradients through %s (%s)",
+                         mesh.get_group().name(), why_not)
     model.compute_autocast = compute if compute != master else None
     return model, stats
 

@@ -459,6 +459,7 @@ class Trainer:
             activation_checkpointing=train_cfg.activation_checkpointing,
             trust_remote_code=model_cfg.trust_remote_code, sharding=train_cfg.sharding,
             shard_group_size=train_cfg.shard_group_size,
+            cpu_shm_allreduce=train_cfg.cpu_shm_allreduce,
         )
         # Guard, part 1: built before any forward, over the sharded DTensors.
         self._param_ids, self.optimizer, self.scheduler = build_optimizer(

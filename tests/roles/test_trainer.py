@@ -21,6 +21,7 @@ a plain transformers forward: < 1e-5 abs (measured <= 1e-6).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -344,13 +345,19 @@ def _check_splits(path: str, vocab: int) -> dict:
         ("grad_op", {"micro_batch_size": 1}, {"sharding": "grad_op"}),
         ("grad_op_checkpointing", {"micro_batch_size": 2},
          {"sharding": "grad_op", "activation_checkpointing": True}),
-        ("replicate", {"micro_batch_size": 1}, {"sharding": "replicate"}),
+        ("replicate", {"micro_batch_size": 1},
+         {"sharding": "replicate", "cpu_shm_allreduce": False}),
+        ("replicate_shm", {"micro_batch_size": 1}, {"sharding": "replicate"}),
     ]:
         run = start_run(path, batch_kw, vocab=vocab, **kw).steps(2)
+        shm_calls = getattr(run.trainer.module, "shm_allreduce_calls", [0])
+        before = shm_calls[0]
         collectives = count_collectives(run)  # the third step
+        collectives["shm_all_reduce"] = shm_calls[0] - before
         local = {n: tuple(getattr(p, "_local_tensor", p).shape)
                  for n, p in run.trainer.module.named_parameters()}
-        out[name] = dict(diff=max_diff(full_weights(run.trainer.module), ref), losses=run.losses,
+        out[name] = dict(shm_left=sorted(p.name for p in Path("/dev/shm").glob("he*grad-*")),
+                         diff=max_diff(full_weights(run.trainer.module), ref), losses=run.losses,
                          grad_norms=run.grad_norms, num_micro_batches=len(run.batch.bounds),
                          collectives=collectives, sharded=_is_sharded(run.trainer.module),
                          whole=all(local[n] == tuple(p.shape)
@@ -547,7 +554,7 @@ def test_guard_no_grad_forward_then_step_updates_every_parameter(two_ranks):
 
 
 @pytest.mark.parametrize("variant", ["mbs1", "max_tokens", "checkpointing", "grad_op",
-                                     "grad_op_checkpointing", "replicate"])
+                                     "grad_op_checkpointing", "replicate", "replicate_shm"])
 def test_micro_batch_split_does_not_change_the_update(two_ranks, variant):
     counts = [out["splits"][variant]["num_micro_batches"] for out in two_ranks]
     if variant == "max_tokens":
@@ -572,16 +579,25 @@ def test_grad_op_gathers_and_reduces_once_per_step(two_ranks):
         assert m == 4 and s["grad_op"]["num_micro_batches"] == m and groups >= 3
         other = s["mbs1"]["collectives"]["all_reduce"]  # the step's loss normaliser, metrics
         assert s["mbs1"]["collectives"] == {"all_gather": m * (2 * groups - 1),
-                                            "reduce_scatter": m * groups, "all_reduce": other}
+                                            "reduce_scatter": m * groups, "all_reduce": other,
+                                            "shm_all_reduce": 0}
         assert s["grad_op"]["collectives"] == {"all_gather": groups, "reduce_scatter": groups,
-                                               "all_reduce": other}
+                                               "all_reduce": other, "shm_all_reduce": 0}
         # replicate (DDP): nothing gathered or scattered; the gradient all-reduced once
         # per step, whatever the micro-batch count (4 here), in DDP's buckets (this
         # model: its 1 MiB first bucket and one more), not one per layer; every
         # parameter whole on the rank, so the gradient norm needs no all-reduce of its
         # own (other - 1). That the average is right: the split tests' weights.
-        rep = s["replicate"]["collectives"]
-        assert rep == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": other - 1 + 2}
+        rep = s["replicate"]["collectives"]  # train.cpu_shm_allreduce=false: gloo
+        assert rep == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": other - 1 + 2,
+                       "shm_all_reduce": 0}
+        # train.cpu_shm_allreduce (the default; CPU ranks of one host): the same 2
+        # buckets through vLLM-CPU's shared-memory all-reduce, none through gloo; the
+        # split tests show the same update, and nothing of it stays in /dev/shm
+        assert s["replicate_shm"]["collectives"] == {"all_gather": 0, "reduce_scatter": 0,
+                                                     "all_reduce": other - 1,
+                                                     "shm_all_reduce": 2}
+        assert not s["replicate_shm"]["shm_left"]
         assert s["replicate"]["num_micro_batches"] == m and groups > 2
         assert s["replicate"]["whole"] and not s["grad_op"]["whole"]
         assert not s["replicate"]["sharded"]  # plain tensors: no FSDP
