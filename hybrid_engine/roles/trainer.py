@@ -27,9 +27,10 @@ vocabulary projection, `fsdp.compute_autocast`.)
 Profiling (benchmarks): with `HYBRID_ENGINE_PROFILE_TRAIN=<n>:<dir>` in the
 environment, the n-th `train_step` call (1-based) runs under torch.profiler
 and each rank writes `<dir>/train_profile_rank<r>.json`: the step's wall
-seconds split into optimizer (gradient clipping + AdamW), FSDP communication
-(wall time while a gloo/NCCL collective runs outside the optimizer, overlap
-with compute counted as communication) and compute (the rest), plus the top
+seconds split into optimizer (gradient clipping + AdamW), communication (wall
+time while a gloo/NCCL collective or the shared-memory gradient all-reduce runs
+outside the optimizer, overlap with compute counted as communication) and
+compute (the rest), plus the top
 ops (`profile_split`). Unset, nothing is profiled.
 
 Shape legend: B sequences, T positions, H hidden size, V vocabulary,
@@ -79,7 +80,7 @@ __all__ = [
 PROFILE_ENV = "HYBRID_ENGINE_PROFILE_TRAIN"
 _OPTIMIZER_RANGE = "hybrid_engine::optimizer"
 _FUSED_ADAMW_DEVICES = ("cpu", "cuda")
-_COMM_PREFIXES = ("gloo:", "nccl:")
+_COMM_PREFIXES = ("gloo:", "nccl:", "_C::shm_allreduce")  # the last: train.cpu_shm_allreduce
 
 
 # --------------------------------------------------------------------------

@@ -653,6 +653,9 @@ def test_profile_split_attributes_overlaps_once():
     assert out["optimizer_s"] == pytest.approx(0.1)
     assert out["comm_s"] == pytest.approx(0.3 + 0.1)  # [0.1, 0.4) and [0.8, 0.9)
     assert out["compute_s"] == pytest.approx(0.5)
+    # train.cpu_shm_allreduce's op is communication too
+    out = profile_split([ev("aten::mm", 0.0, 1.0), ev("_C::shm_allreduce", 0.5, 0.7)], 1.0)
+    assert out["comm_s"] == pytest.approx(0.2) and out["compute_s"] == pytest.approx(0.8)
 
 
 def _parity_run(root: str, steps: int, sharding: str = "full",
