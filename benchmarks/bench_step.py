@@ -31,9 +31,9 @@ ONE profiled step (left out of every timing).
   (median, IQR); per-step values are kept in the result file.
 - Train split: the profiled step's trainer `train_step` runs under
   torch.profiler (`HYBRID_ENGINE_PROFILE_TRAIN`, see roles/trainer.py):
-  optimizer = gradient clipping + AdamW; FSDP comm = wall time while a gloo
-  collective runs outside the optimizer (overlap with compute is counted as
-  comm); compute = the rest of train_step. The fractions (medians over jobs x
+  optimizer = gradient clipping + AdamW; comm = wall time while a gloo
+  collective or the shared-memory gradient all-reduce (train.cpu_shm_allreduce)
+  runs outside the optimizer (overlap with compute is counted as comm); compute = the rest of train_step. The fractions (medians over jobs x
   ranks, renormalised to sum to 1) times the timed steps' median
   train_step_s (the trainer's own timer, every step) give train_compute_s,
   train_comm_s, train_optimizer_s: the profiler slows the profiled step, so
@@ -600,7 +600,7 @@ def main(argv=None) -> None:
         "clock between consecutive steps' ends, median (IQR) over all timed steps of all jobs; "
         "phases likewise; overhead = wall - phases. Train: the trainer's train_step seconds "
         "(compute/comm/opt: shares of the profiled trainer step, comm = gloo collectives "
-        "outside the optimizer) + the rest of the phase (KV cache release, batch). MFU: model "
+        "and the shared-memory gradient all-reduce outside the optimizer) + the rest of the phase (KV cache release, batch). MFU: model "
         "FLOPs of the train phase per rank / train_s over the per-rank GEMM peak "
         f"({GEMM_N}^3, training dtype, the rank's threads, measured in this run). Ranks share "
         "the machine's cores (OMP threads = cores // N); with more ranks than cores they "

@@ -82,8 +82,12 @@ def launch(torchrun_args: Sequence[str], *, env: dict[str, str] | None = None) -
         told: set[int] = set()  # ranks that got the first signal
         escalated = False
         first_at = 0.0
-        while proc.poll() is None:
-            time.sleep(_POLL_S)
+        while True:
+            try:
+                proc.wait(timeout=_POLL_S)  # the loop also wakes for a received signal
+                break
+            except subprocess.TimeoutExpired:
+                pass
             if not received or escalated:
                 continue
             if len(received) > 1:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybrid_engine.testing import run_torchrun
+from hybrid_engine.testing import processes_mentioning, run_torchrun
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -95,8 +95,6 @@ def test_custom_loop_ranks_exit_when_torchrun_dies(model_dir, tmp_path) -> None:
     """An embedding trainer has no `hybrid-engine` CLI: the actor's watchdog must
     watch the launcher itself. SIGKILL to torchrun at the loop's 2nd train step:
     both ranks leave within seconds, with one error line, and nothing is left."""
-    import psutil
-
     wrapper, stamp, out = tmp_path / "armed.py", tmp_path / "killed_at", tmp_path / "policy"
     wrapper.write_text(_ARMED)
     proc = run_torchrun([str(wrapper), str(EXAMPLE), model_dir, "--tp", "2", "--steps", "50",
@@ -107,6 +105,4 @@ def test_custom_loop_ranks_exit_when_torchrun_dies(model_dir, tmp_path) -> None:
     errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
     assert len(errors) == 1 and "the launcher (torchrun, pid" in errors[0], proc.stdout[-3000:]
     assert down_after < 20 and not (out / "COMPLETE").exists(), proc.stdout[-3000:]
-    left = [p.pid for p in psutil.process_iter(["cmdline"])
-            if str(wrapper) in " ".join(p.info["cmdline"] or [])]
-    assert left == [], left
+    assert processes_mentioning(str(wrapper)) == []

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoint_path
-from hybrid_engine.testing import run_torchrun
+from hybrid_engine.testing import processes_mentioning, run_torchrun
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -180,8 +180,6 @@ def test_sigterm_to_hybrid_engine_launch_exits_0(model_dir, reference, tmp_path,
 def test_sigkill_to_hybrid_engine_launch_takes_the_job_down(model_dir, tmp_path) -> None:
     """SIGKILL to the launcher kills torchrun with it (PR_SET_PDEATHSIG), and the
     ranks, orphaned, leave within a watchdog beat: nothing is left running."""
-    import psutil
-
     out, stamp = tmp_path / "run", tmp_path / "killed_at"
     proc = _train(model_dir, out, "--collective_timeout_s=60", "--train.num_steps=50",
                   fault="train:2:launch", stamp=stamp, launcher="hybrid_engine.launch")
@@ -191,9 +189,7 @@ def test_sigkill_to_hybrid_engine_launch_takes_the_job_down(model_dir, tmp_path)
     errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
     assert len(errors) == 1 and "the launcher (torchrun, pid" in errors[0], proc.stdout[-3000:]
     assert down_after < 20, proc.stdout[-3000:]
-    left = [p.pid for p in psutil.process_iter(["cmdline"])
-            if str(out) in " ".join(p.info["cmdline"] or [])]
-    assert left == [], left
+    assert processes_mentioning(str(out)) == []
 
 
 @pytest.mark.parametrize("phase", ["rollout", "train", "sync", "save"])
@@ -202,8 +198,6 @@ def test_stopped_rank_brings_the_job_down_with_one_error_line(model_dir, tmp_pat
     """A SIGSTOPped rank neither exits nor answers: vLLM's shared-memory all-reduce
     would spin on it forever. The watchdog names it and ends the job within
     collective_timeout_s + 30 s, leaving no process behind (issue 18, item 6)."""
-    import psutil
-
     out, stamp, timeout = tmp_path / "run", tmp_path / "stopped_at", 20
     proc = _train(model_dir, out, f"--collective_timeout_s={timeout}",
                   fault=f"{phase}:2:stop", stamp=stamp)
@@ -216,17 +210,13 @@ def test_stopped_rank_brings_the_job_down_with_one_error_line(model_dir, tmp_pat
     errors = [ln for ln in text.splitlines() if ln.startswith("error")]
     assert len(errors) == 1 and errors[0].startswith("error: rank 1 (last in phase "), errors
     assert "stopped, hung or dead" in errors[0]
-    left = [p.pid for p in psutil.process_iter(["cmdline"])
-            if str(out) in " ".join(p.info["cmdline"] or [])]
-    assert left == [], left  # the stopped rank was killed, not left behind
+    assert processes_mentioning(str(out)) == []  # the stopped rank was killed, not left behind
 
 
 def test_ranks_exit_when_their_launcher_dies(model_dir, tmp_path) -> None:
     """SIGKILL to torchrun leaves its ranks as orphans that nothing will stop;
     each notices its new parent within one watchdog beat and exits, with one
     error line, leaving no process behind (issue 18, item 11)."""
-    import psutil
-
     out, stamp = tmp_path / "run", tmp_path / "killed_at"
     # With collective_timeout_s=60 the store's silence would take 60 s to notice.
     proc = _train(model_dir, out, "--collective_timeout_s=60", "--train.num_steps=50",
@@ -237,17 +227,13 @@ def test_ranks_exit_when_their_launcher_dies(model_dir, tmp_path) -> None:
     errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
     assert len(errors) == 1 and "the launcher (torchrun, pid" in errors[0], proc.stdout[-3000:]
     assert down_after < 20, proc.stdout[-3000:]
-    left = [p.pid for p in psutil.process_iter(["cmdline"])
-            if str(out) in " ".join(p.info["cmdline"] or [])]
-    assert left == [], left
+    assert processes_mentioning(str(out)) == []
 
 
 def test_ranks_exit_when_their_launcher_dies_at_start_up(model_dir, tmp_path) -> None:
     """torchrun SIGKILLed before the rendezvous (found by `make chaos`: its ranks
     waited in the rendezvous for minutes): the rank whose launcher was already gone
     when it started, and its peer, leave within seconds with one error line."""
-    import psutil
-
     out, stamp = tmp_path / "run", tmp_path / "killed_at"
     proc = _train(model_dir, out, fault="start:1:launcher", stamp=stamp)
     down_after = time.time() - float(stamp.read_text())
@@ -255,9 +241,7 @@ def test_ranks_exit_when_their_launcher_dies_at_start_up(model_dir, tmp_path) ->
     errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
     assert errors and all("the launcher (torchrun" in e for e in errors), proc.stdout[-3000:]
     assert down_after < 20, proc.stdout[-3000:]
-    left = [p.pid for p in psutil.process_iter(["cmdline"])
-            if str(out) in " ".join(p.info["cmdline"] or [])]
-    assert left == [], left
+    assert processes_mentioning(str(out)) == []
 
 
 def test_relaunch_on_the_same_port_right_after_a_kill(model_dir, tmp_path) -> None:

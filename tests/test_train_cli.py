@@ -63,11 +63,9 @@ def test_resume_without_checkpoint_is_a_clear_error(model_dir, tmp_path) -> None
         run_torchrun(_args(model_dir, tmp_path / "empty", "--resume"), 2, timeout=300)
 
 
-def test_sigint_finishes_the_step_and_checkpoints(model_dir, tmp_path) -> None:
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           *_args(model_dir, out, "--train.num_steps=1000", "--checkpoint_every=1000")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _ctrl_c_after_two_steps(cmd: list[str], out: Path, env: dict | None):  # noqa: ANN202
+    """Starts cmd in its own session, SIGINTs its process group (what Ctrl-C does in a
+    terminal) once metrics.jsonl holds 2 rows; returns (process, merged output)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     try:
@@ -76,11 +74,21 @@ def test_sigint_finishes_the_step_and_checkpoints(model_dir, tmp_path) -> None:
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, "run did not start"
             time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the job
+        os.killpg(proc.pid, signal.SIGINT)
         stdout, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    return proc, stdout
+
+
+def test_sigint_finishes_the_step_and_checkpoints(model_dir, tmp_path) -> None:
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           *_args(model_dir, out, "--train.num_steps=1000", "--checkpoint_every=1000")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # Ctrl-C: SIGINT to the foreground group, here torchrun, which passes it to its ranks.
+    proc, stdout = _ctrl_c_after_two_steps(cmd, out, env)
     summary = _summary(stdout)
     assert summary["stop_reason"] == "signal", stdout[-3000:]
     steps = [s for s, _ in step_checkpoints(out / "checkpoints")]
@@ -98,19 +106,7 @@ def test_train_nproc_stops_on_ctrl_c_with_exit_0(model_dir, tmp_path) -> None:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hybrid_engine.cli", "train", "--nproc", "2",
            *_args(model_dir, out, "--train.num_steps=1000", "--checkpoint_every=1000")[3:]]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        metrics = out / "metrics.jsonl"
-        deadline = time.monotonic() + 240
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, "run did not start"
-            time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGINT)
-        stdout, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, stdout = _ctrl_c_after_two_steps(cmd, out, None)
     assert proc.returncode == 0 and "Traceback" not in stdout, stdout[-3000:]
     assert "rank 0 got SIGINT" in stdout and "rank 1 got SIGINT" in stdout, stdout[-3000:]
     summary = _summary(stdout)

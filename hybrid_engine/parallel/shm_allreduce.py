@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import socket
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -61,7 +60,7 @@ def register(model: nn.Module, group: dist.ProcessGroup) -> None:
                                      lambda: dist.barrier(group=group))
     if rank == 0:  # every rank has mapped every segment: the names can go
         for r in range(world):
-            (Path("/dev/shm") / f"{name}_{r}").unlink(missing_ok=True)
+            (cpu_shm.SHM / f"{name}_{r}").unlink(missing_ok=True)
     calls = [0]
 
     # No annotations: DDP checks them, and this module's are strings (__future__).

@@ -41,7 +41,8 @@ import psutil
 
 from hybrid_engine.parallel.dist import free_port  # re-exported: tests import it from here
 
-__all__ = ["RankError", "free_port", "kill_tree", "run_in_subprocess", "run_ranks", "run_torchrun"]
+__all__ = ["RankError", "free_port", "kill_tree", "processes_mentioning", "run_in_subprocess",
+           "run_ranks", "run_torchrun"]
 
 _LOG_TAIL_CHARS = 4000
 
@@ -121,6 +122,13 @@ def kill_tree(pid: int) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(family, timeout=10)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes whose command line contains text (a job's output
+    folder, a script path): what a test expects to be gone after a job ends."""
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if text in " ".join(p.info["cmdline"] or [])]
 
 
 def _dump_stacks(ranks: Mapping[int, mp.process.BaseProcess], logs: Path) -> None:
