@@ -58,11 +58,15 @@ ONE profiled step (left out of every timing).
   (= train_s x train_mfu): the train phase's distance to its floor is
   train_s / train_floor_s. train_top_ops: the profiled step's 10 ops with the
   most self time, as shares of that step (medians over jobs x ranks).
-- generate_floor_s: decoding reads every weight of the replica's TP shard once
-  per decode step: max new tokens x parameters x rollout bytes / T, at one
-  rank's copy bandwidth (mem_bandwidth_per_rank: best of 5 copies of a 512 MiB
-  tensor, read + written bytes, the rank's threads, measured after the jobs
-  like the GEMM peak). sync_floor_s: every byte the sync installs (received
+- generate_floor_s: the larger of two lower bounds. Bytes
+  (generate_floor_bytes_s): decoding reads every weight of the replica's TP
+  shard once per decode step: max new tokens x parameters x rollout bytes / T,
+  at one rank's copy bandwidth (mem_bandwidth_per_rank: best of 5 copies of a
+  512 MiB tensor, read + written bytes, the rank's threads, measured after the
+  jobs like the GEMM peak). FLOPs (generate_floor_flops_s): 2 x (body +
+  lm_head) FLOPs per sampled token, over the rollout ranks, at one
+  rank's GEMM peak in the rollout dtype (rollout_peak_per_rank_flops). W1 is
+  bound by the bytes, W2 by the FLOPs. sync_floor_s: every byte the sync installs (received
   or local) read once from the master weights and written once, at the same
   bandwidth; the network is left out. Both are lower bounds.
 - CPU time: step_user_s / step_sys_s = rank 0's user / system CPU seconds in
@@ -273,11 +277,23 @@ def _itemsize(dtype: str) -> int:
 
 
 def _gen_floor_s(params_total: int, config: dict, decode_steps: int, bandwidth: float) -> float:
-    """Decoding reads every weight of a replica's TP shard once per decode step:
-    decode_steps x params x rollout bytes / T at one rank's copy bandwidth (prefill,
-    attention and the KV cache are left out: < 5% of the bytes at these lengths)."""
+    """The bytes term of generate's floor. Decoding reads every weight of a replica's
+    TP shard once per decode step: decode_steps x params x rollout bytes / T at one
+    rank's copy bandwidth (prefill, attention and the KV cache are left out: < 5% of
+    the bytes at these lengths)."""
     tp = config["rollout"]["tensor_parallel_size"]
     return decode_steps * params_total * _itemsize(config["model"]["rollout_dtype"]) / tp / bandwidth
+
+
+def _gen_flops_floor_s(params: dict[str, int], tokens: float, rollout_ranks: int,
+                       peak: float) -> float:
+    """The compute term of generate's floor: every sampled token through the decoder
+    and the vocabulary projection, 2 x (body + lm_head) FLOPs each (prompts, which
+    the prefix cache may share, and attention's own FLOPs left out), spread over
+    the rollout ranks, at one rank's
+    GEMM peak in the rollout dtype. Large batches (W2) are bound by this term, small
+    ones (W1) by the bytes term."""
+    return 2.0 * (params["body"] + params["lm_head"]) * tokens / rollout_ranks / peak
 
 
 def _sync_floor_s(row: dict, config: dict, bandwidth: float) -> float:
@@ -375,7 +391,7 @@ def _med_iqr(row: dict, name: str, jobs: list[list[float]]) -> None:
 
 
 def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
-                peak: float, dtype: str, bandwidth: float) -> dict:
+                peak: float, dtype: str, bandwidth: float, rollout_peak: float) -> dict:
     timed = [_timed(j, args.warmup, args.steps) for j in jobs]
     params = _param_counts(preset)
     threads = _threads(nproc)
@@ -415,7 +431,12 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
     # generate and sync floors: bytes at one rank's measured copy bandwidth
     config, max_tokens = jobs[0]["config"], WORKLOADS[args.workload][2]
     row["mem_bandwidth_per_rank"] = bandwidth
-    row["generate_floor_s"] = _gen_floor_s(params["total"], config, max_tokens, bandwidth)
+    row["generate_floor_bytes_s"] = _gen_floor_s(params["total"], config, max_tokens, bandwidth)
+    row["rollout_peak_per_rank_flops"] = rollout_peak * share
+    row["generate_floor_flops_s"] = _gen_flops_floor_s(
+        params, gen, nproc - train_ranks
+        if placement == "separate" else nproc, rollout_peak * share)
+    row["generate_floor_s"] = max(row["generate_floor_bytes_s"], row["generate_floor_flops_s"])
     _med_iqr(row, "sync_floor_s", _jobs_of(timed, lambda r: _sync_floor_s(r, config, bandwidth)))
     _med_iqr(row, "train_step_s", _jobs_of(timed, lambda r: r.get("train_step_s", 0.0)))
     _med_iqr(row, "train_other_s", _jobs_of(
@@ -498,17 +519,19 @@ def _table(rows: list[dict]) -> str:
 
 def _floors(rows: list[dict]) -> str:
     """Per config: each phase against its floor (the step's floor is their sum)."""
-    head = ("| config | generate s (floor) | train s (floor) | sync s (floor) | step s (sum of "
-            "floors) | copy GB/s per rank | GEMM TFLOP/s per rank |")
+    head = ("| config | generate s (floor: bytes / FLOPs) | train s (floor) | sync s (floor) | "
+            "step s (sum of floors) | copy GB/s per rank | GEMM TFLOP/s per rank (rollout) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         floor = r["generate_floor_s"] + r["train_floor_s"] + r["sync_floor_s"]
         lines.append(
-            f"| {r['config_name']} | {r['generate_s']:.3f} ({r['generate_floor_s']:.3f}) | "
+            f"| {r['config_name']} | {r['generate_s']:.3f} ({r['generate_floor_bytes_s']:.3f} "
+            f"/ {r['generate_floor_flops_s']:.3f}) | "
             f"{r['train_s']:.3f} ({r['train_floor_s']:.3f}) | {r['sync_s']:.3f} "
             f"({r['sync_floor_s']:.3f}) | {r['step_s']:.3f} ({floor:.3f}) | "
             f"{r['mem_bandwidth_per_rank'] / 1e9:.1f} | "
-            f"{r['matmul_peak_per_rank_flops'] / 1e12:.2f} |")
+            f"{r['matmul_peak_per_rank_flops'] / 1e12:.2f} "
+            f"({r['rollout_peak_per_rank_flops'] / 1e12:.2f}) |")
     return "\n".join(lines)
 
 
@@ -552,7 +575,8 @@ def _chart(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-HEADLINE_KEYS = ("step_s", "step_s_iqr", "generate_s", "generate_floor_s", "score_s", "train_s",
+HEADLINE_KEYS = ("step_s", "step_s_iqr", "generate_s", "generate_floor_s",
+                 "generate_floor_bytes_s", "generate_floor_flops_s", "score_s", "train_s",
                  "train_floor_s", "sync_s", "sync_floor_s", "step_user_s", "step_sys_s",
                  "mem_bandwidth_per_rank",
                  "overhead_s", "overhead_frac", "train_mfu", "train_mfu_iqr", "matmul_peak_flops",
@@ -577,8 +601,12 @@ def main(argv=None) -> None:
                                      work / f"c{c}-{preset}-n{n}-{placement}-j{j}", work))
             dtype = jobs[0]["config"]["model"]["compute_dtype"]
             peak = _matmul_peak(_threads(n), dtype)  # after the jobs: nothing else runs
+            rollout_dtype = jobs[0]["config"]["model"]["rollout_dtype"]
+            rollout_peak = peak if rollout_dtype == dtype else _matmul_peak(_threads(n),
+                                                                            rollout_dtype)
             bandwidth = _mem_bandwidth(_threads(n))
-            row = _config_row(args, preset, n, placement, jobs, peak, dtype, bandwidth)
+            row = _config_row(args, preset, n, placement, jobs, peak, dtype, bandwidth,
+                              rollout_peak)
             row["overrides"] = [*args.set, *sets]
             row["config_name"] = args.configs[c].partition("@")[0].split("+")[0] + \
                 "".join(f"+{kv}" for kv in sets)
@@ -605,10 +633,12 @@ def main(argv=None) -> None:
         f"({GEMM_N}^3, training dtype, the rank's threads, measured in this run). Ranks share "
         "the machine's cores (OMP threads = cores // N); with more ranks than cores they "
         f"time-share them. Headline: {names[rows.index(head)]}.\n\n"
-        f"{table}\n\n![phases]({chart.name})\n\nEach phase against its floor (generate: "
-        "every weight of the TP shard read once per decode step (max new tokens), sync: every "
-        "installed byte read from the master weights and written once, both at one rank's "
-        "measured copy bandwidth; train: model FLOPs at the per-rank GEMM peak):\n\n"
+        f"{table}\n\n![phases]({chart.name})\n\nEach phase against its floor (generate: the "
+        "larger of every weight of the TP shard read once per decode step (max new tokens) "
+        "and 2 x parameters FLOPs per sampled token at the rollout ranks' GEMM peak in the "
+        "rollout dtype; sync: every installed byte read from the master weights and written "
+        "once; bytes at one rank's measured copy bandwidth; train: model FLOPs at the "
+        "per-rank GEMM peak):\n\n"
         f"{_floors(rows)}\n\nThe profiled train step's top 10 ops by "
         f"self time (share of that step, median over jobs x ranks):\n\n{_top_ops(rows)}\n\n"
         f"```json\n{json.dumps(rows, indent=1)}\n```\n")

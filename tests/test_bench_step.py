@@ -56,6 +56,9 @@ def test_generate_and_sync_floors_are_bytes_over_bandwidth() -> None:
            "model": {"rollout_dtype": "bfloat16", "master_dtype": "float32"}}
     # 16 decode steps, each reading the TP shard: 1000 params x 2 bytes / T=2
     assert bench_step._gen_floor_s(1000, cfg, 16, 1e3) == pytest.approx(16 * 1000 * 2 / 2 / 1e3)
+    # the FLOPs term: 2 x (body + lm_head) per sampled token, over the rollout ranks
+    p = {"body": 900, "lm_head": 100, "total": 1100}
+    assert bench_step._gen_flops_floor_s(p, 64, 2, 1e3) == pytest.approx(2 * 1000 * 64 / 2 / 1e3)
     # 300 installed bf16 bytes: read as fp32 (600) and written (300)
     row = {"sync_bytes_received": 200.0, "sync_bytes_local": 100.0}
     assert bench_step._sync_floor_s(row, cfg, 1e3) == pytest.approx(0.9)
@@ -117,6 +120,8 @@ def _check_row(r: dict) -> None:
     # every phase has a floor below it (lower bounds from measured bandwidth and peak)
     assert r["mem_bandwidth_per_rank"] > 1e8
     assert 0 < r["generate_floor_s"] < r["generate_s"] and 0 < r["sync_floor_s"] < r["sync_s"]
+    assert r["generate_floor_s"] == max(r["generate_floor_bytes_s"], r["generate_floor_flops_s"])
+    assert r["generate_floor_flops_s"] > 0 and r["rollout_peak_per_rank_flops"] > 0
     # rank 0's CPU time per phase reaches the report (its meaning: tests/test_phase_timer.py;
     # shares of the wall are left out here: under load a rank waits in collectives)
     assert r["step_user_s"] > 0 and r["train_user_s"] > 0 and r["step_sys_s"] >= 0

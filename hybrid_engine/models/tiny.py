@@ -154,6 +154,19 @@ PRESETS: dict[str, TinyModelSpec] = {
         vocab_size=32000,
         max_position_embeddings=4096,
     ),
+    # ~180M params, nearly all in the decoder (vocab 512): the job of issue 17's
+    # measurement against a colocated peer (hidden 896, 12 layers, 14 heads,
+    # 2 KV heads, intermediate 4864), used by bench_peer and issue 17's bench_step runs.
+    "qwen2-180m-v512": TinyModelSpec(
+        arch="qwen2",
+        hidden_size=896,
+        num_layers=12,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    ),
 }
 """Named specs; use ``dataclasses.replace(PRESETS[name], ...)`` for variants."""
 
