@@ -390,18 +390,38 @@ def clip_and_step(
         (grad_norm before clipping, lr used, skipped).
     """
     with torch.profiler.record_function(_OPTIMIZER_RANGE):  # free unless profiled
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for g in optimizer.param_groups for p in g["params"]], grad_clip
-        )
-        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        in_kernel = _clips_in_kernel(optimizer, params)
+        if in_kernel:
+            total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        else:
+            total = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        grad_norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
         lr = scheduler.get_last_lr()[0]
         skipped = not math.isfinite(grad_norm)
         if not skipped:
+            if in_kernel:
+                # clip_grad_norm_'s coefficient, min(1, clip / (norm + 1e-6)), applied
+                # by the fused kernel as it reads each gradient (it divides by grad_scale)
+                coef = grad_clip / (grad_norm + 1e-6)
+                optimizer.grad_scale = (torch.tensor(1.0 / coef, device=params[0].device)
+                                        if coef < 1.0 else None)
             optimizer.step()
+            optimizer.grad_scale = None
             if advance_lr:
                 scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return grad_norm, lr, skipped
+
+
+def _clips_in_kernel(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> bool:
+    """True when clipping can ride on the optimizer's own pass over the
+    gradients: torch's fused AdamW over plain tensors, whose `grad_scale`
+    divides every gradient as the kernel reads it. It saves clip_grad_norm_'s
+    separate read-modify-write of every gradient (on CPU one of the few passes
+    over the whole model per step). FSDP2's DTensors keep clip_grad_norm_."""
+    return (bool(optimizer.defaults.get("fused")) and bool(params)
+            and not any(isinstance(p, DTensor) for p in params))
 
 
 class Trainer:

@@ -474,6 +474,42 @@ def test_lr_schedule_warmup_then_cosine():
     assert constant(0) == constant(1000) == 1.0
 
 
+@pytest.mark.parametrize("grad_scale", [10.0, 0.01])  # clipped, and under the clip
+def test_clipping_in_the_fused_kernel_equals_clip_grad_norm(grad_scale):
+    """Replicated (plain) parameters under fused AdamW: the clip coefficient rides on
+    the kernel's grad_scale instead of clip_grad_norm_'s pass over the gradients. The
+    norm, the optimizer state (exp_avg = (1 - beta1) x the clipped gradient) and the
+    weights equal clip_grad_norm_ + torch's per-tensor AdamW; were the coefficient
+    dropped, exp_avg would be 10x too large in the clipped case."""
+    from hybrid_engine.roles.trainer import _clips_in_kernel, clip_and_step
+
+    g = torch.Generator().manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(64, 32, generator=g)),
+           torch.nn.Parameter(torch.randn(32, generator=g))]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt_ref = torch.optim.AdamW(ref, lr=1e-2, fused=False)
+    opt = torch.optim.AdamW(ours, lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    assert _clips_in_kernel(opt, ours) and not _clips_in_kernel(opt_ref, ref)
+    for _ in range(2):
+        grads = [torch.randn(p.shape, generator=g) * grad_scale for p in ref]
+        for p, grad in zip(ref, grads):
+            p.grad = grad.clone()
+        for p, grad in zip(ours, grads):
+            p.grad = grad.clone()
+        norm_ref = float(torch.nn.utils.clip_grad_norm_(ref, 1.0))
+        opt_ref.step()
+        opt_ref.zero_grad()
+        norm, _, skipped = clip_and_step(opt, sched, 1.0)
+        assert not skipped and norm == pytest.approx(norm_ref, rel=1e-6)
+        assert (norm_ref > 1.0) == (grad_scale > 1.0)
+        assert opt.grad_scale is None and all(p.grad is None for p in ours)
+        for a, b in zip(ref, ours):
+            torch.testing.assert_close(opt.state[b]["exp_avg"], opt_ref.state[a]["exp_avg"],
+                                       rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
 def test_token_logprobs_chunked_equals_full_with_gradients():
     from hybrid_engine.roles.trainer import token_logprobs
 
