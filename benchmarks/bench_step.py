@@ -65,8 +65,9 @@ ONE profiled step (left out of every timing).
   512 MiB tensor, read + written bytes, the rank's threads, measured after the
   jobs like the GEMM peak). FLOPs (generate_floor_flops_s): 2 x (body +
   lm_head) FLOPs per sampled token, over the rollout ranks, at one
-  rank's GEMM peak in the rollout dtype (rollout_peak_per_rank_flops). W1 is
-  bound by the bytes, W2 by the FLOPs. sync_floor_s: every byte the sync installs (received
+  rank's GEMM peak in the rollout dtype (rollout_peak_per_rank_flops). On the
+  180M presets on 1 thread per rank the FLOPs term is the larger: narrowly on W1
+  (0.22 s against 0.13), 7x on W2. sync_floor_s: every byte the sync installs (received
   or local) read once from the master weights and written once, at the same
   bandwidth; the network is left out. Both are lower bounds.
 - CPU time: step_user_s / step_sys_s = rank 0's user / system CPU seconds in
@@ -290,9 +291,7 @@ def _gen_flops_floor_s(params: dict[str, int], tokens: float, rollout_ranks: int
     """The compute term of generate's floor: every sampled token through the decoder
     and the vocabulary projection, 2 x (body + lm_head) FLOPs each (prompts, which
     the prefix cache may share, and attention's own FLOPs left out), spread over
-    the rollout ranks, at one rank's
-    GEMM peak in the rollout dtype. Large batches (W2) are bound by this term, small
-    ones (W1) by the bytes term."""
+    the rollout ranks, at one rank's GEMM peak in the rollout dtype."""
     return 2.0 * (params["body"] + params["lm_head"]) * tokens / rollout_ranks / peak
 
 
@@ -433,9 +432,9 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
     row["mem_bandwidth_per_rank"] = bandwidth
     row["generate_floor_bytes_s"] = _gen_floor_s(params["total"], config, max_tokens, bandwidth)
     row["rollout_peak_per_rank_flops"] = rollout_peak * share
-    row["generate_floor_flops_s"] = _gen_flops_floor_s(
-        params, gen, nproc - train_ranks
-        if placement == "separate" else nproc, rollout_peak * share)
+    rollout_ranks = nproc - train_ranks if placement == "separate" else nproc
+    row["generate_floor_flops_s"] = _gen_flops_floor_s(params, gen, rollout_ranks,
+                                                       rollout_peak * share)
     row["generate_floor_s"] = max(row["generate_floor_bytes_s"], row["generate_floor_flops_s"])
     _med_iqr(row, "sync_floor_s", _jobs_of(timed, lambda r: _sync_floor_s(r, config, bandwidth)))
     _med_iqr(row, "train_step_s", _jobs_of(timed, lambda r: r.get("train_step_s", 0.0)))

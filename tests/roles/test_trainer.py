@@ -600,6 +600,9 @@ def test_micro_batch_split_does_not_change_the_update(two_ranks, variant):
         assert r["diff"] < WEIGHT_ATOL
         assert r["losses"] == pytest.approx(base["losses"][:3], rel=1e-6)
         assert r["grad_norms"] == pytest.approx(base["grad_norms"][:3], rel=1e-5)
+        # clipping (1.0) binds in these steps, so `replicate` also checks the clip
+        # that rides on fused AdamW's grad_scale (clip_and_step) against FSDP2's clip_grad_norm_
+        assert max(base["grad_norms"][:3]) > 1.0
 
 
 def test_grad_op_gathers_and_reduces_once_per_step(two_ranks):
