@@ -6,6 +6,13 @@ Job: the RL loop of DESIGN.md and nothing else --
     [-> again, while the algorithm wants more prompts: dynamic sampling]
     -> advantages -> skip if no sample carries signal -> train -> sync -> metrics
 
+With rollout.max_staleness = k > 0 the generation runs k steps ahead: step s
+starts the batch of step s + k (`policy.collect_async`, sampled with the
+weights of step s) and trains on the batch started k steps earlier, so under
+separate placement the rollout ranks generate while the trainer ranks train.
+Each trajectory carries the step whose weights sampled it (policy_version);
+its staleness s - policy_version is at most k and reported per step.
+
 plus exit conditions (steps, wall time, reward EMA, the guards' aborts), evaluation on held-out
 prompts (at step 0, every eval_every steps and after the last step), periodic
 checkpoints and a clean stop on SIGINT/SIGTERM.
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -38,8 +46,10 @@ from hybrid_engine.config import RunConfig
 from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.metrics import PhaseTimer, trajectory_metrics
 from hybrid_engine.parallel import signals
+from hybrid_engine.policy.ahead import Ready
+from hybrid_engine.trajectory import trajectory_from_json, trajectory_to_json
 
-__all__ = ["Controller", "Checkpointer", "any_rank"]
+__all__ = ["Controller", "Checkpointer", "any_rank", "staleness_metrics"]
 
 _ROUND_SEED = 7_919_999  # a refill round's sampling seed offset (far from any step count)
 
@@ -73,7 +83,10 @@ class Controller:
 
     Args:
         policy: `collect(env, prompts, num_samples=, seed=, greedy=)`,
-            `train_step(trajs, loss_fn)`, `sync_weights()` (e.g. `HybridActor`).
+            `train_step(trajs, loss_fn)`, `sync_weights()` (e.g. `HybridActor`);
+            with rollout.max_staleness > 0 also `collect_async(env, prompts,
+            num_samples=, seed=)` -> a handle whose `result()` (collective)
+            returns (trajectories, seconds the engine spent on them).
         env: `sample_prompts(n)`, `eval_prompts(n)`, `score(trajs)`,
             `state_dict()`, `load_state_dict()`.
         algorithm: `compute_advantages(trajs)`, `prompts_wanted(trajs, rounds)`,
@@ -99,6 +112,8 @@ class Controller:
         self.checkpointer, self.on_metrics = checkpointer, on_metrics or (lambda s, m: None)
         self.guards = guards or Guards(cfg)
         self.state = _State()
+        # rollout.max_staleness: (version, handle) of the batches of steps s, s+1, ...
+        self._ahead: deque[tuple[int, Any]] = deque()
 
     # --- state ---------------------------------------------------------------------
 
@@ -110,33 +125,69 @@ class Controller:
     def load_state_dict(self, d: dict) -> None:
         self.state = _State(d["step"], d["reward_ema"], d["wall_s"], list(d["history"]))
         self.env.load_state_dict(d["env"])
+        self._ahead = deque((b["version"], Ready([trajectory_from_json(t) for t in b["trajs"]],
+                                                 b["generate_s"]))
+                            for b in d.get("ahead", []))
+
+    def _ahead_state(self) -> list[dict]:
+        """The batches generated ahead, finished and JSON-able (collective: waits)."""
+        out = []
+        for version, handle in self._ahead:
+            trajs, seconds = handle.result()
+            out.append({"version": version, "generate_s": seconds,
+                        "trajs": [trajectory_to_json(t) for t in trajs]})
+        return out
 
     # --- one step ------------------------------------------------------------------
 
-    def _sample(self, timer: PhaseTimer) -> tuple[list, int]:
+    def _submit(self, step: int, want: int, rounds: int) -> tuple[int, Any]:
+        """Starts the generation of `want` prompt groups for step's round `rounds`
+        with the current weights: (their version, the handle)."""
+        prompts = self.env.sample_prompts(want)
+        seed = self.cfg.seed * 1_000_003 + step + rounds * _ROUND_SEED
+        return self.state.step, self.policy.collect_async(
+            self.env, prompts, num_samples=self.cfg.rollout.num_samples_per_prompt, seed=seed)
+
+    def _sample(self, timer: PhaseTimer) -> tuple[list, int, float]:
         """Generates and scores prompt groups, in rounds while the algorithm wants
-        more (dynamic sampling); returns every trajectory and the round count."""
-        trajs, rounds, want = [], 0, self.cfg.train.prompts_per_step
+        more (dynamic sampling); returns every trajectory, the round count and
+        the engine's seconds on them. max_staleness = k > 0: the first round is
+        the batch started k steps ago, and the batch of step s + k starts now."""
+        trajs, rounds, want, busy_s = [], 0, self.cfg.train.prompts_per_step, 0.0
+        s, k = self.state.step, self.cfg.rollout.max_staleness
         while want:
-            prompts = self.env.sample_prompts(want)
-            seed = self.cfg.seed * 1_000_003 + self.state.step + rounds * _ROUND_SEED
             with timer.phase("generate"):
-                new = self.policy.collect(self.env, prompts,
-                                          num_samples=self.cfg.rollout.num_samples_per_prompt,
-                                          seed=seed)
+                if not k:
+                    prompts = self.env.sample_prompts(want)
+                    seed = self.cfg.seed * 1_000_003 + s + rounds * _ROUND_SEED
+                    new, version = self.policy.collect(
+                        self.env, prompts, num_samples=self.cfg.rollout.num_samples_per_prompt,
+                        seed=seed), s
+                else:
+                    if rounds == 0:
+                        while len(self._ahead) <= k:  # the batches of steps s .. s + k
+                            self._ahead.append(self._submit(s + len(self._ahead), want, 0))
+                        version, handle = self._ahead.popleft()
+                    else:  # a refill round: now, with the current weights
+                        version, handle = self._submit(s, want, rounds)
+                    new, seconds = handle.result()
+                    busy_s += seconds
+            for t in new:
+                t.policy_version = version
             with timer.phase("score"):
                 self.env.score(new)
                 for scorer in self.scorers:
                     scorer.score(new)
             trajs, rounds = trajs + new, rounds + 1
             want = self.algorithm.prompts_wanted(trajs, rounds)
-        return trajs, rounds
+        return trajs, rounds, busy_s
 
     def step(self) -> dict[str, float]:
         """One RL step; returns its metrics (identical on every rank)."""
         timer = PhaseTimer()
-        trajs, rounds = self._sample(timer)
-        m = {**trajectory_metrics(trajs), **self.algorithm.compute_advantages(trajs)}
+        trajs, rounds, busy_s = self._sample(timer)
+        m = {**trajectory_metrics(trajs), **self.algorithm.compute_advantages(trajs),
+             **staleness_metrics(trajs, self.state.step, self.cfg.rollout.max_staleness)}
         train = self.algorithm.select(trajs)
         m.update(sampling_rounds=float(rounds), train_samples=float(len(train)),
                  skipped_degenerate=float(not train))
@@ -150,7 +201,10 @@ class Controller:
         m.update(timer.metrics)
         # Sampled tokens (loss_mask: not env/tool tokens), each sample once, per generate second.
         m["generated_tokens"] = float(sum(sum(t.loss_mask) for t in trajs))
-        m["gen_tok_s"] = m["generated_tokens"] / max(m["generate_s"], 1e-9)
+        if self.cfg.rollout.max_staleness:  # generate_s is then the step's wait for them
+            m["generate_busy_s"] = busy_s
+        m["gen_tok_s"] = m["generated_tokens"] / max(m.get("generate_busy_s", m["generate_s"]),
+                                                     1e-9)
         return m
 
     def evaluate(self) -> dict[str, float]:
@@ -224,5 +278,16 @@ class Controller:
             return
         extra = self.state_dict()
         extra["wall_s"] = self.state.wall_s + time.monotonic() - t_start
+        extra["ahead"] = self._ahead_state()
         self.checkpointer.save(self.state.step, extra)
+
+
+def staleness_metrics(trajs: Sequence[Any], step: int, k: int) -> dict[str, float]:
+    """staleness_mean / _max over the step's samples (step - policy_version) and,
+    with k > 0, the fraction at each staleness 0..k (staleness/<d>)."""
+    st = [step - t.policy_version for t in trajs] or [0]
+    out = {"staleness_mean": sum(st) / len(st), "staleness_max": float(max(st))}
+    if k:
+        out.update({f"staleness/{d}": st.count(d) / len(st) for d in range(k + 1)})
+    return out
 

@@ -143,6 +143,7 @@ class MetricsSink:
         _append(self.path, (json.dumps(row) + "\n").encode())
         for k, v in metrics.items():
             self.writer.add_scalar(k, float(v), step)
+        _staleness_histogram(self.writer, step, metrics)
         self.writer.flush()
         if step % self.log_every == 0 or "eval/accuracy" in metrics:
             log.info("%s", format_line(step, metrics))
@@ -150,6 +151,22 @@ class MetricsSink:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _staleness_histogram(writer: Any, step: int, metrics: Mapping[str, float]) -> None:
+    """The step's staleness distribution (the controller's staleness/<d> fractions)
+    as a TensorBoard histogram, one bucket per staleness d."""
+    frac = {int(k.split("/", 1)[1]): float(v) for k, v in metrics.items()
+            if k.startswith("staleness/")}
+    if not frac:
+        return
+    ds = sorted(frac)
+    writer.add_histogram_raw(
+        "staleness", min=float(min(d for d in ds if frac[d]) if any(frac.values()) else 0),
+        max=float(max((d for d in ds if frac[d]), default=0)), num=1.0,
+        sum=sum(d * frac[d] for d in ds), sum_squares=sum(d * d * frac[d] for d in ds),
+        bucket_limits=[d + 0.5 for d in ds], bucket_counts=[frac[d] for d in ds],
+        global_step=step)
 
 
 def _append(path: Path, data: bytes) -> None:

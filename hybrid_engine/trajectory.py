@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["TrainBatch", "Trajectory", "collate_trajectories", "micro_batch_bounds"]
+__all__ = ["TrainBatch", "Trajectory", "collate_trajectories", "micro_batch_bounds",
+           "trajectory_from_json", "trajectory_to_json"]
 
 FloatSeq = Sequence[float] | Tensor
 
@@ -51,6 +52,9 @@ class Trajectory:
         old_logp: R trainer log-probs under the rollout's weights (filled by the
             policy before the first of several updates of a step; else None).
         group_id: the prompt group this sample belongs to.
+        policy_version: the version of the weights that sampled it: the number
+            of RL steps trained before them (its staleness at step s is
+            s - policy_version; `rollout.max_staleness` bounds it).
         info: free-form metadata; always has "degenerate" (bool, default False).
     """
 
@@ -64,6 +68,7 @@ class Trajectory:
     ref_logp: FloatSeq | None = None
     old_logp: FloatSeq | None = None
     group_id: int = 0
+    policy_version: int = 0
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,6 +96,26 @@ class Trajectory:
     def num_tokens(self) -> int:
         """Prompt plus response length."""
         return len(self.prompt_ids) + len(self.response_ids)
+
+
+def trajectory_to_json(t: Trajectory) -> dict[str, Any]:
+    """t as JSON-able values (tensors as lists; floats round-trip exactly)."""
+    return {f.name: _plain(getattr(t, f.name)) for f in dataclasses.fields(t)}
+
+
+def trajectory_from_json(d: dict[str, Any]) -> Trajectory:
+    """Inverse of `trajectory_to_json`."""
+    return Trajectory(**d)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        return v.tolist()
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
 
 
 def micro_batch_bounds(

@@ -167,6 +167,16 @@ class RolloutConfig:
         "train.sharding=auto: the per-rank budget its layout must fit in.",
         gt=0, le=1,
     )
+    max_staleness: int = _field(
+        0,
+        "k: generation runs k steps ahead of training; the batch a step trains on was "
+        "sampled with weights up to k optimizer steps old (its staleness, reported per "
+        "step). 0 = synchronous (generate, then train on it). With placement=separate and "
+        "k >= 1 the rollout ranks generate the next batch while the trainer ranks train "
+        "(step ~ max(generate, train)); colocated, the phases still take turns. k > 0 needs "
+        "algorithm.behaviour_logp=rollout or algorithm.tis_cap (the importance correction).",
+        ge=0,
+    )
     emulate_gpu_sleep: bool = _field(
         False,
         "CPU only (tests): make release_memory lose the weights as GPU sleep level 2 does -- "
@@ -506,6 +516,13 @@ class RunConfig:
         if self.placement == "separate" and self.train.offload_optimizer:
             raise ValueError("train.offload_optimizer needs placement=colocated: under "
                              "placement=separate the trainer ranks hold no vLLM engine")
+        a = self.algorithm
+        if self.rollout.max_staleness and a.behaviour_logp != "rollout" and a.tis_cap is None:
+            raise ValueError(
+                f"rollout.max_staleness={self.rollout.max_staleness} trains on batches sampled "
+                "with older weights: set algorithm.behaviour_logp=rollout (the ratio to the "
+                "sampling policy) or algorithm.tis_cap (truncated importance weights); without "
+                "either the loss would treat stale samples as on-policy")
 
     def validate_for_run(self) -> None:
         """Checks that only hold right before launch (not for recipes or tests).

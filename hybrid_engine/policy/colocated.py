@@ -72,6 +72,7 @@ from hybrid_engine.parallel.sharding import (
     shard_group_size,
 )
 from hybrid_engine.parallel.shards import gather_response_field, local_batch
+from hybrid_engine.policy.ahead import Ready, timed
 from hybrid_engine.policy.memory import ReleasePolicy
 from hybrid_engine.policy.phases import Phases
 from hybrid_engine.policy.updates import policy_updates
@@ -291,6 +292,14 @@ class HybridActor:
         with self._sampling(greedy):
             return collect(self.rollout, env, [list(p) for p in prompts],
                            num_samples=num_samples, seed=seed)
+
+    def collect_async(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
+                      seed: int) -> Ready:
+        """`collect` now (the layouts take turns on the device, so nothing overlaps),
+        as a handle: `result()` returns (trajectories, generate seconds)."""
+        trajs, seconds = timed(lambda: self.collect(env, prompts, num_samples=num_samples,
+                                                    seed=seed))
+        return Ready(trajs, seconds)
 
     # --- training ----------------------------------------------------------------
 

@@ -9,6 +9,12 @@ its whole TP shard, cast to the rollout dtype in the pack kernel).
 
     generate / collect   rollout ranks sample; the trajectories are broadcast
                          from rank M, so every rank holds the same list
+    collect_async        rollout.max_staleness > 0: the rollout ranks' generation
+                         thread samples the batch while the main thread goes on
+                         (trains, syncs: the overlap); `result()` broadcasts it
+                         (`policy.ahead`). The sync lands in the engine's back
+                         buffers while a generation runs and is installed
+                         between batches, never inside one
     train_step           trainer ranks step; metrics broadcast from rank 0
     sync_weights         trainer ranks send, rollout ranks receive and re-pack
     trainer_side(role)   a reference or critic: built on the trainer ranks,
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybrid_engine.policy.ahead import GenerationThread, Inflight
 from hybrid_engine.policy.colocated import greedy_sampling, policy_train, train_batch
 from hybrid_engine.algorithms.losses import LossFn
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
@@ -97,15 +104,15 @@ class _SharedRollout:
     """What `episodes.collect` needs of a rollout: generate() samples on the
     rollout ranks and returns the same Completions on every rank."""
 
-    def __init__(self, engine: Any, cfg: RolloutConfig, src: int) -> None:
-        self.engine, self.cfg, self.src = engine, cfg, src
+    def __init__(self, engine: Any, cfg: RolloutConfig, src: int | None) -> None:
+        self.engine, self.cfg, self.src = engine, cfg, src  # src None: no broadcast
 
     def generate(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> Completions:
         out = None
         if self.engine is not None:
             self.engine.cfg = self.cfg  # greedy evaluation swaps the sampling config
             out = self.engine.generate(prompts, **kwargs)
-        return _from_rank(self.src, out)
+        return out if self.src is None else _from_rank(self.src, out)
 
 
 class TrainerSide:
@@ -199,6 +206,12 @@ class SeparatePolicy:
         set_collective_timeout(cfg.collective_timeout_s,
                                [g for g in all_groups() if g not in host_groups])
         self._shared = _SharedRollout(self.rollout, cfg.rollout, src=self.num_trainers)
+        # Generation ahead of training (rollout.max_staleness): the rollout ranks'
+        # generation thread samples through _local (no broadcast: result() shares).
+        self._local = _SharedRollout(self.rollout, cfg.rollout, src=None)
+        self._gen = GenerationThread()
+        if self.rollout is not None:
+            self.rollout.double_buffer = cfg.rollout.max_staleness > 0
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         # Both sides loaded the same file; a master dtype narrower than fp32 rounded
@@ -217,6 +230,7 @@ class SeparatePolicy:
     def generate(self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
                  seed: int = 0, greedy: bool = False, **kwargs: Any) -> Completions:
         """K completions per prompt, the same on every rank (collective)."""
+        self._gen.drain()  # the engine serves one thread at a time
         if self._stale:
             self.sync_weights()
         with self._sampling(greedy):
@@ -227,11 +241,29 @@ class SeparatePolicy:
         """Trajectories of env for prompts, unscored, the same on every rank (collective)."""
         from hybrid_engine.rollout.episodes import collect
 
+        self._gen.drain()  # the engine serves one thread at a time
         if self._stale:
             self.sync_weights()
         with self._sampling(greedy):
             return collect(self._shared, env, [list(p) for p in prompts],
                            num_samples=num_samples, seed=seed)
+
+    def collect_async(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
+                      seed: int) -> Inflight:
+        """Starts sampling a batch of env's trajectories on the rollout ranks'
+        generation thread, with the weights the trainer has now (syncs first if
+        they changed); returns at once. `result()` (collective) waits and
+        returns (trajectories, generate seconds) on every rank."""
+        from hybrid_engine.rollout.episodes import collect
+
+        if self._stale:
+            self.sync_weights()
+        future = None
+        if self.rollout is not None:
+            ids = [list(p) for p in prompts]
+            future = self._gen.submit(lambda: collect(self._local, env, ids,
+                                                      num_samples=num_samples, seed=seed))
+        return Inflight(future, lambda obj: _from_rank(self.num_trainers, obj))
 
     # --- training ----------------------------------------------------------------
 
@@ -262,7 +294,8 @@ class SeparatePolicy:
     def sync_weights(self) -> dict[str, float]:
         """Trainer ranks' weights into the rollout ranks' engines (collective);
         the metrics of the first rollout rank (bytes it received, re-pack time)."""
-        m = self.syncer.sync(self.trainer.module if self.is_trainer else None, self.rollout)
+        m = self.syncer.sync(self.trainer.module if self.is_trainer else None, self.rollout,
+                             before_install=self._gen.drain)
         self._stale = False
         return _from_rank(self.num_trainers, m)
 
@@ -304,6 +337,7 @@ class SeparatePolicy:
         """Stops the engine (rollout ranks); destroys the group if this object made it."""
         if self._watchdog is not None:
             watchdog.stop()  # a clean shutdown is not a silent rank
+        self._gen.shutdown()
         if self.rollout is not None:
             self.rollout.shutdown()
         if self._owns_group and dist.is_initialized():

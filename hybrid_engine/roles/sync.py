@@ -137,14 +137,24 @@ class WeightSync:
             raise ValueError(f"model lacks parameters the plan needs: {sorted(missing)[:5]}")
         return out
 
-    def sync(self, model: torch.nn.Module | None, rollout: VLLMRollout | None) -> dict[str, float]:
+    def sync(self, model: torch.nn.Module | None, rollout: VLLMRollout | None, *,
+             before_install: Callable[[], None] | None = None) -> dict[str, float]:
         """Writes model's current weights into rollout; returns timing/bytes metrics.
 
         Collective over the plan's world. Separate placement: model is None on
         rollout-only ranks, rollout is None on trainer-only ranks.
+
+        before_install: called on rollout ranks right before the engine's live
+            weights change (separate placement with generation ahead: waits for
+            the generation thread). With `rollout.double_buffer` the transfer
+            lands in back buffers first, so it overlaps a running generation and
+            only the install waits; sync.method='naive' loads into the live
+            weights, so it waits before the transfer.
         """
         t0 = time.perf_counter()
         if self.cfg.method == "naive":
+            if rollout is not None and before_install is not None:
+                before_install()
             return self._sync_naive(model, rollout, t0)
         if self.gather is not None:
             if rollout is None or model is None:
@@ -174,8 +184,12 @@ class WeightSync:
             rollout.install_staged()  # frees the staging arena for the next group
 
         stats = self.executor.run(self._sources(model), targets, on_group=done)
-        repack_s = 0.0
+        repack_s = wait_s = 0.0
         if rollout is not None:
+            if before_install is not None:
+                t_wait = time.perf_counter()
+                before_install()
+                wait_s = time.perf_counter() - t_wait
             repack_s = rollout.commit_weights()
             rollout.mark_weights_written()
         return {
@@ -185,6 +199,7 @@ class WeightSync:
             "sync_local_s": stats.local_s, "sync_pack_s": stats.pack_s,
             "sync_exchange_s": stats.exchange_s, "sync_unpack_s": stats.unpack_s,
             "sync_staging_bytes": float(rollout.staging_bytes if rollout is not None else 0),
+            "sync_install_wait_s": wait_s,
         }
 
     def _sync_naive(self, model: torch.nn.Module | None, rollout: VLLMRollout | None,

@@ -143,6 +143,11 @@ class VLLMRollout:
         self.weights_valid = True
         self.staging_bytes = 0  # size of the staging arena (largest group staged)
         self._arena: torch.Tensor | None = None
+        # Separate placement with generation ahead: a sync writes every weight into
+        # back buffers (a second copy), installed only by commit_weights(), so a
+        # generation running meanwhile never reads half-written weights.
+        self.double_buffer = False
+        self._back: dict[str, torch.Tensor] = {}
         self._repack_s = 0.0
         self._max_prompt_len = cfg.max_model_len - cfg.max_tokens
         self.num_truncated = 0
@@ -316,9 +321,11 @@ class VLLMRollout:
             vLLM's own loading). Call install_staged() before asking for the
             next names: the arena is reused.
         """
-        assert not self._staging, "install_staged() the previous targets first"
         params = dict(self._model().named_parameters())
         dtype = vllm_compat.model_dtype(self.llm)
+        if self.double_buffer:
+            return self._back_targets(shapes, params, dtype)
+        assert not self._staging, "install_staged() the previous targets first"
         out, staged = {}, []
         for name, (rows, cols) in shapes.items():
             p = params.get(name)
@@ -341,10 +348,28 @@ class VLLMRollout:
         self.staging_bytes = max(self.staging_bytes, need)
         return out
 
-    def install_staged(self) -> float:
+    def _back_targets(self, shapes: Mapping[str, tuple[int, int]], params: dict,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """double_buffer: every target is a persistent back buffer (allocated on
+        first use, reused by every later sync), installed by commit_weights()."""
+        out = {}
+        for name, (rows, cols) in shapes.items():
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"vLLM model has no parameter {name!r}")
+            buf = self._back.get(name)
+            if buf is None or tuple(buf.shape) != (rows, cols):
+                buf = self._back[name] = torch.empty(rows, cols, dtype=dtype, device=p.device)
+            self._staging[name] = out[name] = buf
+        self.staging_bytes = sum(b.numel() * b.element_size() for b in self._back.values())
+        return out
+
+    def install_staged(self, *, final: bool = False) -> float:
         """Installs the staged weights (CPU: the backend re-packs them); frees the
-        arena for reuse. Returns the seconds spent."""
-        if not self._staging:
+        arena for reuse. Returns the seconds spent. With double_buffer only the
+        final call (commit_weights) installs: the back buffers hold the whole
+        model until then."""
+        if not self._staging or (self.double_buffer and not final):
             return 0.0
         t0 = time.perf_counter()
         modules = dict(self._model().named_modules())
@@ -365,7 +390,7 @@ class VLLMRollout:
         copies the backend keeps (CPU: vocab-parallel lm_head, and embed_tokens
         when tied), resets the prefix cache. Returns the seconds spent
         re-packing during this sync."""
-        self.install_staged()
+        self.install_staged(final=True)
         self._repack_s += self.backend.refresh_packed(self._model())
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         repack_s, self._repack_s = self._repack_s, 0.0

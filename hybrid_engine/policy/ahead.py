@@ -1,0 +1,121 @@
+"""Batches generated ahead of training (`rollout.max_staleness`): what `collect_async` returns.
+
+Job: a policy's `collect_async(env, prompts, num_samples=, seed=)` starts the
+generation of a batch and returns a handle; `handle.result()` (collective)
+returns `(trajectories, generate_s)`, the same on every rank, where
+generate_s is the seconds the engine spent on that batch (not the caller's
+wait). Two kinds:
+
+    Ready        generated already (colocated: the device takes turns, so
+                 the batch is sampled at once; a batch restored from a
+                 checkpoint)
+    Inflight     separate placement: a rollout rank's generation thread
+                 (`GenerationThread`) samples it while the main thread goes
+                 on (trains, syncs); result() waits for it and broadcasts
+                 the trajectories from the first rollout rank
+
+Why a thread (and not non-blocking collectives): vLLM's engine step loop is
+synchronous Python; a generation thread lets it run unchanged while the
+rollout rank's main thread keeps joining the job's collectives (the step's
+metrics, the weight transfer into the back buffer) in the same order as every
+other rank. Torch and vLLM's kernels release the GIL, so the two threads
+overlap their compute-bound parts; one job runs at a time.
+
+Invariant: the engine is used by one thread at a time. Anything that reads or
+writes the engine's live weights or sampling settings from the main thread
+(a synchronous generate, installing synced weights) first calls
+`GenerationThread.drain()`, so every batch is sampled with the weights of
+one version: those installed when it was submitted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+__all__ = ["GenerationThread", "Inflight", "Ready", "timed"]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(fn(), its wall seconds)."""
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+class Ready:
+    """A batch generated already: result() returns it (no collective)."""
+
+    def __init__(self, trajs: list, generate_s: float) -> None:
+        self.trajs, self.generate_s = trajs, generate_s
+
+    def result(self) -> tuple[list, float]:
+        return self.trajs, self.generate_s
+
+
+class GenerationThread:
+    """One background thread that runs generation jobs in submission order."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: list[Future] = []
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="generation")
+        self._jobs = [f for f in self._jobs if not f.done()]
+        future = self._pool.submit(timed, fn)
+        self._jobs.append(future)
+        return future
+
+    def drain(self) -> None:
+        """Waits until every submitted job has finished (its errors stay in its future)."""
+        for f in self._jobs:
+            f.exception()
+        self._jobs = []
+
+    @property
+    def busy(self) -> bool:
+        return any(not f.done() for f in self._jobs)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+class Inflight:
+    """A batch a rollout rank's generation thread is sampling.
+
+    Args:
+        future: the job's future on rollout ranks (its value: (trajectories,
+            seconds)); None on ranks that do not generate.
+        share: broadcasts a rank's object to every rank (collective):
+            share(obj) returns the source rank's obj.
+    """
+
+    def __init__(self, future: Future | None, share: Callable[[Any], Any]) -> None:
+        self.future, self.share = future, share
+        self._out: tuple[list, float] | None = None
+
+    def result(self) -> tuple[list, float]:
+        """(trajectories, generate_s), the same on every rank (collective, once;
+        later calls return the same). A failed generation raises on every rank."""
+        if self._out is not None:
+            return self._out
+        mine: tuple = ("none",)
+        if self.future is not None:
+            try:
+                trajs, seconds = self.future.result()
+                mine = ("ok", trajs, seconds)
+            except BaseException as e:  # noqa: BLE001 -- reported on every rank below
+                mine = ("error", f"{type(e).__name__}: {e}")
+        got = self.share(mine if mine[0] != "none" else None)
+        for status in (mine, got):
+            if status[0] == "error":
+                raise RuntimeError(f"generation ahead of training failed on a rollout rank: "
+                                   f"{status[1]}")
+        self._out = (got[1], got[2])
+        return self._out

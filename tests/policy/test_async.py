@@ -1,0 +1,232 @@
+"""Generation ahead of training (`rollout.max_staleness`, issue 19 items 1, 2, 5).
+
+References: the colocated run with the same k, where the phases take turns in
+one thread (the separate run overlaps them in a generation thread and must
+sample and train exactly the same); an uninterrupted run (resume, with the
+batch generated ahead restored from the checkpoint); the engine's own output
+before a commit (the double buffer)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from hybrid_engine.config import RunConfig, apply_overrides
+from hybrid_engine.controller import staleness_metrics
+from hybrid_engine.policy.ahead import GenerationThread, Inflight
+from hybrid_engine.testing import run_in_subprocess, run_torchrun
+from hybrid_engine.trajectory import Trajectory, trajectory_from_json, trajectory_to_json
+
+# Keys that differ between placements or runs by nature: times, memory, the sync's own report.
+_VARYING = ("_s", "mem_", "sync_", "tok_s")
+
+
+# --- units ------------------------------------------------------------------------
+
+
+def test_staleness_metrics_count_each_samples_version() -> None:
+    trajs = [Trajectory(prompt_ids=[1], response_ids=[2], rollout_logp=[0.0], policy_version=v)
+             for v in (5, 4, 4, 3)]
+    m = staleness_metrics(trajs, 5, 2)
+    assert m == {"staleness_mean": 1.0, "staleness_max": 2.0, "staleness/0": 0.25,
+                 "staleness/1": 0.5, "staleness/2": 0.25}
+    assert staleness_metrics(trajs[:1], 5, 0) == {"staleness_mean": 0.0, "staleness_max": 0.0}
+
+
+def test_max_staleness_needs_an_importance_correction() -> None:
+    with pytest.raises(ValueError, match="behaviour_logp=rollout.*tis_cap"):
+        apply_overrides(RunConfig(), {"rollout.max_staleness": 1})
+    for extra in ({"algorithm.behaviour_logp": "rollout"}, {"algorithm.tis_cap": 2.0}):
+        cfg = apply_overrides(RunConfig(), {"rollout.max_staleness": 1, **extra})
+        assert cfg.rollout.max_staleness == 1
+    with pytest.raises(ValueError, match="max_staleness"):
+        apply_overrides(RunConfig(), {"rollout.max_staleness": -1})
+
+
+def test_trajectory_json_round_trip_is_exact() -> None:
+    import torch
+
+    t = Trajectory(prompt_ids=[3, 4], response_ids=[5, 6, 7],
+                   rollout_logp=torch.tensor([-0.1, -2.5, -1e-7], dtype=torch.float64).tolist(),
+                   loss_mask=[True, False, True], group_id=2, policy_version=9,
+                   info={"source_prompt_ids": [1, 2]})
+    back = trajectory_from_json(json.loads(json.dumps(trajectory_to_json(t))))
+    assert back == t
+
+
+def test_inflight_shares_the_result_once_and_raises_a_failure_everywhere() -> None:
+    pool, shared = GenerationThread(), []
+
+    def share(obj):  # noqa: ANN001, ANN202 -- one rank: the source's object is its own
+        shared.append(obj)
+        return obj
+
+    gate = threading.Event()
+    h = Inflight(pool.submit(lambda: (gate.wait(5), [1, 2])[1]), share)
+    assert pool.busy
+    gate.set()
+    assert h.result()[0] == [1, 2] and h.result()[0] == [1, 2]
+    assert len(shared) == 1 and not pool.busy  # one broadcast, cached after
+    bad = Inflight(pool.submit(lambda: 1 / 0), share)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        bad.result()
+    # A rank that generates nothing gets the source's error through share() too.
+    with pytest.raises(RuntimeError, match="boom"):
+        Inflight(None, lambda obj: ("error", "boom")).result()
+    pool.shutdown()
+
+
+def test_drain_waits_for_every_job_in_order() -> None:
+    pool, order = GenerationThread(), []
+    for i in range(3):
+        pool.submit(lambda i=i: (threading.Event().wait(0.05), order.append(i)))
+    pool.drain()
+    assert order == [0, 1, 2] and not pool.busy
+    pool.shutdown()
+
+
+def test_metrics_sink_writes_the_staleness_histogram(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hybrid_engine.metrics import MetricsSink
+
+    sink = MetricsSink(tmp_path)
+    sink.write(1, {"staleness/0": 0.25, "staleness/1": 0.75})
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0})
+    acc.Reload()
+    (event,) = acc.Histograms("staleness")
+    assert event.step == 1 and list(event.histogram_value.bucket) == [0.25, 0.75]
+
+
+# --- the engine's double buffer ----------------------------------------------------
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
+
+
+def _double_buffer(model_dir: str) -> dict:
+    """A sync's writes land in back buffers: generation is unchanged until
+    commit_weights(), then it samples the written weights."""
+    import torch
+
+    from hybrid_engine.config import RolloutConfig
+    from transformers import AutoConfig
+
+    from hybrid_engine.reshard.layouts import model_dims
+    from hybrid_engine.reshard.plan import build_plan
+    from hybrid_engine.rollout.engine import VLLMRollout
+
+    cfg = RolloutConfig(tensor_parallel_size=1, num_samples_per_prompt=2, max_tokens=8,
+                        max_model_len=64, kv_cache_gib=0.05)
+    rollout = VLLMRollout(model_dir, cfg, dtype="float32")
+    rollout.double_buffer = True
+    first = rollout.generate(PROMPTS, seed=3)
+    shapes = {t.name: t.shape for t in build_plan(model_dims(AutoConfig.from_pretrained(model_dir)), 1, 1)
+              .targets[0]}
+    live = {p.data_ptr() for p in rollout._model().parameters()}
+    targets = rollout.weight_targets(shapes)
+    aliased = [n for n, t in targets.items() if t.data_ptr() in live]
+    for t in targets.values():
+        t.copy_(torch.randn_like(t))
+    rollout.install_staged()  # a group's install: deferred with the double buffer
+    before_commit = rollout.generate(PROMPTS, seed=3)
+    rollout.commit_weights()
+    after = rollout.generate(PROMPTS, seed=3)
+    rollout.shutdown()
+    return {"aliased": aliased, "unchanged": before_commit.token_ids == first.token_ids
+            and before_commit.logprobs == first.logprobs,
+            "changed": after.logprobs != first.logprobs,
+            "back_bytes": rollout.staging_bytes,
+            "model_bytes": sum(t.numel() * t.element_size() for t in targets.values())}
+
+
+@pytest.mark.vllm
+def test_double_buffer_installs_only_at_commit(tmp_path) -> None:
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+
+    model_dir = str(write_tiny_model(tmp_path / "m", PRESETS["tiny"]))
+    out = run_in_subprocess(_double_buffer, model_dir, timeout=240)
+    assert out["aliased"] == []  # no target is a live parameter
+    assert out["unchanged"] and out["changed"], out
+    assert out["back_bytes"] == out["model_bytes"]  # one whole second copy
+
+
+# --- whole runs under torchrun ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"])
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory) -> Path:
+    """A reward with signal in every group (so every step trains and syncs)."""
+    f = tmp_path_factory.mktemp("reward") / "coin.py"
+    f.write_text("import hashlib\n\ndef reward(prompt, completion, answer):\n"
+                 "    return float(hashlib.md5(completion.encode()).digest()[0] % 2)\n")
+    return f
+
+
+def _train(model: Path, reward: Path, out: Path, nproc: int, *extra: str):  # noqa: ANN202
+    return run_torchrun(
+        ["-m", "hybrid_engine.cli", "train", "--recipe=tiny_grpo_debug", "--no-progress",
+         f"--model.path={model}", f"--output_dir={out}", "--env.num_eval_prompts=4",
+         "--rollout.max_tokens=8", "--train.num_steps=3", "--eval_every=3",
+         "--checkpoint_every=2", f"--env.reward_fn={reward}:reward",
+         "--rollout.tensor_parallel_size=1", "--algorithm.behaviour_logp=rollout",
+         "--rollout.emulate_gpu_sleep=true", "--rollout.release_memory=true", *extra],
+        nproc, timeout=400)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _stable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not any(p in k for p in _VARYING)}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_separate_ahead_equals_colocated_ahead_and_resumes(model_dir, reward_file,
+                                                           tmp_path) -> None:
+    """k = 1: 1 trainer + 1 rollout rank (generation thread, double buffer) vs
+    1 colocated rank (phases in turn, GPU sleep emulated): the same samples,
+    versions and updates; step 1 trains on step 0's weights' batch (staleness
+    0), later steps on the previous step's (staleness 1); a resume from step
+    2's checkpoint restores the batch generated ahead and repeats step 3."""
+    sep, col, sync = tmp_path / "separate", tmp_path / "colocated", tmp_path / "k0"
+    _train(model_dir, reward_file, sep, 2, "--placement=separate", "--rollout.num_ranks=1",
+           "--rollout.max_staleness=1", "--sync.verify=true")
+    _train(model_dir, reward_file, col, 1, "--rollout.max_staleness=1")
+    _train(model_dir, reward_file, sync, 1)
+    rows = _rows(sep)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["skipped_degenerate"] == 0.0 for r in rows[1:])  # every step trained
+    assert [_stable(r) for r in rows] == [_stable(r) for r in _rows(col)]
+    assert [r["staleness_max"] for r in rows[1:]] == [0.0, 1.0, 1.0]
+    assert [r["staleness/1"] for r in rows[1:]] == [0.0, 1.0, 1.0]
+    assert all(r["generate_busy_s"] > 0 and r["sync_install_wait_s"] >= 0 for r in rows[1:])
+    # The knob acts: k = 0 trains step 2 on a batch of step 1's weights, so its
+    # ratio to the behaviour (rollout) policy is 1 up to fp32 noise; k = 1's batch
+    # came from step 0's weights, one update away.
+    k0 = _rows(sync)
+    assert [r["staleness_max"] for r in k0[1:]] == [0.0, 0.0, 0.0]
+    assert _stable(k0[1]) == {k: v for k, v in _stable(rows[1]).items()
+                              if not k.startswith("staleness/")}
+    for step in (2, 3):
+        assert abs(k0[step]["ratio_max"] - 1) < 1e-3 < abs(rows[step]["ratio_max"] - 1)
+    ckpt = json.loads(sorted((sep / "checkpoints").glob("*/meta.json"))[-1].read_text())
+    (ahead,) = ckpt["extra"]["ahead"]
+    assert ahead["version"] == 1 and len(ahead["trajs"]) == 16
+    _train(model_dir, reward_file, sep, 2, "--placement=separate", "--rollout.num_ranks=1",
+           "--rollout.max_staleness=1", "--resume")
+    resumed = _rows(sep)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert _stable(resumed[-1]) == _stable(rows[-1])
