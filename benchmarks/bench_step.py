@@ -441,9 +441,68 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
     _med_iqr(row, "train_other_s", _jobs_of(
         timed, lambda r: r.get("train_s", 0.0) - r.get("train_step_s", 0.0)))
     row.update(_train_split(jobs, row["train_step_s"]))
+    row.update(_ahead_stats(timed, jobs[0]["config"]["rollout"].get("max_staleness", 0)))
+    if row.get("generate_busy_s"):  # generation ahead: generate_s is the step's wait
+        row["generated_tok_s"] = gen / row["generate_busy_s"]
     row["step_s_jobs"] = step_jobs
     row["resolved_config"] = _same_config(jobs)
     return row
+
+
+def _ahead_stats(timed: list[list[dict]], k: int) -> dict:
+    """rollout.max_staleness = k > 0: generate_busy_s (the engine's seconds on the
+    step's batch; generate_s is then the step's wait for it), the overlap bound
+    max(train_s, generate_busy_s) per step and the step's wall over it, and the
+    staleness distribution (fraction of the timed steps' samples at each d)."""
+    if not k:
+        return {"max_staleness": 0}
+    out: dict = {"max_staleness": k}
+    _med_iqr(out, "generate_busy_s", _jobs_of(timed, lambda r: r.get("generate_busy_s", 0.0)))
+    _med_iqr(out, "overlap_bound_s", _jobs_of(
+        timed, lambda r: max(r.get("train_s", 0.0), r.get("generate_busy_s", 0.0))))
+    out["step_over_bound"] = _stats.describe(_jobs_of(
+        timed, lambda r: r["step_wall_s"] / max(r.get("train_s", 0.0),
+                                                r.get("generate_busy_s", 0.0), 1e-9)))
+    rows = [r for job in timed for r in job]
+    out["staleness_mean"] = sum(r["staleness_mean"] for r in rows) / len(rows)
+    out["staleness_max"] = max(r["staleness_max"] for r in rows)
+    out["staleness_dist"] = {d: sum(r.get(f"staleness/{d}", 0.0) for r in rows) / len(rows)
+                             for d in range(k + 1)}
+    return out
+
+
+def _ahead_table(rows: list[dict]) -> str:
+    """Configs with generation ahead: the step against the overlap bound and against
+    the same config without it (same preset, N, placement, other settings)."""
+    def key(r: dict) -> tuple:
+        return (r["preset"], r["world_size"], r["placement"],
+                tuple(o for o in r.get("overrides", []) if not o.startswith(
+                    ("rollout.max_staleness=", "algorithm.behaviour_logp="))))
+
+    sync = {key(r): r for r in rows if not r.get("max_staleness")}
+    head = ("| config | k | step s (IQR) | train s | generate busy s (wait) | "
+            "max(train, generate) s | step / max: median [q1, q3] | staleness mean (share "
+            "at 0..k) | step / synchronous step |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if not r.get("max_staleness"):
+            continue
+        base = sync.get(key(r))
+        ratio = f"{r['step_s'] / base['step_s']:.2f} ({base['step_s']:.3f} s)" if base else "-"
+        if base:
+            r["step_over_synchronous"] = r["step_s"] / base["step_s"]
+            r["step_over_synchronous_ci"] = _stats.ratio_ci(r["step_s_jobs"], base["step_s_jobs"],
+                                                            paired=False)
+            ratio += f" [{r['step_over_synchronous_ci'][0]:.2f}, " \
+                     f"{r['step_over_synchronous_ci'][1]:.2f}]"
+        b = r["step_over_bound"]
+        dist = " / ".join(f"{v:.2f}" for v in r["staleness_dist"].values())
+        lines.append(
+            f"| {r['config_name']} | {r['max_staleness']} | {r['step_s']:.3f} "
+            f"({r['step_s_iqr']:.3f}) | {r['train_s']:.3f} | {r['generate_busy_s']:.3f} "
+            f"({r['generate_s']:.3f}) | {r['overlap_bound_s']:.3f} | {b['median']:.3f} "
+            f"[{b['q1']:.3f}, {b['q3']:.3f}] | {r['staleness_mean']:.2f} ({dist}) | {ratio} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def _train_ranks(nproc: int, placement: str, config: dict) -> int:
@@ -612,6 +671,13 @@ def main(argv=None) -> None:
             rows.append(row)
     table = _table(rows)
     print(table)
+    ahead = _ahead_table(rows)
+    if ahead:
+        print(ahead)
+        ahead = ("\n\nGeneration ahead of training (rollout.max_staleness = k): generate busy "
+                 "= the engine's seconds on the step's batch (wait: what the step waited for "
+                 "it); the bound is the slower side, per step; staleness = step - the version "
+                 f"of the weights that sampled each sample.\n\n{ahead}")
     path = result_path(args.out_dir, "step", quick=args.quick)
     chart = path.with_suffix(".png")
     _chart(rows, chart)
@@ -632,7 +698,7 @@ def main(argv=None) -> None:
         f"({GEMM_N}^3, training dtype, the rank's threads, measured in this run). Ranks share "
         "the machine's cores (OMP threads = cores // N); with more ranks than cores they "
         f"time-share them. Headline: {names[rows.index(head)]}.\n\n"
-        f"{table}\n\n![phases]({chart.name})\n\nEach phase against its floor (generate: the "
+        f"{table}{ahead}\n\n![phases]({chart.name})\n\nEach phase against its floor (generate: the "
         "larger of every weight of the TP shard read once per decode step (max new tokens) "
         "and 2 x parameters FLOPs per sampled token at the rollout ranks' GEMM peak in the "
         "rollout dtype; sync: every installed byte read from the master weights and written "

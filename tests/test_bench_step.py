@@ -74,6 +74,31 @@ def test_train_ranks_follow_the_placement() -> None:
     assert bench_step._train_ranks(4, "separate", cfg(1, num_ranks=1)) == 3
 
 
+def test_ahead_stats_bound_staleness_and_ratio_to_the_synchronous_config() -> None:
+    step = {"step_wall_s": 3.0, "train_s": 2.8, "generate_busy_s": 1.0, "staleness_mean": 1.0,
+            "staleness_max": 1.0, "staleness/0": 0.0, "staleness/1": 1.0}
+    first = {**step, "staleness_mean": 0.0, "staleness_max": 0.0, "staleness/0": 1.0,
+             "staleness/1": 0.0, "generate_busy_s": 3.5, "step_wall_s": 3.5}
+    timed = [[first, step, step, step]]
+    st = bench_step._ahead_stats(timed, 1)
+    assert st["overlap_bound_s"] == 2.8 and st["generate_busy_s"] == 1.0
+    assert st["step_over_bound"]["median"] == pytest.approx(3.0 / 2.8)
+    assert st["staleness_dist"] == {0: 0.25, 1: 0.75} and st["staleness_max"] == 1.0
+    assert bench_step._ahead_stats(timed, 0) == {"max_staleness": 0}
+    base = {"preset": "p", "world_size": 2, "placement": "separate", "max_staleness": 0,
+            "overrides": ["x=1"], "step_s": 5.0, "step_s_jobs": [[5.0, 5.0, 5.0]]}
+    ahead = {**base, **st, "overrides": ["x=1", "rollout.max_staleness=1",
+                                         "algorithm.behaviour_logp=rollout"],
+             "step_s": 3.0, "step_s_iqr": 0.0, "step_s_jobs": [[3.0, 3.0, 3.0]], "train_s": 2.8,
+             "generate_s": 0.1, "config_name": "p:2:separate+rollout.max_staleness=1"}
+    other = {**base, "overrides": ["x=2"], "step_s": 1.0}  # other settings: not its baseline
+    table = bench_step._ahead_table([other, base, ahead])
+    assert ahead["step_over_synchronous"] == pytest.approx(0.6)
+    assert "| p:2:separate+rollout.max_staleness=1 | 1 | 3.000 (0.000) |" in table
+    assert "0.60 (5.000 s)" in table
+    assert bench_step._ahead_table([base]) == ""
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("bench_step")
