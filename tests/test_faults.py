@@ -1,8 +1,10 @@
 """Faults under torchrun on 2 ranks: a rank SIGKILLed during rollout, training,
 sync or a checkpoint save takes the job down within 60 s, the newest complete
 checkpoint loads, and resuming from it reproduces the uninterrupted run's
-per-step metrics; fixed seeds give identical runs; resuming refuses another
-model's checkpoint and a fresh run refuses to bury an earlier one."""
+per-step metrics (also with generation ahead, separate placement: the rollout
+rank killed in its generation thread or mid-sync); fixed seeds give identical
+runs; resuming refuses another model's checkpoint and a fresh run refuses to
+bury an earlier one."""
 
 from __future__ import annotations
 
@@ -93,6 +95,42 @@ def test_killed_rank_stops_the_job_and_resume_reproduces(model_dir, reference, t
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert _steps(out) == _steps(reference)
     assert not list(ckpts.glob("*.tmp-*"))  # the killed save's folder was swept
+
+
+# Separate placement with generation ahead: rank 0 trains, rank 1 samples in its
+# generation thread while its main thread joins the step's collectives.
+AHEAD = ("--placement=separate", "--rollout.num_ranks=1", "--rollout.tensor_parallel_size=1",
+         "--rollout.max_staleness=1", "--algorithm.behaviour_logp=rollout")
+
+
+@pytest.fixture(scope="module")
+def ahead_reference(model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ahead_reference") / "run"
+    proc = _train(model_dir, out, *AHEAD)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("fault", ["rollout:4", "sync:3"])
+def test_killed_rank_with_generation_ahead_stops_the_job_and_resume_reproduces(
+        model_dir, ahead_reference, tmp_path, fault) -> None:
+    """The rollout rank SIGKILLed in its generation thread (its 4th generate: the
+    batch of step 4, started in step 3) or in step 3's sync (receiving into the
+    back buffer while that thread generates): the job is down within 60 s, and
+    the resume from step 2 (with the batch generated ahead in its checkpoint)
+    reproduces the uninterrupted run, staleness included."""
+    out, stamp = tmp_path / "run", tmp_path / "killed_at"
+    proc = _train(model_dir, out, *AHEAD, fault=fault, stamp=stamp)
+    exited = time.time()
+    assert proc.returncode != 0 and stamp.exists(), proc.stdout[-3000:]
+    assert exited - float(stamp.read_text()) < 60, proc.stdout[-3000:]
+    ckpts = out / "checkpoints"
+    assert latest_checkpoint(ckpts) == step_checkpoint_path(ckpts, 2)
+    proc = _train(model_dir, out, *AHEAD, "--resume")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    ref = _steps(ahead_reference)
+    assert _steps(out) == ref
+    assert [ref[s]["staleness_max"] for s in sorted(ref)] == [0.0, 1.0, 1.0, 1.0]
 
 
 def _summary(stdout: str) -> dict:

@@ -177,6 +177,13 @@ class SeparatePolicy:
         trainer_group = dist.new_group(list(range(self.num_trainers)))
         rollout_ranks = list(range(self.num_trainers, world))
         rollout_group = dist.new_group(rollout_ranks)
+        # Generation ahead: the sync runs on its own thread behind the next step, so
+        # it gets its own group (collectives of one group must not interleave
+        # between threads). Not with the naive or verified sync: they gather full
+        # tensors over the trainers' group, which the next step's training uses.
+        self._behind = (cfg.rollout.max_staleness > 0 and cfg.sync.method == "reshard"
+                        and not cfg.sync.verify)
+        sync_group = dist.new_group(list(range(world))) if self._behind else None
         self.trainer, self.rollout = None, None
         if self.is_trainer:
             from transformers import AutoTokenizer
@@ -201,7 +208,7 @@ class SeparatePolicy:
         resync_group_counter()  # only the rollout ranks made vLLM's groups
         self.syncer = WeightSync(hf_config, cfg.sync, tp=cfg.rollout.tensor_parallel_size,
                                  wire_dtype=DTYPES[cfg.model.rollout_dtype],
-                                 num_trainers=self.num_trainers,
+                                 num_trainers=self.num_trainers, group=sync_group,
                                  shard_group_size=shard_group_size(train_cfg, self.num_trainers))
         set_collective_timeout(cfg.collective_timeout_s,
                                [g for g in all_groups() if g not in host_groups])
@@ -212,6 +219,13 @@ class SeparatePolicy:
         self._gen = GenerationThread()
         if self.rollout is not None:
             self.rollout.double_buffer = cfg.rollout.max_staleness > 0
+        # The sync behind the next step (generation ahead): its thread, and the
+        # metrics of the last one joined (reported by the next sync_weights).
+        self._sync_thread = GenerationThread()
+        self._sync_job: Any = None
+        self._sync_metrics: dict[str, float] | None = None
+        if self.trainer is not None and self._behind:
+            self.trainer.before_weights_change = self._join_sync
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         # Both sides loaded the same file; a master dtype narrower than fp32 rounded
@@ -230,6 +244,7 @@ class SeparatePolicy:
     def generate(self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
                  seed: int = 0, greedy: bool = False, **kwargs: Any) -> Completions:
         """K completions per prompt, the same on every rank (collective)."""
+        self._join_sync()
         self._gen.drain()  # the engine serves one thread at a time
         if self._stale:
             self.sync_weights()
@@ -241,9 +256,11 @@ class SeparatePolicy:
         """Trajectories of env for prompts, unscored, the same on every rank (collective)."""
         from hybrid_engine.rollout.episodes import collect
 
+        self._join_sync()
         self._gen.drain()  # the engine serves one thread at a time
         if self._stale:
             self.sync_weights()
+            self._join_sync()
         with self._sampling(greedy):
             return collect(self._shared, env, [list(p) for p in prompts],
                            num_samples=num_samples, seed=seed)
@@ -260,6 +277,7 @@ class SeparatePolicy:
             self.sync_weights()
         future = None
         if self.rollout is not None:
+            self._join_sync()  # installed: this batch samples the weights of this step
             ids = [list(p) for p in prompts]
             future = self._gen.submit(lambda: collect(self._local, env, ids,
                                                       num_samples=num_samples, seed=seed))
@@ -293,11 +311,34 @@ class SeparatePolicy:
 
     def sync_weights(self) -> dict[str, float]:
         """Trainer ranks' weights into the rollout ranks' engines (collective);
-        the metrics of the first rollout rank (bytes it received, re-pack time)."""
-        m = self.syncer.sync(self.trainer.module if self.is_trainer else None, self.rollout,
-                             before_install=self._gen.drain)
+        the metrics of the first rollout rank (bytes it received, re-pack time).
+
+        Generation ahead (rollout.max_staleness > 0, sync.method=reshard
+        without verify): the sync runs behind the next step on its own thread
+        and group. It returns at once, with the
+        metrics of the previous sync (sync_behind=1). Trainer ranks wait for it
+        right before their next optimizer step (forward and backward only read
+        the weights), rollout ranks before they submit the next batch; the
+        transfer lands in the engine's back buffers while a generation runs
+        and is installed once that generation ends."""
+        model = self.trainer.module if self.is_trainer else None
         self._stale = False
-        return _from_rank(self.num_trainers, m)
+        if not self._behind:
+            return _from_rank(self.num_trainers, self.syncer.sync(
+                model, self.rollout, before_install=self._gen.drain))
+        self._join_sync()
+        prev, self._sync_metrics = self._sync_metrics, None
+        prev = _from_rank(self.num_trainers, prev)
+        self._sync_job = self._sync_thread.submit(
+            lambda: self.syncer.sync(model, self.rollout, before_install=self._gen.drain))
+        return {**(prev or {}), "sync_behind": 1.0}
+
+    def _join_sync(self) -> None:
+        """Waits for the sync running behind (if any); raises its error; keeps its
+        metrics for the next sync_weights."""
+        job, self._sync_job = self._sync_job, None
+        if job is not None:
+            self._sync_metrics = job.result()[0]
 
     def trainer_side(self, role: Any) -> TrainerSide:
         """Wraps a role built on the trainer ranks (None elsewhere) for every rank."""
@@ -312,6 +353,7 @@ class SeparatePolicy:
 
     def save(self, path: str | Path, *, extra: dict | None = None, critic: Any = None) -> None:
         """Atomic DCP checkpoint, written by the trainer ranks (collective)."""
+        self._join_sync()
         with watchdog.phase("save"):
             if self.is_trainer:
                 save_training_state(path, trainer=self.trainer, critic=critic, extra=extra)
@@ -321,6 +363,7 @@ class SeparatePolicy:
         """Restores a checkpoint on the trainer ranks; the next generate syncs.
         Returns its extra on every rank."""
         extra = None
+        self._join_sync()
         if self.is_trainer:
             extra = load_training_state(path, trainer=self.trainer, critic=critic)
         self._stale = True
@@ -337,7 +380,11 @@ class SeparatePolicy:
         """Stops the engine (rollout ranks); destroys the group if this object made it."""
         if self._watchdog is not None:
             watchdog.stop()  # a clean shutdown is not a silent rank
-        self._gen.shutdown()
+        try:
+            self._join_sync()
+        finally:
+            self._sync_thread.shutdown()
+            self._gen.shutdown()
         if self.rollout is not None:
             self.rollout.shutdown()
         if self._owns_group and dist.is_initialized():

@@ -471,6 +471,9 @@ class Trainer:
             raise ValueError("train.sharding='auto' must be resolved before the trainer is "
                              "built (hybrid_engine.parallel.sharding.resolve_train_config)")
         self.train_cfg = train_cfg
+        # Called right before the optimizer writes the weights (forward and backward
+        # only read them): separate placement's sync behind the next step waits there.
+        self.before_weights_change: Callable[[], None] | None = None
         self.chunk_tokens, self.temperature = logits_chunk_tokens, temperature
         self.mesh = mesh if mesh is not None else dp_mesh()
         self.device = comm_device(self.mesh)
@@ -570,6 +573,8 @@ class Trainer:
         for i in range(num_mb):
             with self._micro_batch_comm(last=i == num_mb - 1):
                 per_mb.append(self._accumulate(batch, i, loss_fn, norm, entropy_grad))
+        if self.before_weights_change is not None:  # e.g. a sync still reading the weights
+            self.before_weights_change()
         grad_norm, lr, skipped = clip_and_step(self.optimizer, self.scheduler,
                                                self.train_cfg.grad_clip, advance_lr=advance_lr)
         self.step += not skipped
