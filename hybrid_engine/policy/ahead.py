@@ -76,6 +76,10 @@ class GenerationThread:
             f.exception()
         self._jobs = []
 
+    def pending(self) -> list[Future]:
+        """The jobs submitted so far that have not finished."""
+        return [f for f in self._jobs if not f.done()]
+
     @property
     def busy(self) -> bool:
         return any(not f.done() for f in self._jobs)

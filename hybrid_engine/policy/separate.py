@@ -277,10 +277,14 @@ class SeparatePolicy:
             self.sync_weights()
         future = None
         if self.rollout is not None:
-            self._join_sync()  # installed: this batch samples the weights of this step
-            ids = [list(p) for p in prompts]
-            future = self._gen.submit(lambda: collect(self._local, env, ids,
-                                                      num_samples=num_samples, seed=seed))
+            ids, sync = [list(p) for p in prompts], self._sync_job
+
+            def job() -> list[Trajectory]:
+                if sync is not None:  # installed first: this batch samples this step's weights
+                    sync.result()
+                return collect(self._local, env, ids, num_samples=num_samples, seed=seed)
+
+            future = self._gen.submit(job)
         return Inflight(future, lambda obj: _from_rank(self.num_trainers, obj))
 
     # --- training ----------------------------------------------------------------
@@ -318,9 +322,10 @@ class SeparatePolicy:
         and group. It returns at once, with the
         metrics of the previous sync (sync_behind=1). Trainer ranks wait for it
         right before their next optimizer step (forward and backward only read
-        the weights), rollout ranks before they submit the next batch; the
-        transfer lands in the engine's back buffers while a generation runs
-        and is installed once that generation ends."""
+        the weights); on rollout ranks the next batch's job waits for it on the
+        generation thread, so the main thread goes on. The transfer lands in
+        the engine's back buffers while a generation runs and is installed
+        once the batches submitted before it have ended."""
         model = self.trainer.module if self.is_trainer else None
         self._stale = False
         if not self._behind:
@@ -329,8 +334,14 @@ class SeparatePolicy:
         self._join_sync()
         prev, self._sync_metrics = self._sync_metrics, None
         prev = _from_rank(self.num_trainers, prev)
+        sampling = self._gen.pending()  # batches of the old weights: installed after them
+
+        def after_them() -> None:
+            for f in sampling:
+                f.exception()
+
         self._sync_job = self._sync_thread.submit(
-            lambda: self.syncer.sync(model, self.rollout, before_install=self._gen.drain))
+            lambda: self.syncer.sync(model, self.rollout, before_install=after_them))
         return {**(prev or {}), "sync_behind": 1.0}
 
     def _join_sync(self) -> None:
