@@ -21,11 +21,13 @@ metrics, the weight transfer into the back buffer) in the same order as every
 other rank. Torch and vLLM's kernels release the GIL, so the two threads
 overlap their compute-bound parts; one job runs at a time.
 
-Invariant: the engine is used by one thread at a time. Anything that reads or
-writes the engine's live weights or sampling settings from the main thread
-(a synchronous generate, installing synced weights) first calls
-`GenerationThread.drain()`, so every batch is sampled with the weights of
-one version: those installed when it was submitted.
+Invariant: the engine is used by one thread at a time, and every batch is
+sampled with the weights of one version: those of the step that submitted
+it. A synchronous generate on the main thread first drains the generation
+thread; a weight install waits for the batches submitted before its sync
+began (`GenerationThread.pending()`), and a batch submitted after a sync
+began waits on the generation thread for that sync to be installed
+(`policy/separate.py`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class GenerationThread:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="generation")
         self._jobs = [f for f in self._jobs if not f.done()]
-        future = self._pool.submit(timed, fn)
+        future = self._pool.submit(fn)
         self._jobs.append(future)
         return future
 
@@ -95,7 +97,8 @@ class Inflight:
 
     Args:
         future: the job's future on rollout ranks (its value: (trajectories,
-            seconds)); None on ranks that do not generate.
+            the seconds the engine spent on them, as `timed` returns)); None
+            on ranks that do not generate.
         share: broadcasts a rank's object to every rank (collective):
             share(obj) returns the source rank's obj.
     """

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid_engine.policy.ahead import GenerationThread, Inflight
+from hybrid_engine.policy.ahead import GenerationThread, Inflight, timed
 from hybrid_engine.policy.colocated import greedy_sampling, policy_train, train_batch
 from hybrid_engine.algorithms.losses import LossFn
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
@@ -279,10 +279,11 @@ class SeparatePolicy:
         if self.rollout is not None:
             ids, sync = [list(p) for p in prompts], self._sync_job
 
-            def job() -> list[Trajectory]:
+            def job() -> tuple[list[Trajectory], float]:
                 if sync is not None:  # installed first: this batch samples this step's weights
                     sync.result()
-                return collect(self._local, env, ids, num_samples=num_samples, seed=seed)
+                return timed(lambda: collect(self._local, env, ids, num_samples=num_samples,
+                                             seed=seed))
 
             future = self._gen.submit(job)
         return Inflight(future, lambda obj: _from_rank(self.num_trainers, obj))
@@ -349,7 +350,7 @@ class SeparatePolicy:
         metrics for the next sync_weights."""
         job, self._sync_job = self._sync_job, None
         if job is not None:
-            self._sync_metrics = job.result()[0]
+            self._sync_metrics = job.result()
 
     def trainer_side(self, role: Any) -> TrainerSide:
         """Wraps a role built on the trainer ranks (None elsewhere) for every rank."""

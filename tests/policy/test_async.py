@@ -16,7 +16,7 @@ import pytest
 
 from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.controller import staleness_metrics
-from hybrid_engine.policy.ahead import GenerationThread, Inflight
+from hybrid_engine.policy.ahead import GenerationThread, Inflight, timed
 from hybrid_engine.testing import run_in_subprocess, run_torchrun
 from hybrid_engine.trajectory import Trajectory, trajectory_from_json, trajectory_to_json
 
@@ -65,12 +65,12 @@ def test_inflight_shares_the_result_once_and_raises_a_failure_everywhere() -> No
         return obj
 
     gate = threading.Event()
-    h = Inflight(pool.submit(lambda: (gate.wait(5), [1, 2])[1]), share)
+    h = Inflight(pool.submit(lambda: timed(lambda: (gate.wait(5), [1, 2])[1])), share)
     assert pool.busy
     gate.set()
     assert h.result()[0] == [1, 2] and h.result()[0] == [1, 2]
     assert len(shared) == 1 and not pool.busy  # one broadcast, cached after
-    bad = Inflight(pool.submit(lambda: 1 / 0), share)
+    bad = Inflight(pool.submit(lambda: timed(lambda: 1 / 0)), share)
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         bad.result()
     # A rank that generates nothing gets the source's error through share() too.
