@@ -44,12 +44,12 @@ import torch.distributed as dist
 
 from hybrid_engine.config import RunConfig
 from hybrid_engine.guards import Guards, RunAborted
-from hybrid_engine.metrics import PhaseTimer, trajectory_metrics
+from hybrid_engine.metrics import PhaseTimer, staleness_metrics, trajectory_metrics
 from hybrid_engine.parallel import signals
 from hybrid_engine.policy.ahead import Ready
 from hybrid_engine.trajectory import trajectory_from_json, trajectory_to_json
 
-__all__ = ["Controller", "Checkpointer", "any_rank", "staleness_metrics"]
+__all__ = ["Controller", "Checkpointer", "any_rank"]
 
 _ROUND_SEED = 7_919_999  # a refill round's sampling seed offset (far from any step count)
 
@@ -280,14 +280,4 @@ class Controller:
         extra["wall_s"] = self.state.wall_s + time.monotonic() - t_start
         extra["ahead"] = self._ahead_state()
         self.checkpointer.save(self.state.step, extra)
-
-
-def staleness_metrics(trajs: Sequence[Any], step: int, k: int) -> dict[str, float]:
-    """staleness_mean / _max over the step's samples (step - policy_version) and,
-    with k > 0, the fraction at each staleness 0..k (staleness/<d>)."""
-    st = [step - t.policy_version for t in trajs] or [0]
-    out = {"staleness_mean": sum(st) / len(st), "staleness_max": float(max(st))}
-    if k:
-        out.update({f"staleness/{d}": st.count(d) / len(st) for d in range(k + 1)})
-    return out
 

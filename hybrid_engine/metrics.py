@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from hybrid_engine.parallel import watchdog
 
-__all__ = ["MetricsSink", "PhaseTimer", "plot_metrics", "trajectory_metrics"]
+__all__ = ["MetricsSink", "PhaseTimer", "plot_metrics", "staleness_metrics", "trajectory_metrics"]
 
 log = logging.getLogger("hybrid_engine.train")
 
@@ -107,6 +107,16 @@ def trajectory_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     correct = [t.info.get("correct", t.reward_components.get("correct")) for t in trajs]
     if trajs and all(c is not None for c in correct):
         out["accuracy"] = sum(float(c) for c in correct) / n
+    return out
+
+
+def staleness_metrics(trajs: Sequence[Any], step: int, k: int) -> dict[str, float]:
+    """staleness_mean / _max over the step's samples (step - policy_version) and,
+    with k > 0, the fraction at each staleness 0..k (staleness/<d>)."""
+    st = [step - t.policy_version for t in trajs] or [0]
+    out = {"staleness_mean": sum(st) / len(st), "staleness_max": float(max(st))}
+    if k:
+        out.update({f"staleness/{d}": st.count(d) / len(st) for d in range(k + 1)})
     return out
 
 

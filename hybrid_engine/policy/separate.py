@@ -248,6 +248,7 @@ class SeparatePolicy:
         self._gen.drain()  # the engine serves one thread at a time
         if self._stale:
             self.sync_weights()
+            self._join_sync()
         with self._sampling(greedy):
             return self._shared.generate(prompts, num_samples=num_samples, seed=seed, **kwargs)
 
@@ -320,8 +321,8 @@ class SeparatePolicy:
 
         Generation ahead (rollout.max_staleness > 0, sync.method=reshard
         without verify): the sync runs behind the next step on its own thread
-        and group. It returns at once, with the
-        metrics of the previous sync (sync_behind=1). Trainer ranks wait for it
+        and group. It returns at once, with the metrics of the previous sync
+        (sync_behind=1). Trainer ranks wait for it
         right before their next optimizer step (forward and backward only read
         the weights); on rollout ranks the next batch's job waits for it on the
         generation thread, so the main thread goes on. The transfer lands in

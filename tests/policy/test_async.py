@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_engine.config import RunConfig, apply_overrides
-from hybrid_engine.controller import staleness_metrics
+from hybrid_engine.metrics import staleness_metrics
 from hybrid_engine.policy.ahead import GenerationThread, Inflight, timed
 from hybrid_engine.testing import run_in_subprocess, run_torchrun
 from hybrid_engine.trajectory import Trajectory, trajectory_from_json, trajectory_to_json
