@@ -144,9 +144,13 @@ class Controller:
         """Starts the generation of `want` prompt groups for step's round `rounds`
         with the current weights: (their version, the handle)."""
         prompts = self.env.sample_prompts(want)
-        seed = self.cfg.seed * 1_000_003 + step + rounds * _ROUND_SEED
         return self.state.step, self.policy.collect_async(
-            self.env, prompts, num_samples=self.cfg.rollout.num_samples_per_prompt, seed=seed)
+            self.env, prompts, num_samples=self.cfg.rollout.num_samples_per_prompt,
+            seed=self._seed(step, rounds))
+
+    def _seed(self, step: int, rounds: int) -> int:
+        """The sampling seed of a step's generate round."""
+        return self.cfg.seed * 1_000_003 + step + rounds * _ROUND_SEED
 
     def _sample(self, timer: PhaseTimer) -> tuple[list, int, float]:
         """Generates and scores prompt groups, in rounds while the algorithm wants
@@ -159,10 +163,9 @@ class Controller:
             with timer.phase("generate"):
                 if not k:
                     prompts = self.env.sample_prompts(want)
-                    seed = self.cfg.seed * 1_000_003 + s + rounds * _ROUND_SEED
                     new, version = self.policy.collect(
                         self.env, prompts, num_samples=self.cfg.rollout.num_samples_per_prompt,
-                        seed=seed), s
+                        seed=self._seed(s, rounds)), s
                 else:
                     if rounds == 0:
                         while len(self._ahead) <= k:  # the batches of steps s .. s + k

@@ -10,7 +10,7 @@ wait). Two kinds:
                  the batch is sampled at once; a batch restored from a
                  checkpoint)
     Inflight     separate placement: a rollout rank's generation thread
-                 (`GenerationThread`) samples it while the main thread goes
+                 (a `SerialWorker`) samples it while the main thread goes
                  on (trains, syncs); result() waits for it and broadcasts
                  the trajectories from the first rollout rank
 
@@ -25,7 +25,7 @@ Invariant: the engine is used by one thread at a time, and every batch is
 sampled with the weights of one version: those of the step that submitted
 it. A synchronous generate on the main thread first drains the generation
 thread; a weight install waits for the batches submitted before its sync
-began (`GenerationThread.pending()`), and a batch submitted after a sync
+began (`SerialWorker.pending()`), and a batch submitted after a sync
 began waits on the generation thread for that sync to be installed
 (`policy/separate.py`).
 """
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["GenerationThread", "Inflight", "Ready", "timed"]
+__all__ = ["Inflight", "Ready", "SerialWorker", "timed"]
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -57,16 +57,18 @@ class Ready:
         return self.trajs, self.generate_s
 
 
-class GenerationThread:
-    """One background thread that runs generation jobs in submission order."""
+class SerialWorker:
+    """One background thread that runs jobs in submission order (started on first
+    use): the rollout ranks' generation thread, and every rank's sync thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: list[Future] = []
 
     def submit(self, fn: Callable[[], Any]) -> Future:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="generation")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name)
         self._jobs = [f for f in self._jobs if not f.done()]
         future = self._pool.submit(fn)
         self._jobs.append(future)

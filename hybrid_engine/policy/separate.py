@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid_engine.policy.ahead import GenerationThread, Inflight, timed
+from hybrid_engine.policy.ahead import Inflight, SerialWorker, timed
 from hybrid_engine.policy.colocated import greedy_sampling, policy_train, train_batch
 from hybrid_engine.algorithms.losses import LossFn
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
@@ -216,12 +216,12 @@ class SeparatePolicy:
         # Generation ahead of training (rollout.max_staleness): the rollout ranks'
         # generation thread samples through _local (no broadcast: result() shares).
         self._local = _SharedRollout(self.rollout, cfg.rollout, src=None)
-        self._gen = GenerationThread()
+        self._gen = SerialWorker("generation")
         if self.rollout is not None:
             self.rollout.double_buffer = cfg.rollout.max_staleness > 0
         # The sync behind the next step (generation ahead): its thread, and the
         # metrics of the last one joined (reported by the next sync_weights).
-        self._sync_thread = GenerationThread()
+        self._sync_thread = SerialWorker("sync")
         self._sync_job: Any = None
         self._sync_metrics: dict[str, float] | None = None
         if self.trainer is not None and self._behind:

@@ -319,7 +319,9 @@ class VLLMRollout:
             a staging view into a reused arena, installed by install_staged()
             (so every weight is rounded to the model dtype exactly once, as in
             vLLM's own loading). Call install_staged() before asking for the
-            next names: the arena is reused.
+            next names: the arena is reused. With double_buffer every target
+            is a persistent back buffer instead, and only commit_weights()
+            installs them (a generation meanwhile sees the old weights).
         """
         params = dict(self._model().named_parameters())
         dtype = vllm_compat.model_dtype(self.llm)

@@ -16,13 +16,12 @@ import pytest
 
 from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.metrics import staleness_metrics
-from hybrid_engine.policy.ahead import GenerationThread, Inflight, timed
-from hybrid_engine.testing import run_in_subprocess, run_torchrun
+from hybrid_engine.policy.ahead import Inflight, SerialWorker, timed
+from hybrid_engine.testing import run_in_subprocess
 from hybrid_engine.trajectory import Trajectory, trajectory_from_json, trajectory_to_json
-
-# Keys that differ between placements or runs by nature: times, memory, the sync's own report.
-_VARYING = ("_s", "mem_", "sync_", "tok_s")
-
+from tests.policy.runs import rows as _rows
+from tests.policy.runs import stable as _stable
+from tests.policy.runs import train
 
 # --- units ------------------------------------------------------------------------
 
@@ -58,7 +57,7 @@ def test_trajectory_json_round_trip_is_exact() -> None:
 
 
 def test_inflight_shares_the_result_once_and_raises_a_failure_everywhere() -> None:
-    pool, shared = GenerationThread(), []
+    pool, shared = SerialWorker("test"), []
 
     def share(obj):  # noqa: ANN001, ANN202 -- one rank: the source's object is its own
         shared.append(obj)
@@ -80,7 +79,7 @@ def test_inflight_shares_the_result_once_and_raises_a_failure_everywhere() -> No
 
 
 def test_drain_waits_for_every_job_in_order() -> None:
-    pool, order = GenerationThread(), []
+    pool, order = SerialWorker("test"), []
     for i in range(3):
         pool.submit(lambda i=i: (threading.Event().wait(0.05), order.append(i)))
     pool.drain()
@@ -157,39 +156,9 @@ def test_double_buffer_installs_only_at_commit(tmp_path) -> None:
 # --- whole runs under torchrun ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"])
-
-
-@pytest.fixture(scope="module")
-def reward_file(tmp_path_factory) -> Path:
-    """A reward with signal in every group (so every step trains and syncs)."""
-    f = tmp_path_factory.mktemp("reward") / "coin.py"
-    f.write_text("import hashlib\n\ndef reward(prompt, completion, answer):\n"
-                 "    return float(hashlib.md5(completion.encode()).digest()[0] % 2)\n")
-    return f
-
-
 def _train(model: Path, reward: Path, out: Path, nproc: int, *extra: str):  # noqa: ANN202
-    return run_torchrun(
-        ["-m", "hybrid_engine.cli", "train", "--recipe=tiny_grpo_debug", "--no-progress",
-         f"--model.path={model}", f"--output_dir={out}", "--env.num_eval_prompts=4",
-         "--rollout.max_tokens=8", "--train.num_steps=3", "--eval_every=3",
-         "--checkpoint_every=2", f"--env.reward_fn={reward}:reward",
-         "--rollout.tensor_parallel_size=1", "--algorithm.behaviour_logp=rollout",
-         "--rollout.emulate_gpu_sleep=true", "--rollout.release_memory=true", *extra],
-        nproc, timeout=400)
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _stable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not any(p in k for p in _VARYING)}
+    return train(model, reward, out, nproc, "--rollout.tensor_parallel_size=1",
+                 "--algorithm.behaviour_logp=rollout", *extra)
 
 
 @pytest.mark.vllm
@@ -237,3 +206,16 @@ def test_separate_ahead_equals_colocated_ahead_and_resumes(model_dir, reward_fil
     resumed = _rows(sep)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert _stable(resumed[-1]) == _stable(rows[-1])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_max_staleness_2_runs_two_batches_ahead(model_dir, reward_file, tmp_path) -> None:
+    """k = 2 (colocated, one rank): steps 1-2 train batches of the initial weights,
+    later steps batches sampled two updates earlier; the knob's depth acts."""
+    out = tmp_path / "k2"
+    _train(model_dir, reward_file, out, 1, "--rollout.max_staleness=2", "--train.num_steps=4")
+    rows = [r for r in _rows(out) if "staleness_max" in r]  # training steps, not evals
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
+    assert [r["staleness/2"] for r in rows] == [0.0, 0.0, 1.0, 1.0]

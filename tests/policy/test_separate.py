@@ -8,53 +8,13 @@ sync (identical runs), and an uninterrupted run (resume)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from hybrid_engine.testing import run_torchrun
+from tests.policy.runs import rows as _rows
+from tests.policy.runs import stable as _stable
+from tests.policy.runs import train as _train
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-# Keys that differ between placements or runs by nature: times, memory, the sync's own report.
-_VARYING = ("_s", "mem_", "sync_", "tok_s")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"])
-
-
-@pytest.fixture(scope="module")
-def reward_file(tmp_path_factory) -> Path:
-    """A reward with signal in every group (so every step trains and syncs)."""
-    f = tmp_path_factory.mktemp("reward") / "coin.py"
-    f.write_text("import hashlib\n\ndef reward(prompt, completion, answer):\n"
-                 "    return float(hashlib.md5(completion.encode()).digest()[0] % 2)\n")
-    return f
-
-
-def _train(model: Path, reward: Path, out: Path, nproc: int, *extra: str):  # noqa: ANN202
-    return run_torchrun(
-        ["-m", "hybrid_engine.cli", "train", "--recipe=tiny_grpo_debug", "--no-progress",
-         f"--model.path={model}", f"--output_dir={out}", "--env.num_eval_prompts=4",
-         "--rollout.max_tokens=8", "--train.num_steps=3", "--eval_every=3",
-         "--checkpoint_every=2", f"--env.reward_fn={reward}:reward",
-         # Colocated twins release every step: emulate GPU sleep (weights lost) there too.
-         "--rollout.emulate_gpu_sleep=true", "--rollout.release_memory=true", *extra],
-        nproc, timeout=400)
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _stable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not any(p in k for p in _VARYING)}
-
 
 ALGORITHMS = {
     "grpo": (),

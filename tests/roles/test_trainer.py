@@ -418,6 +418,24 @@ def _check_profile(path: str, vocab: int, folder: str) -> dict:
     return dict(after_first=after_first, split=split, losses=run.losses)
 
 
+def _check_weights_hook(path: str, vocab: int) -> dict:
+    """Trainer.before_weights_change runs once per optimizer step, after backward
+    (gradients exist) and before the weights change (what separate placement's
+    sync behind the step relies on: it packs from the weights until then)."""
+    run = start_run(path, {}, vocab=vocab)
+    before = full_weights(run.trainer.module)
+    seen = []
+
+    def hook() -> None:
+        grads = all(p.grad is not None for p in run.trainer.module.parameters())
+        seen.append((grads, max_diff(full_weights(run.trainer.module), before)))
+
+    run.trainer.before_weights_change = hook
+    run.steps(2)
+    return dict(seen=seen[:1], calls=len(seen),
+                moved=max_diff(full_weights(run.trainer.module), before))
+
+
 def _two_rank_checks(root: str) -> dict:
     import torch.distributed as dist
 
@@ -438,6 +456,7 @@ def _two_rank_checks(root: str) -> dict:
         gotcha=_fsdp2_gotcha(qwen2, vocab["qwen2"]),
         splits=_check_splits(qwen2, vocab["qwen2"]),
         profile=_check_profile(qwen2, vocab["qwen2"], f"{root}/profile"),
+        weights_hook=_check_weights_hook(qwen2, vocab["qwen2"]),
     )
 
 
@@ -663,6 +682,14 @@ def test_train_step_metrics_and_falling_loss(two_ranks):
         # close to the fp32 run, but not equal: the forward really ran in bf16
         assert 0 < bf16["diff"] < 1e-3, name
     assert out["replicate_bf16"]["vs_fsdp_bf16"] < 1e-3
+
+
+def test_before_weights_change_runs_after_backward_before_the_update(two_ranks):
+    for out in two_ranks:
+        h = out["weights_hook"]
+        assert h["calls"] == 2  # once per optimizer step
+        assert h["seen"] == [(True, 0.0)]  # gradients ready, weights not yet written
+        assert h["moved"] > 0
 
 
 def test_profile_env_profiles_only_the_named_call(two_ranks):

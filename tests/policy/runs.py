@@ -1,0 +1,33 @@
+"""Whole `hybrid-engine train` runs under torchrun for the policy tests, and how
+their metrics compare (test helper)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hybrid_engine.testing import run_torchrun
+
+# Keys that differ between placements or runs by nature: times, memory, the sync's own report.
+VARYING = ("_s", "mem_", "sync_", "tok_s")
+
+
+def train(model: Path, reward: Path, out: Path, nproc: int, *extra: str):  # noqa: ANN201
+    """3 steps of tiny_grpo_debug (8 new tokens, eval at step 3, checkpoint at 2),
+    the engine released every step with GPU sleep emulated, plus extra."""
+    return run_torchrun(
+        ["-m", "hybrid_engine.cli", "train", "--recipe=tiny_grpo_debug", "--no-progress",
+         f"--model.path={model}", f"--output_dir={out}", "--env.num_eval_prompts=4",
+         "--rollout.max_tokens=8", "--train.num_steps=3", "--eval_every=3",
+         "--checkpoint_every=2", f"--env.reward_fn={reward}:reward",
+         # Colocated twins release every step: emulate GPU sleep (weights lost) there too.
+         "--rollout.emulate_gpu_sleep=true", "--rollout.release_memory=true", *extra],
+        nproc, timeout=400)
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def stable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not any(p in k for p in VARYING)}
