@@ -84,6 +84,30 @@ def test_random_blocks_match_reference(device, src_dtype, dst_dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("src_dtype,dst_dtype", DTYPE_PAIRS)
+def test_aligned_blocks_match_reference(device, src_dtype, dst_dtype):
+    """The shapes a sync moves: 16-byte aligned row and column slices (the CUDA
+    kernel's vector path), contiguous row bands merged into one long row, blocks
+    longer than one work item, next to a misaligned block (the scalar path)."""
+    src = _rand((96, 1024), src_dtype, device, 7)
+    dst = torch.zeros(96, 2048, dtype=dst_dtype, device=device)
+    dst_ref = dst.clone()
+    pairs = [
+        (src[0:32], dst[0:32, 1024:2048]),        # row band -> column slice (strided rows)
+        (src[32:64, 512:1024], dst[32:64, 0:512]),  # column slice -> column slice
+        (src[64:80], dst[64:80].view(-1)[: 16 * 1024].view(16, 1024)),  # contiguous: merged
+        (src[80:90, 8:520], dst[80:90, 1032:1544]),  # aligned column slices, 8 apart
+        (src[90:96, 3:100], dst[90:96, 5:102]),      # misaligned: scalar path
+    ]
+    blocks = blocks_tensor([block_between(0, src, s, 0, dst, d) for s, d in pairs])
+    copy_blocks([src], [dst], blocks)
+    copy_blocks_ref([src], [dst_ref], blocks)
+    width = torch.int16 if dst.element_size() == 2 else torch.int32
+    assert torch.equal(dst.view(width), dst_ref.view(width))
+    assert dst.view(width).count_nonzero() > 0.9 * sum(d.numel() for _, d in pairs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("src_dtype,dst_dtype", DTYPE_PAIRS)
 def test_cast_equals_tensor_to(device, src_dtype, dst_dtype):
     """Pack whole tensors (incl. a long 1-D one) into a flat buffer: == Tensor.to()."""
     srcs = [_rand((17, 33), src_dtype, device, 4), _rand((10007,), src_dtype, device, 5),
