@@ -124,7 +124,11 @@ from _common import result_header, result_path  # noqa: E402
 PHASES = ("generate", "score", "train", "sync")
 # 3 jobs for the headline N=2; fewer at N=1 and N=4 to fit the budget (docstring).
 DEFAULT_CONFIGS = ("qwen2-180m:1@2", "qwen2-180m:2@3", "qwen2-180m:4@1")
-WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64)}  # prompts per step, K, max new tokens
+# prompts per step, K, max new tokens
+WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64), "mixed": (16, 4, 112)}
+# mixed: every MIXED_STOP_EVERY-th id of the vocabulary ends a completion, so a random-init
+# model's lengths are geometric (mean ~24, a few near the cap of 112): a long tail.
+MIXED_STOP_EVERY = 24
 PROFILE_ENV = "HYBRID_ENGINE_PROFILE_TRAIN"  # = hybrid_engine.roles.trainer.PROFILE_ENV
 # A coin flip per scored sample, hashed from a call counter and the completion: every
 # rank scores the same list in the same order, so ranks agree; a counter keeps the
@@ -150,7 +154,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--headline", default="qwen2-180m:2",
                    help="config whose values are the JSON's top-level keys (else the last)")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1",
-                   help="w1: 4 prompts x K=4 x 16 tokens; w2: 16 x 4 x 64")
+                   help="w1: 4 prompts x K=4 x 16 tokens; w2: 16 x 4 x 64; mixed: 16 x 4 x "
+                        "up to 112, lengths ~ geometric (mean ~24): a long tail")
     p.add_argument("--jobs", type=int, default=3, help="fresh jobs per config without @JOBS")
     p.add_argument("--steps", type=int, default=20, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=2, help="steps per job before the timed ones")
@@ -344,6 +349,11 @@ def _run_job(args: argparse.Namespace, preset: str, nproc: int, placement: str,
         f"--env.reward_fn={work / 'reward.py'}:reward",
         *(f"--{kv}" for kv in (*args.set, *sets)),
     ]
+    if args.workload == "mixed":
+        from hybrid_engine.models.tiny import PRESETS
+
+        overrides.append("--rollout.stop_token_ids=" + ",".join(
+            str(i) for i in range(7, PRESETS[preset].vocab_size, MIXED_STOP_EVERY)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", "-m", "hybrid_engine.cli", "train",
            "--recipe=tiny_grpo_debug", *overrides]
@@ -441,7 +451,14 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
     _med_iqr(row, "train_other_s", _jobs_of(
         timed, lambda r: r.get("train_s", 0.0) - r.get("train_step_s", 0.0)))
     row.update(_train_split(jobs, row["train_step_s"]))
-    row.update(_ahead_stats(timed, jobs[0]["config"]["rollout"].get("max_staleness", 0)))
+    partial = jobs[0]["config"]["rollout"].get("partial_rollout", False)
+    row.update(_ahead_stats(timed, 0 if partial else jobs[0]["config"]["rollout"].get(
+        "max_staleness", 0)))
+    row.update(_partial_stats(timed, jobs[0]["config"]["rollout"]) if partial else {})
+    _med_iqr(row, "train_samples", _jobs_of(timed, lambda r: r.get("train_samples", 0.0)))
+    row["generate_s_jobs"] = _jobs_of(timed, lambda r: r.get("generate_s", 0.0))
+    row["sampled_tok_s_jobs"] = _jobs_of(timed, lambda r: r.get(
+        "partial/sampled_tokens", r["generated_tokens"]) / max(r.get("generate_s", 0.0), 1e-9))
     if row.get("generate_busy_s"):  # generation ahead: generate_s is the step's wait
         row["generated_tok_s"] = gen / row["generate_busy_s"]
     row["step_s_jobs"] = step_jobs
@@ -469,6 +486,67 @@ def _ahead_stats(timed: list[list[dict]], k: int) -> dict:
     out["staleness_dist"] = {d: sum(r.get(f"staleness/{d}", 0.0) for r in rows) / len(rows)
                              for d in range(k + 1)}
     return out
+
+
+def _partial_stats(timed: list[list[dict]], rollout: dict) -> dict:
+    """rollout.partial_rollout: tokens the engine sampled per step (the trained
+    samples' tokens include parked prefixes sampled earlier), parked groups after
+    each step, continued samples, and the staleness distribution."""
+    k = rollout["max_staleness"]
+    out: dict = {"partial_rollout": True, "step_token_budget": rollout["step_token_budget"],
+                 "max_staleness": 0}
+    for key in ("sampled_tokens", "parked_groups", "continued_samples", "regenerated_groups",
+                "dropped_groups"):
+        _med_iqr(out, f"partial_{key}", _jobs_of(timed, lambda r, key=key: r.get(
+            f"partial/{key}", 0.0)))
+    rows = [r for job in timed for r in job]
+    out["staleness_mean"] = sum(r["staleness_mean"] for r in rows) / len(rows)
+    out["staleness_max"] = max(r["staleness_max"] for r in rows)
+    out["staleness_dist"] = {d: sum(r.get(f"staleness/{d}", 0.0) for r in rows) / len(rows)
+                             for d in range(k + 1)}
+    return out
+
+
+def _partial_table(rows: list[dict]) -> str:
+    """Configs with partial rollouts against the same config without them: the
+    generate phase (the long tail's idle time is in it) and the whole step."""
+    skip = ("rollout.partial_rollout=", "rollout.step_token_budget=", "rollout.max_staleness=",
+            "algorithm.behaviour_logp=", "rollout.stale_partial=")
+
+    def key(r: dict) -> tuple:
+        return (r["preset"], r["world_size"], r["placement"],
+                tuple(o for o in r.get("overrides", []) if not o.startswith(skip)))
+
+    base_of = {key(r): r for r in rows if not r.get("partial_rollout")}
+    head = ("| config | budget | step s (IQR) | generate s | sampled tok / step | engine "
+            "tok/s (generate) | trained samples / step | generate s per trained sample | "
+            "parked groups | staleness mean (share at 0..k) | generate / without [95% CI] | "
+            "tok/s / without [95% CI] | step / without [95% CI] |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in [*base_of.values(), *(r for r in rows if r.get("partial_rollout"))]:
+        sampled = r.get("partial_sampled_tokens", r["tokens_per_step"]["generated"])
+        tok_s = _stats.describe(r["sampled_tok_s_jobs"])["median"]
+        cells = [f"{r['config_name']}", str(r.get("step_token_budget", "-")),
+                 f"{r['step_s']:.3f} ({r['step_s_iqr']:.3f})", f"{r['generate_s']:.3f}",
+                 f"{sampled:.0f}", f"{tok_s:.0f}", f"{r['train_samples']:.0f}",
+                 f"{r['generate_s'] / max(r['train_samples'], 1e-9):.4f}"]
+        base = base_of.get(key(r)) if r.get("partial_rollout") else None
+        if not r.get("partial_rollout"):
+            cells += ["-", "-", "-", "-", "-"]
+        else:
+            dist = " / ".join(f"{v:.2f}" for v in r["staleness_dist"].values())
+            cells += [f"{r['partial_parked_groups']:.0f}", f"{r['staleness_mean']:.2f} ({dist})"]
+            for name, jobs_key in (("generate", "generate_s_jobs"), ("tok_s", "sampled_tok_s_jobs"),
+                                   ("step", "step_s_jobs")):
+                if base is None:
+                    cells.append("-")
+                    continue
+                a, b = _stats.describe(r[jobs_key])["median"], _stats.describe(base[jobs_key])["median"]
+                ci = _stats.ratio_ci(r[jobs_key], base[jobs_key], paired=False)
+                r[f"{name}_over_without_partial"], r[f"{name}_over_without_partial_ci"] = a / b, ci
+                cells.append(f"{a / b:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) if any(r.get("partial_rollout") for r in rows) else ""
 
 
 def _ahead_table(rows: list[dict]) -> str:
@@ -678,6 +756,16 @@ def main(argv=None) -> None:
                  "= the engine's seconds on the step's batch (wait: what the step waited for "
                  "it); the bound is the slower side, per step; staleness = step - the version "
                  f"of the weights that sampled each sample.\n\n{ahead}")
+    partial = _partial_table(rows)
+    if partial:
+        print(partial)
+        partial = ("\n\nPartial rollouts (rollout.partial_rollout): a step's generation stops "
+                   "once it has its groups or has spent step_token_budget tokens; unfinished "
+                   "sequences continue next step. sampled tok / step: what the engine sampled "
+                   "in the step (the trained samples' tokens include parked prefixes); engine "
+                   "tok/s = sampled / generate s per step (the long tail's idle time lowers "
+                   "it); ratios: medians against the same config without partial rollouts, "
+                   f"bootstrap 95% CI over steps.\n\n{partial}")
     path = result_path(args.out_dir, "step", quick=args.quick)
     chart = path.with_suffix(".png")
     _chart(rows, chart)
@@ -698,7 +786,7 @@ def main(argv=None) -> None:
         f"({GEMM_N}^3, training dtype, the rank's threads, measured in this run). Ranks share "
         "the machine's cores (OMP threads = cores // N); with more ranks than cores they "
         f"time-share them. Headline: {names[rows.index(head)]}.\n\n"
-        f"{table}{ahead}\n\n![phases]({chart.name})\n\nEach phase against its floor (generate: the "
+        f"{table}{ahead}{partial}\n\n![phases]({chart.name})\n\nEach phase against its floor (generate: the "
         "larger of every weight of the TP shard read once per decode step (max new tokens) "
         "and 2 x parameters FLOPs per sampled token at the rollout ranks' GEMM peak in the "
         "rollout dtype; sync: every installed byte read from the master weights and written "

@@ -128,6 +128,8 @@ class Controller:
         self._ahead = deque((b["version"], Ready([trajectory_from_json(t) for t in b["trajs"]],
                                                  b["generate_s"]))
                             for b in d.get("ahead", []))
+        if d.get("rollout") is not None:  # parked partial rollouts
+            self.policy.load_rollout_state(d["rollout"])
 
     def _ahead_state(self) -> list[dict]:
         """The batches generated ahead, finished and JSON-able (collective: waits)."""
@@ -148,6 +150,11 @@ class Controller:
             self.env, prompts, num_samples=self.cfg.rollout.num_samples_per_prompt,
             seed=self._seed(step, rounds))
 
+    def _ahead_depth(self) -> int:
+        """How many steps ahead generation runs: max_staleness, except with partial
+        rollouts, where the staleness comes from parked prefixes instead."""
+        return 0 if self.cfg.rollout.partial_rollout else self.cfg.rollout.max_staleness
+
     def _seed(self, step: int, rounds: int) -> int:
         """The sampling seed of a step's generate round."""
         return self.cfg.seed * 1_000_003 + step + rounds * _ROUND_SEED
@@ -158,14 +165,14 @@ class Controller:
         the engine's seconds on them. max_staleness = k > 0: the first round is
         the batch started k steps ago, and the batch of step s + k starts now."""
         trajs, rounds, want, busy_s = [], 0, self.cfg.train.prompts_per_step, 0.0
-        s, k = self.state.step, self.cfg.rollout.max_staleness
+        s, k, partial = self.state.step, self._ahead_depth(), self.cfg.rollout.partial_rollout
         while want:
             with timer.phase("generate"):
-                if not k:
+                if not k:  # partial rollouts: the policy records each token's version
                     prompts = self.env.sample_prompts(want)
                     new, version = self.policy.collect(
                         self.env, prompts, num_samples=self.cfg.rollout.num_samples_per_prompt,
-                        seed=self._seed(s, rounds)), s
+                        seed=self._seed(s, rounds), **({"version": s} if partial else {})), s
                 else:
                     if rounds == 0:
                         while len(self._ahead) <= k:  # the batches of steps s .. s + k
@@ -175,8 +182,9 @@ class Controller:
                         version, handle = self._submit(s, want, rounds)
                     new, seconds = handle.result()
                     busy_s += seconds
-            for t in new:
-                t.policy_version = version
+            if not partial:  # partial rollouts set it per trajectory (its oldest token's)
+                for t in new:
+                    t.policy_version = version
             with timer.phase("score"):
                 self.env.score(new)
                 for scorer in self.scorers:
@@ -204,7 +212,7 @@ class Controller:
         m.update(timer.metrics)
         # Sampled tokens (loss_mask: not env/tool tokens), each sample once, per generate second.
         m["generated_tokens"] = float(sum(sum(t.loss_mask) for t in trajs))
-        if self.cfg.rollout.max_staleness:  # generate_s is then the step's wait for them
+        if self._ahead_depth():  # generate_s is then the step's wait for them
             m["generate_busy_s"] = busy_s
         m["gen_tok_s"] = m["generated_tokens"] / max(m.get("generate_busy_s", m["generate_s"]),
                                                      1e-9)
@@ -282,5 +290,6 @@ class Controller:
         extra = self.state_dict()
         extra["wall_s"] = self.state.wall_s + time.monotonic() - t_start
         extra["ahead"] = self._ahead_state()
+        extra["rollout"] = getattr(self.policy, "rollout_state", lambda: None)()
         self.checkpointer.save(self.state.step, extra)
 

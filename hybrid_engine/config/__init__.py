@@ -177,6 +177,28 @@ class RolloutConfig:
         "algorithm.behaviour_logp=rollout or algorithm.tis_cap (the importance correction).",
         ge=0,
     )
+    partial_rollout: bool = _field(
+        False,
+        "placement=colocated: a step's generation stops once the step has prompts_per_step "
+        "finished groups or has sampled step_token_budget tokens (with >= 1 group finished); "
+        "the unfinished sequences are parked with their tokens, log-probs and per-token "
+        "versions and continue next step, after the sync, with the new weights. Each step "
+        "starts up to prompts_per_step new groups (the pool holds at most twice that). Needs "
+        "max_staleness >= 1 (a parked prefix is at least one step old when it trains) and "
+        "step_token_budget > 0; single-turn environments only.",
+    )
+    step_token_budget: int = _field(
+        0,
+        "partial_rollout: tokens a step's generation may sample (over all replicas) before it "
+        "stops and parks what is unfinished; 0 = no budget (only with partial_rollout=false).",
+        ge=0,
+    )
+    stale_partial: Literal["regenerate", "drop"] = _field(
+        "regenerate",
+        "partial_rollout: a parked group whose oldest token would train more than "
+        "max_staleness steps after it was sampled is restarted from its prompt with the "
+        "current weights ('regenerate') or discarded ('drop').",
+    )
     emulate_gpu_sleep: bool = _field(
         False,
         "CPU only (tests): make release_memory lose the weights as GPU sleep level 2 does -- "
@@ -523,6 +545,23 @@ class RunConfig:
                 "with older weights: set algorithm.behaviour_logp=rollout (the ratio to the "
                 "sampling policy) or algorithm.tis_cap (truncated importance weights); without "
                 "either the loss would treat stale samples as on-policy")
+
+        r = self.rollout
+        if r.step_token_budget and not r.partial_rollout:
+            raise ValueError("rollout.step_token_budget bounds partial rollouts: set "
+                             "rollout.partial_rollout=true or leave the budget at 0")
+        if r.partial_rollout:
+            if self.placement != "colocated":
+                raise ValueError("rollout.partial_rollout=true needs placement=colocated (under "
+                                 "placement=separate, rollout.max_staleness overlaps generation "
+                                 "with training instead)")
+            if not r.max_staleness:
+                raise ValueError("rollout.partial_rollout=true needs rollout.max_staleness >= 1: a "
+                                 "parked sequence's prefix is at least one step old when it trains")
+            if not r.step_token_budget:
+                raise ValueError("rollout.partial_rollout=true needs rollout.step_token_budget > 0 "
+                                 "(with no budget a step waits for every group it started and "
+                                 "nothing is ever parked)")
 
     def validate_for_run(self) -> None:
         """Checks that only hold right before launch (not for recipes or tests).

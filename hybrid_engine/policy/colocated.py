@@ -80,6 +80,7 @@ from hybrid_engine.preflight import check_model_for_run
 from hybrid_engine.roles.sync import WeightSync
 from hybrid_engine.roles.trainer import Trainer
 from hybrid_engine.rollout.engine import Completions, VLLMRollout
+from hybrid_engine.rollout.partial import PartialRollouts
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
 __all__ = ["HybridActor", "completions_to_trajectories", "greedy_sampling", "policy_step",
@@ -200,6 +201,7 @@ class HybridActor:
         # Groups made here (vLLM's, the FSDP mesh's) get cfg's timeout; a host's are its own.
         set_collective_timeout(cfg.collective_timeout_s,
                                [g for g in all_groups() if g not in host_groups])
+        self.partial = PartialRollouts(cfg.rollout) if cfg.rollout.partial_rollout else None
         self.tokenizer = self.rollout.tokenizer
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
@@ -283,15 +285,37 @@ class HybridActor:
         return greedy_sampling(self.rollout, greedy)
 
     def collect(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
-                seed: int, greedy: bool = False) -> list[Trajectory]:
-        """Trajectories of env for prompts, single- or multi-turn, unscored (collective)."""
-        from hybrid_engine.rollout.episodes import collect
+                seed: int, greedy: bool = False, version: int | None = None) -> list[Trajectory]:
+        """Trajectories of env for prompts, single- or multi-turn, unscored (collective).
+
+        With rollout.partial_rollout (and not greedy) the step's generation may
+        stop early (`rollout.partial.PartialRollouts`): version is then the
+        current weights' version (the controller's step), recorded per token,
+        and up to len(prompts) finished groups come back, parked ones first.
+        """
+        from hybrid_engine.rollout.episodes import MultiTurnEnvironment, collect
 
         self.phases.to_rollout()
         self.phases.check_rollout()
+        if self.partial is not None and not greedy:
+            if isinstance(env, MultiTurnEnvironment):
+                raise ValueError("rollout.partial_rollout supports single-turn environments only")
+            if version is None:
+                raise ValueError("rollout.partial_rollout: collect() needs the weights' version")
+            return self.partial.collect(self.rollout, [list(p) for p in prompts],
+                                        num_samples=num_samples, seed=seed, version=version)
         with self._sampling(greedy):
             return collect(self.rollout, env, [list(p) for p in prompts],
                            num_samples=num_samples, seed=seed)
+
+    def rollout_state(self) -> dict | None:
+        """The parked partial sequences (rollout.partial_rollout), JSON-able; else None."""
+        return None if self.partial is None else self.partial.state_dict()
+
+    def load_rollout_state(self, state: dict | None) -> None:
+        """Restores what rollout_state() returned."""
+        if self.partial is not None and state is not None:
+            self.partial.load_state_dict(state)
 
     def collect_async(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
                       seed: int) -> Ready:
@@ -350,6 +374,8 @@ class HybridActor:
         metrics = policy_train(self.trainer, self.cfg, trajs, self.pad_id, loss_fn, entropy_grad)
         self.phases.trained()
         metrics["mem_released_bytes"] = float(self.released_bytes)
+        if self.partial is not None:  # the pool after this step's generation
+            metrics.update(self.partial.metrics())
         if self.offload is not None:  # the offload during this step's generation
             metrics["offload_moved_bytes"] = float(self.offload.moved_bytes)
             metrics["offload_released_bytes"] = float(self.offload.released_bytes)

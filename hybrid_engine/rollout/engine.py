@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -151,8 +151,9 @@ class VLLMRollout:
         self._repack_s = 0.0
         self._max_prompt_len = cfg.max_model_len - cfg.max_tokens
         self.num_truncated = 0
+        self._request_serial = 0  # sample_until's request ids are unique per engine
 
-    def _prompt_ids(self, prompts: Sequence[str | Sequence[int]],
+    def prompt_ids(self, prompts: Sequence[str | Sequence[int]],
                     max_tokens: Sequence[int] | None = None) -> list[list[int]]:
         """Token ids of each prompt, checked against max_model_len minus that
         prompt's max_tokens (rollout.max_tokens when max_tokens is None)."""
@@ -222,8 +223,8 @@ class VLLMRollout:
             if any(not 1 <= m < self.cfg.max_model_len for m in limits):
                 raise ValueError(f"max_tokens must lie in [1, max_model_len="
                                  f"{self.cfg.max_model_len}), got {limits}")
-        prompt_ids = self._prompt_ids(prompts, limits)
-        replica, num_replicas = self._replica()
+        prompt_ids = self.prompt_ids(prompts, limits)
+        replica, num_replicas = self.replica()
         bounds = [len(prompt_ids) * i // num_replicas for i in range(num_replicas + 1)]
         mine = range(bounds[replica], bounds[replica + 1])
         token_ids, logprobs = self._sample(
@@ -246,7 +247,7 @@ class VLLMRollout:
                                "(discarded by a release and never rewritten?)")
         return Completions(prompt_ids, token_ids, logprobs, k)
 
-    def _replica(self) -> tuple[int, int]:
+    def replica(self) -> tuple[int, int]:
         """(this rank's replica, number of replicas): TP groups are contiguous ranks
         (of `ranks` under separate placement)."""
         import torch.distributed as dist
@@ -295,6 +296,63 @@ class VLLMRollout:
             token_ids.append(list(comp.token_ids))
             logprobs.append([lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)])
         return token_ids, logprobs
+
+    def sample_until(
+        self, prompt_ids: Sequence[Sequence[int]], max_tokens: Sequence[int], seeds: Sequence[int],
+        stop_now: Callable[[list[bool], int], bool],
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """One sample per prompt through vLLM's engine loop, stoppable between
+        engine steps (partial rollouts); local to this replica (its TP group
+        runs it in lockstep: every decision depends only on the outputs, which
+        are the same on every rank of the group).
+
+        The requests go to `LLM.llm_engine` (`vllm_compat.engine_loop`: add_request with DELTA outputs,
+        then step() until none is unfinished, as `LLM.generate` does). After
+        each engine step `stop_now(finished, tokens)` sees which requests have
+        finished and how many tokens were sampled so far; when it returns True
+        the unfinished requests are aborted (abort_request frees their KV
+        blocks) and come back with the tokens they have. Sampling settings as
+        in `_sample`, seeds per request.
+
+        Returns:
+            (token ids, their log-probs, finished) per prompt, in order.
+        """
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._kv_released:
+            raise RuntimeError("sample_until() after release_memory(): call restore_memory() first")
+        if not self.weights_valid:
+            raise RuntimeError("sample_until() with discarded weights: sync them first")
+        engine = vllm_compat.engine_loop(self.llm)
+        stop_strs = list(self.cfg.stop) or None
+        n = len(prompt_ids)
+        ids = [f"partial-{self._request_serial}-{i}" for i in range(n)]
+        self._request_serial += 1
+        for rid, ids_i, m, seed in zip(ids, prompt_ids, max_tokens, seeds, strict=True):
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids_i)), SamplingParams(
+                n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
+                max_tokens=int(m), logprobs=0, stop=stop_strs,
+                stop_token_ids=list(self.cfg.stop_token_ids) or None, seed=int(seed),
+                output_kind=RequestOutputKind.DELTA))
+        index = {rid: i for i, rid in enumerate(ids)}
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] = [[] for _ in range(n)]
+        finished, sampled = [False] * n, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                i, comp = index[out.request_id], out.outputs[0]
+                tokens[i] += comp.token_ids
+                logps[i] += [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs,
+                                                            strict=True)]
+                sampled += len(comp.token_ids)
+                finished[i] = out.finished
+            if not all(finished) and stop_now(finished, sampled):
+                engine.abort_request([rid for rid, f in zip(ids, finished) if not f])
+                break
+        if any(math.isnan(x) for lp in logps for x in lp):
+            raise RuntimeError("sampled tokens have NaN log-probs: vLLM's weights are not valid")
+        return tokens, logps, finished
 
     # --- weights --------------------------------------------------------------
     # vLLM's CPU build packs linear weights into oneDNN / sgl handles after

@@ -22,9 +22,9 @@ import torch
 from hybrid_engine.rollout import cpu_shm
 
 __all__ = [
-    "VLLM_VERSION", "cache_config", "check_version", "dispatch_cpu_gemm", "is_cpu", "isolate_cpu_shm_names",
-    "kv_cache_tensors", "model", "model_dtype", "prepare_process_env", "reload_weights",
-    "restrict_world", "set_weight_attrs", "shutdown", "zentorch_gemm",
+    "VLLM_VERSION", "cache_config", "check_version", "dispatch_cpu_gemm", "engine_loop", "is_cpu",
+    "isolate_cpu_shm_names", "kv_cache_tensors", "model", "model_dtype", "prepare_process_env",
+    "reload_weights",    "restrict_world", "set_weight_attrs", "shutdown", "zentorch_gemm",
 ]
 
 VLLM_VERSION = "0.32.0"  # what every function below was written for and checked on
@@ -144,6 +144,16 @@ def _runner(llm):  # noqa: ANN001, ANN202
 def model(llm) -> torch.nn.Module:  # noqa: ANN001
     """The vLLM model module of this rank (its TP-local parameters). [0.32, private]"""
     return _runner(llm).model
+
+
+def engine_loop(llm):  # noqa: ANN001, ANN201
+    """The LLMEngine behind `LLM.generate` (`llm.llm_engine`), whose loop partial
+    rollouts drive themselves: add_request(request_id, prompt, params) (DELTA
+    outputs: each step() returns only new tokens and log-probs), step(),
+    has_unfinished_requests(), abort_request([request_id]) (frees the KV
+    blocks; the request's output so far is whatever earlier steps returned).
+    [0.32, public attribute and methods of the V1 LLMEngine]"""
+    return llm.llm_engine
 
 
 def model_dtype(llm) -> torch.dtype:  # noqa: ANN001
