@@ -24,7 +24,7 @@ from hybrid_engine.rollout import cpu_shm
 __all__ = [
     "VLLM_VERSION", "cache_config", "check_version", "dispatch_cpu_gemm", "engine_loop", "is_cpu",
     "isolate_cpu_shm_names", "kv_cache_tensors", "model", "model_dtype", "prepare_process_env",
-    "reload_weights",    "restrict_world", "set_weight_attrs", "shutdown", "zentorch_gemm",
+    "reload_weights", "restrict_world", "set_weight_attrs", "shutdown", "zentorch_gemm",
 ]
 
 VLLM_VERSION = "0.32.0"  # what every function below was written for and checked on
