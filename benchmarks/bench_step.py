@@ -17,7 +17,14 @@ lr it soon collapses to identical completions).
 Workloads (issue 17's): `w1` (default) 4 prompts x K=4 = 16 completions x
 16 new tokens per step, a user's small GRPO batch; `w2` 16 x 4 = 64
 completions x 64 tokens. The environment's prompts are 1-3 digit
-arithmetic (short: the trained tokens are mostly completions).
+arithmetic (short: the trained tokens are mostly completions). `mixed`
+(for partial rollouts): 16 x 4 completions of up to 112 tokens, every 24th
+vocabulary id a stop token, so a random-init model's completion lengths are
+geometric (mean ~24) with a long tail; a config with
+`rollout.partial_rollout` gets a table against the same config without it
+(generate seconds, tokens the engine sampled and its tok/s in the generate
+phase, trained samples per step, parked groups, staleness, ratios with
+bootstrap CIs).
 
 Measured, per job: `--warmup` steps (left out), `--steps` timed steps, then
 ONE profiled step (left out of every timing).
@@ -461,6 +468,8 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
         "partial/sampled_tokens", r["generated_tokens"]) / max(r.get("generate_s", 0.0), 1e-9))
     if row.get("generate_busy_s"):  # generation ahead: generate_s is the step's wait
         row["generated_tok_s"] = gen / row["generate_busy_s"]
+    if partial:  # what the engine sampled in the step, not the trained samples' tokens
+        row["generated_tok_s"] = row["partial_sampled_tokens"] / row["generate_s"]
     row["step_s_jobs"] = step_jobs
     row["resolved_config"] = _same_config(jobs)
     return row

@@ -11,7 +11,11 @@ starts the batch of step s + k (`policy.collect_async`, sampled with the
 weights of step s) and trains on the batch started k steps earlier, so under
 separate placement the rollout ranks generate while the trainer ranks train.
 Each trajectory carries the step whose weights sampled it (policy_version);
-its staleness s - policy_version is at most k and reported per step.
+its staleness s - policy_version is at most k and reported per step. With
+rollout.partial_rollout nothing runs ahead: the policy parks unfinished
+sequences between steps (`rollout/partial.py`), so the controller passes the
+step as the weights' version and the policy stamps each trajectory with its
+oldest token's.
 
 plus exit conditions (steps, wall time, reward EMA, the guards' aborts), evaluation on held-out
 prompts (at step 0, every eval_every steps and after the last step), periodic
@@ -33,6 +37,7 @@ checkpointing is on), so nothing is written half-done.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -51,6 +56,7 @@ from hybrid_engine.trajectory import trajectory_from_json, trajectory_to_json
 
 __all__ = ["Controller", "Checkpointer", "any_rank"]
 
+_log = logging.getLogger(__name__)
 _ROUND_SEED = 7_919_999  # a refill round's sampling seed offset (far from any step count)
 
 
@@ -125,9 +131,14 @@ class Controller:
     def load_state_dict(self, d: dict) -> None:
         self.state = _State(d["step"], d["reward_ema"], d["wall_s"], list(d["history"]))
         self.env.load_state_dict(d["env"])
+        ahead = d.get("ahead", [])
+        if len(ahead) != self._ahead_depth():  # saved with another max_staleness
+            _log.warning("the checkpoint holds %d batch(es) generated ahead; this run generates "
+                         "%d ahead (rollout.max_staleness): they are discarded and generated "
+                         "again with the restored weights", len(ahead), self._ahead_depth())
+            ahead = []
         self._ahead = deque((b["version"], Ready([trajectory_from_json(t) for t in b["trajs"]],
-                                                 b["generate_s"]))
-                            for b in d.get("ahead", []))
+                                                 b["generate_s"])) for b in ahead)
         if d.get("rollout") is not None:  # parked partial rollouts
             self.policy.load_rollout_state(d["rollout"])
 
@@ -214,8 +225,9 @@ class Controller:
         m["generated_tokens"] = float(sum(sum(t.loss_mask) for t in trajs))
         if self._ahead_depth():  # generate_s is then the step's wait for them
             m["generate_busy_s"] = busy_s
-        m["gen_tok_s"] = m["generated_tokens"] / max(m.get("generate_busy_s", m["generate_s"]),
-                                                     1e-9)
+        # Partial rollouts: the trained samples include prefixes sampled in earlier steps.
+        sampled = m.get("partial/sampled_tokens", m["generated_tokens"])
+        m["gen_tok_s"] = sampled / max(m.get("generate_busy_s", m["generate_s"]), 1e-9)
         return m
 
     def evaluate(self) -> dict[str, float]:

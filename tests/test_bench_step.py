@@ -99,6 +99,33 @@ def test_ahead_stats_bound_staleness_and_ratio_to_the_synchronous_config() -> No
     assert bench_step._ahead_table([base]) == ""
 
 
+def test_partial_stats_and_table_compare_with_the_config_without_them() -> None:
+    step = {"step_wall_s": 2.0, "generate_s": 1.0, "generated_tokens": 900.0,
+            "partial/sampled_tokens": 600.0, "partial/parked_groups": 3.0,
+            "partial/continued_samples": 2.0, "staleness_mean": 0.5, "staleness_max": 1.0,
+            "staleness/0": 0.5, "staleness/1": 0.5}
+    st = bench_step._partial_stats([[step, step]], {"max_staleness": 1, "step_token_budget": 700})
+    assert st["partial_sampled_tokens"] == 600.0 and st["partial_parked_groups"] == 3.0
+    assert st["staleness_dist"] == {0: 0.5, 1: 0.5} and st["max_staleness"] == 0
+    base = {"preset": "p", "world_size": 2, "placement": "colocated", "overrides": ["x=1"],
+            "config_name": "p:2", "step_s": 4.0, "step_s_iqr": 0.0, "generate_s": 2.0,
+            "train_samples": 64.0, "tokens_per_step": {"generated": 1200.0},
+            "step_s_jobs": [[4.0] * 3], "generate_s_jobs": [[2.0] * 3],
+            "sampled_tok_s_jobs": [[600.0] * 3]}
+    partial = {**base, **st, "partial_rollout": True, "config_name": "p:2+partial",
+               "overrides": ["x=1", "rollout.partial_rollout=true", "rollout.max_staleness=1",
+                             "algorithm.behaviour_logp=rollout", "rollout.step_token_budget=700"],
+               "step_s": 2.0, "generate_s": 1.0, "train_samples": 48.0,
+               "step_s_jobs": [[2.0] * 3], "generate_s_jobs": [[1.0] * 3],
+               "sampled_tok_s_jobs": [[600.0] * 3]}
+    table = bench_step._partial_table([base, partial])
+    assert partial["generate_over_without_partial"] == pytest.approx(0.5)
+    assert partial["step_over_without_partial"] == pytest.approx(0.5)
+    assert partial["tok_s_over_without_partial"] == pytest.approx(1.0)
+    assert "| p:2+partial | 700 | 2.000 (0.000) | 1.000 | 600 | 600 | 48 | 0.0208 | 3 |" in table
+    assert bench_step._partial_table([base]) == ""
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("bench_step")

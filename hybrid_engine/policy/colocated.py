@@ -314,8 +314,13 @@ class HybridActor:
 
     def load_rollout_state(self, state: dict | None) -> None:
         """Restores what rollout_state() returned."""
-        if self.partial is not None and state is not None:
-            self.partial.load_state_dict(state)
+        if state is None:
+            return
+        if self.partial is None:
+            log.warning("the checkpoint holds %d parked partial group(s); this run has "
+                        "rollout.partial_rollout=false: they are discarded", len(state["pool"]))
+            return
+        self.partial.load_state_dict(state)
 
     def collect_async(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
                       seed: int) -> Ready:

@@ -219,3 +219,32 @@ def test_max_staleness_2_runs_two_batches_ahead(model_dir, reward_file, tmp_path
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
     assert [r["staleness/2"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_a_resume_with_another_depth_discards_the_batches_ahead(caplog) -> None:
+    """A checkpoint saved at max_staleness 1 holds one batch ahead; resumed at k = 2
+    the controller must not train it at a staleness past the new bound or the
+    old one: it warns and generates them again (same depth: restored)."""
+    import logging
+
+    from hybrid_engine.controller import Controller
+
+    class Env:  # the controller only restores the env's state here
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, d: dict) -> None:
+            pass
+
+    cfg = apply_overrides(RunConfig(), {"rollout.max_staleness": 2,
+                                        "algorithm.behaviour_logp": "rollout"})
+    c = Controller(None, Env(), None, cfg)
+    batch = {"version": 3, "generate_s": 0.1, "trajs": [trajectory_to_json(
+        Trajectory(prompt_ids=[1], response_ids=[2], rollout_logp=[-0.5]))]}
+    saved = {"step": 4, "reward_ema": 0.5, "wall_s": 1.0, "history": [], "env": {},
+             "ahead": [batch]}
+    with caplog.at_level(logging.WARNING):
+        c.load_state_dict(saved)
+    assert not c._ahead and "discarded and generated again" in caplog.text
+    c.load_state_dict({**saved, "ahead": [batch, {**batch, "version": 4}]})
+    assert [v for v, _ in c._ahead] == [3, 4]

@@ -18,6 +18,10 @@ PARTIAL = ("--rollout.tensor_parallel_size=1", "--algorithm.behaviour_logp=rollo
            "--rollout.partial_rollout=true")
 
 
+def _no_partial(row: dict) -> dict:
+    return {k: v for k, v in stable(row).items() if not k.startswith("partial/")}
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_partial_rollouts_park_continue_and_resume(model_dir, reward_file, tmp_path) -> None:
@@ -34,6 +38,12 @@ def test_partial_rollouts_park_continue_and_resume(model_dir, reward_file, tmp_p
     assert all(r["train_samples"] <= 16 for r in steps)
     assert all(r["partial/parked_groups"] == 0 for r in rows(roomy) if "staleness_max" in r)
     assert all(r["staleness_max"] == 0 for r in rows(roomy) if "staleness_max" in r)
+    # Parking nothing, the engine loop samples what LLM.generate samples (same seeds, same
+    # batch): the roomy run equals the synchronous run metric for metric.
+    sync = tmp_path / "sync"
+    train(model_dir, reward_file, sync, 2, *[a for a in PARTIAL if "partial" not in a
+                                              and "max_staleness" not in a])
+    assert [_no_partial(r) for r in rows(roomy)] == [_no_partial(r) for r in rows(sync)]
     ckpt = json.loads(sorted((out / "checkpoints").glob("*/meta.json"))[-1].read_text())
     pool = ckpt["extra"]["rollout"]["pool"]
     assert len(pool) == steps[1]["partial/parked_groups"]
