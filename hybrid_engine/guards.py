@@ -69,12 +69,16 @@ class Guards:
     def _mismatch_alarm(self, step: int, m: dict[str, float]) -> str | None:
         """The alarm message when the step's rollout/trainer mismatch is over the
         threshold (also flagged as mismatch_alarm = 1; logged even without abort)."""
-        limit, value = self.cfg.mismatch_alarm, m.get("mismatch_abs_mean")
+        # Stale samples: the split's numerics, since drift is the policy's own change.
+        key = "mismatch_numerics_abs_mean" if "mismatch_numerics_abs_mean" in m else \
+            "mismatch_abs_mean"
+        limit, value = self.cfg.mismatch_alarm, m.get(key)
         if limit is None or value is None or value <= limit:
             return None
         m["mismatch_alarm"] = 1.0
+        worst = m.get(key.replace("mean", "max"), float("nan"))
         msg = (f"step {step}: rollout/trainer log-prob mismatch {value:.3g} (mean |diff| on "
-               f"sampled tokens, max {m.get('mismatch_abs_max', float('nan')):.3g}) exceeds "
+               f"sampled tokens, max {worst:.3g}) exceeds "
                f"mismatch_alarm={limit}: the weight sync or the dtypes are likely broken")
         log.warning("%s", msg)
         return msg

@@ -147,6 +147,11 @@ class Job:
                                    max_tokens=cfg.rollout.max_tokens,
                                    prompts_per_step=cfg.train.prompts_per_step)
         scorers, learners, self.critic = [], [], None
+        # Stale samples (colocated): the engine's log-probs under the current weights
+        # split the mismatch into drift and numerics; first, in the inference layout.
+        drift = getattr(self.actor, "drift_scorer", lambda: None)()
+        if drift is not None:
+            scorers.append(drift)
         trains = getattr(self.actor, "is_trainer", True)  # separate: only ranks 0..M-1 train
         if self.algorithm.needs_reference:
             from hybrid_engine.roles.reference import Reference

@@ -51,6 +51,11 @@ class Trajectory:
         ref_logp: R reference-policy log-probs (filled by the reference).
         old_logp: R trainer log-probs under the rollout's weights (filled by the
             policy before the first of several updates of a step; else None).
+        engine_logp: R log-probs of the response tokens under the rollout engine
+            holding the weights the trainer trains with at this step (set by
+            the colocated policy's drift scorer when samples can be stale),
+            else None: with it the mismatch metric splits into drift and
+            numerics.
         group_id: the prompt group this sample belongs to.
         policy_version: the version of the weights that sampled it: the number
             of RL steps trained before them (its staleness at step s is
@@ -67,6 +72,7 @@ class Trajectory:
     advantages: FloatSeq | None = None
     ref_logp: FloatSeq | None = None
     old_logp: FloatSeq | None = None
+    engine_logp: FloatSeq | None = None
     group_id: int = 0
     policy_version: int = 0
     info: dict[str, Any] = field(default_factory=dict)
@@ -167,6 +173,8 @@ class TrainBatch:
         old_logp_BT: float32 [B, T] trainer log-probs under the rollout's
             weights, or None (on-policy: the loss detaches the current ones).
         ref_logp_BT: float32 [B, T] reference log-probs, or None.
+        engine_logp_BT: float32 [B, T] the engine's log-probs under the
+            trainer's current weights (Trajectory.engine_logp), or None.
         prompt_lens_B: int64 [B]; the response of row b starts at this column.
         seq_lens_B: int64 [B] prompt + response lengths (non-increasing).
         order_B: int64 [B], row b holds trajectory order_B[b] of the collated list.
@@ -181,6 +189,7 @@ class TrainBatch:
     rollout_logp_BT: Tensor
     old_logp_BT: Tensor | None = None
     ref_logp_BT: Tensor | None = None
+    engine_logp_BT: Tensor | None = None
     prompt_lens_B: Tensor
     seq_lens_B: Tensor
     order_B: Tensor
@@ -278,6 +287,7 @@ def _pad(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, Tensor]:
         "rollout_logp_BT": _response_field(trajs, "rollout_logp", required=True),
         "ref_logp_BT": _response_field(trajs, "ref_logp", required=False),
         "old_logp_BT": _response_field(trajs, "old_logp", required=False),
+        "engine_logp_BT": _response_field(trajs, "engine_logp", required=False),
     }
     out = {k: torch.zeros((num_rows, width)) for k, v in fields.items() if v is not None}
     out.setdefault("advantages_BT", torch.zeros((num_rows, width)))  # not computed yet

@@ -21,6 +21,16 @@ def test_mismatch_alarm_flags_always_and_aborts_only_when_asked() -> None:
     assert stop.check(4, quiet) is None and "mismatch_alarm" not in quiet
 
 
+def test_with_stale_samples_the_alarm_watches_the_numerics_not_the_drift() -> None:
+    stop = Guards(_cfg(mismatch_alarm=0.1, mismatch_abort=True))
+    drifted = {"mismatch_abs_mean": 0.5, "mismatch_numerics_abs_mean": 1e-6,
+               "mismatch_numerics_abs_max": 1e-5}
+    assert stop.check(3, drifted) is None and "mismatch_alarm" not in drifted
+    broken = {"mismatch_abs_mean": 0.5, "mismatch_numerics_abs_mean": 0.4,
+              "mismatch_numerics_abs_max": 3.0}
+    assert "mismatch 0.4 (mean |diff| on sampled tokens, max 3)" in stop.check(4, broken)
+
+
 def test_nonfinite_streak_counts_resets_and_aborts_at_the_limit() -> None:
     g = Guards(_cfg(**{"train.max_nonfinite_in_a_row": 2}), lambda: "ckpt/step_00000003")
     rows = [{"skipped": 1.0}, {"skipped": 0.0}, {"skipped": 1.0}, {"eval/accuracy": 0.5},

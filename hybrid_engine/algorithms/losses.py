@@ -347,6 +347,8 @@ class LossInputs:
         ref_logp_BT: reference policy's log-probs; needed when the KL is in the loss.
         entropy_BT: per-token entropy of the policy (grad); needed when entropy_coef != 0.
         rollout_logp_BT: the rollout engine's sampled-token log-probs; needed with tis_cap.
+        engine_logp_BT: the engine's log-probs of the same tokens under the weights
+            the trainer holds now (metrics only: splits the mismatch), or None.
     """
 
     logp_BT: Tensor
@@ -356,6 +358,7 @@ class LossInputs:
     ref_logp_BT: Tensor | None = None
     entropy_BT: Tensor | None = None
     rollout_logp_BT: Tensor | None = None
+    engine_logp_BT: Tensor | None = None
 
 
 LossFn = Callable[[LossInputs, Tensor | float | None], tuple[Tensor, Metrics]]

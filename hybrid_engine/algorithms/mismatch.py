@@ -16,6 +16,19 @@ moved: the metric then includes the policy's own change).
 A healthy sync gives ~1e-6 in fp32 and ~1e-2 in bf16; a broken one (a
 layer not written, stale weights) gives values orders of magnitude larger.
 
+Under staleness (rollout.max_staleness, partial rollouts) the rollout's
+log-probs come from older weights, so the three metrics mix the policy's own
+drift with the engine/trainer numerics. When the batch carries the engine's
+log-probs under the trainer's current weights (`engine_logp_BT`, the
+colocated policy's drift scorer), the same three metrics are also reported
+split:
+
+    mismatch_numerics_*  trainer vs engine, the same weights: numerics only
+    mismatch_drift_*     engine now vs the rollout's log-probs: the weights'
+                         change since sampling, numerics-free (one engine)
+
+and the mismatch alarm watches the numerics (`guards.py`).
+
 Invariant: metrics only; the loss and its gradient are those of the wrapped
 function, bit for bit.
 """
@@ -58,6 +71,11 @@ def with_mismatch_metrics(loss_fn: LossFn) -> LossFn:
             # the trainer computed them (several updates), else this update's.
             trainer = inputs.old_logp_BT if inputs.old_logp_BT is not None else inputs.logp_BT
             metrics.update(mismatch_metrics(trainer, inputs.rollout_logp_BT, inputs.mask_BT))
+            if inputs.engine_logp_BT is not None:
+                for name, (a, b) in (("numerics", (trainer, inputs.engine_logp_BT)),
+                                     ("drift", (inputs.engine_logp_BT, inputs.rollout_logp_BT))):
+                    metrics.update({k.replace("mismatch_", f"mismatch_{name}_"): v for k, v in
+                                    mismatch_metrics(a, b, inputs.mask_BT).items()})
         return loss, metrics
 
     return wrapped

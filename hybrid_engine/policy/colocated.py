@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -151,6 +152,30 @@ def policy_train(trainer: Trainer, cfg: RunConfig, trajs: Sequence[Trajectory] |
         return policy_step(trainer, cfg, batch, loss_fn, entropy_grad, advance_lr=last)
 
     return policy_updates(trainer, trajs, cfg, pad_id, step)
+
+
+class DriftScorer:
+    """Scores a batch with the engine's current weights, which are the weights
+    the trainer trains this step with (colocated: the last sync installed them):
+    sets each trajectory's engine_logp, so the mismatch metric splits into
+    drift (engine now vs the rollout's log-probs) and numerics (trainer vs
+    engine, same weights); see algorithms/mismatch.py. One prefill of the batch
+    per step, in the inference layout (put it before the trainer-side scorers).
+    A token vLLM cannot score (a sequence filling max_model_len: its last)
+    takes its rollout log-prob (no drift counted there)."""
+
+    def __init__(self, actor: HybridActor) -> None:
+        self.actor = actor
+
+    def score(self, trajs: Sequence[Trajectory]) -> None:
+        a = self.actor
+        a.phases.to_rollout()
+        a.phases.check_rollout()
+        scores = a.rollout.score([list(t.prompt_ids) + list(t.response_ids) for t in trajs],
+                                 [len(t.prompt_ids) for t in trajs])
+        for t, lps in zip(trajs, scores, strict=True):
+            t.engine_logp = [r if math.isnan(x) else x
+                             for x, r in zip(lps, t.rollout_logp, strict=True)]
 
 
 class HybridActor:
@@ -397,6 +422,14 @@ class HybridActor:
         should call it: colocated, every rank trains; its calls enter the training
         layout first, so its forwards never run beside an awake engine."""
         return self.phases.training_side(role)
+
+    def drift_scorer(self) -> DriftScorer | None:
+        """The scorer that splits the mismatch metric when samples can be stale
+        (rollout.max_staleness > 0 or partial rollouts) and the engine's prompt
+        log-probs equal its sampling ones (rollout.temperature 1); else None."""
+        if not self.cfg.rollout.max_staleness or self.cfg.rollout.temperature != 1.0:
+            return None
+        return DriftScorer(self)
 
     def model_side(self, env: Any) -> Any:
         """An environment whose score() runs a model (`runs_a_model`, e.g. a reward

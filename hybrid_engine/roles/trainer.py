@@ -623,6 +623,7 @@ class Trainer:
             logp_BT=logp_BT, advantages_BT=dev(mb.advantages_BT), mask_BT=dev(mb.loss_mask_BT),
             old_logp_BT=dev(mb.old_logp_BT), ref_logp_BT=dev(mb.ref_logp_BT),
             entropy_BT=entropy_BT, rollout_logp_BT=dev(mb.rollout_logp_BT),
+            engine_logp_BT=dev(mb.engine_logp_BT),
         ), norm)
         # Each rank's loss is its share of the global loss; FSDP2 AVERAGES
         # gradients over the dp ranks, so scale by their count to get the

@@ -297,6 +297,41 @@ class VLLMRollout:
             logprobs.append([lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)])
         return token_ids, logprobs
 
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        """The engine's log-prob of every token of each sequence from `starts[i]` on,
+        under its current weights (a prefill with prompt log-probs; collective over
+        the world like `generate`: replicas score contiguous slices, then gather).
+
+        Prompt tokens skip vLLM's sampling processors, so these are the log-probs
+        at temperature 1: equal to the sampling log-probs only when
+        rollout.temperature is 1. A sequence filling max_model_len is scored
+        without its last token (vLLM must be able to generate one); that token's
+        entry is NaN.
+        """
+        from vllm import SamplingParams, TokensPrompt
+
+        replica, num_replicas = self.replica()
+        bounds = [len(sequences) * i // num_replicas for i in range(num_replicas + 1)]
+        mine = range(bounds[replica], bounds[replica + 1])
+        limit = self.cfg.max_model_len - 1
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(sequences[i])[:limit]) for i in mine],
+            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False) if mine else []
+        scores = []
+        for i, out in zip(mine, outs, strict=True):
+            seq, start = list(sequences[i])[:limit], starts[i]
+            lps = [lp[t].logprob for t, lp in zip(seq[start:], out.prompt_logprobs[start:],
+                                                   strict=True)]
+            scores.append(lps + [math.nan] * (len(sequences[i]) - len(seq)))
+        if num_replicas > 1:
+            from hybrid_engine.parallel.dist import all_gather_ragged
+
+            lps = all_gather_ragged([torch.tensor(x, dtype=torch.float64) for x in scores],
+                                    self.group)
+            tp = self.cfg.tensor_parallel_size
+            scores = [x.tolist() for r in range(num_replicas) for x in lps[r * tp]]
+        return scores
+
     def sample_until(
         self, prompt_ids: Sequence[Sequence[int]], max_tokens: Sequence[int], seeds: Sequence[int],
         stop_now: Callable[[list[bool], int], bool],

@@ -128,6 +128,27 @@ def test_with_mismatch_metrics_keeps_the_loss() -> None:
     assert float(m_b["mismatch_abs_max"]) == pytest.approx(0.5)
 
 
+def test_engine_logprobs_split_the_mismatch_into_drift_and_numerics() -> None:
+    """Stale samples: rollout (old weights) -> engine now differ by drift, engine now
+    -> trainer by numerics; the total stays trainer vs rollout."""
+    from hybrid_engine.algorithms.losses import LossInputs, policy_loss_fn
+
+    fn = with_mismatch_metrics(policy_loss_fn(AlgorithmConfig()))
+    mask = torch.tensor([[False, True, True]])
+    rollout = torch.tensor([[0.0, -1.0, -2.0]])
+    engine = torch.tensor([[0.0, -1.4, -2.2]])          # drift 0.4, 0.2
+    trainer = torch.tensor([[9.0, -1.401, -2.199]])      # numerics 1e-3 each
+    base = {"logp_BT": trainer, "advantages_BT": torch.zeros(1, 3), "mask_BT": mask,
+            "rollout_logp_BT": rollout}
+    _, m = fn(LossInputs(**base, engine_logp_BT=engine), None)
+    assert float(m["mismatch_drift_abs_mean"]) == pytest.approx(0.3)
+    assert float(m["mismatch_drift_abs_max"]) == pytest.approx(0.4)
+    assert float(m["mismatch_numerics_abs_mean"]) == pytest.approx(1e-3, abs=1e-6)
+    assert float(m["mismatch_abs_mean"]) == pytest.approx(0.3, abs=1e-3)
+    _, plain = fn(LossInputs(**base), None)
+    assert not any(k.startswith(("mismatch_drift", "mismatch_numerics")) for k in plain)
+
+
 # --------------------------------------------------------------------------
 # Dynamic sampling refills (DAPO): how many more prompts, and what trains
 # --------------------------------------------------------------------------

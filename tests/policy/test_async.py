@@ -190,6 +190,15 @@ def test_separate_ahead_equals_colocated_ahead_and_resumes(model_dir, reward_fil
     assert [r["staleness_max"] for r in rows[1:]] == [0.0, 1.0, 1.0]
     assert [r["staleness/1"] for r in rows[1:]] == [0.0, 1.0, 1.0]
     assert all(r["generate_busy_s"] > 0 for r in rows[1:])
+    # Colocated, the drift scorer splits the mismatch: fp32 numerics stay ~1e-6 while
+    # the batch one update old drifts (the total is drift + numerics).
+    c = _rows(col)
+    assert all(c[s]["mismatch_numerics_abs_mean"] < 1e-4 for s in (1, 2, 3))
+    assert c[1]["mismatch_drift_abs_mean"] < 1e-4  # staleness 0: nothing to drift
+    for s in (2, 3):
+        assert c[s]["mismatch_drift_abs_mean"] > 100 * c[s]["mismatch_numerics_abs_mean"]
+        assert abs(c[s]["mismatch_abs_mean"] - c[s]["mismatch_drift_abs_mean"]) < 1e-4
+    assert "mismatch_drift_abs_mean" not in rows[2]  # separate: no drift scorer
     # The knob acts: k = 0 trains step 2 on a batch of step 1's weights, so its
     # ratio to the behaviour (rollout) policy is 1 up to fp32 noise; k = 1's batch
     # came from step 0's weights, one update away.
