@@ -4,7 +4,8 @@ CI has no GPU and its torch is the CPU build, so setup.py never builds
 csrc/copy_blocks_cuda.cu there. Where nvcc is installed, this test compiles it
 to an object file against the installed torch's headers (for sm_90, the H100 /
 H200 the project is lent) and checks that the object holds all nine
-(source, destination) dtype instantiations of the kernel and the host entry
+(source, destination) dtype instantiations of the kernel (each with its vector
+width) and the host entry
 point the op registers. The CPU wheel lacks one generated header of c10's CUDA
 part (`c10/cuda/impl/cuda_cmake_macros.h`); the test writes it (one define).
 Running the kernel needs a GPU: tests/reshard/test_ops.py does that when CUDA
@@ -56,6 +57,9 @@ def test_cuda_kernel_source_compiles_with_every_dtype_pair(tmp_path) -> None:
     kernels = {s.split("copy_blocks_kernel<", 1)[1].split(">(", 1)[0]
                for s in symbols if s.startswith("void hybrid_engine::(anonymous namespace)::"
                                                 "copy_blocks_kernel<")}
-    assert kernels == {f"{src}, {dst}" for src in DTYPES for dst in DTYPES}
+    # <source, destination, V>: V elements per 16-byte vector of the wider dtype.
+    size = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2}
+    assert kernels == {f"{src}, {dst}, {16 // max(size[src], size[dst])}"
+                       for src in DTYPES for dst in DTYPES}
     # The op's CUDA entry point (registered by TORCH_LIBRARY_IMPL) is defined here.
     assert any(s.startswith("hybrid_engine::copy_blocks_cuda(") for s in symbols)
