@@ -24,7 +24,12 @@ geometric (mean ~24) with a long tail; a config with
 `rollout.partial_rollout` gets a table against the same config without it
 (generate seconds, tokens the engine sampled and its tok/s in the generate
 phase, trained samples per step, parked groups, staleness, ratios with
-bootstrap CIs).
+bootstrap CIs). `long` (generation-heavy, for generation ahead under separate
+placement): 2 x 4 = 8 completions x 256 tokens, max_model_len raised to 320;
+decoding 8 sequences is bound by reading the weights once per token, so
+generation's seconds come near training's, as in GPU RL jobs where decoding
+dominates (on W1/W2 training is 3-4x generation on these CPUs, which bounds
+what overlap can save: step >= max(train, generate)).
 
 Measured, per job: `--warmup` steps (left out), `--steps` timed steps, then
 ONE profiled step (left out of every timing).
@@ -132,7 +137,11 @@ PHASES = ("generate", "score", "train", "sync")
 # 3 jobs for the headline N=2; fewer at N=1 and N=4 to fit the budget (docstring).
 DEFAULT_CONFIGS = ("qwen2-180m:1@2", "qwen2-180m:2@3", "qwen2-180m:4@1")
 # prompts per step, K, max new tokens
-WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64), "mixed": (16, 4, 112)}
+WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64), "mixed": (16, 4, 112), "long": (2, 4, 256)}
+# long: few sequences, long completions: decoding 8 sequences reads every weight per
+# token, so generation's seconds come near training's (the regime of GPU RL jobs, where
+# decoding dominates); the recipe's max_model_len (128) is raised to fit the completions.
+WORKLOAD_SETS = {"long": ("rollout.max_model_len=320",)}
 # mixed: every MIXED_STOP_EVERY-th id of the vocabulary ends a completion, so a random-init
 # model's lengths are geometric (mean ~24, a few near the cap of 112): a long tail.
 MIXED_STOP_EVERY = 24
@@ -162,7 +171,8 @@ def _args(argv=None) -> argparse.Namespace:
                    help="config whose values are the JSON's top-level keys (else the last)")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1",
                    help="w1: 4 prompts x K=4 x 16 tokens; w2: 16 x 4 x 64; mixed: 16 x 4 x "
-                        "up to 112, lengths ~ geometric (mean ~24): a long tail")
+                        "up to 112, lengths ~ geometric (mean ~24): a long tail; long: 2 x 4 "
+                        "x 256 (max_model_len 320): generation-heavy")
     p.add_argument("--jobs", type=int, default=3, help="fresh jobs per config without @JOBS")
     p.add_argument("--steps", type=int, default=20, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=2, help="steps per job before the timed ones")
@@ -354,7 +364,7 @@ def _run_job(args: argparse.Namespace, preset: str, nproc: int, placement: str,
         f"--train.prompts_per_step={prompts}", f"--train.num_steps={num_steps}",
         "--checkpoint_every=0", "--eval_every=0", "--max_wall_s=3000",
         f"--env.reward_fn={work / 'reward.py'}:reward",
-        *(f"--{kv}" for kv in (*args.set, *sets)),
+        *(f"--{kv}" for kv in (*WORKLOAD_SETS.get(args.workload, ()), *args.set, *sets)),
     ]
     if args.workload == "mixed":
         from hybrid_engine.models.tiny import PRESETS
@@ -489,12 +499,17 @@ def _ahead_stats(timed: list[list[dict]], k: int) -> dict:
     out["step_over_bound"] = _stats.describe(_jobs_of(
         timed, lambda r: r["step_wall_s"] / max(r.get("train_s", 0.0),
                                                 r.get("generate_busy_s", 0.0), 1e-9)))
+    return {**out, **_staleness_summary(timed, k)}
+
+
+def _staleness_summary(timed: list[list[dict]], k: int) -> dict:
+    """Staleness over all timed steps: the mean, the max, and the share of the
+    samples at each staleness 0..k (per-step shares averaged over the steps)."""
     rows = [r for job in timed for r in job]
-    out["staleness_mean"] = sum(r["staleness_mean"] for r in rows) / len(rows)
-    out["staleness_max"] = max(r["staleness_max"] for r in rows)
-    out["staleness_dist"] = {d: sum(r.get(f"staleness/{d}", 0.0) for r in rows) / len(rows)
-                             for d in range(k + 1)}
-    return out
+    return {"staleness_mean": sum(r["staleness_mean"] for r in rows) / len(rows),
+            "staleness_max": max(r["staleness_max"] for r in rows),
+            "staleness_dist": {d: sum(r.get(f"staleness/{d}", 0.0) for r in rows) / len(rows)
+                               for d in range(k + 1)}}
 
 
 def _partial_stats(timed: list[list[dict]], rollout: dict) -> dict:
@@ -508,12 +523,7 @@ def _partial_stats(timed: list[list[dict]], rollout: dict) -> dict:
                 "dropped_groups"):
         _med_iqr(out, f"partial_{key}", _jobs_of(timed, lambda r, key=key: r.get(
             f"partial/{key}", 0.0)))
-    rows = [r for job in timed for r in job]
-    out["staleness_mean"] = sum(r["staleness_mean"] for r in rows) / len(rows)
-    out["staleness_max"] = max(r["staleness_max"] for r in rows)
-    out["staleness_dist"] = {d: sum(r.get(f"staleness/{d}", 0.0) for r in rows) / len(rows)
-                             for d in range(k + 1)}
-    return out
+    return {**out, **_staleness_summary(timed, k)}
 
 
 def _partial_table(rows: list[dict]) -> str:

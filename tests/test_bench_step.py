@@ -38,6 +38,33 @@ def test_configs_parse_with_jobs_and_reject_bad_input() -> None:
         bench_step._args(["--set", "no_value"])
 
 
+def test_workload_sets_the_completion_length_and_its_room(monkeypatch, tmp_path) -> None:
+    """Each workload's prompts, K and max_tokens reach the job; `long` raises the recipe's
+    max_model_len (128) to fit 256-token completions, and a config's own +KEY=VALUE
+    still wins over the workload's setting (it comes later on the command line)."""
+    seen = []
+
+    def run(cmd, **kwargs):
+        seen.append(cmd)
+        raise RuntimeError("stop before launching")
+
+    monkeypatch.setattr(bench_step.subprocess, "run", run)
+    monkeypatch.setattr(bench_step, "_model", lambda preset, cache: tmp_path / preset)
+    for workload, expect in (("long", ["--rollout.max_model_len=320"]), ("w2", [])):
+        args = bench_step._args(["--workload", workload])
+        with pytest.raises(RuntimeError):
+            bench_step._run_job(args, "tiny", 2, "separate", ("rollout.max_model_len=400",),
+                                tmp_path, tmp_path)
+        prompts, k, max_tokens = bench_step.WORKLOADS[workload]
+        cmd = seen[-1]
+        assert f"--train.prompts_per_step={prompts}" in cmd
+        assert f"--rollout.num_samples_per_prompt={k}" in cmd
+        assert f"--rollout.max_tokens={max_tokens}" in cmd
+        lens = [c for c in cmd if c.startswith("--rollout.max_model_len=")]
+        assert lens == [*expect, "--rollout.max_model_len=400"]
+    assert bench_step.WORKLOADS["long"][2] + 16 <= 320  # room for the arithmetic prompts
+
+
 def test_wall_steps_are_differences_of_step_ends_and_skip_warmup_and_profiled() -> None:
     rows = [{"step": i, "elapsed_s": float(i * i)} for i in range(1, 6)]  # 1 warm-up, 3 timed
     timed = bench_step._timed({"rows": rows}, warmup=1, steps=3)
