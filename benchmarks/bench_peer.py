@@ -7,7 +7,7 @@ bench_step.py runs it. Same model (a random-init 180M Qwen2, by default issue
 17's: preset qwen2-180m-v512), same workload
 (bench_step's W1 or W2: prompts x K completions x new tokens per optimizer
 step, one optimizer step per rollout, GRPO without KL, AdamW lr 1e-4, bf16
-rollout, fp32 master weights), same reward (bench_step's coin flip), 2 ranks
+rollout, fp32 master weights), same reward (bench_step's hashed one), 2 ranks
 with one OMP thread each.
 
 Variants (`--variants`, any subset, run in this order within each round):

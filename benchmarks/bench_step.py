@@ -9,10 +9,10 @@ sets it: fp32 master weights AND fp32 compute (`model.compute_dtype=float32`),
 AdamW lr 1e-4, micro-batches of 4 sequences, enforce_eager, 0.25 GiB KV
 cache, max_model_len 128. Colocated: every rank trains (FSDP2) and rolls out
 (vLLM, TP = min(2, N)); separate (`--configs PRESET:N:separate`): the first
-N/2 ranks train, the last N/2 roll out. The reward is a coin flip hashed from
-a call counter and the completion, so every group carries signal and every
-step trains (a random-init model never solves the task, and at the recipe's
-lr it soon collapses to identical completions).
+N/2 ranks train, the last N/2 roll out. The reward is one of 1024 levels in
+[0, 1] hashed from a call counter and the completion, so every group carries
+signal and every step trains (a random-init model never solves the task, and
+at the recipe's lr it soon collapses to identical completions).
 
 Workloads (issue 17's): `w1` (default) 4 prompts x K=4 = 16 completions x
 16 new tokens per step, a user's small GRPO batch; `w2` 16 x 4 = 64
@@ -25,8 +25,8 @@ geometric (mean ~24) with a long tail; a config with
 (generate seconds, tokens the engine sampled and its tok/s in the generate
 phase, trained samples per step, parked groups, staleness, ratios with
 bootstrap CIs). `long` (generation-heavy, for generation ahead under separate
-placement): 2 x 4 = 8 completions x 256 tokens, max_model_len raised to 320;
-decoding 8 sequences is bound by reading the weights once per token, so
+placement): 1 x 4 completions x 256 tokens, max_model_len raised to 320;
+decoding 4 sequences is bound by reading the weights once per token, so
 generation's seconds come near training's, as in GPU RL jobs where decoding
 dominates (on W1/W2 training is 3-4x generation on these CPUs, which bounds
 what overlap can save: step >= max(train, generate)).
@@ -137,8 +137,8 @@ PHASES = ("generate", "score", "train", "sync")
 # 3 jobs for the headline N=2; fewer at N=1 and N=4 to fit the budget (docstring).
 DEFAULT_CONFIGS = ("qwen2-180m:1@2", "qwen2-180m:2@3", "qwen2-180m:4@1")
 # prompts per step, K, max new tokens
-WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64), "mixed": (16, 4, 112), "long": (2, 4, 256)}
-# long: few sequences, long completions: decoding 8 sequences reads every weight per
+WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64), "mixed": (16, 4, 112), "long": (1, 4, 256)}
+# long: few sequences, long completions: decoding 4 sequences reads every weight per
 # token, so generation's seconds come near training's (the regime of GPU RL jobs, where
 # decoding dominates); the recipe's max_model_len (128) is raised to fit the completions.
 WORKLOAD_SETS = {"long": ("rollout.max_model_len=320",)}
@@ -146,14 +146,15 @@ WORKLOAD_SETS = {"long": ("rollout.max_model_len=320",)}
 # model's lengths are geometric (mean ~24, a few near the cap of 112): a long tail.
 MIXED_STOP_EVERY = 24
 PROFILE_ENV = "HYBRID_ENGINE_PROFILE_TRAIN"  # = hybrid_engine.roles.trainer.PROFILE_ENV
-# A coin flip per scored sample, hashed from a call counter and the completion: every
-# rank scores the same list in the same order, so ranks agree; a counter keeps the
-# rewards varied even when the policy collapses to identical completions (lr 1e-4 on
-# a random-init model does so within a few steps, and identical rewards skip the step).
+# A reward per scored sample hashed from a call counter and the completion, one of 1024
+# levels in [0, 1]: every rank scores the same list in the same order, so ranks agree; a
+# counter keeps the rewards varied even when the policy collapses to identical completions
+# (lr 1e-4 on a random-init model does so within a few steps), and with 1024 levels a
+# group of K = 4 is all-equal (a skipped step) with odds ~1e-9, not 1/8 as with a coin flip.
 REWARD = ("import itertools, zlib\n\n"
           "_calls = itertools.count()\n\n"
           "def reward(prompt, completion, answer):\n"
-          "    return float(zlib.crc32(f'{next(_calls)}|{completion}'.encode()) % 2)\n")
+          "    return (zlib.crc32(f'{next(_calls)}|{completion}'.encode()) % 1024) / 1023\n")
 GEMM_N = 2048
 
 
@@ -171,7 +172,7 @@ def _args(argv=None) -> argparse.Namespace:
                    help="config whose values are the JSON's top-level keys (else the last)")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1",
                    help="w1: 4 prompts x K=4 x 16 tokens; w2: 16 x 4 x 64; mixed: 16 x 4 x "
-                        "up to 112, lengths ~ geometric (mean ~24): a long tail; long: 2 x 4 "
+                        "up to 112, lengths ~ geometric (mean ~24): a long tail; long: 1 x 4 "
                         "x 256 (max_model_len 320): generation-heavy")
     p.add_argument("--jobs", type=int, default=3, help="fresh jobs per config without @JOBS")
     p.add_argument("--steps", type=int, default=20, help="timed steps per job")
