@@ -178,7 +178,8 @@ def reload_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:  #
 
 
 RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
-                  "vllm.model_executor.model_loader.reload.inplace")  # [0.32] per-module warnings
+                  "vllm.model_executor.model_loader.reload.inplace",  # [0.32] per-module warnings
+                  "vllm.v1.worker.gpu_model_runner")  # [0.26, CUDA build] the same warning
 
 
 def dispatch_cpu_gemm(layer: torch.nn.Module, *, remove_weight: bool) -> None:
