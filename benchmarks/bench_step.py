@@ -27,8 +27,8 @@ phase, trained samples per step, parked groups, staleness, ratios with
 bootstrap CIs). `long` (generation-heavy, for generation ahead under separate
 placement): 1 x 4 completions x 256 tokens, max_model_len raised to 320;
 decoding 4 sequences is bound by reading the weights once per token, so
-generation's seconds come near training's, as in GPU RL jobs where decoding
-dominates (on W1/W2 training is 3-4x generation on these CPUs, which bounds
+generation's seconds come near training's, as in GPU RL jobs, where decoding
+usually takes the larger share (on W1/W2 training is 3-4x generation on these CPUs, which bounds
 what overlap can save: step >= max(train, generate)).
 
 Measured, per job: `--warmup` steps (left out), `--steps` timed steps, then
@@ -139,8 +139,8 @@ DEFAULT_CONFIGS = ("qwen2-180m:1@2", "qwen2-180m:2@3", "qwen2-180m:4@1")
 # prompts per step, K, max new tokens
 WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64), "mixed": (16, 4, 112), "long": (1, 4, 256)}
 # long: few sequences, long completions: decoding 4 sequences reads every weight per
-# token, so generation's seconds come near training's (the regime of GPU RL jobs, where
-# decoding dominates); the recipe's max_model_len (128) is raised to fit the completions.
+# token, so generation's seconds come near training's (as in GPU RL jobs, where decoding
+# usually takes the larger share); the recipe's max_model_len (128) is raised to fit the completions.
 WORKLOAD_SETS = {"long": ("rollout.max_model_len=320",)}
 # mixed: every MIXED_STOP_EVERY-th id of the vocabulary ends a completion, so a random-init
 # model's lengths are geometric (mean ~24, a few near the cap of 112): a long tail.

@@ -63,6 +63,23 @@ def test_workload_sets_the_completion_length_and_its_room(monkeypatch, tmp_path)
         lens = [c for c in cmd if c.startswith("--rollout.max_model_len=")]
         assert lens == [*expect, "--rollout.max_model_len=400"]
     assert bench_step.WORKLOADS["long"][2] + 16 <= 320  # room for the arithmetic prompts
+    from hybrid_engine.config.recipes import build_config
+
+    overrides = ["rollout.max_model_len=320", "rollout.max_model_len=400"]
+    assert build_config("tiny_grpo_debug", overrides=overrides).rollout.max_model_len == 400
+
+
+def test_reward_varies_so_small_groups_are_never_all_equal() -> None:
+    """The hashed reward has 1024 levels in [0, 1]: the same completion scored again
+    gets new values (the call counter), and groups of K = 4 are never all-equal here
+    (a coin flip would make 1 in 8 so, and those steps would skip training)."""
+    ns: dict = {}
+    exec(bench_step.REWARD, ns)
+    values = [ns["reward"]("1+1=", "same completion", "2") for _ in range(4000)]
+    assert all(0.0 <= v <= 1.0 for v in values)
+    assert len(set(values)) > 900
+    groups = [values[i:i + 4] for i in range(0, len(values), 4)]
+    assert not [g for g in groups if len(set(g)) == 1]
 
 
 def test_wall_steps_are_differences_of_step_ends_and_skip_warmup_and_profiled() -> None:
