@@ -69,8 +69,9 @@ class Guards:
     def _mismatch_alarm(self, step: int, m: dict[str, float]) -> str | None:
         """The alarm message when the step's rollout/trainer mismatch is over the
         threshold (also flagged as mismatch_alarm = 1; logged even without abort)."""
-        # Stale samples: the split's numerics, since drift is the policy's own change.
-        key = "mismatch_numerics_abs_mean" if "mismatch_numerics_abs_mean" in m else \
+        # Stale samples: the split's numerics (when it measured tokens), since drift
+        # is the policy's own change.
+        key = "mismatch_numerics_abs_mean" if m.get("mismatch_split_tokens", 0.0) > 0 else \
             "mismatch_abs_mean"
         limit, value = self.cfg.mismatch_alarm, m.get(key)
         if limit is None or value is None or value <= limit:

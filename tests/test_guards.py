@@ -24,11 +24,15 @@ def test_mismatch_alarm_flags_always_and_aborts_only_when_asked() -> None:
 def test_with_stale_samples_the_alarm_watches_the_numerics_not_the_drift() -> None:
     stop = Guards(_cfg(mismatch_alarm=0.1, mismatch_abort=True))
     drifted = {"mismatch_abs_mean": 0.5, "mismatch_numerics_abs_mean": 1e-6,
-               "mismatch_numerics_abs_max": 1e-5}
+               "mismatch_numerics_abs_max": 1e-5, "mismatch_split_tokens": 40.0}
     assert stop.check(3, drifted) is None and "mismatch_alarm" not in drifted
     broken = {"mismatch_abs_mean": 0.5, "mismatch_numerics_abs_mean": 0.4,
-              "mismatch_numerics_abs_max": 3.0}
+              "mismatch_numerics_abs_max": 3.0, "mismatch_split_tokens": 40.0}
     assert "mismatch 0.4 (mean |diff| on sampled tokens, max 3)" in stop.check(4, broken)
+    # A split that measured no tokens (its sample had none) says nothing: the total counts.
+    empty = {"mismatch_abs_mean": 0.5, "mismatch_abs_max": 2.0,
+             "mismatch_numerics_abs_mean": 0.0, "mismatch_split_tokens": 0.0}
+    assert "mismatch 0.5 (mean |diff| on sampled tokens, max 2)" in stop.check(5, empty)
 
 
 def test_nonfinite_streak_counts_resets_and_aborts_at_the_limit() -> None:

@@ -64,6 +64,7 @@ __all__ = [
     "PolicyLoss",
     "combine_metrics",
     "get_policy_loss",
+    "metric_weight",
     "gspo",
     "policy_loss_fn",
     "ppo",
@@ -74,7 +75,19 @@ __all__ = [
 
 Metrics = dict[str, Tensor]
 # Metrics that are a micro-batch's share of a batch total: combine_metrics sums them.
-ADDITIVE_METRICS = frozenset({"loss", "pg_loss", "num_tokens", "num_seqs"})
+ADDITIVE_METRICS = frozenset({"loss", "pg_loss", "num_tokens", "num_seqs",
+                              "mismatch_split_tokens"})
+# Token means over a subset of the loss tokens, weighted by that subset's count:
+# the mismatch split is measured on the sequences the drift scorer scored.
+_SUBSET_WEIGHTS = (("mismatch_numerics_", "mismatch_split_tokens"),
+                   ("mismatch_drift_", "mismatch_split_tokens"))
+
+
+def metric_weight(key: str) -> str:
+    """The additive count a token-mean metric is weighted by when micro-batches,
+    ranks or updates combine: num_tokens, or the count of the subset it is
+    measured on (a part with none of those tokens then does not count)."""
+    return next((w for prefix, w in _SUBSET_WEIGHTS if key.startswith(prefix)), "num_tokens")
 
 
 # --------------------------------------------------------------------------
@@ -483,8 +496,9 @@ def combine_metrics(per_micro_batch: Sequence[Mapping[str, Tensor]]) -> Metrics:
     Keys in ADDITIVE_METRICS are summed (with the whole batch's normaliser,
     the summed "loss" is the step's loss); keys ending in "_max" / "_min" take
     the max / min; every other key is a token mean, combined weighted by
-    num_tokens. Micro-batches without loss tokens do not affect means, maxima
-    or minima. Tensors stay on their device (no sync).
+    num_tokens (or its subset's count, `metric_weight`). Micro-batches without
+    such tokens do not affect means, maxima or minima. Tensors stay on their
+    device (no sync).
 
     Args:
         per_micro_batch: metrics dicts returned by a LossFn (same keys).
@@ -494,16 +508,15 @@ def combine_metrics(per_micro_batch: Sequence[Mapping[str, Tensor]]) -> Metrics:
     """
     if not per_micro_batch:
         return {}
-    w = torch.stack([m["num_tokens"] for m in per_micro_batch])
-    has = w > 0
     out: Metrics = {}
     for key in per_micro_batch[0]:
         v = torch.stack([m[key].float() for m in per_micro_batch])
+        w = torch.stack([m[metric_weight(key)].float() for m in per_micro_batch])
         if key in ADDITIVE_METRICS:
             out[key] = v.sum()
         elif key.endswith("_max") or key.endswith("_min"):
             largest = key.endswith("_max")
-            out[key] = masked_extreme(v, has, largest=largest)
+            out[key] = masked_extreme(v, w > 0, largest=largest)
         else:
             out[key] = (v * w).sum() / w.sum().clamp(min=1)
     return out

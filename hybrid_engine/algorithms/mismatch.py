@@ -26,8 +26,13 @@ split:
     mismatch_numerics_*  trainer vs engine, the same weights: numerics only
     mismatch_drift_*     engine now vs the rollout's log-probs: the weights'
                          change since sampling, numerics-free (one engine)
+    mismatch_split_tokens  the loss tokens they are measured on
 
-and the mismatch alarm watches the numerics (`guards.py`).
+The scorer re-scores a sample of the batch (`mismatch_split_sequences`); the
+other sequences carry NaN engine log-probs and are left out of the split,
+whose means are weighted by mismatch_split_tokens when micro-batches, ranks
+and updates combine (`losses.metric_weight`). The mismatch alarm watches the
+numerics (`guards.py`).
 
 Invariant: metrics only; the loss and its gradient are those of the wrapped
 function, bit for bit.
@@ -72,10 +77,13 @@ def with_mismatch_metrics(loss_fn: LossFn) -> LossFn:
             trainer = inputs.old_logp_BT if inputs.old_logp_BT is not None else inputs.logp_BT
             metrics.update(mismatch_metrics(trainer, inputs.rollout_logp_BT, inputs.mask_BT))
             if inputs.engine_logp_BT is not None:
-                for name, (a, b) in (("numerics", (trainer, inputs.engine_logp_BT)),
-                                     ("drift", (inputs.engine_logp_BT, inputs.rollout_logp_BT))):
+                engine = inputs.engine_logp_BT
+                scored = inputs.mask_BT.bool() & ~engine.isnan()  # NaN: not in the sample
+                for name, (a, b) in (("numerics", (trainer, engine)),
+                                     ("drift", (engine, inputs.rollout_logp_BT))):
                     metrics.update({k.replace("mismatch_", f"mismatch_{name}_"): v for k, v in
-                                    mismatch_metrics(a, b, inputs.mask_BT).items()})
+                                    mismatch_metrics(a, b, scored).items()})
+                metrics["mismatch_split_tokens"] = scored.sum().float()
         return loss, metrics
 
     return wrapped

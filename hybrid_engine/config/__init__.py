@@ -522,6 +522,17 @@ class RunConfig:
     mismatch_abort: bool = _field(
         False, "Stop the run with an error (after the warning) when mismatch_alarm trips."
     )
+    mismatch_split_sequences: int = _field(
+        32,
+        "Colocated with stale samples (rollout.max_staleness >= 1, rollout.temperature 1): "
+        "the sequences per step (evenly spaced over the batch; all when fewer) whose "
+        "log-probs the engine re-scores under the current weights, which splits the "
+        "mismatch into drift and numerics (mismatch_drift_* / mismatch_numerics_*, over "
+        "mismatch_split_tokens tokens; the alarm then watches the numerics). One prefill of "
+        "those sequences per step; 0 = no split (the alarm watches the total, drift "
+        "included).",
+        ge=0,
+    )
     collective_timeout_s: float = _field(
         600.0,
         "Timeout of every collective on every process group (ours, FSDP2's, vLLM's): a "

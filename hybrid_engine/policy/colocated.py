@@ -155,25 +155,35 @@ def policy_train(trainer: Trainer, cfg: RunConfig, trajs: Sequence[Trajectory] |
 
 
 class DriftScorer:
-    """Scores a batch with the engine's current weights, which are the weights
-    the trainer trains this step with (colocated: the last sync installed them):
-    sets each trajectory's engine_logp, so the mismatch metric splits into
-    drift (engine now vs the rollout's log-probs) and numerics (trainer vs
-    engine, same weights); see algorithms/mismatch.py. One prefill of the batch
-    per step, in the inference layout (put it before the trainer-side scorers).
-    A token vLLM cannot score (a sequence filling max_model_len: its last)
-    takes its rollout log-prob (no drift counted there)."""
+    """Scores a sample of the batch with the engine's current weights, which are
+    the weights the trainer trains this step with (colocated: the last sync
+    installed them): sets engine_logp, so the mismatch metric splits into drift
+    (engine now vs the rollout's log-probs) and numerics (trainer vs engine,
+    same weights); see algorithms/mismatch.py. One prefill of `sequences`
+    trajectories, evenly spaced over the batch (all when fewer), in the
+    inference layout (put it before the trainer-side scorers); the others get
+    NaN engine log-probs (outside the split). A token vLLM cannot score (a
+    sequence filling max_model_len: its last) takes its rollout log-prob (no
+    drift counted there)."""
 
-    def __init__(self, actor: HybridActor) -> None:
-        self.actor = actor
+    def __init__(self, actor: HybridActor, sequences: int) -> None:
+        if sequences < 1:
+            raise ValueError(f"DriftScorer needs sequences >= 1, got {sequences}")
+        self.actor, self.sequences = actor, sequences
 
     def score(self, trajs: Sequence[Trajectory]) -> None:
-        a = self.actor
+        a, n = self.actor, len(trajs)
+        m = min(self.sequences, n)
+        picked = {i * n // m for i in range(m)}
+        for i, t in enumerate(trajs):
+            if i not in picked:
+                t.engine_logp = [math.nan] * len(t.response_ids)
+        sample = [trajs[i] for i in sorted(picked)]
         a.phases.to_rollout()
         a.phases.check_rollout()
-        scores = a.rollout.score([list(t.prompt_ids) + list(t.response_ids) for t in trajs],
-                                 [len(t.prompt_ids) for t in trajs])
-        for t, lps in zip(trajs, scores, strict=True):
+        scores = a.rollout.score([list(t.prompt_ids) + list(t.response_ids) for t in sample],
+                                 [len(t.prompt_ids) for t in sample])
+        for t, lps in zip(sample, scores, strict=True):
             t.engine_logp = [r if math.isnan(x) else x
                              for x, r in zip(lps, t.rollout_logp, strict=True)]
 
@@ -425,11 +435,14 @@ class HybridActor:
 
     def drift_scorer(self) -> DriftScorer | None:
         """The scorer that splits the mismatch metric when samples can be stale
-        (rollout.max_staleness > 0 or partial rollouts) and the engine's prompt
-        log-probs equal its sampling ones (rollout.temperature 1); else None."""
-        if not self.cfg.rollout.max_staleness or self.cfg.rollout.temperature != 1.0:
+        (rollout.max_staleness > 0 or partial rollouts), the engine's prompt
+        log-probs equal its sampling ones (rollout.temperature 1) and
+        mismatch_split_sequences > 0; else None."""
+        cfg = self.cfg
+        if (not cfg.rollout.max_staleness or cfg.rollout.temperature != 1.0
+                or not cfg.mismatch_split_sequences):
             return None
-        return DriftScorer(self)
+        return DriftScorer(self, cfg.mismatch_split_sequences)
 
     def model_side(self, env: Any) -> Any:
         """An environment whose score() runs a model (`runs_a_model`, e.g. a reward

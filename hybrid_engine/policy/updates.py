@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybrid_engine.algorithms.losses import metric_weight
 from hybrid_engine.parallel.shards import gather_response_field, local_batch
 
 if TYPE_CHECKING:
@@ -49,9 +50,10 @@ __all__ = ["combine_updates", "compute_old_logp", "num_updates", "policy_updates
            "update_plan"]
 
 # Per-update metrics that add up over a step's updates; lr is the last one's;
-# *_max / *_min are extremes; every other metric is the mean over the updates.
+# *_max / *_min are extremes; every other metric is the mean over the updates
+# (one measured on a subset of the tokens: weighted by its count, `metric_weight`).
 _SUMMED = frozenset({"tokens", "num_micro_batches", "skipped", "train_step_s",
-                     "num_loss_tokens"})
+                     "num_loss_tokens", "mismatch_split_tokens"})
 _LAST = frozenset({"lr"})
 
 
@@ -91,10 +93,17 @@ def combine_updates(per_update: Sequence[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for key in per_update[0]:
         values = [m[key] for m in per_update if key in m]
+        wkey = metric_weight(key)
         if key in _SUMMED:
             out[key] = float(sum(values))
         elif key in _LAST:
             out[key] = values[-1]
+        elif wkey != "num_tokens":  # a subset's mean: updates without its tokens do not count
+            ws = [(m[key], m[wkey]) for m in per_update if key in m and m.get(wkey, 0.0) > 0]
+            if key.endswith(("_max", "_min")):
+                out[key] = (max if key.endswith("_max") else min)((v for v, _ in ws), default=0.0)
+            else:
+                out[key] = sum(v * w for v, w in ws) / max(sum(w for _, w in ws), 1.0)
         elif key.endswith("_max"):
             out[key] = max(values)
         elif key.endswith("_min"):

@@ -57,7 +57,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from hybrid_engine.algorithms.aggregation import loss_normalizer
-from hybrid_engine.algorithms.losses import ADDITIVE_METRICS, LossFn, LossInputs, combine_metrics
+from hybrid_engine.algorithms.losses import (ADDITIVE_METRICS, LossFn, LossInputs, combine_metrics,
+                                             metric_weight)
 from hybrid_engine.parallel.fsdp import (
     assert_sharded,
     build_fsdp_model,
@@ -264,23 +265,23 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 
 def _reduce_metrics(local: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, float]:
     """Combines per-rank step metrics like `combine_metrics` does micro-batches:
-    additive keys summed, _max/_min extremes, the rest num_tokens-weighted means."""
+    additive keys summed, _max/_min extremes, the rest means weighted by
+    num_tokens (or their subset's count, `metric_weight`)."""
     device = comm_device(mesh)
     keys = sorted(local)
-    w = local["num_tokens"].float()
-    sums = [local[k] if k in ADDITIVE_METRICS else local[k] * w for k in keys] + [w]
+    weight = {k: local[metric_weight(k)].float() for k in keys}
+    sums = [local[k] if k in ADDITIVE_METRICS else local[k] * weight[k] for k in keys]
     sum_t = torch.stack([s.float() for s in sums]).to(device)
     ext_keys = [k for k in keys if k.endswith("_max") or k.endswith("_min")]
-    has = bool(w > 0)
-    # Min as max of the negation; a rank without loss tokens has no extreme (-inf).
-    ext = [(local[k] if k.endswith("_max") else -local[k]).float() if has
+    # Min as max of the negation; a rank without the metric's tokens has no extreme (-inf).
+    ext = [(local[k] if k.endswith("_max") else -local[k]).float() if bool(weight[k] > 0)
            else torch.tensor(-math.inf) for k in ext_keys]
     ext_t = torch.stack(ext).to(device) if ext else torch.zeros(1, device=device)
     dist.all_reduce(sum_t, group=mesh.get_group())
     dist.all_reduce(ext_t, op=dist.ReduceOp.MAX, group=mesh.get_group())
-    total_w = max(float(sum_t[-1]), 1.0)
-    out = {k: float(v) if k in ADDITIVE_METRICS else float(v) / total_w
-           for k, v in zip(keys, sum_t.tolist())}
+    totals = dict(zip(keys, sum_t.tolist()))  # the weights are additive: their totals
+    out = {k: v if k in ADDITIVE_METRICS else v / max(totals[metric_weight(k)], 1.0)
+           for k, v in totals.items()}
     for k, v in zip(ext_keys, ext_t.tolist()):
         out[k] = 0.0 if math.isinf(v) else (v if k.endswith("_max") else -v)
     return out

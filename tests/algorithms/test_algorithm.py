@@ -149,6 +149,37 @@ def test_engine_logprobs_split_the_mismatch_into_drift_and_numerics() -> None:
     assert not any(k.startswith(("mismatch_drift", "mismatch_numerics")) for k in plain)
 
 
+def test_the_split_covers_the_scored_sequences_and_combines_weighted_by_their_tokens() -> None:
+    """Sequences outside the drift scorer's sample carry NaN engine log-probs: they
+    leave the split (not the total), and a micro-batch or update without scored
+    tokens does not dilute the split's means when they combine."""
+    from hybrid_engine.algorithms.losses import LossInputs, combine_metrics, policy_loss_fn
+    from hybrid_engine.policy.updates import combine_updates
+
+    fn = with_mismatch_metrics(policy_loss_fn(AlgorithmConfig()))
+    nan = float("nan")
+
+    def mb(engine: list[float]) -> dict:
+        _, m = fn(LossInputs(logp_BT=torch.tensor([[-1.0, -1.0]]), advantages_BT=torch.zeros(1, 2),
+                             mask_BT=torch.tensor([[True, True]]),
+                             rollout_logp_BT=torch.tensor([[-1.5, -1.5]]),
+                             engine_logp_BT=torch.tensor([engine])), None)
+        return m
+
+    scored, unscored = mb([-1.25, -1.25]), mb([nan, nan])
+    assert float(scored["mismatch_split_tokens"]) == 2 and float(unscored["mismatch_split_tokens"]) == 0
+    assert float(scored["mismatch_drift_abs_mean"]) == pytest.approx(0.25)
+    assert float(unscored["mismatch_abs_mean"]) == pytest.approx(0.5)  # the total keeps them
+    both = combine_metrics([scored, unscored])
+    assert float(both["mismatch_drift_abs_mean"]) == pytest.approx(0.25)  # not 0.125
+    assert float(both["mismatch_numerics_abs_max"]) == pytest.approx(0.25)
+    assert float(both["mismatch_split_tokens"]) == 2
+    updates = combine_updates([{k: float(v) for k, v in m.items()} for m in (unscored, scored)])
+    assert updates["mismatch_drift_abs_mean"] == pytest.approx(0.25)
+    assert updates["mismatch_numerics_abs_mean"] == pytest.approx(0.25)
+    assert updates["mismatch_abs_mean"] == pytest.approx(0.5)
+
+
 # --------------------------------------------------------------------------
 # Dynamic sampling refills (DAPO): how many more prompts, and what trains
 # --------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from hybrid_engine.testing import run_torchrun
 
 # Keys that differ between placements or runs by nature: times, memory, the sync's own
 # report, and the mismatch split (the colocated policy's drift scorer, when samples are stale).
-VARYING = ("_s", "mem_", "sync_", "tok_s", "mismatch_drift", "mismatch_numerics")
+VARYING = ("_s", "mem_", "sync_", "tok_s", "mismatch_drift", "mismatch_numerics",
+           "mismatch_split")
 
 
 def train(model: Path, reward: Path, out: Path, nproc: int, *extra: str):  # noqa: ANN201

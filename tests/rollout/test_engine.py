@@ -173,13 +173,16 @@ def _gpu_sleep_cycle(model_dir: str) -> dict:
     from safetensors.torch import load_file
 
     from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.metrics import _memory_bytes
     from hybrid_engine.rollout.engine import VLLMRollout
 
     cfg = RolloutConfig(tensor_parallel_size=1, num_samples_per_prompt=2, max_tokens=12,
                         max_model_len=64, gpu_memory_fraction=0.3, enforce_eager=True)
     rollout = VLLMRollout(model_dir, cfg, dtype="float32")
     first = rollout.generate(PROMPTS, seed=4)
+    awake = _memory_bytes()
     released = rollout.release_memory()
+    asleep = _memory_bytes()
     lost = not rollout.weights_valid
     regrown = rollout.restore_memory()
     try:
@@ -192,7 +195,8 @@ def _gpu_sleep_cycle(model_dir: str) -> dict:
     again = rollout.generate(PROMPTS, seed=4)
     rollout.shutdown()
     return {"released": released, "regrown": regrown, "lost": lost, "refused": refused,
-            "same": first.token_ids == again.token_ids and first.logprobs == again.logprobs}
+            "same": first.token_ids == again.token_ids and first.logprobs == again.logprobs,
+            "metric_drop": awake - asleep}
 
 
 @pytest.mark.gpu
@@ -211,3 +215,5 @@ def test_real_gpu_sleep_loses_weights_and_a_rewrite_restores_them(tmp_path):
     assert out["released"] > 0 and out["regrown"] > 0, out
     assert out["lost"] and "discarded weights" in out["refused"]
     assert out["same"]
+    # The phase memory metric sees the release (torch's allocator stats would not).
+    assert out["metric_drop"] >= 0.9 * out["released"], out

@@ -1,0 +1,71 @@
+"""The colocated drift scorer's sample (`mismatch_split_sequences`): which
+sequences the engine re-scores, and what the others carry. The engine here
+is a recorder of the score call (the real prefill runs in tests/policy/
+test_async.py's colocated k = 1 job)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from hybrid_engine.policy.colocated import DriftScorer
+from hybrid_engine.trajectory import Trajectory
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[list[int]], list[int]]] = []
+
+    def score(self, seqs, prompt_lens):  # noqa: ANN001, ANN201
+        self.calls.append((seqs, prompt_lens))
+        # -0.1 x the token id; the last token unscorable (NaN), as at max_model_len
+        return [[-0.1 * tok for tok in s[p:-1]] + [math.nan] for s, p in zip(seqs, prompt_lens)]
+
+
+def _actor(engine: _Engine) -> SimpleNamespace:
+    noop = lambda: None  # noqa: E731
+    return SimpleNamespace(rollout=engine, phases=SimpleNamespace(to_rollout=noop, check_rollout=noop))
+
+
+def _trajs(n: int) -> list[Trajectory]:
+    return [Trajectory(prompt_ids=[1, 2], response_ids=[10 + i, 20 + i, 30 + i],
+                       rollout_logp=[-7.0, -8.0, -9.0], group_id=i // 4) for i in range(n)]
+
+
+@pytest.mark.parametrize("sequences, picked", [(4, [0, 4, 8, 12]), (3, [0, 5, 10]),
+                                               (16, list(range(16))), (40, list(range(16)))])
+def test_the_scorer_rescores_an_evenly_spaced_sample(sequences, picked) -> None:
+    engine, trajs = _Engine(), _trajs(16)
+    DriftScorer(_actor(engine), sequences).score(trajs)
+    ((seqs, plens),) = engine.calls  # one prefill, of the sample only
+    assert seqs == [[1, 2] + trajs[i].response_ids for i in picked] and plens == [2] * len(picked)
+    for i, t in enumerate(trajs):
+        if i in picked:  # the engine's log-probs; its unscorable last token takes the rollout's
+            assert t.engine_logp == pytest.approx([-0.1 * (10 + i), -0.1 * (20 + i), -9.0])
+        else:
+            assert len(t.engine_logp) == 3 and all(math.isnan(x) for x in t.engine_logp)
+
+
+def test_the_scorer_needs_a_sample() -> None:
+    with pytest.raises(ValueError, match="sequences >= 1"):
+        DriftScorer(_actor(_Engine()), 0)
+
+
+@pytest.mark.parametrize("overrides, scores", [
+    ({"rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout"}, 32),
+    ({"rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
+      "mismatch_split_sequences": 5}, 5),
+    ({"rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
+      "mismatch_split_sequences": 0}, None),  # 0 = no split
+    ({}, None),  # synchronous: nothing is stale
+])
+def test_the_actor_builds_the_scorer_from_the_config(overrides, scores) -> None:
+    from hybrid_engine.config import RunConfig
+    from hybrid_engine.config.overrides import apply_overrides
+    from hybrid_engine.policy.colocated import HybridActor
+
+    holder = SimpleNamespace(cfg=apply_overrides(RunConfig(), overrides))
+    scorer = HybridActor.drift_scorer(holder)
+    assert (scorer and scorer.sequences) == scores
