@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "hybrid_engine"
 VLLM_FOLDER = "rollout/"
 VLLM_COMPAT = "rollout/vllm_compat.py"
@@ -60,3 +62,17 @@ def test_production_code_never_imports_the_test_harness() -> None:
                            m == "hybrid_engine.testing" or m.startswith("hybrid_engine.testing.")
                            for m in _imports(tree)))
     assert offenders == []
+
+
+@pytest.mark.parametrize("version, warns", [("0.32.0", False), ("0.26.0", False),
+                                            ("0.27.1", True)])
+def test_the_compat_layer_warns_on_a_vllm_it_was_not_checked_on(monkeypatch, caplog, version,
+                                                                warns) -> None:
+    vllm = pytest.importorskip("vllm")
+    from hybrid_engine.rollout import vllm_compat
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.setattr(vllm_compat, "_checked", False)
+    with caplog.at_level("WARNING", logger=vllm_compat.__name__):
+        vllm_compat.check_version()
+    assert ("review it" in caplog.text) == warns

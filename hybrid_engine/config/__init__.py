@@ -525,12 +525,13 @@ class RunConfig:
     mismatch_split_sequences: int = _field(
         32,
         "Colocated with stale samples (rollout.max_staleness >= 1, rollout.temperature 1): "
-        "the sequences per step (evenly spaced over the batch; all when fewer) whose "
-        "log-probs the engine re-scores under the current weights, which splits the "
+        "the sequences per sampling round (evenly spaced over its batch; all when fewer) "
+        "whose log-probs the engine re-scores under the current weights, which splits the "
         "mismatch into drift and numerics (mismatch_drift_* / mismatch_numerics_*, over "
-        "mismatch_split_tokens tokens; the alarm then watches the numerics). One prefill of "
-        "those sequences per step; 0 = no split (the alarm watches the total, drift "
-        "included).",
+        "mismatch_split_tokens tokens; the alarm then watches the numerics, or the total "
+        "when the sample has no trained token). One prefill of those sequences per round "
+        "(one round per step unless dynamic sampling refills); 0 = no split (the alarm "
+        "watches the total, drift included).",
         ge=0,
     )
     collective_timeout_s: float = _field(

@@ -162,9 +162,9 @@ class DriftScorer:
     same weights); see algorithms/mismatch.py. One prefill of `sequences`
     trajectories, evenly spaced over the batch (all when fewer), in the
     inference layout (put it before the trainer-side scorers); the others get
-    NaN engine log-probs (outside the split). A token vLLM cannot score (a
-    sequence filling max_model_len: its last) takes its rollout log-prob (no
-    drift counted there)."""
+    NaN engine log-probs (outside the split), as does a token vLLM cannot
+    score (a sequence filling max_model_len: its last). Called once per
+    sampling round (one per step unless dynamic sampling refills)."""
 
     def __init__(self, actor: HybridActor, sequences: int) -> None:
         if sequences < 1:
@@ -184,8 +184,7 @@ class DriftScorer:
         scores = a.rollout.score([list(t.prompt_ids) + list(t.response_ids) for t in sample],
                                  [len(t.prompt_ids) for t in sample])
         for t, lps in zip(sample, scores, strict=True):
-            t.engine_logp = [r if math.isnan(x) else x
-                             for x, r in zip(lps, t.rollout_logp, strict=True)]
+            t.engine_logp = lps
 
 
 class HybridActor:

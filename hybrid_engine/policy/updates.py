@@ -53,7 +53,7 @@ __all__ = ["combine_updates", "compute_old_logp", "num_updates", "policy_updates
 # *_max / *_min are extremes; every other metric is the mean over the updates
 # (one measured on a subset of the tokens: weighted by its count, `metric_weight`).
 _SUMMED = frozenset({"tokens", "num_micro_batches", "skipped", "train_step_s",
-                     "num_loss_tokens", "mismatch_split_tokens"})
+                     "num_loss_tokens"})
 _LAST = frozenset({"lr"})
 
 

@@ -274,8 +274,10 @@ def _reduce_metrics(local: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, flo
     sum_t = torch.stack([s.float() for s in sums]).to(device)
     ext_keys = [k for k in keys if k.endswith("_max") or k.endswith("_min")]
     # Min as max of the negation; a rank without the metric's tokens has no extreme (-inf).
-    ext = [(local[k] if k.endswith("_max") else -local[k]).float() if bool(weight[k] > 0)
-           else torch.tensor(-math.inf) for k in ext_keys]
+    ext = []
+    for k in ext_keys:
+        v = (local[k] if k.endswith("_max") else -local[k]).float()
+        ext.append(torch.where(weight[k] > 0, v, torch.full_like(v, -math.inf)))
     ext_t = torch.stack(ext).to(device) if ext else torch.zeros(1, device=device)
     dist.all_reduce(sum_t, group=mesh.get_group())
     dist.all_reduce(ext_t, op=dist.ReduceOp.MAX, group=mesh.get_group())

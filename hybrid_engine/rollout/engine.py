@@ -288,6 +288,9 @@ class VLLMRollout:
                     logprobs=0, stop=stop_strs, include_stop_str_in_output=include_stop_str,
                     stop_token_ids=list(self.cfg.stop_token_ids) or None,
                     seed=hash((self.cfg.seed, seed, p, j)) & 0x7FFFFFFF,
+                    # Text only for stop strings: nothing reads it, and vLLM would
+                    # detokenize every sampled token twice (text, log-prob entry).
+                    detokenize=stop_strs is not None,
                 ))
         outs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
         token_ids, logprobs = [], []
@@ -316,7 +319,8 @@ class VLLMRollout:
         limit = self.cfg.max_model_len - 1
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(sequences[i])[:limit]) for i in mine],
-            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False) if mine else []
+            SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+            use_tqdm=False) if mine else []
         scores = []
         for i, out in zip(mine, outs, strict=True):
             seq, start = list(sequences[i])[:limit], starts[i]
@@ -369,7 +373,7 @@ class VLLMRollout:
                 n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
                 max_tokens=int(m), logprobs=0, stop=stop_strs,
                 stop_token_ids=list(self.cfg.stop_token_ids) or None, seed=int(seed),
-                output_kind=RequestOutputKind.DELTA))
+                detokenize=stop_strs is not None, output_kind=RequestOutputKind.DELTA))
         index = {rid: i for i, rid in enumerate(ids)}
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]

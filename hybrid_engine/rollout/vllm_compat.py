@@ -28,23 +28,26 @@ __all__ = [
 ]
 
 VLLM_VERSION = "0.32.0"  # what every function below was written for and checked on
+# Also reviewed function by function and run (CUDA build, level-2 sleep, training jobs):
+# 0.26.0, the newest CUDA build the GPU machines' torch takes (docs/architecture.md).
+ALSO_CHECKED = ("0.26.0",)
 
 _log = logging.getLogger(__name__)
 _checked = False
 
 
 def check_version() -> None:
-    """Warns once when the installed vLLM is not the version this file was checked on."""
+    """Warns once when the installed vLLM is not a version this file was checked on."""
     global _checked
     if _checked:
         return
     _checked = True
     import vllm
 
-    if not vllm.__version__.startswith(VLLM_VERSION):
+    if not vllm.__version__.startswith((VLLM_VERSION, *ALSO_CHECKED)):
         _log.warning("vLLM %s is installed; hybrid_engine.rollout.vllm_compat was checked on %s: "
                      "review it (private attributes, patches) before trusting the run",
-                     vllm.__version__, VLLM_VERSION)
+                     vllm.__version__, ", ".join((VLLM_VERSION, *ALSO_CHECKED)))
 
 
 def prepare_process_env() -> None:

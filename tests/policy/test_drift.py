@@ -42,8 +42,9 @@ def test_the_scorer_rescores_an_evenly_spaced_sample(sequences, picked) -> None:
     ((seqs, plens),) = engine.calls  # one prefill, of the sample only
     assert seqs == [[1, 2] + trajs[i].response_ids for i in picked] and plens == [2] * len(picked)
     for i, t in enumerate(trajs):
-        if i in picked:  # the engine's log-probs; its unscorable last token takes the rollout's
-            assert t.engine_logp == pytest.approx([-0.1 * (10 + i), -0.1 * (20 + i), -9.0])
+        if i in picked:  # the engine's log-probs; its unscorable last token stays NaN
+            assert t.engine_logp[:2] == pytest.approx([-0.1 * (10 + i), -0.1 * (20 + i)])
+            assert math.isnan(t.engine_logp[2])
         else:
             assert len(t.engine_logp) == 3 and all(math.isnan(x) for x in t.engine_logp)
 

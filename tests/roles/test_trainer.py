@@ -771,3 +771,35 @@ def test_one_two_four_ranks_match_a_plain_model(tmp_path):
         assert r["losses"] == pytest.approx(plain["losses"], rel=1e-6), w
         assert r["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-5), w
         assert max_diff(r["weights"], plain["weights"]) < WEIGHT_ATOL, w
+
+
+def _reduce_two_ranks() -> dict[str, float]:
+    """Rank 0: 10 loss tokens, 4 of them scored by the drift scorer; rank 1: 30
+    tokens, none scored (its sample fell elsewhere)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybrid_engine.roles.trainer import _reduce_metrics
+
+    mesh = init_device_mesh("cpu", (2,))
+    r = dist.get_rank()
+    local = {"num_tokens": [10.0, 30.0][r], "loss": [1.0, 2.0][r], "ratio_max": [1.5, 1.2][r],
+             "entropy": [1.0, 3.0][r], "mismatch_split_tokens": [4.0, 0.0][r],
+             "mismatch_drift_abs_mean": [0.2, 0.0][r], "mismatch_drift_abs_max": [0.5, 0.0][r],
+             "mismatch_numerics_abs_mean": [1e-3, 0.0][r]}
+    return _reduce_metrics({k: torch.tensor(v) for k, v in local.items()}, mesh)
+
+
+def test_rank_metrics_weight_the_split_by_its_own_tokens():
+    """Across ranks: token means by num_tokens, the mismatch split by the tokens it
+    measured (a rank without any does not dilute it or set its extremes)."""
+    out = run_ranks(_reduce_two_ranks, 2, timeout=120)
+    assert out[0] == out[1]
+    m = out[0]
+    assert m["num_tokens"] == 40 and m["loss"] == 3 and m["mismatch_split_tokens"] == 4
+    assert m["entropy"] == pytest.approx((10 * 1 + 30 * 3) / 40)
+    assert m["ratio_max"] == pytest.approx(1.5)
+    assert m["mismatch_drift_abs_mean"] == pytest.approx(0.2)  # not 0.05
+    assert m["mismatch_drift_abs_max"] == pytest.approx(0.5)
+    assert m["mismatch_numerics_abs_mean"] == pytest.approx(1e-3)
