@@ -775,7 +775,8 @@ def test_one_two_four_ranks_match_a_plain_model(tmp_path):
 
 def _reduce_two_ranks() -> dict[str, float]:
     """Rank 0: 10 loss tokens, 4 of them scored by the drift scorer; rank 1: 30
-    tokens, none scored (its sample fell elsewhere)."""
+    tokens, none scored (its sample fell elsewhere; its split values are junk
+    that must not count)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -786,8 +787,8 @@ def _reduce_two_ranks() -> dict[str, float]:
     r = dist.get_rank()
     local = {"num_tokens": [10.0, 30.0][r], "loss": [1.0, 2.0][r], "ratio_max": [1.5, 1.2][r],
              "entropy": [1.0, 3.0][r], "mismatch_split_tokens": [4.0, 0.0][r],
-             "mismatch_drift_abs_mean": [0.2, 0.0][r], "mismatch_drift_abs_max": [0.5, 0.0][r],
-             "mismatch_numerics_abs_mean": [1e-3, 0.0][r]}
+             "mismatch_drift_abs_mean": [0.2, 7.0][r], "mismatch_drift_abs_max": [0.5, 9.0][r],
+             "mismatch_numerics_abs_mean": [1e-3, 7.0][r]}
     return _reduce_metrics({k: torch.tensor(v) for k, v in local.items()}, mesh)
 
 
@@ -800,6 +801,6 @@ def test_rank_metrics_weight_the_split_by_its_own_tokens():
     assert m["num_tokens"] == 40 and m["loss"] == 3 and m["mismatch_split_tokens"] == 4
     assert m["entropy"] == pytest.approx((10 * 1 + 30 * 3) / 40)
     assert m["ratio_max"] == pytest.approx(1.5)
-    assert m["mismatch_drift_abs_mean"] == pytest.approx(0.2)  # not 0.05
+    assert m["mismatch_drift_abs_mean"] == pytest.approx(0.2)  # rank 1 weighs 0
     assert m["mismatch_drift_abs_max"] == pytest.approx(0.5)
     assert m["mismatch_numerics_abs_mean"] == pytest.approx(1e-3)
