@@ -6,12 +6,16 @@ Job: the RL loop of DESIGN.md and nothing else --
     [-> again, while the algorithm wants more prompts: dynamic sampling]
     -> advantages -> skip if no sample carries signal -> train -> sync -> metrics
 
-With rollout.max_staleness = k > 0 the generation runs k steps ahead: step s
-starts the batch of step s + k (`policy.collect_async`, sampled with the
-weights of step s) and trains on the batch started k steps earlier, so under
-separate placement the rollout ranks generate while the trainer ranks train.
-Each trajectory carries the step whose weights sampled it (policy_version);
-its staleness s - policy_version is at most k and reported per step. With
+With rollout.max_staleness = k > 0 the generation runs up to k steps ahead
+(`policy.collect_async`), on one of two schedules (`RunConfig.ahead_burst`):
+stream -- step s starts the batch of step s + k, sampled with the weights of
+step s, and trains on the batch started k steps earlier, so under separate
+placement the rollout ranks generate while the trainer ranks train; burst --
+when no batch is queued, step s samples the batches of steps s .. s + k in one
+pass with its weights (colocated: one engine wake and decode loop for k + 1
+steps). Each trajectory carries the step whose weights sampled it
+(policy_version); its staleness s - policy_version is at most k and reported
+per step. With
 rollout.partial_rollout nothing runs ahead: the policy parks unfinished
 sequences between steps (`rollout/partial.py`), so the controller passes the
 step as the weights' version and the policy stamps each trajectory with its
@@ -51,7 +55,7 @@ from hybrid_engine.config import RunConfig
 from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.metrics import PhaseTimer, staleness_metrics, trajectory_metrics
 from hybrid_engine.parallel import signals
-from hybrid_engine.policy.ahead import Ready
+from hybrid_engine.policy.ahead import Ready, restorable, split_burst
 from hybrid_engine.trajectory import trajectory_from_json, trajectory_to_json
 
 __all__ = ["Controller", "Checkpointer", "any_rank"]
@@ -131,11 +135,11 @@ class Controller:
     def load_state_dict(self, d: dict) -> None:
         self.state = _State(d["step"], d["reward_ema"], d["wall_s"], list(d["history"]))
         self.env.load_state_dict(d["env"])
-        ahead = d.get("ahead", [])
-        if len(ahead) != self._ahead_depth():  # saved with another max_staleness
+        ahead, k = d.get("ahead", []), self._ahead_depth()
+        if not restorable(ahead, d["step"], k, self.cfg.ahead_burst()):  # another k
             _log.warning("the checkpoint holds %d batch(es) generated ahead; this run generates "
                          "%d ahead (rollout.max_staleness): they are discarded and generated "
-                         "again with the restored weights", len(ahead), self._ahead_depth())
+                         "again with the restored weights", len(ahead), k)
             ahead = []
         self._ahead = deque((b["version"], Ready([trajectory_from_json(t) for t in b["trajs"]],
                                                  b["generate_s"])) for b in ahead)
@@ -160,6 +164,20 @@ class Controller:
         return self.state.step, self.policy.collect_async(
             self.env, prompts, num_samples=self.cfg.rollout.num_samples_per_prompt,
             seed=self._seed(step, rounds))
+
+    def _queue_ahead(self, step: int, want: int, k: int) -> None:
+        """Queues the batches of steps step .. step + k not yet started (stream), or,
+        when none is queued, samples all k + 1 in one pass (burst): each batch gets
+        its own prompts and group ids 0.., the pass's seconds go to the first."""
+        while not self.cfg.ahead_burst() and len(self._ahead) <= k:
+            self._ahead.append(self._submit(step + len(self._ahead), want, 0))
+        if not self._ahead:
+            prompts = [p for _ in range(k + 1) for p in self.env.sample_prompts(want)]
+            K = self.cfg.rollout.num_samples_per_prompt
+            trajs, seconds = self.policy.collect_async(self.env, prompts, num_samples=K,
+                                                       seed=self._seed(step, 0)).result()
+            self._ahead.extend((self.state.step, h)
+                               for h in split_burst(trajs, seconds, k + 1, want, K))
 
     def _ahead_depth(self) -> int:
         """How many steps ahead generation runs: max_staleness, except with partial
@@ -186,8 +204,7 @@ class Controller:
                         seed=self._seed(s, rounds), **({"version": s} if partial else {})), s
                 else:
                     if rounds == 0:
-                        while len(self._ahead) <= k:  # the batches of steps s .. s + k
-                            self._ahead.append(self._submit(s + len(self._ahead), want, 0))
+                        self._queue_ahead(s, want, k)
                         version, handle = self._ahead.popleft()
                     else:  # a refill round: now, with the current weights
                         version, handle = self._submit(s, want, rounds)

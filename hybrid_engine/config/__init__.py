@@ -173,9 +173,20 @@ class RolloutConfig:
         "sampled with weights up to k optimizer steps old (its staleness, reported per "
         "step). 0 = synchronous (generate, then train on it). With placement=separate and "
         "k >= 1 the rollout ranks generate the next batch while the trainer ranks train "
-        "(step ~ max(generate, train)); colocated, the phases still take turns. k > 0 needs "
+        "(step ~ max(generate, train)); colocated, the phases take turns, so one generation "
+        "pass samples the next k + 1 steps' batches (ahead_schedule). k > 0 needs "
         "algorithm.behaviour_logp=rollout or algorithm.tis_cap (the importance correction).",
         ge=0,
+    )
+    ahead_schedule: Literal["auto", "stream", "burst"] = _field(
+        "auto",
+        "max_staleness = k > 0: how generation runs ahead. 'stream': every step starts the "
+        "batch of the step k ahead (staleness k from step k on); the schedule that overlaps "
+        "under placement=separate. 'burst': when no batch is queued, one generation pass "
+        "samples the batches of the next k + 1 steps with the current weights (staleness "
+        "0, 1, .., k): one engine wake, sync and decode loop for k + 1 steps, the colocated "
+        "use of the bound (the device takes turns, so nothing can overlap). 'auto': burst "
+        "colocated, stream separate. Not with partial_rollout (nothing runs ahead).",
     )
     partial_rollout: bool = _field(
         False,
@@ -525,8 +536,9 @@ class RunConfig:
     mismatch_split_sequences: int = _field(
         32,
         "Colocated with stale samples (rollout.max_staleness >= 1, rollout.temperature 1): "
-        "the sequences per sampling round (evenly spaced over its batch; all when fewer) "
-        "whose log-probs the engine re-scores under the current weights, which splits the "
+        "the stale sequences per sampling round (evenly spaced over them; all when fewer) "
+        "whose log-probs the engine re-scores under the current weights (a fresh one, "
+        "sampled with no sync since, joins with its sampling log-probs), which splits the "
         "mismatch into drift and numerics (mismatch_drift_* / mismatch_numerics_*, over "
         "mismatch_split_tokens tokens; the alarm then watches the numerics, or the total "
         "when the sample has no trained token). One prefill of those sequences per round "
@@ -563,6 +575,10 @@ class RunConfig:
             raise ValueError("rollout.step_token_budget bounds partial rollouts: set "
                              "rollout.partial_rollout=true or leave the budget at 0")
         if r.partial_rollout:
+            if r.ahead_schedule != "auto":
+                raise ValueError(f"rollout.ahead_schedule={r.ahead_schedule} schedules batches "
+                                 "generated ahead; with rollout.partial_rollout=true nothing "
+                                 "runs ahead (leave it at auto)")
             if self.placement != "colocated":
                 raise ValueError("rollout.partial_rollout=true needs placement=colocated (under "
                                  "placement=separate, rollout.max_staleness overlaps generation "
@@ -574,6 +590,12 @@ class RunConfig:
                 raise ValueError("rollout.partial_rollout=true needs rollout.step_token_budget > 0 "
                                  "(with no budget a step waits for every group it started and "
                                  "nothing is ever parked)")
+
+    def ahead_burst(self) -> bool:
+        """Whether generation ahead samples k + 1 steps' batches per pass
+        (rollout.ahead_schedule; auto: colocated bursts, separate streams)."""
+        schedule = self.rollout.ahead_schedule
+        return schedule == "burst" or (schedule == "auto" and self.placement == "colocated")
 
     def validate_for_run(self) -> None:
         """Checks that only hold right before launch (not for recipes or tests).

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["Inflight", "Ready", "SerialWorker", "timed"]
+__all__ = ["Inflight", "Ready", "SerialWorker", "restorable", "split_burst", "timed"]
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -128,3 +128,34 @@ class Inflight:
                                    f"{status[1]}")
         self._out = (got[1], got[2])
         return self._out
+
+
+# --- the controller's queue of batches ahead (rollout.ahead_schedule) --------------------
+
+
+def split_burst(trajs: list, seconds: float, batches: int, groups: int,
+                num_samples: int) -> list[Ready]:
+    """One burst pass's trajectories (prompt-major, `batches` x `groups` prompts
+    of `num_samples` each) as `batches` handles in order, each with group ids
+    0.. as if generated alone; the pass's seconds go to the first (the step
+    that waited for it), 0 to the others."""
+    size = groups * num_samples
+    if len(trajs) != batches * size:
+        raise ValueError(f"a burst of {batches} x {groups} prompts x {num_samples} samples "
+                         f"returned {len(trajs)} trajectories")
+    out = []
+    for b in range(batches):
+        batch = trajs[b * size:(b + 1) * size]
+        for t in batch:
+            t.group_id -= b * groups
+        out.append(Ready(batch, seconds if b == 0 else 0.0))
+    return out
+
+
+def restorable(ahead: list[dict], step: int, k: int, burst: bool) -> bool:
+    """Whether a checkpoint's batches ahead (oldest first, each with its
+    "version") fit a run at max_staleness k resuming at `step`: stream holds
+    exactly k; burst holds at most k, none training past the bound."""
+    if not burst:
+        return len(ahead) == k
+    return len(ahead) <= k and all(step + i - b["version"] <= k for i, b in enumerate(ahead))

@@ -160,11 +160,14 @@ class DriftScorer:
     installed them): sets engine_logp, so the mismatch metric splits into drift
     (engine now vs the rollout's log-probs) and numerics (trainer vs engine,
     same weights); see algorithms/mismatch.py. One prefill of `sequences`
-    trajectories, evenly spaced over the batch (all when fewer), in the
+    stale trajectories, evenly spaced over them (all when fewer), in the
     inference layout (put it before the trainer-side scorers); the others get
     NaN engine log-probs (outside the split), as does a token vLLM cannot
-    score (a sequence filling max_model_len: its last). Called once per
-    sampling round (one per step unless dynamic sampling refills)."""
+    score (a sequence filling max_model_len: its last). A fresh trajectory
+    (every token sampled by the engine's current weights: no sync since;
+    e.g. a burst's first batch) needs no prefill: its sampling log-probs
+    are the engine's now, so it joins the split whole, with no drift. Called
+    once per sampling round (one per step unless dynamic sampling refills)."""
 
     def __init__(self, actor: HybridActor, sequences: int) -> None:
         if sequences < 1:
@@ -172,13 +175,18 @@ class DriftScorer:
         self.actor, self.sequences = actor, sequences
 
     def score(self, trajs: Sequence[Trajectory]) -> None:
-        a, n = self.actor, len(trajs)
+        a = self.actor
+        stale = [i for i, t in enumerate(trajs) if a.fresh.get(id(t)) is not t]
+        n, fresh = len(stale), set(range(len(trajs))) - set(stale)
         m = min(self.sequences, n)
-        picked = {i * n // m for i in range(m)}
+        picked = {stale[i * n // m] for i in range(m)}
         for i, t in enumerate(trajs):
             if i not in picked:
-                t.engine_logp = [math.nan] * len(t.response_ids)
+                t.engine_logp = (list(t.rollout_logp) if i in fresh
+                                 else [math.nan] * len(t.response_ids))
         sample = [trajs[i] for i in sorted(picked)]
+        if not sample:
+            return
         a.phases.to_rollout()
         a.phases.check_rollout()
         scores = a.rollout.score([list(t.prompt_ids) + list(t.response_ids) for t in sample],
@@ -241,8 +249,10 @@ class HybridActor:
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self.offload = (OptimizerOffload(self.trainer.optimizer, self.trainer.device)
                         if cfg.train.offload_optimizer else None)
-        self.phases = Phases(self.rollout, lambda: self.syncer.sync(self.trainer.module,
-                                                                    self.rollout),
+        # Trajectories sampled with the engine's current weights (id -> itself): the
+        # drift scorer's free part of the split; a sync empties it.
+        self.fresh: dict[int, Trajectory] = {}
+        self.phases = Phases(self.rollout, self._install_weights,
                              self.offload, release=ReleasePolicy(
                                  cfg.rollout.release_memory, budget=cfg.rollout.memory_budget,
                                  local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
@@ -336,11 +346,26 @@ class HybridActor:
                 raise ValueError("rollout.partial_rollout supports single-turn environments only")
             if version is None:
                 raise ValueError("rollout.partial_rollout: collect() needs the weights' version")
-            return self.partial.collect(self.rollout, [list(p) for p in prompts],
-                                        num_samples=num_samples, seed=seed, version=version)
+            return self._sampled_now(self.partial.collect(
+                self.rollout, [list(p) for p in prompts], num_samples=num_samples, seed=seed,
+                version=version), version)
         with self._sampling(greedy):
-            return collect(self.rollout, env, [list(p) for p in prompts],
-                           num_samples=num_samples, seed=seed)
+            trajs = collect(self.rollout, env, [list(p) for p in prompts],
+                            num_samples=num_samples, seed=seed)
+        return trajs if greedy else self._sampled_now(trajs, None)
+
+    def _install_weights(self) -> dict[str, float]:
+        """The trainer's weights into the engine (the phases' sync)."""
+        self.fresh = {}  # sampled by the weights this replaces
+        return self.syncer.sync(self.trainer.module, self.rollout)
+
+    def _sampled_now(self, trajs: list[Trajectory], version: int | None) -> list[Trajectory]:
+        """Records trajs as fresh (partial rollouts: those with every token of this
+        version, not a parked prefix) for the drift scorer; returns them."""
+        for t in trajs:
+            if version is None or set(t.info.get("token_versions", [version])) == {version}:
+                self.fresh[id(t)] = t
+        return trajs
 
     def rollout_state(self) -> dict | None:
         """The parked partial sequences (rollout.partial_rollout), JSON-able; else None."""

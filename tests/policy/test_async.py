@@ -9,6 +9,7 @@ before a commit (the double buffer)."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -177,8 +178,9 @@ def test_separate_ahead_equals_colocated_ahead_and_resumes(model_dir, reward_fil
     _train(model_dir, reward_file, sep, 2, *separate, "--sync.verify=false")
     _train(model_dir, reward_file, verified, 2, *separate, "--sync.verify=true")
     # 4 of the 16 sequences re-scored for the mismatch split (mismatch_split_sequences)
+    # the colocated twin on the separate run's schedule (auto: colocated bursts)
     _train(model_dir, reward_file, col, 1, "--rollout.max_staleness=1",
-           "--mismatch_split_sequences=4")
+           "--rollout.ahead_schedule=stream", "--mismatch_split_sequences=4")
     _train(model_dir, reward_file, sync, 1)
     rows = _rows(sep)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -201,9 +203,12 @@ def test_separate_ahead_equals_colocated_ahead_and_resumes(model_dir, reward_fil
     for s in (2, 3):
         assert c[s]["mismatch_drift_abs_mean"] > 100 * c[s]["mismatch_numerics_abs_mean"]
         assert 0.5 < c[s]["mismatch_drift_abs_mean"] / c[s]["mismatch_abs_mean"] < 2
-    # ... measured on the scorer's sample: a quarter of the sequences (<= 8 tokens each)
-    for s in (1, 2, 3):
+    # ... measured on the scorer's sample: a quarter of the sequences (<= 8 tokens each);
+    # step 1's batch is fresh (no sync since it was sampled): all of it, with no prefill
+    for s in (2, 3):
         assert 0 < c[s]["mismatch_split_tokens"] <= 4 * 8 < 16 * c[s]["response_len_mean"]
+    assert c[1]["mismatch_split_tokens"] == c[1]["num_tokens"]
+    assert c[1]["mismatch_drift_abs_mean"] == 0.0
     assert "mismatch_drift_abs_mean" not in rows[2]  # separate: no drift scorer
     # The knob acts: k = 0 trains step 2 on a batch of step 1's weights, so its
     # ratio to the behaviour (rollout) policy is 1 up to fp32 noise; k = 1's batch
@@ -226,22 +231,39 @@ def test_separate_ahead_equals_colocated_ahead_and_resumes(model_dir, reward_fil
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_max_staleness_2_runs_two_batches_ahead(model_dir, reward_file, tmp_path) -> None:
-    """k = 2 (colocated, one rank): steps 1-2 train batches of the initial weights,
-    later steps batches sampled two updates earlier; the knob's depth acts."""
-    out = tmp_path / "k2"
-    _train(model_dir, reward_file, out, 1, "--rollout.max_staleness=2", "--train.num_steps=4")
-    rows = [r for r in _rows(out) if "staleness_max" in r]  # training steps, not evals
+    """k = 2, colocated, one rank. Stream: steps 1-2 train batches of the initial
+    weights, later steps batches sampled two updates earlier (the knob's depth
+    acts). Burst (auto, colocated): one pass samples steps 1-3's batches with the
+    initial weights (staleness 0, 1, 2) and step 4 starts the next pass; a resume
+    from step 2's checkpoint restores the burst's last batch and repeats steps 3-4."""
+    stream, burst = tmp_path / "stream", tmp_path / "burst"
+    _train(model_dir, reward_file, stream, 1, "--rollout.max_staleness=2",
+           "--rollout.ahead_schedule=stream", "--train.num_steps=4")
+    rows = [r for r in _rows(stream) if "staleness_max" in r]  # training steps, not evals
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
     assert [r["staleness/2"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
+    assert all(r["generate_busy_s"] > 0 for r in rows)  # a generation every step
+    burst_run = ("--rollout.max_staleness=2", "--train.num_steps=4", "--keep_checkpoints=2")
+    _train(model_dir, reward_file, burst, 1, *burst_run)
+    rows = [r for r in _rows(burst) if "staleness_max" in r]
+    assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 0.0]
+    assert [r["staleness/1"] for r in rows] == [0.0, 1.0, 0.0, 0.0]
+    assert [r["generate_busy_s"] > 0 for r in rows] == [True, False, False, True]
+    assert [r["samples"] for r in rows] == [16.0] * 4  # 4 prompts x K 4 each step
+    from hybrid_engine.checkpoint import step_checkpoints
+
+    (_, at2), (_, at4) = step_checkpoints(burst / "checkpoints")
+    metas = [json.loads((p / "meta.json").read_text())["extra"]["ahead"] for p in (at2, at4)]
+    assert [[b["version"] for b in m] for m in metas] == [[0], [3, 3]]  # what each pass left
+    assert sorted({t["group_id"] for t in metas[0][0]["trajs"]}) == [0, 1, 2, 3]
+    shutil.rmtree(at4)  # resume from step 2: step 3 trains the restored batch
+    _train(model_dir, reward_file, burst, 1, *burst_run, "--resume")
+    resumed = [r for r in _rows(burst) if "staleness_max" in r]
+    assert [_stable(r) for r in resumed[2:]] == [_stable(r) for r in rows[2:]]
 
 
-def test_a_resume_with_another_depth_discards_the_batches_ahead(caplog) -> None:
-    """A checkpoint saved at max_staleness 1 holds one batch ahead; resumed at k = 2
-    the controller must not train it at a staleness past the new bound or the
-    old one: it warns and generates them again (same depth: restored)."""
-    import logging
-
+def _controller(**overrides):  # noqa: ANN202
     from hybrid_engine.controller import Controller
 
     class Env:  # the controller only restores the env's state here
@@ -252,14 +274,71 @@ def test_a_resume_with_another_depth_discards_the_batches_ahead(caplog) -> None:
             pass
 
     cfg = apply_overrides(RunConfig(), {"rollout.max_staleness": 2,
-                                        "algorithm.behaviour_logp": "rollout"})
-    c = Controller(None, Env(), None, cfg)
-    batch = {"version": 3, "generate_s": 0.1, "trajs": [trajectory_to_json(
+                                        "algorithm.behaviour_logp": "rollout", **overrides})
+    return Controller(None, Env(), None, cfg)
+
+
+def _saved(*versions: int) -> dict:
+    """A checkpoint at step 4 holding batches ahead of these versions."""
+    batch = {"generate_s": 0.1, "trajs": [trajectory_to_json(
         Trajectory(prompt_ids=[1], response_ids=[2], rollout_logp=[-0.5]))]}
-    saved = {"step": 4, "reward_ema": 0.5, "wall_s": 1.0, "history": [], "env": {},
-             "ahead": [batch]}
+    return {"step": 4, "reward_ema": 0.5, "wall_s": 1.0, "history": [], "env": {},
+            "ahead": [{**batch, "version": v} for v in versions]}
+
+
+def test_a_resume_with_another_depth_discards_the_batches_ahead(caplog) -> None:
+    """Stream: a checkpoint saved at max_staleness 1 holds one batch ahead; resumed
+    at k = 2 the controller must not train it at a staleness past the new bound or
+    the old one: it warns and generates them again (same depth: restored)."""
+    import logging
+
+    c = _controller(**{"rollout.ahead_schedule": "stream"})
     with caplog.at_level(logging.WARNING):
-        c.load_state_dict(saved)
+        c.load_state_dict(_saved(3))
     assert not c._ahead and "discarded and generated again" in caplog.text
-    c.load_state_dict({**saved, "ahead": [batch, {**batch, "version": 4}]})
+    c.load_state_dict(_saved(3, 4))
     assert [v for v, _ in c._ahead] == [3, 4]
+
+
+@pytest.mark.parametrize(("versions", "kept"), [
+    ((3,), True), ((3, 3), True), ((), True),  # a burst's rest: any count up to k
+    ((1,), False),  # step 4 would train a version-1 batch: staleness 3 > 2
+    ((2, 2), False),  # step 5 would train the second at staleness 3
+    ((2, 2, 2), False),  # more than k batches
+])
+def test_a_burst_resume_keeps_the_batches_within_the_bound(caplog, versions, kept) -> None:
+    """Burst (colocated's auto): the queue holds what is left of the last pass, from
+    none to k batches; restored if every one trains within max_staleness."""
+    c = _controller()  # colocated: auto = burst
+    assert c.cfg.ahead_burst()
+    c.load_state_dict(_saved(*versions))
+    assert [v for v, _ in c._ahead] == (list(versions) if kept else [])
+
+
+def test_split_burst_gives_each_batch_its_groups_and_the_first_the_seconds() -> None:
+    from hybrid_engine.policy.ahead import split_burst
+
+    trajs = [Trajectory(prompt_ids=[p], response_ids=[j], rollout_logp=[-1.0], group_id=p)
+             for p in range(6) for j in range(2)]  # 3 batches x 2 prompts x K 2
+    handles = split_burst(trajs, 1.5, 3, 2, 2)
+    batches = [h.result() for h in handles]
+    assert [[t.prompt_ids[0] for t in b] for b, _ in batches] == [[0, 0, 1, 1], [2, 2, 3, 3],
+                                                                  [4, 4, 5, 5]]
+    assert all([t.group_id for t in b] == [0, 0, 1, 1] for b, _ in batches)
+    assert [sec for _, sec in batches] == [1.5, 0.0, 0.0]
+    with pytest.raises(ValueError, match="returned 11"):
+        split_burst(trajs[:11], 1.0, 3, 2, 2)
+
+
+def test_ahead_schedule_auto_bursts_colocated_and_streams_separate() -> None:
+    base = {"rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout"}
+    assert apply_overrides(RunConfig(), base).ahead_burst()
+    assert not apply_overrides(RunConfig(), {**base, "placement": "separate"}).ahead_burst()
+    assert apply_overrides(RunConfig(), {**base, "placement": "separate",
+                                         "rollout.ahead_schedule": "burst"}).ahead_burst()
+    assert not apply_overrides(RunConfig(), {**base, "rollout.ahead_schedule": "stream"}
+                               ).ahead_burst()
+    with pytest.raises(ValueError, match="nothing runs ahead"):
+        apply_overrides(RunConfig(), {**base, "rollout.partial_rollout": True,
+                                      "rollout.step_token_budget": 64,
+                                      "rollout.ahead_schedule": "burst"})

@@ -24,9 +24,10 @@ class _Engine:
         return [[-0.1 * tok for tok in s[p:-1]] + [math.nan] for s, p in zip(seqs, prompt_lens)]
 
 
-def _actor(engine: _Engine) -> SimpleNamespace:
+def _actor(engine: _Engine, fresh: list[Trajectory] = ()) -> SimpleNamespace:
     noop = lambda: None  # noqa: E731
-    return SimpleNamespace(rollout=engine, phases=SimpleNamespace(to_rollout=noop, check_rollout=noop))
+    return SimpleNamespace(rollout=engine, phases=SimpleNamespace(to_rollout=noop, check_rollout=noop),
+                           fresh={id(t): t for t in fresh})
 
 
 def _trajs(n: int) -> list[Trajectory]:
@@ -47,6 +48,26 @@ def test_the_scorer_rescores_an_evenly_spaced_sample(sequences, picked) -> None:
             assert math.isnan(t.engine_logp[2])
         else:
             assert len(t.engine_logp) == 3 and all(math.isnan(x) for x in t.engine_logp)
+
+
+def test_fresh_trajectories_join_the_split_with_their_sampling_logprobs() -> None:
+    """Sampled by the engine's current weights (no sync since): no prefill for them;
+    the stale ones' sample is spaced over the stale ones only."""
+    engine, trajs = _Engine(), _trajs(16)
+    fresh = trajs[:8]
+    DriftScorer(_actor(engine, fresh), 4).score(trajs)
+    ((seqs, _),) = engine.calls
+    assert seqs == [[1, 2] + trajs[i].response_ids for i in (8, 10, 12, 14)]
+    assert all(t.engine_logp == [-7.0, -8.0, -9.0] for t in fresh)
+    assert all(math.isnan(trajs[i].engine_logp[0]) for i in (9, 11, 13, 15))
+    # an equal but distinct object is not fresh (identity, not id reuse or equality)
+    engine, copies = _Engine(), _trajs(2)
+    DriftScorer(_actor(engine, _trajs(2)), 4).score(copies)
+    assert len(engine.calls[0][0]) == 2
+    # all fresh: no prefill at all
+    engine, trajs = _Engine(), _trajs(4)
+    DriftScorer(_actor(engine, trajs), 4).score(trajs)
+    assert engine.calls == [] and all(t.engine_logp == t.rollout_logp for t in trajs)
 
 
 def test_the_scorer_needs_a_sample() -> None:
