@@ -176,7 +176,8 @@ class DriftScorer:
 
     def score(self, trajs: Sequence[Trajectory]) -> None:
         a = self.actor
-        stale = [i for i, t in enumerate(trajs) if a.fresh.get(id(t)) is not t]
+        synced = getattr(a.phases, "weights", "valid") != "stale"  # else no one is fresh
+        stale = [i for i, t in enumerate(trajs) if not synced or a.fresh.get(id(t)) is not t]
         n, fresh = len(stale), set(range(len(trajs))) - set(stale)
         m = min(self.sequences, n)
         picked = {stale[i * n // m] for i in range(m)}
@@ -208,6 +209,8 @@ class HybridActor:
         pad_id: id written in padding positions of training batches.
         phase: "inference" or "training": which layout holds the memory now.
         phases: the `Phases` machine (layout, weights valid/stale/lost, optimizer place).
+        fresh: the trajectories sampled with the engine's current weights (id ->
+            trajectory; emptied by every sync), for the drift scorer.
         offload: the `OptimizerOffload` (train.offload_optimizer), else None.
         rank: this process's rank in the default group.
     """

@@ -68,6 +68,12 @@ def test_fresh_trajectories_join_the_split_with_their_sampling_logprobs() -> Non
     engine, trajs = _Engine(), _trajs(4)
     DriftScorer(_actor(engine, trajs), 4).score(trajs)
     assert engine.calls == [] and all(t.engine_logp == t.rollout_logp for t in trajs)
+    # the trainer stepped since (weights stale, no sync yet): nothing is fresh
+    engine, trajs = _Engine(), _trajs(4)
+    actor = _actor(engine, trajs)
+    actor.phases.weights = "stale"
+    DriftScorer(actor, 4).score(trajs)
+    assert len(engine.calls[0][0]) == 4
 
 
 def test_the_scorer_needs_a_sample() -> None:
