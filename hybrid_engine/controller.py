@@ -12,8 +12,7 @@ stream -- step s starts the batch of step s + k, sampled with the weights of
 step s, and trains on the batch started k steps earlier, so under separate
 placement the rollout ranks generate while the trainer ranks train; burst --
 when no batch is queued, step s samples the batches of steps s .. s + k in one
-pass with its weights (colocated: one engine wake and decode loop for k + 1
-steps). Each trajectory carries the step whose weights sampled it
+pass with its weights (colocated: one generation pass for k + 1 steps). Each trajectory carries the step whose weights sampled it
 (policy_version); its staleness s - policy_version is at most k and reported
 per step. With
 rollout.partial_rollout nothing runs ahead: the policy parks unfinished
@@ -192,7 +191,7 @@ class Controller:
         """Generates and scores prompt groups, in rounds while the algorithm wants
         more (dynamic sampling); returns every trajectory, the round count and
         the engine's seconds on them. max_staleness = k > 0: the first round is
-        the batch started k steps ago, and the batch of step s + k starts now."""
+        the step's batch from the queue (`_queue_ahead` refills it first)."""
         trajs, rounds, want, busy_s = [], 0, self.cfg.train.prompts_per_step, 0.0
         s, k, partial = self.state.step, self._ahead_depth(), self.cfg.rollout.partial_rollout
         while want:

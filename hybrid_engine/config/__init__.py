@@ -173,8 +173,8 @@ class RolloutConfig:
         "sampled with weights up to k optimizer steps old (its staleness, reported per "
         "step). 0 = synchronous (generate, then train on it). With placement=separate and "
         "k >= 1 the rollout ranks generate the next batch while the trainer ranks train "
-        "(step ~ max(generate, train)); colocated, the phases take turns, so one generation "
-        "pass samples the next k + 1 steps' batches (ahead_schedule). k > 0 needs "
+        "(step ~ max(generate, train)); colocated, the phases take turns, so by default one "
+        "generation pass samples the next k + 1 steps' batches (ahead_schedule). k > 0 needs "
         "algorithm.behaviour_logp=rollout or algorithm.tis_cap (the importance correction).",
         ge=0,
     )
@@ -184,9 +184,11 @@ class RolloutConfig:
         "batch of the step k ahead (staleness k from step k on); the schedule that overlaps "
         "under placement=separate. 'burst': when no batch is queued, one generation pass "
         "samples the batches of the next k + 1 steps with the current weights (staleness "
-        "0, 1, .., k): one engine wake, sync and decode loop for k + 1 steps, the colocated "
-        "use of the bound (the device takes turns, so nothing can overlap). 'auto': burst "
-        "colocated, stream separate. Not with partial_rollout (nothing runs ahead).",
+        "0, 1, .., k): one generation pass (one decode loop) for k + 1 steps, the weights "
+        "still synced after every step; the colocated use of the bound (the device takes "
+        "turns, so nothing can overlap; under placement=separate a burst gives up the "
+        "overlap). 'auto': burst colocated, stream separate. Not with partial_rollout "
+        "(nothing runs ahead).",
     )
     partial_rollout: bool = _field(
         False,

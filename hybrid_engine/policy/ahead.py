@@ -137,25 +137,28 @@ def split_burst(trajs: list, seconds: float, batches: int, groups: int,
                 num_samples: int) -> list[Ready]:
     """One burst pass's trajectories (prompt-major, `batches` x `groups` prompts
     of `num_samples` each) as `batches` handles in order, each with group ids
-    0.. as if generated alone; the pass's seconds go to the first (the step
-    that waited for it), 0 to the others."""
+    0.. by position, as if generated alone. The pass's engine seconds are
+    shared in proportion to each batch's sampled tokens (its loss-mask
+    tokens), so each step's tokens per engine second is the pass's."""
     size = groups * num_samples
     if len(trajs) != batches * size:
         raise ValueError(f"a burst of {batches} x {groups} prompts x {num_samples} samples "
                          f"returned {len(trajs)} trajectories")
+    cut = [trajs[b * size:(b + 1) * size] for b in range(batches)]
+    tokens = [sum(sum(t.loss_mask) for t in batch) for batch in cut]
+    total = sum(tokens)
     out = []
-    for b in range(batches):
-        batch = trajs[b * size:(b + 1) * size]
-        for t in batch:
-            t.group_id -= b * groups
-        out.append(Ready(batch, seconds if b == 0 else 0.0))
+    for batch, n in zip(cut, tokens, strict=True):
+        for j, t in enumerate(batch):
+            t.group_id = j // num_samples
+        out.append(Ready(batch, seconds * (n / total if total else 1 / batches)))
     return out
 
 
 def restorable(ahead: list[dict], step: int, k: int, burst: bool) -> bool:
     """Whether a checkpoint's batches ahead (oldest first, each with its
-    "version") fit a run at max_staleness k resuming at `step`: stream holds
-    exactly k; burst holds at most k, none training past the bound."""
-    if not burst:
-        return len(ahead) == k
-    return len(ahead) <= k and all(step + i - b["version"] <= k for i, b in enumerate(ahead))
+    "version") fit a run at max_staleness k resuming at `step`: none may train
+    past the bound; stream holds exactly k, burst at most k (what is left of
+    a pass)."""
+    within = all(step + i - b["version"] <= k for i, b in enumerate(ahead))
+    return within and (len(ahead) <= k if burst else len(ahead) == k)

@@ -166,7 +166,10 @@ class DriftScorer:
     score (a sequence filling max_model_len: its last). A fresh trajectory
     (every token sampled by the engine's current weights: no sync since;
     e.g. a burst's first batch) needs no prefill: its sampling log-probs
-    are the engine's now, so it joins the split whole, with no drift. Called
+    are the engine's now, so it joins the split whole, with no drift
+    (freshness is per object: a batch restored from a checkpoint counts as
+    stale, so after a step that trained nothing a resumed run may prefill
+    what the straight run did not; only the split's metrics differ). Called
     once per sampling round (one per step unless dynamic sampling refills)."""
 
     def __init__(self, actor: HybridActor, sequences: int) -> None:
@@ -176,8 +179,8 @@ class DriftScorer:
 
     def score(self, trajs: Sequence[Trajectory]) -> None:
         a = self.actor
-        synced = getattr(a.phases, "weights", "valid") != "stale"  # else no one is fresh
-        stale = [i for i, t in enumerate(trajs) if not synced or a.fresh.get(id(t)) is not t]
+        changed = getattr(a.phases, "trainer_changed", False)  # then nothing is fresh
+        stale = [i for i, t in enumerate(trajs) if changed or a.fresh.get(id(t)) is not t]
         n, fresh = len(stale), set(range(len(trajs))) - set(stale)
         m = min(self.sequences, n)
         picked = {stale[i * n // m] for i in range(m)}

@@ -94,6 +94,12 @@ class Phases:
         return "stale" if self._trainer_changed else "valid"
 
     @property
+    def trainer_changed(self) -> bool:
+        """Whether the trainer's weights changed since the engine's last sync
+        (whatever the engine holds now: its weights may also be lost)."""
+        return self._trainer_changed
+
+    @property
     def optimizer(self) -> str:
         """Where the optimizer state is: "host" while parked, else "device"."""
         return "host" if self.offload is not None and self.offload.offloaded else "device"

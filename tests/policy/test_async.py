@@ -249,7 +249,12 @@ def test_max_staleness_2_runs_two_batches_ahead(model_dir, reward_file, tmp_path
     rows = [r for r in _rows(burst) if "staleness_max" in r]
     assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 0.0]
     assert [r["staleness/1"] for r in rows] == [0.0, 1.0, 0.0, 0.0]
-    assert [r["generate_busy_s"] > 0 for r in rows] == [True, False, False, True]
+    # the pass runs in steps 1 and 4; steps 2-3 only take their batch from the queue
+    assert all(rows[i]["generate_s"] < 0.1 * min(rows[0]["generate_s"], rows[3]["generate_s"])
+               for i in (1, 2))
+    # the pass's engine seconds shared by tokens: each step's tokens per second is the pass's
+    assert rows[0]["gen_tok_s"] == pytest.approx(rows[1]["gen_tok_s"], rel=1e-6)
+    assert rows[1]["gen_tok_s"] == pytest.approx(rows[2]["gen_tok_s"], rel=1e-6)
     assert [r["samples"] for r in rows] == [16.0] * 4  # 4 prompts x K 4 each step
     from hybrid_engine.checkpoint import step_checkpoints
 
@@ -289,7 +294,9 @@ def _saved(*versions: int) -> dict:
 def test_a_resume_with_another_depth_discards_the_batches_ahead(caplog) -> None:
     """Stream: a checkpoint saved at max_staleness 1 holds one batch ahead; resumed
     at k = 2 the controller must not train it at a staleness past the new bound or
-    the old one: it warns and generates them again (same depth: restored)."""
+    the old one: it warns and generates them again (same depth: restored). A
+    burst's rest of the right count but past the bound (saved at a larger k) is
+    discarded too."""
     import logging
 
     c = _controller(**{"rollout.ahead_schedule": "stream"})
@@ -298,6 +305,8 @@ def test_a_resume_with_another_depth_discards_the_batches_ahead(caplog) -> None:
     assert not c._ahead and "discarded and generated again" in caplog.text
     c.load_state_dict(_saved(3, 4))
     assert [v for v, _ in c._ahead] == [3, 4]
+    c.load_state_dict(_saved(2, 2))  # step 5 would train the second at staleness 3
+    assert not c._ahead
 
 
 @pytest.mark.parametrize(("versions", "kept"), [
@@ -315,17 +324,20 @@ def test_a_burst_resume_keeps_the_batches_within_the_bound(caplog, versions, kep
     assert [v for v, _ in c._ahead] == (list(versions) if kept else [])
 
 
-def test_split_burst_gives_each_batch_its_groups_and_the_first_the_seconds() -> None:
+def test_split_burst_gives_each_batch_its_groups_and_its_share_of_the_seconds() -> None:
     from hybrid_engine.policy.ahead import split_burst
 
-    trajs = [Trajectory(prompt_ids=[p], response_ids=[j], rollout_logp=[-1.0], group_id=p)
-             for p in range(6) for j in range(2)]  # 3 batches x 2 prompts x K 2
-    handles = split_burst(trajs, 1.5, 3, 2, 2)
+    # 3 batches x 2 prompts x K 2; prompt p's completions have p + 1 tokens; the env's
+    # group ids are ignored (99): a batch's groups are its prompts, by position
+    trajs = [Trajectory(prompt_ids=[p], response_ids=[j] * (p + 1), rollout_logp=[-1.0] * (p + 1),
+                        group_id=99) for p in range(6) for j in range(2)]
+    handles = split_burst(trajs, 4.2, 3, 2, 2)
     batches = [h.result() for h in handles]
     assert [[t.prompt_ids[0] for t in b] for b, _ in batches] == [[0, 0, 1, 1], [2, 2, 3, 3],
                                                                   [4, 4, 5, 5]]
     assert all([t.group_id for t in b] == [0, 0, 1, 1] for b, _ in batches)
-    assert [sec for _, sec in batches] == [1.5, 0.0, 0.0]
+    # 6, 14 and 22 of the pass's 42 tokens: every step's tokens per second is the pass's
+    assert [sec for _, sec in batches] == pytest.approx([0.6, 1.4, 2.2])
     with pytest.raises(ValueError, match="returned 11"):
         split_burst(trajs[:11], 1.0, 3, 2, 2)
 
@@ -342,3 +354,115 @@ def test_ahead_schedule_auto_bursts_colocated_and_streams_separate() -> None:
         apply_overrides(RunConfig(), {**base, "rollout.partial_rollout": True,
                                       "rollout.step_token_budget": 64,
                                       "rollout.ahead_schedule": "burst"})
+
+
+# --- the controller's schedules, with recording fakes (no engine) --------------------
+
+
+class _Env:
+    """Prompts [n] from a counter (checkpointed); the reward is the prompt's parity."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def sample_prompts(self, n: int) -> list[list[int]]:
+        self.next += n
+        return [[p] for p in range(self.next - n, self.next)]
+
+    def score(self, trajs) -> None:  # noqa: ANN001
+        for t in trajs:
+            t.reward = float(t.prompt_ids[0] % 2)
+
+    def state_dict(self) -> dict:
+        return {"next": self.next}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.next = d["next"]
+
+
+class _Policy:
+    """Records each generation pass (its prompts, seed and the weights' version);
+    K samples per prompt, prompt-major, with the env's group ids left at 0."""
+
+    def __init__(self) -> None:
+        self.version, self.passes = 0, []
+
+    def collect_async(self, env, prompts, *, num_samples, seed):  # noqa: ANN001, ANN201
+        from hybrid_engine.policy.ahead import Ready
+
+        self.passes.append(([p[0] for p in prompts], seed, self.version))
+        trajs = [Trajectory(prompt_ids=list(p), response_ids=[seed % 97] * (1 + p[0] % 3),
+                            rollout_logp=[-1.0] * (1 + p[0] % 3))
+                 for p in prompts for _ in range(num_samples)]
+        return Ready(trajs, 0.5)
+
+    def train_step(self, trajs, loss_fn=None) -> dict:  # noqa: ANN001
+        self.version += 1
+        return {}
+
+    def sync_weights(self) -> dict:
+        return {}
+
+
+class _Algorithm:
+    """Wants one refill round of 1 prompt after a first round holding a prompt that
+    ends in 6 (dynamic sampling; here steps 2 and 5)."""
+
+    def compute_advantages(self, trajs) -> dict:  # noqa: ANN001
+        return {}
+
+    def prompts_wanted(self, trajs, rounds: int) -> int:  # noqa: ANN001
+        return int(rounds == 1 and any(t.prompt_ids[0] % 10 == 6 for t in trajs))
+
+    def select(self, trajs):  # noqa: ANN001, ANN201
+        return trajs
+
+    compute_loss = None
+
+
+def _fake_run(schedule: str, steps: int, state: dict | None = None):  # noqa: ANN202
+    from hybrid_engine.controller import Controller
+
+    cfg = apply_overrides(RunConfig(), {
+        "rollout.max_staleness": 2, "algorithm.behaviour_logp": "rollout",
+        "rollout.ahead_schedule": schedule, "rollout.num_samples_per_prompt": 2,
+        "train.prompts_per_step": 3, "train.num_steps": steps, "eval_every": 0,
+        "checkpoint_every": 0})
+    policy, rows = _Policy(), []
+    c = Controller(policy, _Env(), _Algorithm(), cfg, on_metrics=lambda s, m: rows.append(m))
+    if state is not None:
+        c.load_state_dict(state)
+        policy.version = state["step"]
+    c.run(handle_signals=False)
+    return c, policy, rows
+
+
+def test_burst_samples_k_plus_1_batches_per_pass_and_resumes_mid_burst() -> None:
+    """k = 2, 3 prompts x K 2 per step: a pass of 9 prompts at steps 0 and 3 (each
+    step's prompts in order, the step's seed), staleness 0, 1, 2, 0, ...; a refill
+    round runs at once with the current weights; a resume from the controller's
+    state after step 4 (one batch left of the second pass) repeats steps 5-6."""
+    c, policy, rows = _fake_run("burst", 7)
+    passes = [(len(p), seed % 1_000_003, v) for p, seed, v in policy.passes]
+    # bursts at steps 0, 3, 6 (9 prompts); refills of 1 prompt at steps 2 and 5
+    assert [(n, v) for n, _, v in passes] == [(9, 0), (1, 2), (9, 3), (1, 5), (9, 6)]
+    assert policy.passes[0][0] == list(range(9))  # steps 0-2's prompts, in order
+    assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0, 0.0]
+    assert [r["samples"] for r in rows] == [6, 6, 8, 6, 6, 8, 6]  # + the refill's 2
+    assert all(r["gen_tok_s"] < 1e6 for r in rows)  # every batch has its share of seconds
+    # state after step 4, as a checkpoint holds it, then a resumed run to step 7
+    c5, _, _ = _fake_run("burst", 5)
+    state = json.loads(json.dumps({**c5.state_dict(), "ahead": c5._ahead_state()}))
+    assert [b["version"] for b in state["ahead"]] == [3]
+    _, resumed_policy, resumed = _fake_run("burst", 7, state)
+    assert [_stable(r) for r in resumed[-2:]] == [_stable(r) for r in rows[-2:]]
+    assert resumed_policy.passes[-1][0] == policy.passes[-1][0]  # the same prompts
+
+
+def test_stream_starts_one_batch_per_step_k_ahead() -> None:
+    """Stream, k = 2: steps 0-2's batches at step 0, then one batch per step for the
+    step 2 ahead (with that step's weights); the refill at step 2 at once."""
+    _, policy, rows = _fake_run("stream", 5)
+    assert [(len(p), v) for p, _, v in policy.passes] == [
+        (3, 0), (3, 0), (3, 0), (3, 1), (3, 2), (1, 2), (3, 3), (3, 4)]
+    assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0, 2.0]

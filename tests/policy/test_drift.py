@@ -71,7 +71,7 @@ def test_fresh_trajectories_join_the_split_with_their_sampling_logprobs() -> Non
     # the trainer stepped since (weights stale, no sync yet): nothing is fresh
     engine, trajs = _Engine(), _trajs(4)
     actor = _actor(engine, trajs)
-    actor.phases.weights = "stale"
+    actor.phases.trainer_changed = True
     DriftScorer(actor, 4).score(trajs)
     assert len(engine.calls[0][0]) == 4
 
