@@ -173,7 +173,7 @@ def _rank_job(args: argparse.Namespace) -> None:
         from hybrid_engine.policy.colocated import HybridActor, completions_to_trajectories
 
         actor = HybridActor.from_pretrained(model_dir, overrides=overrides)
-        rollout, generate = actor.rollout, actor.generate
+        rollout, generate, shutdown = actor.rollout, actor.generate, actor.shutdown
         # The real colocated state: generate, train (the KV cache is released,
         # gradients and optimizer state are allocated), then back to inference
         # (the KV cache is regrown and committed, the stale weights are synced
@@ -194,6 +194,7 @@ def _rank_job(args: argparse.Namespace) -> None:
 
         cfg = apply_overrides(RunConfig(), {**overrides, "model.path": model_dir})
         rollout = VLLMRollout(model_dir, cfg.rollout, dtype=cfg.model.rollout_dtype)
+        shutdown = rollout.shutdown
         generate = rollout.generate
     setup["setup_s"] = time.perf_counter() - t_setup
     prompts = _prompts(rollout.tokenizer, args)
@@ -238,7 +239,12 @@ def _rank_job(args: argparse.Namespace) -> None:
             "rss_max_bytes": int(rss.item()), "torch_threads": torch.get_num_threads(),
             "kv_bytes_given": args.kv_bytes, **_engine_kv(rollout), **setup,
         }), flush=True)
-    rollout.shutdown()
+    # The whole actor (watchdog, engine), then the group: a process that exits with
+    # them alive can abort in teardown ("terminate called without an active
+    # exception", seen once in CI after the result line was printed).
+    shutdown()
+    if dist.is_initialized():  # vLLM's teardown may have destroyed it already
+        dist.destroy_process_group()
 
 
 def _signal(args: argparse.Namespace, rank: int, what: str) -> None:
