@@ -12,9 +12,9 @@ stream -- step s starts the batch of step s + k, sampled with the weights of
 step s, and trains on the batch started k steps earlier, so under separate
 placement the rollout ranks generate while the trainer ranks train; burst --
 when no batch is queued, step s samples the batches of steps s .. s + k in one
-pass with its weights (colocated: one generation pass for k + 1 steps). Each trajectory carries the step whose weights sampled it
-(policy_version); its staleness s - policy_version is at most k and reported
-per step. With
+pass with its weights (colocated: one generation pass for k + 1 steps).
+Each trajectory carries the step whose weights sampled it (policy_version);
+its staleness s - policy_version is at most k and reported per step. With
 rollout.partial_rollout nothing runs ahead: the policy parks unfinished
 sequences between steps (`rollout/partial.py`), so the controller passes the
 step as the weights' version and the policy stamps each trajectory with its
@@ -167,7 +167,8 @@ class Controller:
     def _queue_ahead(self, step: int, want: int, k: int) -> None:
         """Queues the batches of steps step .. step + k not yet started (stream), or,
         when none is queued, samples all k + 1 in one pass (burst): each batch gets
-        its own prompts and group ids 0.., the pass's seconds go to the first."""
+        its own prompts and group ids 0.., and a token-weighted share of the pass's
+        engine seconds (`split_burst`)."""
         while not self.cfg.ahead_burst() and len(self._ahead) <= k:
             self._ahead.append(self._submit(step + len(self._ahead), want, 0))
         if not self._ahead:

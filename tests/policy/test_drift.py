@@ -97,3 +97,19 @@ def test_the_actor_builds_the_scorer_from_the_config(overrides, scores) -> None:
     holder = SimpleNamespace(cfg=apply_overrides(RunConfig(), overrides))
     scorer = HybridActor.drift_scorer(holder)
     assert (scorer and scorer.sequences) == scores
+
+
+def test_only_trajectories_wholly_of_the_current_weights_count_as_fresh() -> None:
+    """Partial rollouts: a continued sample (a parked prefix of version 2) or a parked
+    finished group of version 2 is stale at version 3; plain collect: all fresh."""
+    from hybrid_engine.policy.colocated import HybridActor
+
+    holder = SimpleNamespace(fresh={})
+    trajs = _trajs(3)
+    for t, versions in zip(trajs, ([3, 3, 3], [2, 3, 3], [2, 2, 2]), strict=True):
+        t.info["token_versions"] = versions
+    assert HybridActor._sampled_now(holder, trajs, 3) is trajs
+    assert list(holder.fresh.values()) == [trajs[0]]
+    plain = _trajs(2)
+    HybridActor._sampled_now(holder, plain, None)
+    assert [t for t in holder.fresh.values()] == [trajs[0], *plain]
