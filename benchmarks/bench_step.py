@@ -507,10 +507,16 @@ def _staleness_summary(timed: list[list[dict]], k: int) -> dict:
     """Staleness over all timed steps: the mean, the max, and the share of the
     samples at each staleness 0..k (per-step shares averaged over the steps)."""
     rows = [r for job in timed for r in job]
-    return {"staleness_mean": sum(r["staleness_mean"] for r in rows) / len(rows),
-            "staleness_max": max(r["staleness_max"] for r in rows),
-            "staleness_dist": {d: sum(r.get(f"staleness/{d}", 0.0) for r in rows) / len(rows)
-                               for d in range(k + 1)}}
+    out = {"staleness_mean": sum(r["staleness_mean"] for r in rows) / len(rows),
+           "staleness_max": max(r["staleness_max"] for r in rows),
+           "staleness_dist": {d: sum(r.get(f"staleness/{d}", 0.0) for r in rows) / len(rows)
+                              for d in range(k + 1)}}
+    if any("sync_inflight" in r for r in rows):  # rollout.inflight_updates
+        out["staleness_token_mean"] = sum(r.get("staleness_token_mean", r["staleness_mean"])
+                                          for r in rows) / len(rows)
+        synced = [r["sync_inflight"] for r in rows if "sync_inflight" in r]
+        out["installs_inflight"] = sum(synced) / len(synced)
+    return out
 
 
 def _partial_stats(timed: list[list[dict]], rollout: dict) -> dict:
@@ -575,12 +581,13 @@ def _ahead_table(rows: list[dict]) -> str:
     def key(r: dict) -> tuple:
         return (r["preset"], r["world_size"], r["placement"],
                 tuple(o for o in r.get("overrides", []) if not o.startswith(
-                    ("rollout.max_staleness=", "algorithm.behaviour_logp="))))
+                    ("rollout.max_staleness=", "algorithm.behaviour_logp=",
+                     "rollout.inflight_updates="))))
 
     sync = {key(r): r for r in rows if not r.get("max_staleness")}
     head = ("| config | k | step s (IQR) | train s | generate busy s (wait) | "
             "max(train, generate) s | step / max: median [q1, q3] | staleness mean (share "
-            "at 0..k) | step / synchronous step |")
+            "at 0..k) | token staleness mean (installs in flight) | step / synchronous step |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if not r.get("max_staleness"):
@@ -595,11 +602,14 @@ def _ahead_table(rows: list[dict]) -> str:
                      f"{r['step_over_synchronous_ci'][1]:.2f}]"
         b = r["step_over_bound"]
         dist = " / ".join(f"{v:.2f}" for v in r["staleness_dist"].values())
+        tok = (f"{r['staleness_token_mean']:.2f} ({r['installs_inflight']:.0%})"
+               if "installs_inflight" in r else "-")
         lines.append(
             f"| {r['config_name']} | {r['max_staleness']} | {r['step_s']:.3f} "
             f"({r['step_s_iqr']:.3f}) | {r['train_s']:.3f} | {r['generate_busy_s']:.3f} "
             f"({r['generate_s']:.3f}) | {r['overlap_bound_s']:.3f} | {b['median']:.3f} "
-            f"[{b['q1']:.3f}, {b['q3']:.3f}] | {r['staleness_mean']:.2f} ({dist}) | {ratio} |")
+            f"[{b['q1']:.3f}, {b['q3']:.3f}] | {r['staleness_mean']:.2f} ({dist}) | {tok} "
+            f"| {ratio} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -775,7 +785,10 @@ def main(argv=None) -> None:
         ahead = ("\n\nGeneration ahead of training (rollout.max_staleness = k): generate busy "
                  "= the engine's seconds on the step's batch (wait: what the step waited for "
                  "it); the bound is the slower side, per step; staleness = step - the version "
-                 f"of the weights that sampled each sample.\n\n{ahead}")
+                 "of the weights that sampled each sample; token staleness (in-flight "
+                 "updates) = step - the version of the weights that sampled each token, and "
+                 "installs in flight = the share of syncs installed between two engine steps "
+                 f"of a running batch.\n\n{ahead}")
     partial = _partial_table(rows)
     if partial:
         print(partial)

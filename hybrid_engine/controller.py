@@ -55,7 +55,7 @@ from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.metrics import PhaseTimer, staleness_metrics, trajectory_metrics
 from hybrid_engine.parallel import signals
 from hybrid_engine.policy.ahead import Ready, restorable, split_burst
-from hybrid_engine.trajectory import trajectory_from_json, trajectory_to_json
+from hybrid_engine.trajectory import stamp_version, trajectory_from_json, trajectory_to_json
 
 __all__ = ["Controller", "Checkpointer", "any_rank"]
 
@@ -211,8 +211,7 @@ class Controller:
                     new, seconds = handle.result()
                     busy_s += seconds
             if not partial:  # partial rollouts set it per trajectory (its oldest token's)
-                for t in new:
-                    t.policy_version = version
+                stamp_version(new, version)
             with timer.phase("score"):
                 self.env.score(new)
                 for scorer in self.scorers:

@@ -61,6 +61,11 @@ class Trajectory:
             of RL steps trained before them (its staleness at step s is
             s - policy_version; `rollout.max_staleness` bounds it).
         info: free-form metadata; always has "degenerate" (bool, default False).
+            "token_versions" (R ints): the version that sampled each response
+            token, when they differ within a sequence (partial rollouts'
+            parked prefixes; in-flight weight updates). "installs" (R ints,
+            until `stamp_version`): weight installs since the batch began,
+            per token (in-flight updates).
     """
 
     prompt_ids: list[int]
@@ -102,6 +107,17 @@ class Trajectory:
     def num_tokens(self) -> int:
         """Prompt plus response length."""
         return len(self.prompt_ids) + len(self.response_ids)
+
+
+def stamp_version(trajs: Sequence[Trajectory], version: int) -> None:
+    """Sets each trajectory's policy_version to the version of the weights its batch
+    started with; an in-flight batch's per-token install counts ("installs") become
+    per-token versions (version + installs)."""
+    for t in trajs:
+        t.policy_version = version
+        installs = t.info.pop("installs", None)
+        if installs is not None:
+            t.info["token_versions"] = [version + i for i in installs]
 
 
 def trajectory_to_json(t: Trajectory) -> dict[str, Any]:

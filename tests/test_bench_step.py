@@ -141,6 +141,18 @@ def test_ahead_stats_bound_staleness_and_ratio_to_the_synchronous_config() -> No
     assert "| p:2:separate+rollout.max_staleness=1 | 1 | 3.000 (0.000) |" in table
     assert "0.60 (5.000 s)" in table
     assert bench_step._ahead_table([base]) == ""
+    # rollout.inflight_updates: token staleness and the share of syncs installed in flight;
+    # its baseline is still the synchronous config
+    inflight = [[first, {**step, "sync_inflight": 0.0},
+                 {**step, "sync_inflight": 1.0, "staleness_token_mean": 0.5},
+                 {**step, "sync_inflight": 1.0, "staleness_token_mean": 0.7}]]
+    st = bench_step._ahead_stats(inflight, 1)
+    assert st["installs_inflight"] == pytest.approx(2 / 3)
+    assert st["staleness_token_mean"] == pytest.approx((0 + 1 + 0.5 + 0.7) / 4)
+    fly = {**ahead, **st, "overrides": [*ahead["overrides"], "rollout.inflight_updates=true"],
+           "config_name": "fly"}
+    table = bench_step._ahead_table([base, ahead, fly])
+    assert "| 0.55 (67%) | 0.60 (5.000 s)" in table and "| - | 0.60 (5.000 s)" in table
 
 
 def test_partial_stats_and_table_compare_with_the_config_without_them() -> None:

@@ -212,6 +212,16 @@ class RolloutConfig:
         "max_staleness steps after it was sampled is restarted from its prompt with the "
         "current weights ('regenerate') or discarded ('drop').",
     )
+    inflight_updates: bool = _field(
+        False,
+        "placement=separate with max_staleness >= 1: a sync's weights are installed between "
+        "two engine steps of the batch being sampled (its running requests are preempted and "
+        "their KV recomputed with the new weights) instead of after the batch; each token "
+        "records the version that sampled it (info['token_versions']; a trajectory's "
+        "policy_version is its first token's). Needs sync.method=reshard without verify (the "
+        "sync runs behind) and a single-turn environment. Runs then depend on timing (where "
+        "an install lands): a resume does not repeat the straight run's samples.",
+    )
     emulate_gpu_sleep: bool = _field(
         False,
         "CPU only (tests): make release_memory lose the weights as GPU sleep level 2 does -- "
@@ -592,6 +602,18 @@ class RunConfig:
                 raise ValueError("rollout.partial_rollout=true needs rollout.step_token_budget > 0 "
                                  "(with no budget a step waits for every group it started and "
                                  "nothing is ever parked)")
+
+        if r.inflight_updates:
+            if self.placement != "separate" or not r.max_staleness:
+                raise ValueError("rollout.inflight_updates=true needs placement=separate and "
+                                 "rollout.max_staleness >= 1 (weights installed while the rollout "
+                                 "ranks sample ahead of the trainer)")
+            if self.ahead_burst():
+                raise ValueError("rollout.inflight_updates=true needs rollout.ahead_schedule="
+                                 "stream or auto (a burst does not overlap the trainer)")
+            if self.sync.method != "reshard" or self.sync.verify:
+                raise ValueError("rollout.inflight_updates=true needs sync.method=reshard with "
+                                 "sync.verify=false: only that sync runs behind the next step")
 
     def ahead_burst(self) -> bool:
         """Whether generation ahead samples k + 1 steps' batches per pass

@@ -21,13 +21,15 @@ metrics, the weight transfer into the back buffer) in the same order as every
 other rank. Torch and vLLM's kernels release the GIL, so the two threads
 overlap their compute-bound parts; one job runs at a time.
 
-Invariant: the engine is used by one thread at a time, and every batch is
-sampled with the weights of one version: those of the step that submitted
-it. A synchronous generate on the main thread first drains the generation
-thread; a weight install waits for the batches submitted before its sync
-began (`SerialWorker.pending()`), and a batch submitted after a sync
-began waits on the generation thread for that sync to be installed
-(`policy/separate.py`).
+Invariant: the engine is used by one thread at a time, and every batch
+starts with the weights of the step that submitted it. A synchronous
+generate on the main thread first drains the generation thread; a batch
+submitted after a sync began waits on the generation thread for that sync to
+be installed (`policy/separate.py`); a weight install waits for the batches
+submitted before its sync began (`SerialWorker.pending()`), so each batch is
+sampled with one version -- unless `rollout.inflight_updates` lets the
+install land between two engine steps of the running batch
+(`policy/inflight.py`), whose later tokens then carry the newer version.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ its whole TP shard, cast to the rollout dtype in the pack kernel).
                          (trains, syncs: the overlap); `result()` broadcasts it
                          (`policy.ahead`). The sync lands in the engine's back
                          buffers while a generation runs and is installed
-                         between batches, never inside one
+                         between batches, or, with rollout.inflight_updates,
+                         between two engine steps of the running batch
+                         (`policy.inflight.InstallGate`, agreed by the TP group)
     train_step           trainer ranks step; metrics broadcast from rank 0
     sync_weights         trainer ranks send, rollout ranks receive and re-pack
     trainer_side(role)   a reference or critic: built on the trainer ranks,
@@ -43,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_engine.policy.ahead import Inflight, SerialWorker, timed
+from hybrid_engine.policy.inflight import InstallGate
 from hybrid_engine.policy.colocated import greedy_sampling, policy_train, train_batch
 from hybrid_engine.algorithms.losses import LossFn
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
@@ -219,6 +222,10 @@ class SeparatePolicy:
         self._gen = SerialWorker("generation")
         if self.rollout is not None:
             self.rollout.double_buffer = cfg.rollout.max_staleness > 0
+        # rollout.inflight_updates: the sync's install lands between two engine steps
+        # of the batch being sampled (agreed by the TP group), not after it.
+        self._gate = (InstallGate(self.rollout.tp_all) if self.rollout is not None
+                      and cfg.rollout.inflight_updates else None)
         # The sync behind the next step (generation ahead): its thread, and the
         # metrics of the last one joined (reported by the next sync_weights).
         self._sync_thread = SerialWorker("sync")
@@ -272,8 +279,11 @@ class SeparatePolicy:
         generation thread, with the weights the trainer has now (syncs first if
         they changed); returns at once. `result()` (collective) waits and
         returns (trajectories, generate seconds) on every rank."""
-        from hybrid_engine.rollout.episodes import collect
+        from hybrid_engine.rollout.episodes import MultiTurnEnvironment, collect
 
+        if self._gate is not None and isinstance(env, MultiTurnEnvironment):
+            raise ValueError("rollout.inflight_updates=true needs a single-turn environment "
+                             f"({type(env).__name__} is multi-turn)")
         if self._stale:
             self.sync_weights()
         future = None
@@ -283,8 +293,14 @@ class SeparatePolicy:
             def job() -> tuple[list[Trajectory], float]:
                 if sync is not None:  # installed first: this batch samples this step's weights
                     sync.result()
-                return timed(lambda: collect(self._local, env, ids, num_samples=num_samples,
-                                             seed=seed))
+                # in-flight updates: the engine offers every step boundary to the gate
+                gate = self._gate
+                self.rollout.between_steps = None if gate is None else gate.between_steps
+                try:
+                    return timed(lambda: collect(self._local, env, ids, num_samples=num_samples,
+                                                 seed=seed))
+                finally:
+                    self.rollout.between_steps = None
 
             future = self._gen.submit(job)
         return Inflight(future, lambda obj: _from_rank(self.num_trainers, obj))
@@ -342,8 +358,11 @@ class SeparatePolicy:
             for f in sampling:
                 f.exception()
 
+        gate = self._gate  # in-flight: installed inside the running batch if it can be
+        install = None if gate is None else lambda commit: gate.hand_over(commit, sampling)
         self._sync_job = self._sync_thread.submit(
-            lambda: self.syncer.sync(model, self.rollout, before_install=after_them))
+            lambda: self.syncer.sync(model, self.rollout, before_install=after_them,
+                                     install=install))
         return {**(prev or {}), "sync_behind": 1.0}
 
     def _join_sync(self) -> None:

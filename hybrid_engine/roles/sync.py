@@ -138,7 +138,9 @@ class WeightSync:
         return out
 
     def sync(self, model: torch.nn.Module | None, rollout: VLLMRollout | None, *,
-             before_install: Callable[[], None] | None = None) -> dict[str, float]:
+             before_install: Callable[[], None] | None = None,
+             install: Callable[[Callable[..., float]], tuple[float, bool]] | None = None,
+             ) -> dict[str, float]:
         """Writes model's current weights into rollout; returns timing/bytes metrics.
 
         Collective over the plan's world. Separate placement: model is None on
@@ -150,6 +152,11 @@ class WeightSync:
             lands in back buffers first, so it overlaps a running generation and
             only the install waits; sync.method='naive' loads into the live
             weights, so it waits before the transfer.
+        install: rollout.inflight_updates (reshard only): runs the engine's
+            commit_weights where it must land (`policy.inflight.InstallGate.
+            hand_over`: between two engine steps of a running batch, or after
+            the batches); returns (re-pack seconds, whether it landed inside a
+            batch: the sync_inflight metric). Replaces before_install.
         """
         t0 = time.perf_counter()
         if self.cfg.method == "naive":
@@ -185,12 +192,18 @@ class WeightSync:
 
         stats = self.executor.run(self._sources(model), targets, on_group=done)
         repack_s = wait_s = 0.0
+        inflight: dict[str, float] = {}
         if rollout is not None:
-            if before_install is not None:
-                t_wait = time.perf_counter()
-                before_install()
+            t_wait = time.perf_counter()
+            if install is not None:
+                repack_s, landed = install(rollout.commit_weights)
+                wait_s, inflight = time.perf_counter() - t_wait - repack_s, {
+                    "sync_inflight": float(landed)}
+            else:
+                if before_install is not None:
+                    before_install()
                 wait_s = time.perf_counter() - t_wait
-            repack_s = rollout.commit_weights()
+                repack_s = rollout.commit_weights()
             rollout.mark_weights_written()
         return {
             "sync_s": time.perf_counter() - t0, "sync_transfer_s": stats.total_s,
@@ -199,7 +212,7 @@ class WeightSync:
             "sync_local_s": stats.local_s, "sync_pack_s": stats.pack_s,
             "sync_exchange_s": stats.exchange_s, "sync_unpack_s": stats.unpack_s,
             "sync_staging_bytes": float(rollout.staging_bytes if rollout is not None else 0),
-            "sync_install_wait_s": wait_s,
+            "sync_install_wait_s": wait_s, **inflight,
         }
 
     def _sync_naive(self, model: torch.nn.Module | None, rollout: VLLMRollout | None,

@@ -52,12 +52,16 @@ class Completions:
         logprobs: per completion, the logprob of each sampled token under the
             sampling distribution (temperature applied).
         num_samples: K.
+        installs: per completion, per token, how many weight installs happened
+            in this call before the token was sampled (rollout.inflight_updates;
+            None when the call ran without an install hook).
     """
 
     prompt_ids: list[list[int]]
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     num_samples: int
+    installs: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -147,11 +151,14 @@ class VLLMRollout:
         # back buffers (a second copy), installed only by commit_weights(), so a
         # generation running meanwhile never reads half-written weights.
         self.double_buffer = False
+        # rollout.inflight_updates: called after every engine step of a generation;
+        # installs pending weights there and returns True (see _step_loop).
+        self.between_steps: Callable[[], bool] | None = None
         self._back: dict[str, torch.Tensor] = {}
         self._repack_s = 0.0
         self._max_prompt_len = cfg.max_model_len - cfg.max_tokens
         self.num_truncated = 0
-        self._request_serial = 0  # sample_until's request ids are unique per engine
+        self._request_serial = 0  # hand-driven request ids are unique per engine
 
     def prompt_ids(self, prompts: Sequence[str | Sequence[int]],
                     max_tokens: Sequence[int] | None = None) -> list[list[int]]:
@@ -227,7 +234,7 @@ class VLLMRollout:
         replica, num_replicas = self.replica()
         bounds = [len(prompt_ids) * i // num_replicas for i in range(num_replicas + 1)]
         mine = range(bounds[replica], bounds[replica + 1])
-        token_ids, logprobs = self._sample(
+        token_ids, logprobs, installs = self._sample(
             [prompt_ids[p] for p in mine], list(mine), k, seed, stop=stop,
             include_stop_str=include_stop_str,
             max_tokens=None if limits is None else [limits[p] for p in mine],
@@ -235,17 +242,29 @@ class VLLMRollout:
         if num_replicas > 1:  # every replica's results, as tensors (no pickling)
             from hybrid_engine.parallel.dist import all_gather_ragged
 
-            ids = all_gather_ragged([torch.tensor(t, dtype=torch.int64) for t in token_ids],
-                                    self.group)
-            lps = all_gather_ragged([torch.tensor(lp, dtype=torch.float64) for lp in logprobs],
-                                    self.group)
-            tp = self.cfg.tensor_parallel_size
-            token_ids = [t.tolist() for r in range(num_replicas) for t in ids[r * tp]]
-            logprobs = [lp.tolist() for r in range(num_replicas) for lp in lps[r * tp]]
+            def gather(rows: list[list], dtype: torch.dtype) -> list[list]:
+                out = all_gather_ragged([torch.tensor(x, dtype=dtype) for x in rows], self.group)
+                tp = self.cfg.tensor_parallel_size
+                return [x.tolist() for r in range(num_replicas) for x in out[r * tp]]
+
+            token_ids, logprobs = gather(token_ids, torch.int64), gather(logprobs, torch.float64)
+            installs = None if installs is None else gather(installs, torch.int64)
         if any(math.isnan(x) for lps in logprobs for x in lps):
             raise RuntimeError("sampled tokens have NaN log-probs: vLLM's weights are not valid "
                                "(discarded by a release and never rewritten?)")
-        return Completions(prompt_ids, token_ids, logprobs, k)
+        return Completions(prompt_ids, token_ids, logprobs, k, installs)
+
+    def tp_all(self, flag: bool) -> bool:
+        """Whether flag holds on every rank of this engine's TP group (an all-reduce
+        MIN over vLLM's TP CPU group; collective over the group; flag itself at
+        TP = 1)."""
+        if self.cfg.tensor_parallel_size == 1:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=vllm_compat.tp_cpu_group())
+        return bool(t.item())
 
     def replica(self) -> tuple[int, int]:
         """(this rank's replica, number of replicas): TP groups are contiguous ranks
@@ -262,9 +281,10 @@ class VLLMRollout:
     def _sample(self, prompt_ids: list[list[int]], indices: list[int], k: int,
                 seed: int, *, stop: Sequence[str] | None = None,
                 include_stop_str: bool = False, max_tokens: Sequence[int] | None = None,
-                ) -> tuple[list[list[int]], list[list[float]]]:
+                ) -> tuple[list[list[int]], list[list[float]], list[list[int]] | None]:
         """Samples this replica's share; stop / include_stop_str / max_tokens
-        (one per prompt) as in `generate`.
+        (one per prompt) as in `generate`. Returns token ids, log-probs and,
+        with an install hook (`between_steps`), each token's install count.
 
         Stop strings on vLLM 0.32 (measured, tests/rollout/test_episodes.py): a
         completion ended by a stop string has token_ids (and logprobs) through
@@ -292,13 +312,45 @@ class VLLMRollout:
                     # detokenize every sampled token twice (text, log-prob entry).
                     detokenize=stop_strs is not None,
                 ))
+        if self.between_steps is not None:
+            return self._step_loop(requests, params)
         outs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
         token_ids, logprobs = [], []
         for out in outs:
             comp = out.outputs[0]
             token_ids.append(list(comp.token_ids))
             logprobs.append([lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)])
-        return token_ids, logprobs
+        return token_ids, logprobs, None
+
+    def _step_loop(self, requests: list, params: list,
+                   ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        """`LLM.generate`'s loop run by hand (rollout.inflight_updates): after every
+        engine step `between_steps()` may install new weights (it returns True when
+        it did); the tokens sampled after an install count one more. Same requests,
+        seeds and scheduling as `LLM.generate`, so the same tokens without installs."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = vllm_compat.engine_loop(self.llm)
+        ids = [f"inflight-{self._request_serial}-{i}" for i in range(len(requests))]
+        self._request_serial += 1
+        for rid, request, p in zip(ids, requests, params, strict=True):
+            p.output_kind = RequestOutputKind.DELTA
+            engine.add_request(rid, request, p)
+        index = {rid: i for i, rid in enumerate(ids)}
+        tokens: list[list[int]] = [[] for _ in ids]
+        logps: list[list[float]] = [[] for _ in ids]
+        installs: list[list[int]] = [[] for _ in ids]
+        done = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                i, comp = index[out.request_id], out.outputs[0]
+                tokens[i] += comp.token_ids
+                logps[i] += [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs,
+                                                            strict=True)]
+                installs[i] += [done] * len(comp.token_ids)
+            if engine.has_unfinished_requests() and self.between_steps():
+                done += 1
+        return tokens, logps, installs
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
         """The engine's log-prob of every token of each sequence from `starts[i]` on,
@@ -484,14 +536,23 @@ class VLLMRollout:
         self._repack_s += dt
         return dt
 
-    def commit_weights(self) -> float:
+    def commit_weights(self, *, running: bool = False) -> float:
         """Finishes a sync: installs anything still staged, refreshes the packed
         copies the backend keeps (CPU: vocab-parallel lm_head, and embed_tokens
         when tied), resets the prefix cache. Returns the seconds spent
-        re-packing during this sync."""
+        re-packing during this sync.
+
+        running: the install lands between two engine steps of a generation
+            (rollout.inflight_updates): the running requests are preempted too
+            (vLLM's reset_prefix_cache(reset_running_requests=True)), so their
+            KV, computed with the old weights, is recomputed with the new ones
+            (prompt and tokens so far) when they are scheduled again."""
         self.install_staged(final=True)
         self._repack_s += self.backend.refresh_packed(self._model())
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        # cached KV was computed with the old weights
+        if not self.llm.reset_prefix_cache(reset_running_requests=running):
+            _log.warning("vLLM did not reset its prefix cache after a weight install: "
+                         "requests still hold KV blocks (computed with the old weights)")
         repack_s, self._repack_s = self._repack_s, 0.0
         return repack_s
 

@@ -174,6 +174,9 @@ def collect(
             )
             for i, (tokens, logp) in enumerate(zip(out.token_ids, out.logprobs, strict=True))
         ]
+        if getattr(out, "installs", None) is not None:  # in-flight weight updates
+            for t, installs in zip(trajs, out.installs, strict=True):
+                t.info["installs"] = list(installs)
     for t in trajs:  # truncated to fit max_model_len: the reward still needs the whole prompt
         if len(t.prompt_ids) < len(prompt_ids[t.group_id]):
             t.info["source_prompt_ids"] = list(prompt_ids[t.group_id])

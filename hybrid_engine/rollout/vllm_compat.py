@@ -137,6 +137,14 @@ def restrict_world(ranks: list[int]) -> Callable[[], None]:
     return undo
 
 
+def tp_cpu_group():  # noqa: ANN201
+    """This rank's vLLM tensor-parallel group for CPU collectives (gloo):
+    `parallel_state.get_tp_group().cpu_group`. [0.32, public function]"""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().cpu_group
+
+
 def _runner(llm):  # noqa: ANN001, ANN202
     """[0.32, private] the in-process engine's model runner:
     llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner."""

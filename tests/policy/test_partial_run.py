@@ -20,8 +20,15 @@ PARTIAL = ("--rollout.tensor_parallel_size=1", "--algorithm.behaviour_logp=rollo
 
 def _no_partial(row: dict) -> dict:
     """A row without what only a run with partial rollouts reports (k = 1's share at
-    staleness 1 is a key a k = 0 run does not have)."""
-    return {k: v for k, v in stable(row).items() if not k.startswith(("partial/", "staleness/"))}
+    staleness 1 is a key a k = 0 run does not have; per-token versions give the
+    token staleness, which must then equal the sequences')."""
+    out = {k: v for k, v in stable(row).items() if not k.startswith(("partial/", "staleness/"))}
+    if out.pop("newer_weights_token_frac", 0.0) != 0.0:
+        raise AssertionError(f"tokens newer than their sequence in a roomy run: {row}")
+    token_mean = out.pop("staleness_token_mean", out.get("staleness_mean"))
+    if token_mean != out.get("staleness_mean"):
+        raise AssertionError(f"token staleness {token_mean} != sequence staleness: {row}")
+    return out
 
 
 @pytest.mark.vllm
