@@ -36,3 +36,16 @@ def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ARG001 - pytest'
         min_age_s=10, pattern=re.compile(r"psm_[0-9a-f]+"), changed_after=_SESSION_START)
     if removed:
         print(f"\nremoved {len(removed)} orphaned /dev/shm segment(s) of killed test jobs")
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    """Two tiny models of one architecture with different random weights (the
+    weights before and after a "sync"), as HF folders: (a, b)."""
+    import dataclasses
+
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+
+    base, spec = tmp_path_factory.mktemp("models"), PRESETS["tiny"]
+    return (str(write_tiny_model(base / "a", spec)),
+            str(write_tiny_model(base / "b", dataclasses.replace(spec, seed=1))))

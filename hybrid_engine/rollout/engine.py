@@ -68,6 +68,48 @@ class Completions:
         return sum(len(t) for t in self.token_ids)
 
 
+class _EngineRun:
+    """Requests driven through vLLM's engine loop by hand (`vllm_compat.engine_loop`:
+    add_request with DELTA outputs, then step() while any is unfinished, as
+    `LLM.generate` does), so the caller can act between engine steps (partial
+    rollouts stop, in-flight updates install weights). Accumulates each
+    request's tokens, log-probs and whether it finished, in request order."""
+
+    def __init__(self, rollout: VLLMRollout, tag: str, requests: list, params: list) -> None:
+        from vllm.sampling_params import RequestOutputKind
+
+        self.engine = vllm_compat.engine_loop(rollout.llm)
+        self.ids = [f"{tag}-{rollout._request_serial}-{i}" for i in range(len(requests))]
+        rollout._request_serial += 1  # request ids are unique per engine
+        for rid, request, p in zip(self.ids, requests, params, strict=True):
+            p.output_kind = RequestOutputKind.DELTA
+            self.engine.add_request(rid, request, p)
+        self.index = {rid: i for i, rid in enumerate(self.ids)}
+        self.tokens: list[list[int]] = [[] for _ in self.ids]
+        self.logps: list[list[float]] = [[] for _ in self.ids]
+        self.finished = [False] * len(self.ids)
+
+    def running(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list[tuple[int, int]]:
+        """One engine step; (request index, new tokens) of each request it advanced."""
+        new = []
+        for out in self.engine.step():
+            i, comp = self.index[out.request_id], out.outputs[0]
+            self.tokens[i] += comp.token_ids
+            self.logps[i] += [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs,
+                                                             strict=True)]
+            self.finished[i] = out.finished
+            new.append((i, len(comp.token_ids)))
+        return new
+
+    def abort_unfinished(self) -> None:
+        """Aborts the unfinished requests (frees their KV blocks); they keep what
+        earlier steps returned."""
+        self.engine.abort_request([rid for rid, f in zip(self.ids, self.finished) if not f])
+
+
 _FUSED = {
     "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
     "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
@@ -328,29 +370,15 @@ class VLLMRollout:
         engine step `between_steps()` may install new weights (it returns True when
         it did); the tokens sampled after an install count one more. Same requests,
         seeds and scheduling as `LLM.generate`, so the same tokens without installs."""
-        from vllm.sampling_params import RequestOutputKind
-
-        engine = vllm_compat.engine_loop(self.llm)
-        ids = [f"inflight-{self._request_serial}-{i}" for i in range(len(requests))]
-        self._request_serial += 1
-        for rid, request, p in zip(ids, requests, params, strict=True):
-            p.output_kind = RequestOutputKind.DELTA
-            engine.add_request(rid, request, p)
-        index = {rid: i for i, rid in enumerate(ids)}
-        tokens: list[list[int]] = [[] for _ in ids]
-        logps: list[list[float]] = [[] for _ in ids]
-        installs: list[list[int]] = [[] for _ in ids]
+        run = _EngineRun(self, "inflight", requests, params)
+        installs: list[list[int]] = [[] for _ in requests]
         done = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                i, comp = index[out.request_id], out.outputs[0]
-                tokens[i] += comp.token_ids
-                logps[i] += [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs,
-                                                            strict=True)]
-                installs[i] += [done] * len(comp.token_ids)
-            if engine.has_unfinished_requests() and self.between_steps():
+        while run.running():
+            for i, count in run.step():
+                installs[i] += [done] * count
+            if run.running() and self.between_steps():
                 done += 1
-        return tokens, logps, installs
+        return run.tokens, run.logps, installs
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
         """The engine's log-prob of every token of each sequence from `starts[i]` on,
@@ -409,38 +437,25 @@ class VLLMRollout:
             (token ids, their log-probs, finished) per prompt, in order.
         """
         from vllm import SamplingParams, TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         if self._kv_released:
             raise RuntimeError("sample_until() after release_memory(): call restore_memory() first")
         if not self.weights_valid:
             raise RuntimeError("sample_until() with discarded weights: sync them first")
-        engine = vllm_compat.engine_loop(self.llm)
         stop_strs = list(self.cfg.stop) or None
-        n = len(prompt_ids)
-        ids = [f"partial-{self._request_serial}-{i}" for i in range(n)]
-        self._request_serial += 1
-        for rid, ids_i, m, seed in zip(ids, prompt_ids, max_tokens, seeds, strict=True):
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids_i)), SamplingParams(
-                n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
-                max_tokens=int(m), logprobs=0, stop=stop_strs,
-                stop_token_ids=list(self.cfg.stop_token_ids) or None, seed=int(seed),
-                detokenize=stop_strs is not None, output_kind=RequestOutputKind.DELTA))
-        index = {rid: i for i, rid in enumerate(ids)}
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        finished, sampled = [False] * n, 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                i, comp = index[out.request_id], out.outputs[0]
-                tokens[i] += comp.token_ids
-                logps[i] += [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs,
-                                                            strict=True)]
-                sampled += len(comp.token_ids)
-                finished[i] = out.finished
-            if not all(finished) and stop_now(finished, sampled):
-                engine.abort_request([rid for rid, f in zip(ids, finished) if not f])
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        params = [SamplingParams(
+            n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
+            max_tokens=int(m), logprobs=0, stop=stop_strs,
+            stop_token_ids=list(self.cfg.stop_token_ids) or None, seed=int(seed),
+            detokenize=stop_strs is not None) for m, seed in zip(max_tokens, seeds, strict=True)]
+        run, sampled = _EngineRun(self, "partial", requests, params), 0
+        while run.running():
+            sampled += sum(count for _, count in run.step())
+            if not all(run.finished) and stop_now(run.finished, sampled):
+                run.abort_unfinished()
                 break
+        tokens, logps, finished = run.tokens, run.logps, run.finished
         if any(math.isnan(x) for lp in logps for x in lp):
             raise RuntimeError("sampled tokens have NaN log-probs: vLLM's weights are not valid")
         return tokens, logps, finished

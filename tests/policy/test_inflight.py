@@ -8,7 +8,6 @@ when, with running requests or not)."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +18,7 @@ from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.policy.inflight import InstallGate
 from hybrid_engine.testing import run_in_subprocess
 from hybrid_engine.trajectory import Trajectory, stamp_version
+from tests.rollout.test_partial import _score
 
 # --- the gate (no engine) ---------------------------------------------------------
 
@@ -57,7 +57,6 @@ def test_an_offer_is_taken_at_the_next_boundary_of_the_running_batch() -> None:
     with ThreadPoolExecutor(1, thread_name_prefix="generation") as pool:
         batch = pool.submit(_batch, gate, 200, seen, start)
         start.wait()
-        time.sleep(0.05)
         repack, landed = gate.hand_over(commit, [batch])
         installs = batch.result()
     assert (repack, landed) == (0.25, True)
@@ -139,15 +138,6 @@ PROMPTS = [[11, 12, 13, 14 + i] for i in range(4)]
 MAX_TOKENS = 48
 
 
-def _score(rollout, seq: list[int]) -> list[float]:
-    """The engine's log-prob of every token of seq after the first (a prefill)."""
-    from vllm import SamplingParams, TokensPrompt
-
-    out = rollout.llm.generate([TokensPrompt(prompt_token_ids=seq)],
-                               SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    return [lp[t].logprob for t, lp in zip(seq[1:], out[0].prompt_logprobs[1:], strict=True)]
-
-
 def _install_mid_batch(model_dir: str, other_dir: str) -> dict:
     """Samples a batch twice with the same seeds: once plainly, once with the
     other model's weights handed over (InstallGate, from a sync thread) after a
@@ -161,10 +151,12 @@ def _install_mid_batch(model_dir: str, other_dir: str) -> dict:
                         kv_cache_gib=0.05, enforce_eager=True, seed=5, max_staleness=1)
     rollout = VLLMRollout(model_dir, cfg, dtype="float32")
     plain = rollout.generate(PROMPTS, seed=1)
-    gate, steps = InstallGate(rollout.tp_all), []
+    gate, steps, fifth = InstallGate(rollout.tp_all), [], threading.Event()
 
     def boundary() -> bool:  # the engine's hook, counting steps
         steps.append(len(steps))
+        if len(steps) == 5:
+            fifth.set()
         return gate.between_steps()
 
     def commit(*, running: bool) -> float:
@@ -174,8 +166,8 @@ def _install_mid_batch(model_dir: str, other_dir: str) -> dict:
     rollout.between_steps = boundary
     with ThreadPoolExecutor(1, thread_name_prefix="generation") as pool:
         batch = pool.submit(rollout.generate, PROMPTS, seed=1)
-        while len(steps) < 5 and not batch.done():
-            time.sleep(0.001)
+        batch.add_done_callback(lambda _: fifth.set())
+        fifth.wait()  # 5 engine steps in (or, failing, the batch over: landed is then False)
         landed = gate.hand_over(commit, [batch])[1]
         out = batch.result()
     rollout.between_steps = None
@@ -199,15 +191,6 @@ def _install_mid_batch(model_dir: str, other_dir: str) -> dict:
             "looped_equal": (looped.token_ids, looped.logprobs) == (again.token_ids,
                                                                      again.logprobs),
             "looped_installs": looped.installs}
-
-
-@pytest.fixture(scope="module")
-def two_models(tmp_path_factory):
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
-
-    base, spec = tmp_path_factory.mktemp("models"), PRESETS["tiny"]
-    return (str(write_tiny_model(base / "a", spec)),
-            str(write_tiny_model(base / "b", dataclasses.replace(spec, seed=1))))
 
 
 @pytest.mark.vllm
@@ -239,21 +222,23 @@ def _tp_agreement(model_dir: str) -> dict:
                         max_model_len=96, kv_cache_gib=0.05, enforce_eager=True, seed=5)
     rollout = VLLMRollout(model_dir, cfg, dtype="float32")
     gate, steps, at = InstallGate(rollout.tp_all), [], []
+    offer_after = 2 if dist.get_rank() == 0 else 10
+    ready = threading.Event()  # this rank's sync may offer: offer_after steps in, or the batch over
 
     def boundary() -> bool:
         steps.append(len(steps))
+        if len(steps) == offer_after:
+            ready.set()
         return gate.between_steps()
 
     def commit(*, running: bool) -> float:
         at.append((len(steps), running))
         return rollout.commit_weights(running=running)
 
-    offer_after = 2 if dist.get_rank() == 0 else 10
     started: Future = Future()  # the batch, as the sync thread sees it
 
     def sync() -> bool:
-        while len(steps) < offer_after and not started.done():
-            time.sleep(0.001)
+        ready.wait()
         return gate.hand_over(commit, [started])[1]
 
     # Here the engine runs on the main thread and the sync on a side thread (the
@@ -265,6 +250,7 @@ def _tp_agreement(model_dir: str) -> dict:
         landed = pool.submit(sync)
         out = rollout.generate(PROMPTS, seed=1)
         started.set_result(None)
+        ready.set()
         landed = landed.result()
     rollout.shutdown()
     return {"at": at, "landed": landed, "steps": len(steps), "tokens": out.token_ids,

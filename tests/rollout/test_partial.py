@@ -4,7 +4,6 @@ the pool's checkpoint."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -78,15 +77,6 @@ def _parked_then_continued(model_dir: str, other_dir: str) -> dict:
     }
     rollout.shutdown()
     return out
-
-
-@pytest.fixture(scope="module")
-def two_models(tmp_path_factory):
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
-
-    base, spec = tmp_path_factory.mktemp("models"), PRESETS["tiny"]
-    return (str(write_tiny_model(base / "a", spec)),
-            str(write_tiny_model(base / "b", dataclasses.replace(spec, seed=1))))
 
 
 @pytest.mark.vllm
