@@ -29,7 +29,16 @@ placement): 1 x 4 completions x 256 tokens, max_model_len raised to 320;
 decoding 4 sequences is bound by reading the weights once per token, so
 generation's seconds come near training's, as in GPU RL jobs, where decoding
 usually takes the larger share (on W1/W2 training is 3-4x generation on these CPUs, which bounds
-what overlap can save: step >= max(train, generate)).
+what overlap can save: step >= max(train, generate)). Colocated, nothing overlaps: what
+generation ahead saves there is a burst's (one pass samples k + 1 steps' batches, which
+costs little more than one when decoding is bound by reading the weights), so its step
+is reported as the mean over k + 1 consecutive steps, against the synchronous config's.
+`gpu` (one GPU's job, too big for these CPUs): 32 x 8 completions x 256 tokens with
+level-2 sleep every train phase, CUDA graphs, half the device for vLLM and micro-batches
+of 16384 tokens, as in `results/gpu_loop_qwen2_180m_h100_202611.md`; with a GPU the jobs
+run on it and the floors' GEMM peak and copy bandwidth are measured on it, e.g.
+`--workload gpu --jobs 2 --steps 6 --set model.compute_dtype=bfloat16 --configs
+qwen2-180m:1 qwen2-180m:1+rollout.max_staleness=1+algorithm.behaviour_logp=rollout`.
 
 Measured, per job: `--warmup` steps (left out), `--steps` timed steps, then
 ONE profiled step (left out of every timing).
@@ -121,6 +130,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -137,11 +147,17 @@ PHASES = ("generate", "score", "train", "sync")
 # 3 jobs for the headline N=2; fewer at N=1 and N=4 to fit the budget (docstring).
 DEFAULT_CONFIGS = ("qwen2-180m:1@2", "qwen2-180m:2@3", "qwen2-180m:4@1")
 # prompts per step, K, max new tokens
-WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64), "mixed": (16, 4, 112), "long": (1, 4, 256)}
+WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64), "mixed": (16, 4, 112), "long": (1, 4, 256),
+             "gpu": (32, 8, 256)}
 # long: few sequences, long completions: decoding 4 sequences reads every weight per
 # token, so generation's seconds come near training's (as in GPU RL jobs, where decoding
 # usually takes the larger share); the recipe's max_model_len (128) is raised to fit the completions.
-WORKLOAD_SETS = {"long": ("rollout.max_model_len=320",)}
+WORKLOAD_SETS = {"long": ("rollout.max_model_len=320",),
+                 # gpu: the settings of gpu_loop_qwen2_180m_h100_202611.md (a user's GPU job:
+                 # level-2 sleep every train phase, CUDA graphs, half the device for vLLM)
+                 "gpu": ("rollout.max_model_len=320", "rollout.release_memory=true",
+                         "rollout.enforce_eager=false", "rollout.gpu_memory_fraction=0.5",
+                         "train.max_tokens_per_micro_batch=16384")}
 # mixed: every MIXED_STOP_EVERY-th id of the vocabulary ends a completion, so a random-init
 # model's lengths are geometric (mean ~24, a few near the cap of 112): a long tail.
 MIXED_STOP_EVERY = 24
@@ -173,7 +189,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1",
                    help="w1: 4 prompts x K=4 x 16 tokens; w2: 16 x 4 x 64; mixed: 16 x 4 x "
                         "up to 112, lengths ~ geometric (mean ~24): a long tail; long: 1 x 4 "
-                        "x 256 (max_model_len 320): generation-heavy")
+                        "x 256 (max_model_len 320): generation-heavy; gpu: 32 x 8 x 256 "
+                        "with level-2 sleep and CUDA graphs (one GPU's job)")
     p.add_argument("--jobs", type=int, default=3, help="fresh jobs per config without @JOBS")
     p.add_argument("--steps", type=int, default=20, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=2, help="steps per job before the timed ones")
@@ -258,13 +275,15 @@ def _train_flops(params: dict[str, int], trained_tokens: float, loss_tokens: flo
 _GEMM = """
 import sys, time, torch
 torch.set_num_threads(int(sys.argv[1]))
-dt = getattr(torch, sys.argv[2]); n = int(sys.argv[3])
-a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
-c = torch.empty(n, n, dtype=dt)
+dt = getattr(torch, sys.argv[2]); n = int(sys.argv[3]); dev = sys.argv[4]
+sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+a, b = torch.randn(n, n, device=dev).to(dt), torch.randn(n, n, device=dev).to(dt)
+c = torch.empty(n, n, dtype=dt, device=dev)
 torch.mm(a, b, out=c)
 best = float("inf")
 for _ in range(5):
-    t0 = time.perf_counter(); torch.mm(a, b, out=c); best = min(best, time.perf_counter() - t0)
+    sync(); t0 = time.perf_counter(); torch.mm(a, b, out=c); sync()
+    best = min(best, time.perf_counter() - t0)
 print(2 * n ** 3 / best)
 """
 
@@ -272,21 +291,33 @@ print(2 * n ** 3 / best)
 _STREAM = """
 import sys, time, torch
 torch.set_num_threads(int(sys.argv[1]))
-a = torch.ones(int(sys.argv[2]), dtype=torch.uint8); b = torch.empty_like(a)
+dev = sys.argv[3]
+sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+a = torch.ones(int(sys.argv[2]), dtype=torch.uint8, device=dev); b = torch.empty_like(a)
 b.copy_(a)
 best = float("inf")
 for _ in range(5):
-    t0 = time.perf_counter(); b.copy_(a); best = min(best, time.perf_counter() - t0)
+    sync(); t0 = time.perf_counter(); b.copy_(a); sync()
+    best = min(best, time.perf_counter() - t0)
 print(2 * a.numel() / best)
 """
 STREAM_BYTES = 512 * 2**20
 
 
+def _device() -> str:
+    """Where the jobs run, so where the floors' peaks are measured: the GPU when
+    there is one (the CLI then trains and rolls out on it), else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _mem_bandwidth(threads: int) -> float:
     """Best bytes/s (read + written) of a STREAM_BYTES tensor copy on `threads`
-    threads (own process)."""
+    threads, or on the GPU (own process)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([sys.executable, "-c", _STREAM, str(threads), str(STREAM_BYTES)],
+    proc = subprocess.run([sys.executable, "-c", _STREAM, str(threads), str(STREAM_BYTES),
+                           _device()],
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"memory bandwidth measurement failed:\n{proc.stderr[-2000:]}")
@@ -329,9 +360,11 @@ def _sync_floor_s(row: dict, config: dict, bandwidth: float) -> float:
 
 
 def _matmul_peak(threads: int, dtype: str) -> float:
-    """Best FLOP/s of a GEMM_N^3 matmul in dtype on `threads` threads (own process)."""
+    """Best FLOP/s of a GEMM_N^3 matmul in dtype on `threads` threads, or on the
+    GPU (own process)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([sys.executable, "-c", _GEMM, str(threads), dtype, str(GEMM_N)],
+    proc = subprocess.run([sys.executable, "-c", _GEMM, str(threads), dtype, str(GEMM_N),
+                           _device()],
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"matmul peak measurement failed:\n{proc.stderr[-2000:]}")
@@ -582,35 +615,51 @@ def _ahead_table(rows: list[dict]) -> str:
         return (r["preset"], r["world_size"], r["placement"],
                 tuple(o for o in r.get("overrides", []) if not o.startswith(
                     ("rollout.max_staleness=", "algorithm.behaviour_logp=",
-                     "rollout.inflight_updates="))))
+                     "rollout.inflight_updates=", "rollout.ahead_schedule="))))
 
     sync = {key(r): r for r in rows if not r.get("max_staleness")}
-    head = ("| config | k | step s (IQR) | train s | generate busy s (wait) | "
-            "max(train, generate) s | step / max: median [q1, q3] | staleness mean (share "
-            "at 0..k) | token staleness mean (installs in flight) | step / synchronous step |")
+    head = ("| config | k | step s (IQR) | mean of k + 1 steps s (IQR) | train s | generate "
+            "busy s (wait) | max(train, generate) s | step / max: median [q1, q3] | staleness "
+            "mean (share at 0..k) | token staleness mean (installs in flight) | step / "
+            "synchronous step |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if not r.get("max_staleness"):
             continue
-        base = sync.get(key(r))
-        ratio = f"{r['step_s'] / base['step_s']:.2f} ({base['step_s']:.3f} s)" if base else "-"
+        base, n = sync.get(key(r)), r["max_staleness"] + 1
+        # colocated, nothing overlaps: a burst generates once per k + 1 steps, so the
+        # step that counts is the mean over k + 1 consecutive steps (any k + 1 hold one
+        # burst); separate: the overlapped steps themselves
+        colocated = r["placement"] == "colocated"
+        cyc = _stats.describe(_cycles(r["step_s_jobs"], n))
+        r["step_cycle_s"], r["step_cycle_s_iqr"] = cyc["median"], cyc["iqr"]
+        ratio = "-"
         if base:
-            r["step_over_synchronous"] = r["step_s"] / base["step_s"]
-            r["step_over_synchronous_ci"] = _stats.ratio_ci(r["step_s_jobs"], base["step_s_jobs"],
-                                                            paired=False)
-            ratio += f" [{r['step_over_synchronous_ci'][0]:.2f}, " \
-                     f"{r['step_over_synchronous_ci'][1]:.2f}]"
+            num, den = ((_cycles(r["step_s_jobs"], n), _cycles(base["step_s_jobs"], n))
+                        if colocated else (r["step_s_jobs"], base["step_s_jobs"]))
+            r["step_over_synchronous"] = _stats.ratio(num, den)
+            r["step_over_synchronous_ci"] = _stats.ratio_ci(num, den, paired=False)
+            lo, hi = r["step_over_synchronous_ci"]
+            ratio = (f"{r['step_over_synchronous']:.2f} "
+                     f"({_stats.describe(den)['median']:.3f} s) [{lo:.2f}, {hi:.2f}]")
         b = r["step_over_bound"]
+        bound = ("- | -" if colocated else
+                 f"{r['overlap_bound_s']:.3f} | {b['median']:.3f} [{b['q1']:.3f}, {b['q3']:.3f}]")
         dist = " / ".join(f"{v:.2f}" for v in r["staleness_dist"].values())
         tok = (f"{r['staleness_token_mean']:.2f} ({r['installs_inflight']:.0%})"
                if "installs_inflight" in r else "-")
         lines.append(
             f"| {r['config_name']} | {r['max_staleness']} | {r['step_s']:.3f} "
-            f"({r['step_s_iqr']:.3f}) | {r['train_s']:.3f} | {r['generate_busy_s']:.3f} "
-            f"({r['generate_s']:.3f}) | {r['overlap_bound_s']:.3f} | {b['median']:.3f} "
-            f"[{b['q1']:.3f}, {b['q3']:.3f}] | {r['staleness_mean']:.2f} ({dist}) | {tok} "
-            f"| {ratio} |")
+            f"({r['step_s_iqr']:.3f}) | {r['step_cycle_s']:.3f} ({r['step_cycle_s_iqr']:.3f}) "
+            f"| {r['train_s']:.3f} | {r['generate_busy_s']:.3f} ({r['generate_s']:.3f}) | "
+            f"{bound} | {r['staleness_mean']:.2f} ({dist}) | {tok} | {ratio} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _cycles(jobs: list[list[float]], n: int) -> list[list[float]]:
+    """Each job's steps as means of n consecutive steps (whole windows only)."""
+    return [[statistics.fmean(job[i:i + n]) for i in range(0, len(job) - n + 1, n)]
+            for job in jobs]
 
 
 def _train_ranks(nproc: int, placement: str, config: dict) -> int:
@@ -626,8 +675,6 @@ def _train_split(jobs: list[dict], train_step_s: float) -> dict:
     """The profiled step's train_step split, medians over jobs x ranks: as fractions of
     that step, and as seconds of the timed steps' median train_step_s (the profiler
     itself slows the profiled step)."""
-    import statistics
-
     profs = [p for j in jobs for p in j["profiles"]]
     if not profs:  # a degenerate (skipped) step moved the profiled call past the run
         return {"train_profiled": 0}
@@ -783,8 +830,14 @@ def main(argv=None) -> None:
     if ahead:
         print(ahead)
         ahead = ("\n\nGeneration ahead of training (rollout.max_staleness = k): generate busy "
-                 "= the engine's seconds on the step's batch (wait: what the step waited for "
-                 "it); the bound is the slower side, per step; staleness = step - the version "
+                 "= the engine's seconds on the step's batch (a burst's pass shared by its "
+                 "batches' tokens; wait: what the step waited for it); the bound is the slower "
+                 "side, per step (separate placement; colocated, nothing overlaps); mean of k "
+                 "+ 1 steps: each job's steps in windows of k + 1 (a colocated burst generates "
+                 "once in each), median (IQR) of the windows; step / synchronous step: ratio "
+                 "of medians of steps (separate) or of k + 1 windows (colocated, the "
+                 "synchronous config's steps in windows of the same size), bootstrap 95% CI; "
+                 "staleness = step - the version "
                  "of the weights that sampled each sample; token staleness (in-flight "
                  "updates) = step - the version of the weights that sampled each token, and "
                  "installs in flight = the share of syncs installed between two engine steps "

@@ -50,7 +50,8 @@ def test_workload_sets_the_completion_length_and_its_room(monkeypatch, tmp_path)
 
     monkeypatch.setattr(bench_step.subprocess, "run", run)
     monkeypatch.setattr(bench_step, "_model", lambda preset, cache: tmp_path / preset)
-    for workload, expect in (("long", ["--rollout.max_model_len=320"]), ("w2", [])):
+    for workload, expect in (("long", ["--rollout.max_model_len=320"]), ("w2", []),
+                             ("gpu", ["--rollout.max_model_len=320"])):
         args = bench_step._args(["--workload", workload])
         with pytest.raises(RuntimeError):
             bench_step._run_job(args, "tiny", 2, "separate", ("rollout.max_model_len=400",),
@@ -62,7 +63,10 @@ def test_workload_sets_the_completion_length_and_its_room(monkeypatch, tmp_path)
         assert f"--rollout.max_tokens={max_tokens}" in cmd
         lens = [c for c in cmd if c.startswith("--rollout.max_model_len=")]
         assert lens == [*expect, "--rollout.max_model_len=400"]
+        if workload == "gpu":  # a GPU job's engine: level-2 sleep, CUDA graphs
+            assert {"--rollout.release_memory=true", "--rollout.enforce_eager=false"} <= set(cmd)
     assert bench_step.WORKLOADS["long"][2] + 16 <= 320  # room for the arithmetic prompts
+    assert bench_step.WORKLOADS["gpu"][2] + 16 <= 320
     from hybrid_engine.config.recipes import build_config
 
     overrides = ["rollout.max_model_len=320", "rollout.max_model_len=400"]
@@ -138,7 +142,7 @@ def test_ahead_stats_bound_staleness_and_ratio_to_the_synchronous_config() -> No
     other = {**base, "overrides": ["x=2"], "step_s": 1.0}  # other settings: not its baseline
     table = bench_step._ahead_table([other, base, ahead])
     assert ahead["step_over_synchronous"] == pytest.approx(0.6)
-    assert "| p:2:separate+rollout.max_staleness=1 | 1 | 3.000 (0.000) |" in table
+    assert "| p:2:separate+rollout.max_staleness=1 | 1 | 3.000 (0.000) | 3.000 (0.000) |" in table
     assert "0.60 (5.000 s)" in table
     assert bench_step._ahead_table([base]) == ""
     # rollout.inflight_updates: token staleness and the share of syncs installed in flight;
@@ -153,6 +157,34 @@ def test_ahead_stats_bound_staleness_and_ratio_to_the_synchronous_config() -> No
            "config_name": "fly"}
     table = bench_step._ahead_table([base, ahead, fly])
     assert "| 0.55 (67%) | 0.60 (5.000 s)" in table and "| - | 0.60 (5.000 s)" in table
+
+
+def test_colocated_burst_is_compared_over_windows_of_k_plus_1_steps() -> None:
+    # a colocated k = 1 burst: a 6 s step that generates two batches, then a 2 s one that
+    # generates none; k = 0: 5 s each. Medians of single steps would mislead (the burst's
+    # [2, 6, 2, 6] has median 4 by luck of the split; [2, 2, 6] would have 2): the windows
+    # of 2 steps say 4 against 5 whatever the phase.
+    def steps(walls):
+        return [{"step_wall_s": w, "train_s": 1.5, "generate_busy_s": 2.0, "staleness_mean":
+                 0.5, "staleness_max": 1.0, "staleness/0": 0.5, "staleness/1": 0.5}
+                for w in walls]
+    base = {"preset": "p", "world_size": 2, "placement": "colocated", "max_staleness": 0,
+            "overrides": [], "step_s": 5.0, "step_s_jobs": [[5.0, 5.2, 4.8, 5.0]] * 2}
+    jobs = [[6.0, 2.0, 6.0, 2.0, 6.0], [2.0, 6.0, 2.0, 6.0, 2.0]]  # out of phase; 5th: no pair
+    st = bench_step._ahead_stats([steps(j) for j in jobs], 1)
+    burst = {**base, **st, "overrides": ["rollout.max_staleness=1",
+                                         "algorithm.behaviour_logp=rollout",
+                                         "rollout.ahead_schedule=burst"],
+             "step_s": 2.0, "step_s_iqr": 4.0, "step_s_jobs": jobs, "train_s": 1.5,
+             "generate_s": 1.0, "config_name": "burst"}
+    table = bench_step._ahead_table([base, burst])
+    assert burst["step_cycle_s"] == 4.0 and burst["step_cycle_s_iqr"] == 0.0
+    assert burst["step_over_synchronous"] == pytest.approx(4.0 / 5.0)
+    lo, hi = burst["step_over_synchronous_ci"]
+    assert lo <= 0.8 <= hi and hi < 1.0
+    # no overlap bound colocated; the baseline is found through the schedule override
+    assert "| 4.000 (0.000) | 1.500 | 2.000 (1.000) | - | - |" in table
+    assert "| 0.80 (5.000 s) [" in table
 
 
 def test_partial_stats_and_table_compare_with_the_config_without_them() -> None:
