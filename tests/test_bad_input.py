@@ -213,9 +213,6 @@ def test_output_dir_is_a_file(model_dir, tmp_path) -> None:
 _REWARDS = {
     "raises": "def reward(prompt, completion, answer):\n"
               "    if len(completion) > 2:\n        return 1 / 0\n    return 0.0\n",
-    "nan": "def reward(prompt, completion, answer):\n    return float('nan')\n",
-    "inf": "def reward(prompt, completion, answer):\n    return {'correct': float('inf')}\n",
-    "not_a_number": "def reward(prompt, completion, answer):\n    return 'high'\n",
     "exits": "import sys\n\ndef reward(prompt, completion, answer):\n    sys.exit(3)\n",
     "hangs": "import time\n\ndef reward(prompt, completion, answer):\n    time.sleep(3600)\n",
 }
@@ -224,14 +221,14 @@ _REWARDS = {
 @pytest.mark.parametrize(("kind", "expected"), [
     ("raises", ["reward function raised ZeroDivisionError", "reward.py:reward",
                 "sample with prompt '"]),
-    ("nan", ["reward components must be finite numbers", "nan", "sample with prompt '"]),
-    ("inf", ["reward components must be finite numbers", "inf"]),
-    ("not_a_number", ["must return a number or a non-empty mapping", "'high'"]),
     ("exits", ["reward function raised SystemExit: 3", "sample with prompt '"]),
     ("hangs", ["no result within env.reward_timeout_s=2 s", "reward.py:reward",
                "sample with prompt '"]),
 ])
 def test_bad_reward(model_dir, tmp_path, kind, expected) -> None:
+    """A raising, exiting or hanging reward inside a job: one error line naming the
+    sample, no checkpoint. Non-finite and non-numeric values are the same RewardError
+    (their messages: tests/envs/test_custom_reward.py)."""
     (tmp_path / "reward.py").write_text(_REWARDS[kind])
     out = tmp_path / "run"
     proc = _train(model_dir, out, f"--env.reward_fn={tmp_path / 'reward.py'}:reward",

@@ -32,6 +32,15 @@ def hangs(prompt, completion, answer):
 def slow(prompt, completion, answer):
     time.sleep(0.2)
     return 1.0
+
+def nan(prompt, completion, answer):
+    return float("nan")
+
+def inf(prompt, completion, answer):
+    return {"correct": float("inf")}
+
+def word(prompt, completion, answer):
+    return "high"
 """
 
 
@@ -59,6 +68,21 @@ def test_sys_exit_is_a_reward_error(tmp_path) -> None:
     with pytest.raises(RewardError, match=r"raised SystemExit: 3") as info:
         _env(tmp_path, "exits").score([_traj()])
     assert "reward.py:exits" in str(info.value) and "'12+34='" in str(info.value)
+
+
+@pytest.mark.parametrize(("name", "needles"), [
+    ("nan", ["reward components must be finite numbers", "nan"]),
+    ("inf", ["reward components must be finite numbers", "inf"]),
+    ("word", ["must return a number or a non-empty mapping", "'high'"]),
+])
+def test_a_bad_value_is_a_reward_error_naming_the_sample(tmp_path, name, needles) -> None:
+    """What a job's one error line says (tests/test_bad_input.py runs a raising and a
+    hanging reward end to end; the other bad values take the same RewardError path)."""
+    with pytest.raises(RewardError) as info:
+        _env(tmp_path, name).score([_traj()])
+    for needle in needles:
+        assert needle in str(info.value)
+    assert f"reward.py:{name}" in str(info.value) and "'12+34='" in str(info.value)
 
 
 def test_a_call_past_the_timeout_is_a_reward_error_naming_the_sample(tmp_path) -> None:
