@@ -788,6 +788,8 @@ def _chart(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+AHEAD_HEADLINE_KEYS = ("max_staleness", "step_cycle_s", "step_cycle_s_iqr",
+                       "step_over_synchronous", "step_over_synchronous_ci")
 HEADLINE_KEYS = ("step_s", "step_s_iqr", "generate_s", "generate_floor_s",
                  "generate_floor_bytes_s", "generate_floor_flops_s", "score_s", "train_s",
                  "train_floor_s", "sync_s", "sync_floor_s", "step_user_s", "step_sys_s",
@@ -882,6 +884,9 @@ def main(argv=None) -> None:
         f"self time (share of that step, median over jobs x ranks):\n\n{_top_ops(rows)}\n\n"
         f"```json\n{json.dumps(rows, indent=1)}\n```\n")
     summary = {key: head[key] for key in HEADLINE_KEYS}
+    # generation ahead: the step that counts (a colocated burst's steps alternate, so its
+    # step_s alone, a median of single steps, would mislead) and its ratio to k = 0
+    summary.update({key: head[key] for key in AHEAD_HEADLINE_KEYS if key in head})
     print(json.dumps({**summary, "workload": args.workload, "configs": rows,
                       "result": str(path), "chart": str(chart)}))
 
