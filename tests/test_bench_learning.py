@@ -1,0 +1,111 @@
+"""benchmarks/bench_learning.py: its figures on hand-written metrics rows, and one short
+real run (two configs and a failing one, one seed, one rank) with --resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+try:
+    import bench_learning as bl
+finally:
+    sys.path.pop(0)
+
+
+def _rows(step_s: list[float], accs: dict[int, float], **extra: float) -> list[dict]:
+    """Metrics rows of a run: step i ends at sum(step_s[:i]); evals at the given steps."""
+    rows, t = [], 0.0
+    for step in range(len(step_s) + 1):
+        if step:
+            t += step_s[step - 1]
+            rows.append({"step": step, "elapsed_s": t, "generate_s": float(step), "train_s": 1.0,
+                         **extra})
+        if step in accs:
+            rows.append({"step": step, "eval/accuracy": accs[step]})
+    return rows
+
+
+def test_run_summary_mean_step_threshold_windows_and_late_phases() -> None:
+    walls = [1.0, 3.0] * 5  # alternating steps, mean 2, median 2
+    r = bl.run_summary(_rows(walls, {0: 0.3, 4: 0.7, 8: 0.5, 10: 0.8}, staleness_mean=0.5),
+                       threshold=0.63, window=4)
+    assert r["steps"] == 10 and r["wall_s"] == 20.0 and r["step_s_mean"] == 2.0
+    assert r["acc_end"] == 0.8 and r["acc_max"] == 0.8 and r["acc_start"] == 0.3
+    assert r["s_to_threshold"] == 8.0  # the first eval >= 0.63, at step 4's end
+    assert r["windows"] == [2.0, 2.0]  # whole windows only: steps 1-4, 5-8
+    assert r["generate_s"] == 8.0  # the mean of steps 6..10, not of all steps
+    assert r["staleness_mean"] == 0.5
+    assert bl.run_summary(_rows(walls, {0: 0.3}), 0.9, 1)["s_to_threshold"] is None
+
+
+def test_config_summary_compares_seed_by_seed_with_the_baseline() -> None:
+    def run(step: float, acc: float) -> dict:
+        return bl.run_summary(_rows([step] * 20, {0: 0.3, 20: acc}), 0.63, 10)
+
+    base = {0: run(1.0, 0.60), 1: run(2.0, 0.70)}
+    fast = {0: run(0.5, 0.62), 1: run(1.0, 0.66), 2: run(9.0, 0.9)}  # seed 2: no baseline
+    c = bl.config_summary(fast, base)
+    assert c["step_over_baseline"] == pytest.approx(0.5)  # (0.5 + 1) / (1 + 2)
+    assert c["step_over_baseline_per_seed"] == [0.5, 0.5]
+    lo, hi = c["step_over_baseline_ci"]
+    assert lo <= 0.5 <= hi and hi < 1
+    assert c["acc_end_minus_baseline_per_seed"] == pytest.approx([0.02, -0.04])
+    assert c["reached_threshold"] == 2 and c["acc_end_sd"] > 0
+    assert "step_over_baseline" not in bl.config_summary(base, None)
+
+
+def test_parse_config_and_bad_configs_fail_in_one_line() -> None:
+    c = bl.parse_config("k1:rollout.max_staleness=1+algorithm.behaviour_logp=rollout")
+    assert c.name == "k1" and c.overrides == ["rollout.max_staleness=1",
+                                              "algorithm.behaviour_logp=rollout"]
+    assert bl.parse_config("k0").overrides == []
+    for bad in ("k1:rollout.max_staleness", ":a=1", "a=1"):
+        with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
+            bl.parse_config(bad)
+    out = subprocess.run([sys.executable, "benchmarks/bench_learning.py", "--configs", "a", "a"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "config names must differ" in out.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) -> None:
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "benchmarks/bench_learning.py", "--seeds", "3", "--steps", "4",
+           "--warm-start-steps", "5", "--nproc", "1", "--window", "2",
+           f"--runs-dir={runs}", f"--cache-dir={tmp_path / 'cache'}",
+           f"--out-dir={tmp_path / 'out'}", "--set", "eval_every=2",
+           "--set", "env.num_eval_prompts=16", "--configs", "base",
+           "k1:rollout.max_staleness=1+algorithm.behaviour_logp=rollout",
+           "bad:rollout.max_staleness=-1"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]  # 'bad' failed
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["failed"] == ["bad-s3"] and "max_staleness" in (runs / "bad-s3.log").read_text()
+    base, k1 = result["configs"]["base"], result["configs"]["k1"]
+    assert base["staleness_mean"] == 0 and k1["staleness_mean"] > 0  # its overrides applied
+    assert base["seeds"] == k1["seeds"] == [3]
+    assert k1["step_over_baseline_per_seed"][0] == pytest.approx(
+        k1["step_s_mean"] / base["step_s_mean"])
+    for name in ("base", "k1"):
+        cfg = yaml.safe_load((runs / f"{name}-s3" / "config.yaml").read_text())
+        assert cfg["seed"] == 3 and cfg["rollout"]["seed"] == 3  # the seed, for every run
+        assert cfg["eval_every"] == 2 and cfg["train"]["num_steps"] == 4  # --set, --steps
+        assert cfg["rollout"]["tensor_parallel_size"] == 1  # --nproc
+    report = Path(result["report"])
+    assert report.with_suffix(".png").is_file() and "| k1 | 3 | 4 |" in report.read_text()
+    # --resume reads the finished runs (no new log) and reruns only what failed.
+    stamp = (runs / "k1-s3.log").stat().st_mtime_ns
+    again = subprocess.run([*cmd[:-1], "--resume"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (runs / "k1-s3.log").stat().st_mtime_ns == stamp
+    rerun = json.loads(again.stdout.strip().splitlines()[-1])["configs"]["k1"]
+    assert rerun["step_s_mean"] == k1["step_s_mean"]
