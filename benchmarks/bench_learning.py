@@ -223,7 +223,7 @@ def run_demo(args: argparse.Namespace, config: Config, seed: int) -> dict | None
     """The demo's final JSON (after running it unless --resume finds it); None if it failed."""
     runs = Path(args.runs_dir)
     out, done = runs / f"{config.name}-s{seed}", runs / f"{config.name}-s{seed}.json"
-    if args.resume and done.is_file():
+    if args.resume and done.is_file() and (out / "metrics.jsonl").is_file():
         return json.loads(done.read_text())
     runs.mkdir(parents=True, exist_ok=True)
     log = runs / f"{config.name}-s{seed}.log"
