@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["describe", "ratio", "ratio_ci", "flat"]
 
@@ -46,8 +46,9 @@ def ratio(num: Jobs, den: Jobs) -> float:
 
 
 def ratio_ci(num: Jobs, den: Jobs, *, paired: bool = True, level: float = 0.95,
-             n_boot: int = 2000, seed: int = 0) -> list[float]:
-    """Percentile bootstrap [low, high] of median(num) / median(den).
+             n_boot: int = 2000, seed: int = 0,
+             stat: Callable[[list[float]], float] = statistics.median) -> list[float]:
+    """Percentile bootstrap [low, high] of stat(num) / stat(den) (default: medians).
 
     Args:
         num, den: jobs x repeats, the same jobs in the same order (job j of
@@ -56,6 +57,8 @@ def ratio_ci(num: Jobs, den: Jobs, *, paired: bool = True, level: float = 0.95,
             one job): resampled with the same indices. Needs equal lengths.
         level: coverage (0.95 = the 2.5th and 97.5th percentiles).
         n_boot: resamples; seed: fixed, so a report is reproducible.
+        stat: what each side's pooled resample is reduced to (e.g.
+            statistics.fmean for a ratio of mean wall times).
     """
     if len(num) != len(den) or not num:
         raise ValueError(f"ratio_ci: {len(num)} jobs of num vs {len(den)} of den")
@@ -72,7 +75,7 @@ def ratio_ci(num: Jobs, den: Jobs, *, paired: bool = True, level: float = 0.95,
             ib = ia if paired else rng.choices(range(len(b)), k=len(b))
             xs.extend(a[i] for i in ia)
             ys.extend(b[i] for i in ib)
-        stats.append(statistics.median(xs) / statistics.median(ys))
+        stats.append(stat(xs) / stat(ys))
     stats.sort()
     lo = stats[int((1 - level) / 2 * (n_boot - 1))]
     hi = stats[int((1 + level) / 2 * (n_boot - 1))]

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import subprocess
 import sys
@@ -100,22 +99,6 @@ def _mean(values) -> float | None:  # noqa: ANN001 - any iterable of floats
     return statistics.fmean(values) if values else None
 
 
-def mean_ratio_ci(num: list[list[float]], den: list[list[float]], *, n_boot: int = 2000,
-                  seed: int = 0) -> list[float]:
-    """95% bootstrap [low, high] of mean(num) / mean(den): runs (seeds) resampled with
-    replacement, the same draw for both (a seed's pair), then windows inside each run."""
-    rng = random.Random(seed)
-    stats = []
-    for _ in range(n_boot):
-        xs, ys = [], []
-        for j in rng.choices(range(len(num)), k=len(num)):
-            xs += rng.choices(num[j], k=len(num[j]))
-            ys += rng.choices(den[j], k=len(den[j]))
-        stats.append(statistics.fmean(xs) / statistics.fmean(ys))
-    stats.sort()
-    return [stats[int(0.025 * (n_boot - 1))], stats[int(0.975 * (n_boot - 1))]]
-
-
 def config_summary(runs: dict[int, dict], base: dict[int, dict] | None) -> dict:
     """Means over seeds and the comparison with the baseline's runs of the same seeds
     (base None: this is the baseline)."""
@@ -138,7 +121,9 @@ def config_summary(runs: dict[int, dict], base: dict[int, dict] | None) -> dict:
                                               for s in paired]
         num, den = [runs[s]["windows"] for s in paired], [base[s]["windows"] for s in paired]
         if all(num) and all(den):
-            out["step_over_baseline_ci"] = mean_ratio_ci(num, den)
+            # Seeds resampled (the same draw for both: a seed's pair), then windows in each run.
+            out["step_over_baseline_ci"] = _stats.ratio_ci(num, den, paired=False,
+                                                           stat=statistics.fmean)
         out["acc_end_minus_baseline_per_seed"] = [
             runs[s]["acc_end"] - base[s]["acc_end"] for s in paired
             if runs[s]["acc_end"] is not None and base[s]["acc_end"] is not None]
@@ -202,12 +187,7 @@ def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
                 ax.plot(wall, acc, color=colors[i % len(colors)], alpha=0.8,
                         label=name if j == 0 else None)
     ax.set_xlabel("RL wall seconds")
-    ax.set_ylabel("held-out greedy accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    compare_runs.save_accuracy_plot(fig, [ax], path)
 
 
 def demo_command(args: argparse.Namespace, config: Config, seed: int, out: Path) -> list[str]:

@@ -104,6 +104,13 @@ def plot(runs: dict[str, dict], path: Path) -> None:
         axes[1].plot(wall, acc, marker=".", label=name)
     axes[0].set_xlabel("RL step")
     axes[1].set_xlabel("RL wall seconds")
+    save_accuracy_plot(fig, axes, path)
+
+
+def save_accuracy_plot(fig, axes, path: Path) -> None:  # noqa: ANN001 - matplotlib objects
+    """Labels the accuracy axes (y), grids and legends them, writes path, closes fig."""
+    import matplotlib.pyplot as plt
+
     for ax in axes:
         ax.set_ylabel("held-out greedy accuracy")
         ax.grid(alpha=0.3)

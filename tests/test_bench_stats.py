@@ -47,3 +47,13 @@ def test_ratio_ci_pairing_cancels_shared_noise() -> None:
         _stats.ratio_ci([[1.0, 2.0]], [[1.0]], paired=True)
     with pytest.raises(ValueError):
         _stats.ratio_ci([[1.0]], [[1.0], [2.0]])
+
+
+def test_ratio_ci_stat_picks_what_each_side_is_reduced_to() -> None:
+    import statistics
+
+    skewed = [[1.0, 1.0, 1.0, 1.0, 9.0]] * 3  # median 1, mean 2.6
+    flat = [[1.0] * 5] * 3
+    assert _stats.ratio_ci(skewed, flat, paired=False) == [1.0, 1.0]  # medians ignore the tail
+    lo, hi = _stats.ratio_ci(skewed, flat, paired=False, stat=statistics.fmean)
+    assert lo < 2.6 < hi and hi > 3.0  # means see it
