@@ -79,7 +79,8 @@ def test_parse_config_and_bad_configs_fail_in_one_line() -> None:
 def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) -> None:
     runs = tmp_path / "runs"
     cmd = [sys.executable, "benchmarks/bench_learning.py", "--seeds", "3", "--steps", "4",
-           "--warm-start-steps", "5", "--nproc", "1", "--window", "2",
+           "--warm-start-steps", "5", "--nproc", "1", "--window", "2", "--minutes", "3",
+           "--threshold", "0", "--tag", "_t", "--note", "a note",
            f"--runs-dir={runs}", f"--cache-dir={tmp_path / 'cache'}",
            f"--out-dir={tmp_path / 'out'}", "--set", "eval_every=2",
            "--set", "env.num_eval_prompts=16", "--configs", "base",
@@ -92,6 +93,9 @@ def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) 
     base, k1 = result["configs"]["base"], result["configs"]["k1"]
     assert base["staleness_mean"] == 0 and k1["staleness_mean"] > 0  # its overrides applied
     assert base["seeds"] == k1["seeds"] == [3]
+    assert "step_over_baseline_ci" in k1  # --window 2: two whole windows of 4 steps (10: none)
+    assert k1["reached_threshold"] == 1  # --threshold 0: reached at the first eval
+    assert "warm start: 5 steps" in (runs / "base-s3.log").read_text()  # --warm-start-steps
     assert k1["step_over_baseline_per_seed"][0] == pytest.approx(
         k1["step_s_mean"] / base["step_s_mean"])
     for name in ("base", "k1"):
@@ -99,8 +103,10 @@ def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) 
         assert cfg["seed"] == 3 and cfg["rollout"]["seed"] == 3  # the seed, for every run
         assert cfg["eval_every"] == 2 and cfg["train"]["num_steps"] == 4  # --set, --steps
         assert cfg["rollout"]["tensor_parallel_size"] == 1  # --nproc
+        assert cfg["max_wall_s"] == 180  # --minutes
     report = Path(result["report"])
-    assert report.with_suffix(".png").is_file() and "| k1 | 3 | 4 |" in report.read_text()
+    assert report.name.startswith("learning_cpu_t_") and report.with_suffix(".png").is_file()
+    assert "| k1 | 3 | 4 |" in report.read_text() and "a note" in report.read_text()
     # --resume reads the finished runs (no new log) and reruns only what failed.
     stamp = (runs / "k1-s3.log").stat().st_mtime_ns
     again = subprocess.run([*cmd[:-1], "--resume"], cwd=ROOT, capture_output=True, text=True,
