@@ -134,12 +134,8 @@ class Controller:
     def load_state_dict(self, d: dict) -> None:
         self.state = _State(d["step"], d["reward_ema"], d["wall_s"], list(d["history"]))
         self.env.load_state_dict(d["env"])
-        ahead, k = d.get("ahead", []), self._ahead_depth()
-        if not restorable(ahead, d["step"], k, self.cfg.ahead_burst()):  # another k
-            _log.warning("the checkpoint holds %d batch(es) generated ahead; this run generates "
-                         "%d ahead (rollout.max_staleness): they are discarded and generated "
-                         "again with the restored weights", len(ahead), k)
-            ahead = []
+        size = self.cfg.train.prompts_per_step * self.cfg.rollout.num_samples_per_prompt
+        ahead = restorable(d.get("ahead", []), d["step"], self._ahead_depth(), size)
         self._ahead = deque((b["version"], Ready([trajectory_from_json(t) for t in b["trajs"]],
                                                  b["generate_s"])) for b in ahead)
         if d.get("rollout") is not None:  # parked partial rollouts
@@ -166,18 +162,20 @@ class Controller:
 
     def _queue_ahead(self, step: int, want: int, k: int) -> None:
         """Queues the batches of steps step .. step + k not yet started (stream), or,
-        when none is queued, samples all k + 1 in one pass (burst): each batch gets
+        when none is queued, samples all k + 1 (fewer near train.num_steps: none
+        past the last step) in one pass (burst): each batch gets
         its own prompts and group ids 0.., and a token-weighted share of the pass's
         engine seconds (`split_burst`)."""
         while not self.cfg.ahead_burst() and len(self._ahead) <= k:
             self._ahead.append(self._submit(step + len(self._ahead), want, 0))
-        if not self._ahead:
-            prompts = [p for _ in range(k + 1) for p in self.env.sample_prompts(want)]
+        if not self._ahead:  # no batch past the run's last step
+            n = min(k + 1, max(self.cfg.train.num_steps - step, 1))
+            prompts = [p for _ in range(n) for p in self.env.sample_prompts(want)]
             K = self.cfg.rollout.num_samples_per_prompt
             trajs, seconds = self.policy.collect_async(self.env, prompts, num_samples=K,
                                                        seed=self._seed(step, 0)).result()
             self._ahead.extend((self.state.step, h)
-                               for h in split_burst(trajs, seconds, k + 1, want, K))
+                               for h in split_burst(trajs, seconds, n, want, K))
 
     def _ahead_depth(self) -> int:
         """How many steps ahead generation runs: max_staleness, except with partial

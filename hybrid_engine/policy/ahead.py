@@ -34,12 +34,15 @@ install land between two engine steps of the running batch
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 __all__ = ["Inflight", "Ready", "SerialWorker", "restorable", "split_burst", "timed"]
+
+_log = logging.getLogger(__name__)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -157,10 +160,18 @@ def split_burst(trajs: list, seconds: float, batches: int, groups: int,
     return out
 
 
-def restorable(ahead: list[dict], step: int, k: int, burst: bool) -> bool:
-    """Whether a checkpoint's batches ahead (oldest first, each with its
-    "version") fit a run at max_staleness k resuming at `step`: none may train
-    past the bound; stream holds exactly k, burst at most k (what is left of
-    a pass)."""
-    within = all(step + i - b["version"] <= k for i, b in enumerate(ahead))
-    return within and (len(ahead) <= k if burst else len(ahead) == k)
+def restorable(ahead: list[dict], step: int, k: int, size: int) -> list[dict]:
+    """A checkpoint's batches ahead (oldest first, each with its "version" and
+    "trajs") that a run at max_staleness k resuming at `step`, `size`
+    trajectories a batch, can train: all of them if none trains past the bound,
+    at most k are queued (stream refills up to k, with the restored weights;
+    burst holds what is left of a pass) and each has this run's size; else none
+    (logged: their prompts are skipped, the environment's stream is past them)."""
+    if all(step + i - b["version"] <= k for i, b in enumerate(ahead)) and len(ahead) <= k \
+            and all(len(b["trajs"]) == size for b in ahead):
+        return ahead
+    _log.warning("the checkpoint holds %d batch(es) generated ahead that this run cannot train "
+                 "(rollout.max_staleness=%d, %d trajectories a batch): discarded; their prompts "
+                 "are skipped and the next batches are sampled with the restored weights",
+                 len(ahead), k, size)
+    return []

@@ -279,7 +279,9 @@ def _controller(**overrides):  # noqa: ANN202
             pass
 
     cfg = apply_overrides(RunConfig(), {"rollout.max_staleness": 2,
-                                        "algorithm.behaviour_logp": "rollout", **overrides})
+                                        "algorithm.behaviour_logp": "rollout",
+                                        "train.prompts_per_step": 1,
+                                        "rollout.num_samples_per_prompt": 1, **overrides})
     return Controller(None, Env(), None, cfg)
 
 
@@ -292,21 +294,25 @@ def _saved(*versions: int) -> dict:
 
 
 def test_a_resume_with_another_depth_discards_the_batches_ahead(caplog) -> None:
-    """Stream: a checkpoint saved at max_staleness 1 holds one batch ahead; resumed
-    at k = 2 the controller must not train it at a staleness past the new bound or
-    the old one: it warns and generates them again (same depth: restored). A
-    burst's rest of the right count but past the bound (saved at a larger k) is
-    discarded too."""
+    """A checkpoint's batches ahead are restored when this run may train them:
+    none past its bound, at most k queued (stream refills the rest with the
+    restored weights), each of its batch size; else discarded with a warning
+    that says their prompts are skipped. Nothing to restore: no warning."""
     import logging
 
     c = _controller(**{"rollout.ahead_schedule": "stream"})
     with caplog.at_level(logging.WARNING):
-        c.load_state_dict(_saved(3))
-    assert not c._ahead and "discarded and generated again" in caplog.text
-    c.load_state_dict(_saved(3, 4))
-    assert [v for v, _ in c._ahead] == [3, 4]
-    c.load_state_dict(_saved(2, 2))  # step 5 would train the second at staleness 3
-    assert not c._ahead
+        c.load_state_dict(_saved())  # e.g. a k = 0 run's checkpoint
+        assert not c._ahead and not caplog.text
+        c.load_state_dict(_saved(3))  # saved at k = 1: one batch, trains at staleness 1
+        assert [v for v, _ in c._ahead] == [3] and not caplog.text
+        c.load_state_dict(_saved(3, 4))
+        assert [v for v, _ in c._ahead] == [3, 4]
+        c.load_state_dict(_saved(2, 2))  # step 5 would train the second at staleness 3
+        assert not c._ahead and "discarded; their prompts are skipped" in caplog.text
+    bigger = _controller(**{"rollout.ahead_schedule": "stream", "train.prompts_per_step": 2})
+    bigger.load_state_dict(_saved(3, 4))  # batches of 1 trajectory; this run's are 2
+    assert not bigger._ahead
 
 
 @pytest.mark.parametrize(("versions", "kept"), [
@@ -420,8 +426,18 @@ class _Algorithm:
     compute_loss = None
 
 
-def _fake_run(schedule: str, steps: int, state: dict | None = None):  # noqa: ANN202
+class _Stop(Exception):
+    pass
+
+
+def _fake_run(schedule: str, steps: int, state: dict | None = None,  # noqa: ANN202
+              stop_after: int | None = None):
     from hybrid_engine.controller import Controller
+
+    def record(step: int, m: dict) -> None:
+        rows.append(m)
+        if step == stop_after:
+            raise _Stop  # as a killed run: the controller's state is step stop_after's
 
     cfg = apply_overrides(RunConfig(), {
         "rollout.max_staleness": 2, "algorithm.behaviour_logp": "rollout",
@@ -429,31 +445,36 @@ def _fake_run(schedule: str, steps: int, state: dict | None = None):  # noqa: AN
         "train.prompts_per_step": 3, "train.num_steps": steps, "eval_every": 0,
         "checkpoint_every": 0})
     policy, rows = _Policy(), []
-    c = Controller(policy, _Env(), _Algorithm(), cfg, on_metrics=lambda s, m: rows.append(m))
+    c = Controller(policy, _Env(), _Algorithm(), cfg, on_metrics=record)
     if state is not None:
         c.load_state_dict(state)
         policy.version = state["step"]
-    c.run(handle_signals=False)
+    try:
+        c.run(handle_signals=False)
+    except _Stop:
+        pass
     return c, policy, rows
 
 
 def test_burst_samples_k_plus_1_batches_per_pass_and_resumes_mid_burst() -> None:
     """k = 2, 3 prompts x K 2 per step: a pass of 9 prompts at steps 0 and 3 (each
     step's prompts in order, the step's seed), staleness 0, 1, 2, 0, ...; a refill
-    round runs at once with the current weights; a resume from the controller's
-    state after step 4 (one batch left of the second pass) repeats steps 5-6."""
+    round runs at once with the current weights; the last pass samples no batch
+    past the last step; a resume from the controller's state after step 4 (one
+    batch left of the second pass) repeats steps 5-6."""
     c, policy, rows = _fake_run("burst", 7)
     passes = [(len(p), seed % 1_000_003, v) for p, seed, v in policy.passes]
-    # bursts at steps 0, 3, 6 (9 prompts); refills of 1 prompt at steps 2 and 5
-    assert [(n, v) for n, _, v in passes] == [(9, 0), (1, 2), (9, 3), (1, 5), (9, 6)]
+    # bursts at steps 0, 3 (9 prompts) and 6 (3: the run ends after it); refills of 1
+    # prompt at steps 2 and 5
+    assert [(n, v) for n, _, v in passes] == [(9, 0), (1, 2), (9, 3), (1, 5), (3, 6)]
     assert policy.passes[0][0] == list(range(9))  # steps 0-2's prompts, in order
     assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0, 0.0]
     assert [r["samples"] for r in rows] == [6, 6, 8, 6, 6, 8, 6]  # + the refill's 2
     assert all(r["gen_tok_s"] < 1e6 for r in rows)  # every batch has its share of seconds
-    # state after step 4, as a checkpoint holds it, then a resumed run to step 7
-    c5, _, _ = _fake_run("burst", 5)
+    # state after step 4 (of 0-6), as a checkpoint holds it, then a resumed run to step 7
+    c5, _, _ = _fake_run("burst", 7, stop_after=5)
     state = json.loads(json.dumps({**c5.state_dict(), "ahead": c5._ahead_state()}))
-    assert [b["version"] for b in state["ahead"]] == [3]
+    assert state["step"] == 5 and [b["version"] for b in state["ahead"]] == [3]
     _, resumed_policy, resumed = _fake_run("burst", 7, state)
     assert [_stable(r) for r in resumed[-2:]] == [_stable(r) for r in rows[-2:]]
     assert resumed_policy.passes[-1][0] == policy.passes[-1][0]  # the same prompts
