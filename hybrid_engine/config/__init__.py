@@ -547,7 +547,8 @@ class RunConfig:
     )
     mismatch_split_sequences: int = _field(
         32,
-        "Colocated with stale samples (rollout.max_staleness >= 1, rollout.temperature 1): "
+        "Colocated with stale samples (rollout.max_staleness >= 1, rollout.temperature 1, "
+        "no rollout.top_p / top_k): "
         "the stale sequences per sampling round (evenly spaced over them; all when fewer) "
         "whose log-probs the engine re-scores under the current weights (a fresh one, "
         "sampled with no sync since, joins with its sampling log-probs), which splits the "

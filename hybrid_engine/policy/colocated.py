@@ -466,13 +466,15 @@ class HybridActor:
     def drift_scorer(self) -> DriftScorer | None:
         """The scorer that splits the mismatch metric when samples can be stale
         (rollout.max_staleness > 0 or partial rollouts), the engine's prompt
-        log-probs equal its sampling ones (rollout.temperature 1) and
+        log-probs equal its sampling ones (rollout.temperature 1, no top_p or
+        top_k: the sampling log-probs are vLLM's processed ones, renormalised
+        over what top-p/top-k keep; prompt log-probs are not) and
         mismatch_split_sequences > 0; else None."""
-        cfg = self.cfg
-        if (not cfg.rollout.max_staleness or cfg.rollout.temperature != 1.0
-                or not cfg.mismatch_split_sequences):
+        r = self.cfg.rollout
+        if (not r.max_staleness or (r.temperature, r.top_p, r.top_k) != (1.0, 1.0, -1)
+                or not self.cfg.mismatch_split_sequences):
             return None
-        return DriftScorer(self, cfg.mismatch_split_sequences)
+        return DriftScorer(self, self.cfg.mismatch_split_sequences)
 
     def model_side(self, env: Any) -> Any:
         """An environment whose score() runs a model (`runs_a_model`, e.g. a reward

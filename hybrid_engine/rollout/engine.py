@@ -386,8 +386,9 @@ class VLLMRollout:
         the world like `generate`: replicas score contiguous slices, then gather).
 
         Prompt tokens skip vLLM's sampling processors, so these are the log-probs
-        at temperature 1: equal to the sampling log-probs only when
-        rollout.temperature is 1. A sequence filling max_model_len is scored
+        at temperature 1 over the whole vocabulary: equal to the sampling
+        log-probs (processed: after temperature, top-p and top-k) only when
+        rollout.temperature is 1 and top_p / top_k are off. A sequence filling max_model_len is scored
         without its last token (vLLM must be able to generate one); that token's
         entry is NaN.
         """
