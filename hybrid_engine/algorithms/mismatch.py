@@ -3,9 +3,10 @@
 Job: measure how far the sampling engine's log-probs (vLLM) are from the
 trainer's for the same tokens under the same weights, with no extra pass:
 from the old log-probs when the trainer computed them (several updates per
-rollout), else from the forward of the step's single update (with
-behaviour_logp='rollout' and several updates, later updates' weights have
-moved: the metric then includes the policy's own change).
+rollout), else from the forward of the step's update (with
+behaviour_logp='rollout' and several updates: the first update's, on its
+mini-batch; later updates' weights have moved, so `policy/updates.py` leaves
+their mismatch metrics out).
 `with_mismatch_metrics(loss_fn)` wraps any `LossFn` and adds
 
     mismatch_abs_mean    mean |logp_train - logp_rollout| over loss tokens

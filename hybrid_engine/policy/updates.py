@@ -21,7 +21,9 @@ trainer's no-grad log-probs of every trajectory under the current weights
 they would equal the current ones, so none are computed (no extra forward:
 the ratio is 1 in value, as in GRPO without PPO updates). With
 `algorithm.behaviour_logp='rollout'` the loss takes the engine's log-probs
-instead and no forward is ever paid (`losses._behaviour_logp`).
+instead and no forward is ever paid (`losses._behaviour_logp`); the
+rollout/trainer mismatch metrics then come from the first update alone (its
+mini-batch), the only one whose weights have not moved this step.
 
 Invariant: the plan depends only on (count, knobs, seed), so every rank
 builds the same one; with one update the plan is the identity (the step is
@@ -163,4 +165,26 @@ def policy_updates(
     else:
         for t in trajs:
             t.old_logp = None
+        if several:
+            step_fn = _mismatch_from_first(step_fn)
     return run_updates(trajs, cfg.train, cfg.seed * 1_000_003 + trainer.step, step_fn)
+
+
+def _mismatch_from_first(
+    step_fn: Callable[[list[Trajectory], bool], dict[str, float]],
+) -> Callable[[list[Trajectory], bool], dict[str, float]]:
+    """step_fn whose updates after the first drop their mismatch_* metrics: with no
+    old log-probs the mismatch is measured on the update's own forward, and only
+    the first update's weights are the ones the batch was sampled with (up to
+    staleness); later ones have moved, which would count the policy's change
+    within this step as engine/trainer numerics (and trip the alarm)."""
+    seen = [False]
+
+    def step(mini: list[Trajectory], last: bool) -> dict[str, float]:
+        m = step_fn(mini, last)
+        if seen[0]:
+            m = {k: v for k, v in m.items() if not k.startswith("mismatch_")}
+        seen[0] = True
+        return m
+
+    return step

@@ -62,6 +62,36 @@ def test_combine_updates_sums_counts_takes_extremes_last_lr_and_means():
     assert combine_updates([]) == {}
 
 
+@pytest.mark.parametrize("behaviour, first_only", [("rollout", True), ("trainer", False)])
+def test_without_old_logprobs_only_the_first_update_measures_the_mismatch(
+        behaviour, first_only, monkeypatch):
+    """behaviour_logp=rollout with 4 updates: no old log-probs, so updates 2-4
+    measure weights this step already moved; only the first's mismatch counts
+    (the trainer's old log-probs serve every update: all count)."""
+    from types import SimpleNamespace
+
+    from hybrid_engine.config import apply_overrides
+    from hybrid_engine.config.recipes import get_recipe
+    from hybrid_engine.policy import updates
+
+    monkeypatch.setattr(updates, "compute_old_logp", lambda *a: None)
+    cfg = apply_overrides(get_recipe("tiny_grpo_debug"), {
+        "train.mini_batches_per_rollout": 2, "train.ppo_epochs": 2,
+        "algorithm.behaviour_logp": behaviour})
+    calls = []
+
+    def step(mini, last):  # noqa: ANN001, ANN202
+        calls.append(len(mini))
+        n = float(len(calls))
+        return {"loss": n, "mismatch_abs_mean": n, "mismatch_numerics_abs_mean": n,
+                "mismatch_split_tokens": 10.0}
+
+    m = updates.policy_updates(SimpleNamespace(step=0), make_trajs(NUM, 50), cfg, 0, step)
+    assert len(calls) == 4 and m["loss"] == 2.5
+    want = 1.0 if first_only else 2.5
+    assert m["mismatch_abs_mean"] == m["mismatch_numerics_abs_mean"] == want
+
+
 def test_num_updates_caps_mini_batches_at_the_trajectory_count():
     from hybrid_engine.config import TrainConfig
 
