@@ -57,15 +57,16 @@ class Trajectory:
             else None: with it the mismatch metric splits into drift and
             numerics.
         group_id: the prompt group this sample belongs to.
-        policy_version: the version of the weights that sampled it: the number
-            of RL steps trained before them (its staleness at step s is
-            s - policy_version; `rollout.max_staleness` bounds it).
+        policy_version: the version of the weights that sampled it (its oldest
+            token, when versions differ within it): the RL step counter when
+            they did, steps that trained nothing included (its staleness at
+            step s is s - policy_version; `rollout.max_staleness` bounds it).
         info: free-form metadata; always has "degenerate" (bool, default False).
             "token_versions" (R ints): the version that sampled each response
             token, when they differ within a sequence (partial rollouts'
             parked prefixes; in-flight weight updates). "installs" (R ints,
-            until `stamp_version`): weight installs since the batch began,
-            per token (in-flight updates).
+            until `stamp_version`): weight installs since the batch was
+            submitted, per token (in-flight updates).
     """
 
     prompt_ids: list[int]
@@ -110,14 +111,16 @@ class Trajectory:
 
 
 def stamp_version(trajs: Sequence[Trajectory], version: int) -> None:
-    """Sets each trajectory's policy_version to the version of the weights its batch
-    started with; an in-flight batch's per-token install counts ("installs") become
-    per-token versions (version + installs)."""
+    """Sets each trajectory's policy_version to `version`, the version of the weights
+    when its batch was submitted; an in-flight batch's per-token install counts
+    ("installs", counted from the submission) become per-token versions (version +
+    installs), and its policy_version is its first token's."""
     for t in trajs:
         t.policy_version = version
         installs = t.info.pop("installs", None)
         if installs is not None:
             t.info["token_versions"] = [version + i for i in installs]
+            t.policy_version += installs[0] if installs else 0
 
 
 def trajectory_to_json(t: Trajectory) -> dict[str, Any]:

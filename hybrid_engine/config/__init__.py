@@ -170,7 +170,7 @@ class RolloutConfig:
     max_staleness: int = _field(
         0,
         "k: generation runs k steps ahead of training; the batch a step trains on was "
-        "sampled with weights up to k optimizer steps old (its staleness, reported per "
+        "sampled with weights up to k RL steps old (its staleness, reported per "
         "step). 0 = synchronous (generate, then train on it). With placement=separate and "
         "k >= 1 the rollout ranks generate the next batch while the trainer ranks train "
         "(step ~ max(generate, train)); colocated, the phases take turns, so by default one "

@@ -54,6 +54,10 @@ class InstallGate:
         self._offer: Commit | None = None
         self._taken: Future | None = None
         self.inflight_installs = 0  # installs taken between engine steps, for tests / metrics
+        # Installs through this gate, in or between batches: they happen in the order
+        # the syncs were handed over (one pending at a time), so this is the number
+        # of the last sync installed (`newer_than`).
+        self.installed = 0
 
     def between_steps(self) -> bool:
         """Generation thread, after an engine step with requests still running:
@@ -72,6 +76,7 @@ class InstallGate:
             taken.set_exception(e)
             raise
         self.inflight_installs += 1
+        self.installed += 1
         return True
 
     def hand_over(self, commit: Commit, before: Sequence[Future]) -> tuple[float, bool]:
@@ -93,5 +98,14 @@ class InstallGate:
             if mine:
                 self._offer = self._taken = None
         if mine:
-            return commit(running=False), False
+            repack = commit(running=False)
+            self.installed += 1
+            return repack, False
         return taken.result(), True
+
+    def newer_than(self, handed: int) -> int:
+        """Generation thread, as a batch starts (submitted when `handed` syncs had
+        been handed to this gate): how many later syncs were installed before it
+        started (inside an earlier batch, k >= 2). The batch samples their
+        weights from its first token, so each token's install count starts there."""
+        return self.installed - handed

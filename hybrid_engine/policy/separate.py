@@ -226,6 +226,7 @@ class SeparatePolicy:
         # of the batch being sampled (agreed by the TP group), not after it.
         self._gate = (InstallGate(self.rollout.tp_all) if self.rollout is not None
                       and cfg.rollout.inflight_updates else None)
+        self._handed = 0  # syncs handed to the gate so far (main thread, in order)
         # The sync behind the next step (generation ahead): its thread, and the
         # metrics of the last one joined (reported by the next sync_weights).
         self._sync_thread = SerialWorker("sync")
@@ -288,7 +289,7 @@ class SeparatePolicy:
             self.sync_weights()
         future = None
         if self.rollout is not None:
-            ids, sync = [list(p) for p in prompts], self._sync_job
+            ids, sync, handed = [list(p) for p in prompts], self._sync_job, self._handed
 
             def job() -> tuple[list[Trajectory], float]:
                 if sync is not None:  # installed first: this batch samples this step's weights
@@ -296,11 +297,15 @@ class SeparatePolicy:
                 # in-flight updates: the engine offers every step boundary to the gate
                 gate = self._gate
                 self.rollout.between_steps = None if gate is None else gate.between_steps
+                newer = 0 if gate is None else gate.newer_than(handed)
                 try:
-                    return timed(lambda: collect(self._local, env, ids, num_samples=num_samples,
-                                                 seed=seed))
+                    trajs, seconds = timed(lambda: collect(self._local, env, ids,
+                                                           num_samples=num_samples, seed=seed))
                 finally:
                     self.rollout.between_steps = None
+                for t in trajs if newer else ():  # installs since this batch's submission
+                    t.info["installs"] = [i + newer for i in t.info["installs"]]
+                return trajs, seconds
 
             future = self._gen.submit(job)
         return Inflight(future, lambda obj: _from_rank(self.num_trainers, obj))
@@ -360,6 +365,7 @@ class SeparatePolicy:
 
         gate = self._gate  # in-flight: installed inside the running batch if it can be
         install = None if gate is None else lambda commit: gate.hand_over(commit, sampling)
+        self._handed += 1
         self._sync_job = self._sync_thread.submit(
             lambda: self.syncer.sync(model, self.rollout, before_install=after_them,
                                      install=install))

@@ -107,12 +107,44 @@ def test_a_failed_install_fails_the_batch_and_the_sync() -> None:
             batch.result()
 
 
+def test_a_batch_queued_behind_an_inflight_install_counts_it_from_its_first_token() -> None:
+    """k = 2: batches 1 and 2 are submitted before sync 1 is handed over; it lands
+    inside batch 1, so batch 2 samples the new weights from its first token:
+    `newer_than` at its start says so (1), while batch 1's starts at 0. The gate
+    counts installs taken in a batch and those the sync thread makes alike."""
+    from hybrid_engine.policy.ahead import SerialWorker
+
+    gate, commit, seen, start = InstallGate(), _Commit(), [], threading.Event()
+    gen, syncs = SerialWorker("generation"), SerialWorker("sync")
+    try:
+        def batch(handed: int, steps: int) -> tuple[int, list[int]]:
+            newer = gate.newer_than(handed)  # as the separate policy's batch job does
+            return newer, _batch(gate, steps, seen, start)
+
+        b1, b2 = gen.submit(lambda: batch(0, 200)), gen.submit(lambda: batch(0, 5))
+        start.wait()
+        sync = syncs.submit(lambda: gate.hand_over(commit, gen.pending()))
+        assert sync.result() == (0.25, True)  # taken inside batch 1
+        (newer1, inst1), (newer2, inst2) = b1.result(), b2.result()
+        assert newer1 == 0 and inst1[0] == 0 and inst1[-1] == 1
+        assert newer2 == 1 and inst2 == [0] * 5  # no install inside it: all its tokens are v + 1
+        assert gate.installed == 1
+        assert gate.hand_over(commit, []) == (0.25, False)  # none running: the sync thread's
+        assert gate.installed == 2 and gate.newer_than(1) == 1
+    finally:
+        gen.shutdown()
+        syncs.shutdown()
+
+
 def test_stamp_version_turns_install_counts_into_token_versions() -> None:
     t = Trajectory(prompt_ids=[1], response_ids=[5, 6, 7], rollout_logp=[-0.1] * 3,
                    info={"installs": [0, 0, 2]})
     plain = Trajectory(prompt_ids=[1], response_ids=[5], rollout_logp=[-0.1])
-    stamp_version([t, plain], 4)
+    queued = Trajectory(prompt_ids=[1], response_ids=[5, 6], rollout_logp=[-0.1] * 2,
+                        info={"installs": [1, 2]})  # an install landed before it started
+    stamp_version([t, plain, queued], 4)
     assert t.policy_version == 4 and t.info["token_versions"] == [4, 4, 6]
+    assert queued.policy_version == 5 and queued.info["token_versions"] == [5, 6]
     assert "installs" not in t.info and "token_versions" not in plain.info
 
 
