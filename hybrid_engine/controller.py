@@ -95,7 +95,10 @@ class Controller:
             `train_step(trajs, loss_fn)`, `sync_weights()` (e.g. `HybridActor`);
             with rollout.max_staleness > 0 also `collect_async(env, prompts,
             num_samples=, seed=)` -> a handle whose `result()` (collective)
-            returns (trajectories, seconds the engine spent on them).
+            returns (trajectories, seconds the engine spent on them). Optional:
+            `rollout_metrics()` (the generation's own, e.g. partial rollouts'
+            pool; read after every step's sampling, trained or not) and
+            `rollout_state()` / `load_rollout_state()` (checkpointed).
         env: `sample_prompts(n)`, `eval_prompts(n)`, `score(trajs)`,
             `state_dict()`, `load_state_dict()`.
         algorithm: `compute_advantages(trajs)`, `prompts_wanted(trajs, rounds)`,
@@ -223,7 +226,8 @@ class Controller:
         timer = PhaseTimer()
         trajs, rounds, busy_s = self._sample(timer)
         m = {**trajectory_metrics(trajs), **self.algorithm.compute_advantages(trajs),
-             **staleness_metrics(trajs, self.state.step, self.cfg.rollout.max_staleness)}
+             **staleness_metrics(trajs, self.state.step, self.cfg.rollout.max_staleness),
+             **getattr(self.policy, "rollout_metrics", dict)()}  # e.g. partial rollouts
         train = self.algorithm.select(trajs)
         m.update(sampling_rounds=float(rounds), train_samples=float(len(train)),
                  skipped_degenerate=float(not train))

@@ -377,6 +377,12 @@ class HybridActor:
         """The parked partial sequences (rollout.partial_rollout), JSON-able; else None."""
         return None if self.partial is None else self.partial.state_dict()
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """The generation's own metrics since the last call: with partial rollouts
+        the pool's partial/* counts (`PartialRollouts.metrics`); else none. The
+        controller reads them after every step's sampling, trained or not."""
+        return {} if self.partial is None else self.partial.metrics()
+
     def load_rollout_state(self, state: dict | None) -> None:
         """Restores what rollout_state() returned."""
         if state is None:
@@ -444,8 +450,6 @@ class HybridActor:
         metrics = policy_train(self.trainer, self.cfg, trajs, self.pad_id, loss_fn, entropy_grad)
         self.phases.trained()
         metrics["mem_released_bytes"] = float(self.released_bytes)
-        if self.partial is not None:  # the pool after this step's generation
-            metrics.update(self.partial.metrics())
         if self.offload is not None:  # the offload during this step's generation
             metrics["offload_moved_bytes"] = float(self.offload.moved_bytes)
             metrics["offload_released_bytes"] = float(self.offload.released_bytes)

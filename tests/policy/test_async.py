@@ -487,3 +487,33 @@ def test_stream_starts_one_batch_per_step_k_ahead() -> None:
     assert [(len(p), v) for p, _, v in policy.passes] == [
         (3, 0), (3, 0), (3, 0), (3, 1), (3, 2), (1, 2), (3, 3), (3, 4)]
     assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0, 2.0]
+
+
+def test_the_generations_metrics_are_read_every_step_trained_or_not() -> None:
+    """`policy.rollout_metrics()` (partial rollouts' counts since the last call) is
+    read after each step's sampling, so a step that trains nothing still reports
+    its own generation, and gen_tok_s divides the engine's sampled tokens (not
+    the trained samples' tokens, parked prefixes included) by its seconds."""
+    from hybrid_engine.controller import Controller
+
+    class Policy(_Policy):
+        def collect(self, env, prompts, *, num_samples, seed):  # noqa: ANN001, ANN201
+            return self.collect_async(env, prompts, num_samples=num_samples, seed=seed).result()[0]
+
+        def rollout_metrics(self) -> dict:
+            return {"partial/sampled_tokens": 10.0 * len(self.passes)}
+
+    class NothingToTrain(_Algorithm):
+        def select(self, trajs):  # noqa: ANN001, ANN201
+            return []
+
+    cfg = apply_overrides(RunConfig(), {"rollout.num_samples_per_prompt": 2,
+                                        "train.prompts_per_step": 3, "train.num_steps": 2,
+                                        "eval_every": 0, "checkpoint_every": 0})
+    rows = []
+    c = Controller(Policy(), _Env(), NothingToTrain(), cfg,
+                   on_metrics=lambda s, m: rows.append(m))
+    c.run(handle_signals=False)
+    assert [r["skipped_degenerate"] for r in rows] == [1.0, 1.0]
+    assert [r["partial/sampled_tokens"] for r in rows] == [10.0, 20.0]
+    assert rows[0]["gen_tok_s"] == 10.0 / rows[0]["generate_s"]
