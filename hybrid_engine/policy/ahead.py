@@ -17,8 +17,9 @@ wait). Two kinds:
 Why a thread (and not non-blocking collectives): vLLM's engine step loop is
 synchronous Python; a generation thread lets it run unchanged while the
 rollout rank's main thread keeps joining the job's collectives (the step's
-metrics, the weight transfer into the back buffer) in the same order as every
-other rank. Torch and vLLM's kernels release the GIL, so the two threads
+metrics; the weight transfer into the back buffer, unless it runs behind the
+step on every rank's sync thread, over its own group) in the same order as
+every other rank. Torch and vLLM's kernels release the GIL, so the two threads
 overlap their compute-bound parts; one job runs at a time.
 
 Invariant: the engine is used by one thread at a time, and every batch
@@ -29,7 +30,8 @@ be installed (`policy/separate.py`); a weight install waits for the batches
 submitted before its sync began (`SerialWorker.pending()`), so each batch is
 sampled with one version -- unless `rollout.inflight_updates` lets the
 install land between two engine steps of the running batch
-(`policy/inflight.py`), whose later tokens then carry the newer version.
+(`policy/inflight.py`): its later tokens, and every token of a batch
+queued behind it (k >= 2), then carry the newer version.
 """
 
 from __future__ import annotations

@@ -27,8 +27,11 @@ Every method is collective over all N ranks, like HybridActor's, so the
 controller runs unchanged.
 
 Invariant: every rank returns the same trajectories and the same metrics
-from every call (the controller's decisions depend on them), and the
-rollout samples from exactly the trainer's weights after `sync_weights`.
+from every call (the controller's decisions depend on them). The rollout
+samples from exactly the trainer's weights after `sync_weights` when the sync
+runs on the main thread; behind the step (generation ahead), from the first
+batch submitted after it, or from an engine step inside a running batch with
+in-flight updates (each token records its version).
 """
 
 from __future__ import annotations
@@ -348,7 +351,9 @@ class SeparatePolicy:
         the weights); on rollout ranks the next batch's job waits for it on the
         generation thread, so the main thread goes on. The transfer lands in
         the engine's back buffers while a generation runs and is installed
-        once the batches submitted before it have ended."""
+        once the batches submitted before it have ended (in-flight updates:
+        between two engine steps of the running batch). The shards it sends
+        are taken here, on the main thread (`WeightSync.sources`)."""
         model = self.trainer.module if self.is_trainer else None
         self._stale = False
         if not self._behind:
@@ -366,9 +371,12 @@ class SeparatePolicy:
         gate = self._gate  # in-flight: installed inside the running batch if it can be
         install = None if gate is None else lambda commit: gate.hand_over(commit, sampling)
         self._handed += 1
+        # The shards' views, taken here: the sync thread must not walk the module
+        # while the next step's forward has the root's parameters gathered.
+        sources = self.syncer.sources(model)
         self._sync_job = self._sync_thread.submit(
             lambda: self.syncer.sync(model, self.rollout, before_install=after_them,
-                                     install=install))
+                                     install=install, sources=sources))
         return {**(prev or {}), "sync_behind": 1.0}
 
     def _join_sync(self) -> None:

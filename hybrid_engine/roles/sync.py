@@ -38,9 +38,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybrid_engine.config import SyncConfig
+from hybrid_engine.parallel.fsdp import assert_sharded, reshard_all
 from hybrid_engine.reshard.layouts import model_dims
 from hybrid_engine.reshard.plan import build_plan, shard_rows
 from hybrid_engine.reshard.transfer import ReshardExecutor
@@ -111,12 +113,20 @@ class WeightSync:
                                       bucket_bytes=int(cfg.bucket_mb * 2**20), group=group)
                        if cfg.method == "naive_bucketed" else None)
 
-    def _sources(self, model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
+    def sources(self, model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
         """This rank's FSDP2 shards as 2-D [local_rows, cols] views (0 rows each
-        on a rollout-only rank, model None)."""
+        on a rollout-only rank, model None). Call it on the thread that runs the
+        model: a forward gathers the root's parameters (embed, norm, lm_head)
+        and exposes the full tensors in their place, so the module is resharded
+        and checked first (`assert_sharded`); the views stay valid while the
+        model runs forward and backward (they read the shards' storage, which
+        only the optimizer step writes)."""
         if model is None:  # on the collectives' device (G5: NCCL, CUDA kernels)
             return {n: torch.empty(0, c, device=self.device)
                     for n, (_, c) in self.plan.hf_shapes.items()}
+        if isinstance(model, FSDPModule):
+            reshard_all(model)
+            assert_sharded(model)
         out = {}
         size = self.plan.shard_group_size
         for name, p in hf_named_parameters(model):
@@ -140,6 +150,7 @@ class WeightSync:
     def sync(self, model: torch.nn.Module | None, rollout: VLLMRollout | None, *,
              before_install: Callable[[], None] | None = None,
              install: Callable[[Callable[..., float]], tuple[float, bool]] | None = None,
+             sources: dict[str, torch.Tensor] | None = None,
              ) -> dict[str, float]:
         """Writes model's current weights into rollout; returns timing/bytes metrics.
 
@@ -157,6 +168,9 @@ class WeightSync:
             hand_over`: between two engine steps of a running batch, or after
             the batches); returns (re-pack seconds, whether it landed inside a
             batch: the sync_inflight metric). Replaces before_install.
+        sources: `sources(model)`, built by the caller on the model's thread
+            (reshard only; a sync running on another thread beside the
+            trainer's next forward must not walk the module); None = built here.
         """
         t0 = time.perf_counter()
         if self.cfg.method == "naive":
@@ -190,7 +204,8 @@ class WeightSync:
                 self._check(names, written, ref)
             rollout.install_staged()  # frees the staging arena for the next group
 
-        stats = self.executor.run(self._sources(model), targets, on_group=done)
+        stats = self.executor.run(sources if sources is not None else self.sources(model),
+                                   targets, on_group=done)
         repack_s = wait_s = 0.0
         inflight: dict[str, float] = {}
         if rollout is not None:

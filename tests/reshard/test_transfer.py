@@ -70,7 +70,9 @@ def test_executor_fp32_wire_other_architectures(spec):
 def _fsdp_sync_case(model_dir: str, tp: int) -> dict:
     """A real FSDP2 layout (this rank's Shard(0) rows, on the backend's device: CUDA
     under NCCL) moved by the sync's executor into TP-local tensors beside it,
-    compared with the layout sliced from the checkpoint's full tensors."""
+    compared with the layout sliced from the checkpoint's full tensors. Taken
+    right after a forward with no backward, which leaves the root's parameters
+    (embed, norm, lm_head) gathered: `sources` must still give this rank's shards."""
     import torch.distributed as dist
     from safetensors.torch import load_file
 
@@ -86,7 +88,9 @@ def _fsdp_sync_case(model_dir: str, tp: int) -> dict:
                for n, s in sync.target_shapes.items()}
     for n, first in sync.padding_rows.items():  # vocab padding: no block writes it, the sync zeroes it
         targets[n][first:].zero_()
-    stats = sync.executor.run(sync._sources(model), targets)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]], device=sync.device))
+    stats = sync.executor.run(sync.sources(model), targets)
     full = {n: t.view(t.shape[0], -1) for n, t in load_file(f"{model_dir}/model.safetensors").items()}
     if "lm_head.weight" not in full:
         full["lm_head.weight"] = full["model.embed_tokens.weight"]
