@@ -87,6 +87,11 @@ class SerialWorker:
             f.exception()
         self._jobs = []
 
+    def cancel_queued(self) -> None:
+        """Cancels the jobs that have not started (the running one goes on)."""
+        for f in self._jobs:
+            f.cancel()
+
     def pending(self) -> list[Future]:
         """The jobs submitted so far that have not finished."""
         return [f for f in self._jobs if not f.done()]
@@ -110,30 +115,33 @@ class Inflight:
             on ranks that do not generate.
         share: broadcasts a rank's object to every rank (collective):
             share(obj) returns the source rank's obj.
+        gather: every rank's small object, on every rank (collective; default:
+            one rank's own): how each rank learns whether any generation failed.
     """
 
-    def __init__(self, future: Future | None, share: Callable[[Any], Any]) -> None:
-        self.future, self.share = future, share
+    def __init__(self, future: Future | None, share: Callable[[Any], Any],
+                 gather: Callable[[Any], list] = lambda obj: [obj]) -> None:
+        self.future, self.share, self.gather = future, share, gather
         self._out: tuple[list, float] | None = None
 
     def result(self) -> tuple[list, float]:
         """(trajectories, generate_s), the same on every rank (collective, once;
-        later calls return the same). A failed generation raises on every rank."""
+        later calls return the same). A generation failed on any rollout rank
+        raises on every rank, with its error."""
         if self._out is not None:
             return self._out
-        mine: tuple = ("none",)
+        mine, error = None, None
         if self.future is not None:
             try:
                 trajs, seconds = self.future.result()
-                mine = ("ok", trajs, seconds)
+                mine = (trajs, seconds)
             except BaseException as e:  # noqa: BLE001 -- reported on every rank below
-                mine = ("error", f"{type(e).__name__}: {e}")
-        got = self.share(mine if mine[0] != "none" else None)
-        for status in (mine, got):
-            if status[0] == "error":
-                raise RuntimeError(f"generation ahead of training failed on a rollout rank: "
-                                   f"{status[1]}")
-        self._out = (got[1], got[2])
+                error = f"{type(e).__name__}: {e}"
+        errors = [e for e in self.gather(error) if e is not None]
+        if errors:
+            raise RuntimeError(f"generation ahead of training failed on a rollout rank: "
+                               f"{errors[0]}")
+        self._out = self.share(mine)
         return self._out
 
 

@@ -41,6 +41,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import wait
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,13 @@ def _from_rank(src: int, obj: Any) -> Any:
     box = [obj if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def _all_ranks(obj: Any) -> list:
+    """Every rank's obj, on every rank (collective)."""
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class _SharedRollout:
@@ -311,7 +319,7 @@ class SeparatePolicy:
                 return trajs, seconds
 
             future = self._gen.submit(job)
-        return Inflight(future, lambda obj: _from_rank(self.num_trainers, obj))
+        return Inflight(future, lambda obj: _from_rank(self.num_trainers, obj), _all_ranks)
 
     # --- training ----------------------------------------------------------------
 
@@ -365,8 +373,7 @@ class SeparatePolicy:
         sampling = self._gen.pending()  # batches of the old weights: installed after them
 
         def after_them() -> None:
-            for f in sampling:
-                f.exception()
+            wait(sampling)  # ended, failed or cancelled (shutdown)
 
         gate = self._gate  # in-flight: installed inside the running batch if it can be
         install = None if gate is None else lambda commit: gate.hand_over(commit, sampling)
@@ -427,11 +434,12 @@ class SeparatePolicy:
         if self._watchdog is not None:
             watchdog.stop()  # a clean shutdown is not a silent rank
         try:
+            self._gen.cancel_queued()  # batches ahead not started: nothing will train them
             self._join_sync()
         finally:
             self._sync_thread.shutdown()
             self._gen.shutdown()
-        if self.rollout is not None:
-            self.rollout.shutdown()
+            if self.rollout is not None:
+                self.rollout.shutdown()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()

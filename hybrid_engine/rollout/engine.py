@@ -567,8 +567,9 @@ class VLLMRollout:
         self._repack_s += self.backend.refresh_packed(self._model())
         # cached KV was computed with the old weights
         if not self.llm.reset_prefix_cache(reset_running_requests=running):
-            _log.warning("vLLM did not reset its prefix cache after a weight install: "
-                         "requests still hold KV blocks (computed with the old weights)")
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight install: "
+                               "requests still hold KV blocks computed with the old weights, "
+                               "which the next tokens would attend to")
         repack_s, self._repack_s = self._repack_s, 0.0
         return repack_s
 

@@ -58,6 +58,8 @@ def test_trajectory_json_round_trip_is_exact() -> None:
 
 
 def test_inflight_shares_the_result_once_and_raises_a_failure_everywhere() -> None:
+    """One broadcast of the source's batch, cached; a failure anywhere (gathered from
+    every rank first) raises on every rank instead."""
     pool, shared = SerialWorker("test"), []
 
     def share(obj):  # noqa: ANN001, ANN202 -- one rank: the source's object is its own
@@ -73,9 +75,13 @@ def test_inflight_shares_the_result_once_and_raises_a_failure_everywhere() -> No
     bad = Inflight(pool.submit(lambda: timed(lambda: 1 / 0)), share)
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         bad.result()
-    # A rank that generates nothing gets the source's error through share() too.
-    with pytest.raises(RuntimeError, match="boom"):
-        Inflight(None, lambda obj: ("error", "boom")).result()
+    # Any rank's failure raises on every rank, whether it generates (here: its batch
+    # is fine) or not, and whether the failed rank is the source of share() or not.
+    for future in (None, pool.submit(lambda: timed(lambda: [3]))):
+        other_failed = Inflight(future, share, lambda err: [err, "ValueError: boom"])
+        with pytest.raises(RuntimeError, match="ValueError: boom"):
+            other_failed.result()
+    assert len(shared) == 1  # nothing shared once a failure is known
     pool.shutdown()
 
 
@@ -517,3 +523,20 @@ def test_the_generations_metrics_are_read_every_step_trained_or_not() -> None:
     assert [r["skipped_degenerate"] for r in rows] == [1.0, 1.0]
     assert [r["partial/sampled_tokens"] for r in rows] == [10.0, 20.0]
     assert rows[0]["gen_tok_s"] == 10.0 / rows[0]["generate_s"]
+
+
+def test_cancel_queued_leaves_the_running_job_and_drops_the_rest() -> None:
+    """Shutdown's first move (separate placement): batches ahead that have not
+    started are cancelled, so a sync's install waiting on them (`wait`) ends when
+    the running one does."""
+    from concurrent.futures import wait
+
+    pool, gate, started = SerialWorker("test"), threading.Event(), threading.Event()
+    running = pool.submit(lambda: (started.set(), gate.wait(5))[1])
+    queued = pool.submit(lambda: 1)
+    started.wait(5)
+    pool.cancel_queued()
+    gate.set()
+    wait(pool.pending())
+    assert running.result() is True and queued.cancelled()
+    pool.shutdown()
