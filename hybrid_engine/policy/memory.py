@@ -97,6 +97,8 @@ class ReleasePolicy:
         local = needs_release(self.trainer_peak, free)
         flag = torch.tensor([int(local)])
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            if dist.get_backend(self.group) == "nccl":  # NCCL reduces device tensors only
+                flag = flag.cuda()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         release = bool(flag.item())
         if release != self.releasing:

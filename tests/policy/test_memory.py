@@ -50,6 +50,24 @@ def test_auto_measures_a_real_transient_allocation() -> None:
     assert small.should_release()
 
 
+def _agree_on_release() -> bool:
+    import torch
+
+    p = ReleasePolicy("auto", device=torch.device("cuda", torch.cuda.current_device()))
+    return p.should_release()  # all-reduced over the default (NCCL) group
+
+
+@pytest.mark.gpu
+def test_auto_agrees_over_nccl() -> None:
+    """The release decision is one all-reduce over the ranks: under NCCL its flag
+    must be a device tensor (a CPU one raises: no CPU backend)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"gpu: needs 2 CUDA devices, {torch.cuda.device_count()} present")
+    assert run_ranks(_agree_on_release, 2, backend="nccl", timeout=120) == [True, True]
+
+
 def _released_per_step(model_dir: str, out_dir: str, budget: float) -> list[float]:
     import torch.distributed as dist
 
