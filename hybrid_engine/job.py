@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -70,19 +71,28 @@ class JobCheckpointer:
 
         A damaged one (a file missing, truncated or changed since the save:
         `checkpoint_problem`, every rank checking a share) is skipped with a
-        warning for the one before; it stays on disk for inspection.
+        warning for the one before; it stays on disk for inspection, renamed
+        `step_<n>.damaged-<time>` so that keep_checkpoints neither counts it
+        among the newest nor deletes the sound ones for it.
 
         Raises:
             ValueError: no sound checkpoint under the folder.
         """
-        path = None
+        path, damaged = None, []
         for _, candidate in reversed(step_checkpoints(self.root)):
             problem = checkpoint_problem(candidate, group=dist.group.WORLD)
             if problem is None:
                 path = candidate
                 break
-            log.warning("checkpoint %s is damaged (%s): resuming from the one before",
-                        candidate, problem)
+            damaged.append(candidate)
+            log.warning("checkpoint %s is damaged (%s): resuming from the one before; it is "
+                        "kept as %s.damaged-*", candidate, problem, candidate.name)
+        if damaged:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            if dist.get_rank() == 0:
+                for p in damaged:
+                    p.rename(p.with_name(f"{p.name}.damaged-{stamp}"))
+            dist.barrier()  # every rank lists the folder after the renames
         if path is None:
             raise ValueError(f"no complete checkpoint under {self.root} to resume from"
                              + (": every one is damaged (see the warnings above)"

@@ -363,7 +363,8 @@ def test_a_damaged_newest_checkpoint_yields_to_the_one_before(model_dir, referen
                                                               tmp_path) -> None:
     """Bytes flipped in the newest checkpoint's shard: the resume names it, warns,
     and continues from the one before, reproducing the straight run (issue 18,
-    item 11)."""
+    item 11). The damaged folder is kept under another name, so keep_checkpoints
+    counts (and keeps) only sound ones."""
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     ckpts = out / "checkpoints"
@@ -379,6 +380,9 @@ def test_a_damaged_newest_checkpoint_yields_to_the_one_before(model_dir, referen
     assert f"checkpoint {newest} is damaged ({shard.relative_to(newest)} does not match its " \
            "checksum): resuming from the one before" in proc.stdout, proc.stdout[-3000:]
     assert _steps(out) == _steps(reference)
+    kept = sorted(p.name for p in ckpts.iterdir())
+    assert kept[:2] == ["step_00000003", "step_00000004"], kept  # step 4 saved again, sound
+    assert len(kept) == 3 and kept[2].startswith("step_00000004.damaged-"), kept
 
 
 def test_resume_refuses_another_models_checkpoint(model_dir, reference, tmp_path) -> None:
