@@ -332,14 +332,29 @@ def _dcp_state(trainer: Trainer, critic: Critic | None) -> dict[str, Any]:
     Both roles keep their FSDP root resharded outside a step, so the
     optimizer's DTensors are the module's (the trainer's guard)."""
     reshard_all(trainer.module)
-    model_sd, optim_sd = get_state_dict(trainer.module, trainer.optimizer)
+    model_sd, optim_sd = _state_dicts(trainer.module, trainer.optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     if critic is not None:
         reshard_all(critic.module)
-        state["critic_model"], state["critic_optim"] = get_state_dict(
-            critic.module, critic.optimizer
-        )
+        state["critic_model"], state["critic_optim"] = _state_dicts(critic.module,
+                                                                    critic.optimizer)
     return state
+
+
+def _state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """DCP's model and optimizer state dicts, leaving the optimizer as it was. An
+    optimizer that has not stepped yet has no state, so `get_state_dict` makes it
+    by one zero-gradient step at lr 0, which leaves AdamW's step count at 1: the
+    next real update would use the second step's bias correction. Set back to 0
+    (the moments are zero), it updates as a fresh optimizer would, and the
+    checkpoint holds step 0."""
+    fresh = not optimizer.state
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    if fresh:
+        for st in optimizer.state.values():  # the same tensors as optim_sd's
+            if torch.is_tensor(st.get("step")):
+                st["step"].zero_()
+    return model_sd, optim_sd
 
 
 def _write_state(

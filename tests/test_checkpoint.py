@@ -14,6 +14,7 @@ start-up is paid once:
   checksums) before anything loads it; a save whose writes fail on one rank
   (RLIMIT_FSIZE, as on a full disk) raises one CheckpointWriteError on both
   ranks, leaves no .tmp- folder and the previous checkpoint loads.
+- a save before the first optimizer step leaves the next step bitwise unchanged.
 - export of a trained untied and a tied model: the HF folder's tensors equal the
   full tensors bitwise, and its logits equal the FSDP model's (max diff 0).
 """
@@ -263,6 +264,21 @@ def _check_export(path: str, vocab: int, out: str) -> dict:
                 split_files=sum(f.endswith(".safetensors") for f in os.listdir(f"{out}_split")))
 
 
+def _check_save_before_training(path: str, vocab: int, root: str) -> dict:
+    """A save before the first optimizer step (DCP makes the AdamW state then) must
+    not change the training that follows: bitwise the same step as without it."""
+    from hybrid_engine.checkpoint import save_training_state
+
+    runs = []
+    for save in (False, True):
+        trainer, critic, batch, loss_fn = _roles(path, vocab)
+        if save:
+            save_training_state(f"{root}/fresh", trainer=trainer, critic=critic)
+        _step(trainer, critic, batch, loss_fn)
+        runs.append(_snapshot(trainer, critic))
+    return {"differ": _same(*runs)}
+
+
 def _two_rank_checks(root: str) -> dict:
     import torch.distributed as dist
 
@@ -280,6 +296,7 @@ def _two_rank_checks(root: str) -> dict:
                 for name in SPECS},
         integrity=_check_integrity(f"{root}/untied", vocab["untied"], f"{root}/integrity"),
         layouts=_check_layouts(f"{root}/untied", vocab["untied"], f"{root}/layouts"),
+        fresh=_check_save_before_training(f"{root}/untied", vocab["untied"], f"{root}/fresh"),
     )
 
 
@@ -306,6 +323,11 @@ def two_ranks(root) -> list[dict]:
 # --------------------------------------------------------------------------
 # Tests
 # --------------------------------------------------------------------------
+
+
+def test_a_save_before_the_first_step_changes_nothing(two_ranks):
+    for r in two_ranks:
+        assert r["fresh"]["differ"] == []
 
 
 def test_load_rejects_folder_without_marker(tmp_path):
