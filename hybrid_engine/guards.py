@@ -38,6 +38,13 @@ class Guards:
         self.cfg, self.newest_checkpoint = cfg, newest_checkpoint
         self.nonfinite_in_a_row = 0
 
+    def state_dict(self) -> dict:
+        """What a resume needs to go on as the straight run would (the streak)."""
+        return {"nonfinite_in_a_row": self.nonfinite_in_a_row}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.nonfinite_in_a_row = int(d.get("nonfinite_in_a_row", 0))
+
     def check(self, step: int, m: dict[str, float]) -> str | None:
         """Flags m; returns why the run must stop now, or None."""
         alarm = self._mismatch_alarm(step, m)
@@ -47,18 +54,23 @@ class Guards:
         return streak
 
     def _nonfinite_streak(self, step: int, m: dict[str, float]) -> str | None:
-        """Counts steps the trainer skipped for a NaN/inf loss or gradient norm
-        (m["skipped"]); the abort message once train.max_nonfinite_in_a_row are
-        in a row."""
+        """Counts steps whose every update the trainer skipped for a NaN/inf loss
+        or gradient norm (m["skipped"] > 0 and no optimizer step); the abort
+        message once train.max_nonfinite_in_a_row are in a row. A step with
+        some updates skipped and some taken warns and breaks the streak."""
         if "skipped" not in m:
             return None  # an eval row, or a step with nothing to train on
-        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if m["skipped"] else 0
+        stalled = m["skipped"] > 0 and m.get("optimizer_steps", 0.0) == 0
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if stalled else 0
         m["nonfinite_in_a_row"] = float(self.nonfinite_in_a_row)
         limit = self.cfg.train.max_nonfinite_in_a_row
         if not limit or self.nonfinite_in_a_row < limit:
-            if m["skipped"]:
+            if stalled:
                 log.warning("step %d: non-finite loss or gradient norm (%s): step skipped, "
                             "weights unchanged", step, m.get("grad_norm"))
+            elif m["skipped"]:
+                log.warning("step %d: %d of its updates had a non-finite loss or gradient "
+                            "norm and were skipped", step, int(m["skipped"]))
             return None
         newest = self.newest_checkpoint() if self.newest_checkpoint else None
         return (f"step {step}: {limit} steps in a row had a non-finite loss or gradient norm "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.guards import Guards
 
@@ -45,3 +47,28 @@ def test_nonfinite_streak_counts_resets_and_aborts_at_the_limit() -> None:
     assert "step 5: 2 steps in a row" in answers[4] and "ckpt/step_00000003" in answers[4]
     unlimited = Guards(_cfg(**{"train.max_nonfinite_in_a_row": 0}))
     assert all(unlimited.check(i, {"skipped": 1.0}) is None for i in range(10))
+
+
+def test_a_step_counts_toward_the_streak_only_when_no_update_was_taken() -> None:
+    """Four updates, one skipped: the weights moved, so the streak breaks."""
+    g = Guards(_cfg(**{"train.max_nonfinite_in_a_row": 2}))
+    rows = [{"skipped": 4.0, "optimizer_steps": 0.0}, {"skipped": 1.0, "optimizer_steps": 3.0},
+            {"skipped": 4.0, "optimizer_steps": 0.0}]
+    assert [g.check(i, r) for i, r in enumerate(rows, 1)] == [None] * 3
+    assert [r["nonfinite_in_a_row"] for r in rows] == [1.0, 0.0, 1.0]
+
+
+def test_the_streak_survives_a_resume() -> None:
+    """A run resumed after 2 skipped steps aborts at the same step as the straight run."""
+    cfg = _cfg(**{"train.max_nonfinite_in_a_row": 3})
+    straight = Guards(cfg)
+    assert [straight.check(i, {"skipped": 1.0}) is None for i in (1, 2, 3)] == [True, True, False]
+    first = Guards(cfg)
+    first.check(1, {"skipped": 1.0})
+    first.check(2, {"skipped": 1.0})
+    resumed = Guards(cfg)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert "step 3: 3 steps in a row" in resumed.check(3, {"skipped": 1.0})
+    fresh = Guards(cfg)
+    fresh.load_state_dict({})  # a checkpoint from before the streak was saved
+    assert fresh.nonfinite_in_a_row == 0
