@@ -303,9 +303,15 @@ class HybridActor:
     def training(self) -> Iterator[HybridActor]:
         """Switches to the training layout (collective): the engine releases its
         memory (GPU: its weights too; the next generate resyncs). The layout stays
-        after the block; the next generate switches back."""
+        after the block; the next generate switches back. The block may change
+        the trainer's weights (its own optimizer step): they count as changed
+        after it, so the next generate syncs whether or not the engine kept its
+        own."""
         self.phases.to_train()
-        yield self
+        try:
+            yield self
+        finally:
+            self.phases.trained()
 
     @contextlib.contextmanager
     def inference(self) -> Iterator[HybridActor]:
@@ -343,12 +349,12 @@ class HybridActor:
         current weights' version (the controller's step), recorded per token,
         and up to len(prompts) finished groups come back, parked ones first.
         """
-        from hybrid_engine.rollout.episodes import MultiTurnEnvironment, collect
+        from hybrid_engine.rollout.episodes import collect, is_multi_turn
 
         self.phases.to_rollout()
         self.phases.check_rollout()
         if self.partial is not None and not greedy:
-            if isinstance(env, MultiTurnEnvironment):
+            if is_multi_turn(env):
                 raise ValueError("rollout.partial_rollout supports single-turn environments only")
             if version is None:
                 raise ValueError("rollout.partial_rollout: collect() needs the weights' version")

@@ -171,10 +171,14 @@ class Phases:
         """The optimizer state on the device inside the block (a checkpoint reads or
         replaces it); after it, the layout is the one before the block.
 
-        A parked state comes back through the training layout (the engine releases
-        its memory first, and resyncs on the way back if that discarded its
-        weights: logged at INFO); a state the block created beside an awake engine
-        (DCP makes one for a fresh optimizer) is parked after it."""
+        A parked state comes back through the training layout (from the inference
+        layout the engine releases its memory first, and resyncs on the way back
+        if that discarded its weights: logged at INFO; right after a sync in the
+        training layout -- the controller's save -- the engine's woken weights
+        stay, with its KV cache released: the state takes the room the gradients
+        had, so the step's peak is not exceeded); a state the block created
+        beside an awake engine (DCP makes one for a fresh optimizer) is parked
+        after it."""
         before = self.layout
         if self.optimizer == "host":
             log.info("checkpoint: optimizer state parked in host memory; the engine "

@@ -291,9 +291,9 @@ class SeparatePolicy:
         generation thread, with the weights the trainer has now (syncs first if
         they changed); returns at once. `result()` (collective) waits and
         returns (trajectories, generate seconds) on every rank."""
-        from hybrid_engine.rollout.episodes import MultiTurnEnvironment, collect
+        from hybrid_engine.rollout.episodes import collect, is_multi_turn
 
-        if self._gate is not None and isinstance(env, MultiTurnEnvironment):
+        if self._gate is not None and is_multi_turn(env):
             raise ValueError("rollout.inflight_updates=true needs a single-turn environment "
                              f"({type(env).__name__} is multi-turn)")
         if self._stale:

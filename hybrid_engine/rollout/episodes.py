@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from hybrid_engine.config import RolloutConfig
     from hybrid_engine.rollout.engine import Completions
 
-__all__ = ["TOOL_CALL_STOP", "MultiTurnEnvironment", "collect", "turn_seed"]
+__all__ = ["TOOL_CALL_STOP", "MultiTurnEnvironment", "collect", "is_multi_turn", "turn_seed"]
 
 TOOL_CALL_STOP: tuple[str, ...] = ("</calc>",)
 """Turn-ending strings of an environment without a `turn_stop` attribute
@@ -90,6 +90,15 @@ class MultiTurnEnvironment(Protocol):
     ) -> Trajectory:
         """The finished episode as a Trajectory (env tokens with loss_mask False)."""
         ...
+
+
+def is_multi_turn(env: Any) -> bool:
+    """Whether env answers between segments (`MultiTurnEnvironment`'s methods).
+    Checked by attribute, not `isinstance`: from Python 3.12 a runtime
+    Protocol check ignores `__getattr__`, so a wrapped environment (a
+    reward-model env in the training layout, `Phases.training_side`) would
+    pass for single-turn."""
+    return all(callable(getattr(env, m, None)) for m in ("reset", "step", "build_trajectory"))
 
 
 class _Rollout(Protocol):
@@ -161,7 +170,7 @@ def collect(
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if not prompt_ids:
         return []
-    if isinstance(env, MultiTurnEnvironment):
+    if is_multi_turn(env):
         turn_stop = stop if stop is not None else getattr(env, "turn_stop", TOOL_CALL_STOP)
         trajs = _collect_multi_turn(rollout, env, prompt_ids, num_samples, seed, turn_stop)
     else:

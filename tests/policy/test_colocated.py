@@ -178,6 +178,7 @@ def _g1_case(model_dir: str) -> dict:
         actor.generate(PROMPTS, num_samples=1)
         with actor.training():
             pass
+        out["changed_after_block"] = actor.phases.trainer_changed  # the block may step
         out["guarded"] = _error(lambda: actor.generate(PROMPTS, num_samples=1))
         release = CpuBackend.release
 
@@ -187,8 +188,7 @@ def _g1_case(model_dir: str) -> dict:
 
         CpuBackend.release = release_but_claim_valid
         try:
-            with actor.training():
-                pass
+            actor.phases.to_train()  # the transition alone (training() marks a change)
             out["unguarded"] = _error(lambda: actor.generate(PROMPTS, num_samples=1))
         finally:
             CpuBackend.release = release
@@ -211,7 +211,7 @@ def test_emulated_sleep_catches_a_forgotten_invalidation(tmp_path) -> None:
     model = write_tiny_model(tmp_path / "m", PRESETS["tiny"])
     for r in run_ranks(_g1_case, 2, str(model), timeout=300):
         # Correct bookkeeping: training() then generate() resyncs; nothing raised.
-        assert r["guarded"] is None
+        assert r["guarded"] is None and r["changed_after_block"]
         # Without the invalidation the engine samples the NaN weights: refused, loudly.
         assert r["unguarded"] is not None and "NaN log-probs" in r["unguarded"], r
 
