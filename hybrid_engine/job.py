@@ -46,6 +46,7 @@ from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.parallel.dist import set_collective_timeout
 from hybrid_engine.envs import make_env
 from hybrid_engine.metrics import MetricsSink, plot_metrics
+from hybrid_engine.rollout.episodes import is_multi_turn
 from hybrid_engine.preflight import preflight
 from hybrid_engine.policy.separate import SeparatePolicy
 
@@ -153,6 +154,12 @@ class Job:
             self._clear_outputs()
         # An env whose score() runs a model (reward model) is called in the training layout.
         self.env = self.actor.model_side(make_env(cfg.env, self.actor.tokenizer))
+        if cfg.algorithm.overlong_buffer and is_multi_turn(self.env):
+            raise ValueError(
+                "algorithm.overlong_buffer (DAPO overlong shaping) compares a response's "
+                "length with rollout.max_tokens, which limits each segment of a multi-turn "
+                f"episode, not the episode (env {cfg.env.name!r} is multi-turn): set "
+                "algorithm.overlong_buffer=0")
         self.algorithm = Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,
                                    max_tokens=cfg.rollout.max_tokens,
                                    prompts_per_step=cfg.train.prompts_per_step)

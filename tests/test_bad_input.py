@@ -149,6 +149,10 @@ def test_bad_model_folder(model_dir, tmp_path, kind, expected) -> None:
                                          "raise kv_cache_gib"]),
     (["--rollout.stop_token_ids=99999"], "stop_token_ids [99999] are outside the model's vocab"),
     (["--env.max_digits=5000"], "env.max_digits must be <= 4000"),
+    (["--algorithm.advantage=reinforce_pp", "--algorithm.dynamic_sampling=true",
+      "--rollout.num_samples_per_prompt=1"], "a group of 1 never does"),
+    (["--env.name=tool", "--algorithm.overlong_buffer=4"],
+     "env 'tool' is multi-turn): set algorithm.overlong_buffer=0"),
 ])
 def test_bad_config(model_dir, tmp_path, args, expected) -> None:
     out = tmp_path / "run"

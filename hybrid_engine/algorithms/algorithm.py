@@ -75,6 +75,10 @@ class Algorithm:
         if num_samples < self.estimator.min_group_size:
             raise ValueError(f"algorithm.advantage={cfg.advantage!r} needs >= "
                              f"{self.estimator.min_group_size} samples per prompt, got {num_samples}")
+        if cfg.dynamic_sampling and num_samples < 2:
+            raise ValueError("algorithm.dynamic_sampling keeps the groups whose rewards differ; "
+                             "a group of 1 never does, so no step would train: set "
+                             f"rollout.num_samples_per_prompt >= 2 (got {num_samples})")
         self.loss_agg = cfg.loss_agg
         self.loss_agg_constant = (cfg.loss_agg_constant or float(max_tokens)
                                   if cfg.loss_agg == "constant" else None)
@@ -118,10 +122,11 @@ class Algorithm:
         if self.estimator.per_token:
             adv_NT = self._token_advantages(trajs, rewards_N, mask_NT, kl_NT)
         else:
-            if kl_NT is not None:
-                rewards_N = kl_in_reward(rewards_N, kl_NT, mask_NT, kl_coef=self.cfg.kl_coef)
-            adv_NT = broadcast_to_tokens(self.estimator(rewards_N.view(-1, self.k)).reshape(-1),
+            scored_N = rewards_N if kl_NT is None else kl_in_reward(
+                rewards_N, kl_NT, mask_NT, kl_coef=self.cfg.kl_coef)
+            adv_NT = broadcast_to_tokens(self.estimator(scored_N.view(-1, self.k)).reshape(-1),
                                          mask_NT)
+        # Flat groups by their shaped task rewards (KL left out), as `select` judges them.
         keep_G, num_flat = filter_degenerate_groups(rewards_N.view(-1, self.k))
         drop_N = (~keep_G).repeat_interleave(self.k) if self.cfg.dynamic_sampling else None
         for i, t in enumerate(trajs):
@@ -188,8 +193,9 @@ class Algorithm:
 
     def select(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
         """The trajectories to train on: all of them, except that dynamic sampling
-        drops degenerate ones and keeps at most the first prompts_per_step groups
-        with signal; [] when none carries signal (the step is skipped)."""
+        keeps only the groups with signal (whole: a sample at its group's mean
+        stays, as in DAPO), at most the first prompts_per_step of them; [] when
+        none carries signal (the step is skipped)."""
         if all(t.degenerate for t in trajs):
             return []
         if not self.cfg.dynamic_sampling:
@@ -198,4 +204,4 @@ class Algorithm:
         if self.prompts_per_step is not None:
             keep_G &= keep_G.cumsum(0) <= self.prompts_per_step
         keep = keep_G.repeat_interleave(self.k).tolist()
-        return [t for t, kept in zip(trajs, keep, strict=True) if kept and not t.degenerate]
+        return [t for t, kept in zip(trajs, keep, strict=True) if kept]

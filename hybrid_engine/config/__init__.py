@@ -371,7 +371,10 @@ class AlgorithmConfig:
         registry=_KL_ESTIMATORS,
     )
     kl_in_reward: bool = _field(
-        False, "Subtract kl_coef * KL from the reward instead of adding it to the loss."
+        False, "Subtract kl_coef * KL from the reward instead of adding it to the loss. With "
+        "a group estimator (grpo, rloo, ...) the KL enters before the group normalisation: a "
+        "group whose task rewards are equal then gets advantages from its KL differences "
+        "(as in verl), and counts as flat only on its task rewards."
     )
     entropy_coef: float = _field(0.0, "Weight of the entropy bonus in the loss; 0 = off.")
     tis_cap: float | None = _field(
@@ -380,7 +383,8 @@ class AlgorithmConfig:
         "(corrects vLLM vs trainer logprob mismatch); None disables it.",
         gt=0,
     )
-    gamma: float = _field(1.0, "Discount factor (GAE, REINFORCE++).", ge=0, le=1)
+    gamma: float = _field(1.0, "Discount factor (GAE only; REINFORCE++ here is the "
+                          "outcome-reward form, undiscounted).", ge=0, le=1)
     lam: float = _field(1.0, "GAE lambda.", ge=0, le=1)
     policy_loss: str = _field(
         "ppo", "Policy loss (registry name): token-level PPO clip, or GSPO's sequence-level "

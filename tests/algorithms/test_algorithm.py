@@ -50,6 +50,41 @@ def test_dynamic_sampling_drops_flat_groups_even_with_a_batch_baseline() -> None
     assert algo.select(trajs) == trajs[:2]
 
 
+def test_dynamic_sampling_keeps_a_kept_groups_sample_at_its_mean() -> None:
+    """DAPO filters groups, not samples: a kept group trains whole, its sample at the
+    group's mean (advantage 0) included, so the loss's denominators and KL/entropy
+    terms count it; a flat group still goes."""
+    cfg = AlgorithmConfig(dynamic_sampling=True)
+    algo = Algorithm(cfg, num_samples=3, max_tokens=8)
+    trajs = _trajs([0.0, 0.5, 1.0, 1.0, 1.0, 1.0], k=3)
+    algo.compute_advantages(trajs)
+    assert trajs[1].degenerate and float(trajs[1].advantages[0]) == 0.0
+    assert algo.select(trajs) == trajs[:3]
+
+
+def test_dynamic_sampling_needs_groups_of_two() -> None:
+    with pytest.raises(ValueError, match="a group of 1 never does"):
+        Algorithm(AlgorithmConfig(advantage="reinforce_pp", dynamic_sampling=True),
+                  num_samples=1, max_tokens=8)
+
+
+def test_kl_in_reward_leaves_flat_groups_flat_by_their_task_rewards() -> None:
+    """The KL penalty moves a task-flat group's advantages off 0 (before the group
+    normalisation, as in verl), but the group still counts as flat, and dynamic
+    sampling drops it as select() would."""
+    trajs = _trajs([1.0, 1.0, 0.0, 1.0])
+    for t, ref in zip(trajs, (-0.5, -2.0, -1.0, -1.0), strict=True):
+        t.ref_logp = [ref] * len(t.response_ids)
+    plain = Algorithm(AlgorithmConfig(kl_coef=0.1, kl_in_reward=True), num_samples=2,
+                      max_tokens=8)
+    m = plain.compute_advantages(trajs)
+    assert m["groups_flat"] == 1 and float(trajs[0].advantages[0]) != 0.0
+    dyn = Algorithm(AlgorithmConfig(kl_coef=0.1, kl_in_reward=True, dynamic_sampling=True),
+                    num_samples=2, max_tokens=8)
+    m = dyn.compute_advantages(trajs)
+    assert m["groups_flat"] == 1 and dyn.select(trajs) == trajs[2:]
+
+
 def test_overlong_shaping_changes_rewards_before_advantages() -> None:
     cfg = AlgorithmConfig(overlong_buffer=4, overlong_penalty_factor=1.0)
     algo = Algorithm(cfg, num_samples=2, max_tokens=8)
