@@ -11,6 +11,7 @@ them; the writer itself decides nothing.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 from hybrid_engine.config import RunConfig
@@ -88,6 +89,8 @@ class Guards:
         limit, value = self.cfg.mismatch_alarm, m.get(key)
         if limit is None or value is None or value <= limit:
             return None
+        if m.get("skipped") and not math.isfinite(value):
+            return None  # a non-finite trainer forward: the non-finite streak's to judge
         m["mismatch_alarm"] = 1.0
         worst = m.get(key.replace("mean", "max"), float("nan"))
         msg = (f"step {step}: rollout/trainer log-prob mismatch {value:.3g} (mean |diff| on "

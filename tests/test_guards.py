@@ -72,3 +72,12 @@ def test_the_streak_survives_a_resume() -> None:
     fresh = Guards(cfg)
     fresh.load_state_dict({})  # a checkpoint from before the streak was saved
     assert fresh.nonfinite_in_a_row == 0
+
+
+def test_a_nan_mismatch_on_a_skipped_step_is_left_to_the_nonfinite_streak() -> None:
+    """A NaN trainer forward makes the mismatch NaN too; the step is skipped, and the
+    non-finite streak (not the weight-sync alarm) decides whether to stop."""
+    g = Guards(_cfg(**{"mismatch_abort": True, "train.max_nonfinite_in_a_row": 3}))
+    row = {"skipped": 1.0, "mismatch_abs_mean": float("nan")}
+    assert g.check(1, row) is None and "mismatch_alarm" not in row
+    assert "exceeds" in g.check(2, {"skipped": 0.0, "mismatch_abs_mean": float("nan")})

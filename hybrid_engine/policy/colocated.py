@@ -146,6 +146,10 @@ def policy_train(trainer: Trainer, cfg: RunConfig, trajs: Sequence[Trajectory] |
     train.mini_batches_per_rollout optimizer steps); one step on a TrainBatch."""
     if isinstance(trajs, TrainBatch):
         return policy_step(trainer, cfg, trajs, loss_fn, entropy_grad)
+    missing = sum(t.advantages is None for t in trajs)
+    if missing:  # collate would train them with zero advantages: nothing but the LR moves
+        raise ValueError(f"train_step: {missing} of {len(trajs)} trajectories have no advantages "
+                         "(set them, e.g. with Algorithm.compute_advantages, first)")
 
     def step(mini: list[Trajectory], last: bool) -> dict[str, float]:
         batch, _ = train_batch(mini, pad_id, cfg)

@@ -92,6 +92,18 @@ def test_without_old_logprobs_only_the_first_update_measures_the_mismatch(
     assert m["mismatch_abs_mean"] == m["mismatch_numerics_abs_mean"] == want
 
 
+def test_training_on_trajectories_without_advantages_is_an_error():
+    """The embedding API: trajectories straight from generate() have none; training
+    them would move nothing but the LR schedule."""
+    from hybrid_engine.config.recipes import get_recipe
+    from hybrid_engine.policy.colocated import policy_train
+
+    trajs = make_trajs(NUM, 50)
+    trajs[3].advantages = None
+    with pytest.raises(ValueError, match="1 of 8 trajectories have no advantages"):
+        policy_train(None, get_recipe("tiny_grpo_debug"), trajs, 0, None, None)
+
+
 def test_num_updates_caps_mini_batches_at_the_trajectory_count():
     from hybrid_engine.config import TrainConfig
 
