@@ -138,7 +138,7 @@ class Controller:
     def load_state_dict(self, d: dict) -> None:
         self.state = _State(d["step"], d["reward_ema"], d["wall_s"], list(d["history"]))
         self.env.load_state_dict(d["env"])
-        self.guards.load_state_dict(d.get("guards", {}))  # absent before round 2's fix
+        self.guards.load_state_dict(d.get("guards", {}))  # absent in older checkpoints
         size = self.cfg.train.prompts_per_step * self.cfg.rollout.num_samples_per_prompt
         ahead = restorable(d.get("ahead", []), d["step"], self._ahead_depth(), size)
         self._ahead = deque((b["version"], Ready([trajectory_from_json(t) for t in b["trajs"]],

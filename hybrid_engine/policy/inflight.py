@@ -56,7 +56,7 @@ class InstallGate:
         self.inflight_installs = 0  # installs taken between engine steps, for tests / metrics
         # Installs through this gate, in or between batches: they happen in the order
         # the syncs were handed over (one pending at a time), so this is the number
-        # of the last sync installed (`newer_than`).
+        # of the last sync installed (`sample`).
         self.installed = 0
 
     def between_steps(self) -> bool:
@@ -103,9 +103,15 @@ class InstallGate:
             return repack, False
         return taken.result(), True
 
-    def newer_than(self, handed: int) -> int:
-        """Generation thread, as a batch starts (submitted when `handed` syncs had
-        been handed to this gate): how many later syncs were installed before it
-        started (inside an earlier batch, k >= 2). The batch samples their
-        weights from its first token, so each token's install count starts there."""
-        return self.installed - handed
+    def sample(self, handed: int, run: Callable[[], tuple[list, float]]) -> tuple[list, float]:
+        """Generation thread: runs a batch (`run()` -> (trajectories, seconds); its
+        engine offers every step boundary to `between_steps`) that was submitted
+        when `handed` syncs had been handed to this gate. Later syncs installed
+        before it started (inside an earlier batch, k >= 2) are counted in every
+        token's installs ("installs", from the submission on): the batch samples
+        their weights from its first token."""
+        newer = self.installed - handed
+        trajs, seconds = run()
+        for t in trajs if newer else ():
+            t.info["installs"] = [i + newer for i in t.info["installs"]]
+        return trajs, seconds

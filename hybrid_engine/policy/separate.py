@@ -308,15 +308,14 @@ class SeparatePolicy:
                 # in-flight updates: the engine offers every step boundary to the gate
                 gate = self._gate
                 self.rollout.between_steps = None if gate is None else gate.between_steps
-                newer = 0 if gate is None else gate.newer_than(handed)
                 try:
-                    trajs, seconds = timed(lambda: collect(self._local, env, ids,
-                                                           num_samples=num_samples, seed=seed))
+                    def run() -> tuple[list[Trajectory], float]:
+                        return timed(lambda: collect(self._local, env, ids,
+                                                     num_samples=num_samples, seed=seed))
+
+                    return run() if gate is None else gate.sample(handed, run)
                 finally:
                     self.rollout.between_steps = None
-                for t in trajs if newer else ():  # installs since this batch's submission
-                    t.info["installs"] = [i + newer for i in t.info["installs"]]
-                return trajs, seconds
 
             future = self._gen.submit(job)
         return Inflight(future, lambda obj: _from_rank(self.num_trainers, obj), _all_ranks)

@@ -323,6 +323,17 @@ def test_a_resume_with_another_depth_discards_the_batches_ahead(caplog) -> None:
     assert not bigger._ahead
 
 
+def test_the_controllers_state_carries_the_guards_streak() -> None:
+    """The checkpointed controller state holds the non-finite streak, so a resumed
+    run's guards go on from it (tests/test_guards.py: the abort step matches)."""
+    c = _controller()
+    c.guards.nonfinite_in_a_row = 2
+    state = json.loads(json.dumps(c.state_dict()))
+    resumed = _controller()
+    resumed.load_state_dict(state)
+    assert resumed.guards.nonfinite_in_a_row == 2
+
+
 @pytest.mark.parametrize(("versions", "kept"), [
     ((3,), True), ((3, 3), True), ((), True),  # a burst's rest: any count up to k
     ((1,), False),  # step 4 would train a version-1 batch: staleness 3 > 2

@@ -109,28 +109,34 @@ def test_a_failed_install_fails_the_batch_and_the_sync() -> None:
 
 def test_a_batch_queued_behind_an_inflight_install_counts_it_from_its_first_token() -> None:
     """k = 2: batches 1 and 2 are submitted before sync 1 is handed over; it lands
-    inside batch 1, so batch 2 samples the new weights from its first token:
-    `newer_than` at its start says so (1), while batch 1's starts at 0. The gate
-    counts installs taken in a batch and those the sync thread makes alike."""
+    inside batch 1, so batch 2 samples the new weights from its first token: run
+    through `InstallGate.sample` (the separate policy's batch job), its tokens
+    count 1 install from the start, batch 1's 0 then 1. The gate counts installs
+    taken in a batch and those the sync thread makes alike."""
     from hybrid_engine.policy.ahead import SerialWorker
 
     gate, commit, seen, start = InstallGate(), _Commit(), [], threading.Event()
     gen, syncs = SerialWorker("generation"), SerialWorker("sync")
     try:
-        def batch(handed: int, steps: int) -> tuple[int, list[int]]:
-            newer = gate.newer_than(handed)  # as the separate policy's batch job does
-            return newer, _batch(gate, steps, seen, start)
+        def batch(handed: int, steps: int) -> list[int]:
+            def run() -> tuple[list, float]:
+                inst = _batch(gate, steps, seen, start)
+                return [Trajectory(prompt_ids=[1], response_ids=[5] * steps,
+                                   rollout_logp=[-0.1] * steps, info={"installs": inst})], 0.5
+            return gate.sample(handed, run)[0][0].info["installs"]
 
         b1, b2 = gen.submit(lambda: batch(0, 200)), gen.submit(lambda: batch(0, 5))
         start.wait()
         sync = syncs.submit(lambda: gate.hand_over(commit, gen.pending()))
         assert sync.result() == (0.25, True)  # taken inside batch 1
-        (newer1, inst1), (newer2, inst2) = b1.result(), b2.result()
-        assert newer1 == 0 and inst1[0] == 0 and inst1[-1] == 1
-        assert newer2 == 1 and inst2 == [0] * 5  # no install inside it: all its tokens are v + 1
+        inst1, inst2 = b1.result(), b2.result()
+        assert inst1[0] == 0 and inst1[-1] == 1
+        assert inst2 == [1] * 5  # no install inside it: all its tokens are v + 1
         assert gate.installed == 1
         assert gate.hand_over(commit, []) == (0.25, False)  # none running: the sync thread's
-        assert gate.installed == 2 and gate.newer_than(1) == 1
+        assert gate.installed == 2
+        after = gen.submit(lambda: batch(2, 3)).result()  # submitted after both: nothing to add
+        assert after == [0, 0, 0]
     finally:
         gen.shutdown()
         syncs.shutdown()
