@@ -21,8 +21,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from hybrid_engine.config import RunConfig
+
+__all__ = ["main", "train_config"]
 
 
 def _version(dist_name: str) -> str | None:
@@ -108,12 +112,10 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     disk) are one `error: ...` line and exit code 2; anything else is a bug
     and keeps its traceback.
     """
-    from hybrid_engine.config import parse_cli_overrides
     from hybrid_engine.parallel.dist import is_launched, set_collective_timeout
     from hybrid_engine.checkpoint import CheckpointWriteError
     from hybrid_engine.parallel import signals
     from hybrid_engine.job import Job, RunAborted, configure_logging
-    from hybrid_engine.config.recipes import build_config
 
     if args.nproc is not None:
         if is_launched():
@@ -127,8 +129,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     with signals.stop_on_signals():
         store = _default_store()
         try:
-            cfg = build_config(args.recipe, args.config, parse_cli_overrides(overrides))
-            cfg.validate_for_run()
+            cfg = train_config(args, overrides)
             set_collective_timeout(cfg.collective_timeout_s)
             job = Job(cfg, resume=args.resume, progress=not args.no_progress,
                       overwrite=args.overwrite)
@@ -143,6 +144,21 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def train_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
+    """The train subcommand's config: its recipe, YAML file and --section.key=value
+    overrides, checked for a run. Every rank builds it alike.
+
+    Raises:
+        ValueError: the one sentence the CLI prints after `error: `.
+    """
+    from hybrid_engine.config import parse_cli_overrides
+    from hybrid_engine.config.recipes import build_config
+
+    cfg = build_config(args.recipe, args.config, parse_cli_overrides(overrides))
+    cfg.validate_for_run()
+    return cfg
 
 
 def _relaunch_train(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -50,7 +50,8 @@ from hybrid_engine.rollout.episodes import is_multi_turn
 from hybrid_engine.preflight import preflight
 from hybrid_engine.policy.separate import SeparatePolicy
 
-__all__ = ["Job", "JobCheckpointer", "RunAborted", "lock_output_dir", "make_policy"]
+__all__ = ["Job", "JobCheckpointer", "RunAborted", "check_env_fits_algorithm", "lock_output_dir",
+           "make_policy"]
 
 log = logging.getLogger("hybrid_engine.train")
 
@@ -154,12 +155,7 @@ class Job:
             self._clear_outputs()
         # An env whose score() runs a model (reward model) is called in the training layout.
         self.env = self.actor.model_side(make_env(cfg.env, self.actor.tokenizer))
-        if cfg.algorithm.overlong_buffer and is_multi_turn(self.env):
-            raise ValueError(
-                "algorithm.overlong_buffer (DAPO overlong shaping) compares a response's "
-                "length with rollout.max_tokens, which limits each segment of a multi-turn "
-                f"episode, not the episode (env {cfg.env.name!r} is multi-turn): set "
-                "algorithm.overlong_buffer=0")
+        check_env_fits_algorithm(cfg, self.env)
         self.algorithm = Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,
                                    max_tokens=cfg.rollout.max_tokens,
                                    prompts_per_step=cfg.train.prompts_per_step)
@@ -269,6 +265,21 @@ class Job:
             (self.out / ".lock").unlink(missing_ok=True)
             with contextlib.suppress(OSError):  # another job may have just taken it
                 self.out.rmdir()
+
+
+def check_env_fits_algorithm(cfg: RunConfig, env: Any) -> None:
+    """Refuses an algorithm setting the environment cannot honour (found once the
+    environment is built, so after the engine started).
+
+    Raises:
+        ValueError: DAPO overlong shaping with a multi-turn environment.
+    """
+    if cfg.algorithm.overlong_buffer and is_multi_turn(env):
+        raise ValueError(
+            "algorithm.overlong_buffer (DAPO overlong shaping) compares a response's "
+            "length with rollout.max_tokens, which limits each segment of a multi-turn "
+            f"episode, not the episode (env {cfg.env.name!r} is multi-turn): set "
+            "algorithm.overlong_buffer=0")
 
 
 def sweep_unfinished(out: Path) -> None:

@@ -1,19 +1,20 @@
 """Bad input to `hybrid-engine train` under torchrun on 2 ranks: one clear message
 (from rank 0, once; no rank's traceback), a non-zero exit, nothing half-written.
 
-The first group fails in preflight, before any engine starts (seconds each);
-the second needs the engine running (rewards, prompts, checkpoints, NaNs)."""
+The first group proves the wiring with a few inputs refused before any engine
+starts (the rest of them are checked in-process: tests/test_preflight.py); the
+second needs the engine running (rewards, prompts, checkpoints, NaNs)."""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 
 from hybrid_engine.testing import run_torchrun
+from tests.bad_models import EXPECTED, bad_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -49,167 +50,30 @@ def _assert_one_error(proc, out: Path, expected: str | list[str]) -> str:  # noq
     return errors[0]
 
 
-def _edit_config(src: Path, dst: Path, **changes: object) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+# --- the wiring: a few refusals through torchrun -----------------------------------
+# Every other input refused before an engine starts is checked in-process, through
+# the same parser, config and preflight (tests/test_preflight.py).
 
 
-# --- preflight: before any engine starts --------------------------------------
-
-
-def _model_case(kind: str, model_dir: Path, tmp: Path) -> Path:
-    if kind == "missing":
-        return tmp / "no" / "such-model"
-    if kind == "no_config":
-        (tmp / "empty").mkdir()
-        return tmp / "empty"
-    if kind == "corrupt_config":
-        bad = _edit_config(model_dir, tmp / "corrupt")
-        (bad / "config.json").write_text("{not json")
-        return bad
-    if kind == "unsupported_arch":
-        return _edit_config(model_dir, tmp / "gpt2", architectures=["GPT2LMHeadModel"])
-    if kind == "no_weights":
-        shutil.copytree(model_dir, tmp / "noweights", ignore=shutil.ignore_patterns("*.safetensors"))
-        return tmp / "noweights"
-    if kind == "vocab_mismatch":
-        return _edit_config(model_dir, tmp / "smallvocab", vocab_size=64)
-    if kind in ("zero_byte", "truncated", "corrupt_header", "nan_weights"):
-        bad = _edit_config(model_dir, tmp / kind)
-        weights = bad / "model.safetensors"
-        data = weights.read_bytes()
-        if kind == "zero_byte":
-            weights.write_bytes(b"")
-        elif kind == "truncated":
-            weights.write_bytes(data[: len(data) - 1000])
-        elif kind == "corrupt_header":
-            weights.write_bytes(data[:8] + b"\x00garbage" + data[17:])
-        else:  # one NaN in the last rows: only rank 1 reads it, both must stop
-            from safetensors.torch import load_file, save_file
-
-            tensors = load_file(weights)
-            tensors["model.layers.1.mlp.up_proj.weight"][-1, 3] = float("nan")
-            save_file(tensors, weights)
-        return bad
-    if kind == "no_tokenizer":
-        return Path(shutil.copytree(model_dir, tmp / "notok",
-                                    ignore=shutil.ignore_patterns("tokenizer*")))
-    raise AssertionError(kind)
-
-
-@pytest.mark.parametrize(("kind", "expected"), [
-    ("missing", "does not exist"),
-    ("no_config", "has no config.json"),
-    ("corrupt_config", "config.json is unreadable"),
-    ("unsupported_arch", ["unsupported architecture 'GPT2LMHeadModel'", "Qwen2ForCausalLM",
-                          "LlamaForCausalLM", "Qwen3ForCausalLM"]),
-    ("no_weights", "no *.safetensors weights"),
-    ("vocab_mismatch", ["the tokenizer has", "vocab_size is 64"]),
-    ("zero_byte", "is 0 bytes: not a safetensors file"),
-    ("truncated", "truncated or padded"),
-    ("corrupt_header", "corrupt safetensors header"),
-    ("no_tokenizer", "has no tokenizer"),
-    ("nan_weights", ["model.layers.1.mlp.up_proj.weight holds NaN or inf", "meaningless"]),
+@pytest.mark.parametrize("kind", [
+    "missing",      # preflight, on every rank alike
+    "nan_weights",  # found by the trainer as it loads rows: only rank 1 reads the NaN
 ])
-def test_bad_model_folder(model_dir, tmp_path, kind, expected) -> None:
+def test_bad_model_folder(model_dir, tmp_path, kind) -> None:
     out = tmp_path / "run"
-    proc = _train(_model_case(kind, model_dir, tmp_path), out)
-    _assert_one_error(proc, out, expected)
+    proc = _train(bad_model(kind, model_dir, tmp_path), out)
+    _assert_one_error(proc, out, EXPECTED[kind])
     assert not out.exists()  # failed before writing anything
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["--train.lrr=1e-4"], "did you mean 'train.lr'"),
-    (["--train.lr=-1"], "train.lr"),
-    (["--algorithm.clip_low=-0.1"], "algorithm.clip_low"),
-    (["--sync.bucket_mb=0"], "sync.bucket_mb"),
-    (["--train.num_steps=abc"], "train.num_steps"),
-    (["--train.lr"], "needs a value"),
-    (["--rollout.tensor_parallel_size=3"], "must divide the world size 2"),
-    (["--placement=separate", "--rollout.num_ranks=2"], "must leave at least one of the 2 ranks"),
-    (["--placement=separate", "--rollout.num_ranks=1", "--rollout.tensor_parallel_size=2"],
-     "must divide the rollout ranks (rollout.num_ranks=1)"),
-    (["--placement=nope"], "placement"),
-    (["--placement=separate", "--train.offload_optimizer=true"], "needs placement=colocated"),
-    (["--rollout.num_samples_per_prompt=1"], "algorithm.advantage='grpo' needs >= 2 samples"),
-    (["--algorithm.advantage=nope"], "algorithm.advantage: unknown advantage estimator 'nope'"),
-    (["--algorithm.kl_estimator=k4"], "algorithm.kl_estimator: unknown KL estimator 'k4'"),
-    (["--env.name=nope"], "unknown environment 'nope'"),
-    (["--env.min_digits=3", "--env.max_digits=2"], "env.min_digits=3 must be <="),
-    (["--rollout.kv_cache_gib=100000"], ["rollout.kv_cache_gib=100000", "lower rollout.kv_cache_gib"]),
-    (["--resume"], "no complete checkpoint under"),
-    (["--env.reward_fn=no_colon"], "must look like 'path/to/file.py:function'"),
-    (["--env.reward_fn=/no/such/file.py:reward"], "does not exist"),
-    (["--env.reward_fn=x.py:r", "--env.reward_model_path=/m"], "set at most one of env.reward_fn"),
-    (["--rollout.max_model_len=100000"], "more than the model's max_position_embeddings=512"),
-    (["--rollout.kv_cache_gib=0.0001"], ["less than one sequence of rollout.max_model_len=128",
-                                         "raise kv_cache_gib"]),
-    (["--rollout.stop_token_ids=99999"], "stop_token_ids [99999] are outside the model's vocab"),
-    (["--env.max_digits=5000"], "env.max_digits must be <= 4000"),
-    (["--algorithm.advantage=reinforce_pp", "--algorithm.dynamic_sampling=true",
-      "--rollout.num_samples_per_prompt=1"], "a group of 1 never does"),
-    (["--env.name=tool", "--algorithm.overlong_buffer=4"],
-     "env 'tool' is multi-turn): set algorithm.overlong_buffer=0"),
+    (["--train.lrr=1e-4"], "did you mean 'train.lr'"),               # the overrides' parser
+    (["--rollout.tensor_parallel_size=3"], "must divide the world size 2"),  # torchrun's world
 ])
 def test_bad_config(model_dir, tmp_path, args, expected) -> None:
     out = tmp_path / "run"
     _assert_one_error(_train(model_dir, out, *args), out, expected)
     assert not out.exists()
-
-
-def test_unknown_recipe(model_dir, tmp_path) -> None:
-    out = tmp_path / "run"
-    _assert_one_error(_train(model_dir, out, recipe="tiny_grpo_debgu"), out,
-                      "did you mean 'tiny_grpo_debug'")
-
-
-@pytest.mark.parametrize(("content", "expected"), [
-    (None, "cannot read the config file"),
-    ("train:\n  lr: [1e-4\n", "invalid YAML"),
-])
-def test_bad_yaml_file(model_dir, tmp_path, content, expected) -> None:
-    path = tmp_path / "cfg.yaml"
-    if content is not None:
-        path.write_text(content)
-    out = tmp_path / "run"
-    _assert_one_error(_train(model_dir, out, f"--config={path}"), out, [str(path), expected])
-
-
-@pytest.mark.parametrize(("lines", "expected"), [
-    (None, "does not exist"),
-    ([], "dataset is empty"),
-    (['{"prompt": "1+1=", "answer": "2"}', "", '{"prompt": "2+2=" "answer": "4"}'],
-     ["data.jsonl:3: malformed JSON"]),
-    (['{"prompt": "1+1=", "answer": "2"}', '{"prompt": "2+2="}'],
-     ["data.jsonl:2: missing key(s) 'answer'"]),
-])
-def test_bad_dataset(model_dir, tmp_path, lines, expected) -> None:
-    path = tmp_path / "data.jsonl"
-    if lines is not None:
-        path.write_text("\n".join(lines))
-    out = tmp_path / "run"
-    _assert_one_error(_train(model_dir, out, f"--env.dataset_path={path}"), out, expected)
-
-
-@pytest.mark.parametrize(("source", "spec", "expected"), [
-    ("def other(p, c, a):\n    return 0.0\n", "reward.py:reward", "has no function 'reward'"),
-    ("import no_such_module\n", "reward.py:reward",
-     ["importing", "ModuleNotFoundError: No module named 'no_such_module'"]),
-])
-def test_bad_reward_fn_file(model_dir, tmp_path, source, spec, expected) -> None:
-    (tmp_path / "reward.py").write_text(source)
-    out = tmp_path / "run"
-    _assert_one_error(_train(model_dir, out, f"--env.reward_fn={tmp_path / spec}"), out, expected)
-
-
-def test_output_dir_is_a_file(model_dir, tmp_path) -> None:
-    out = tmp_path / "run"
-    out.write_text("not a folder")
-    _assert_one_error(_train(model_dir, out), out, "exists and is not a folder")
-    _assert_one_error(_train(model_dir, out / "sub"), out / "sub", "cannot be made")
 
 
 # --- with the engine running ------------------------------------------------------

@@ -1,6 +1,12 @@
 """Preflight checks that need no ranks: each input vLLM or the OS would refuse
 late, with a message about their own internals, gets one sentence naming the
-key to fix (issue 18, item 10)."""
+key to fix.
+
+The second half runs every bad input of `hybrid-engine train` that is refused
+before an engine starts through the command's own path, in-process: argument
+parsing, the config (`cli.train_config`) and `preflight` on a world of 2. The
+CLI prints the message after `error: ` (tests/test_bad_input.py launches a few
+under torchrun to prove that wiring)."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import pytest
 from hybrid_engine.config import RolloutConfig, apply_overrides
 from hybrid_engine.config.recipes import get_recipe
 from hybrid_engine.preflight import check_output_dir, check_rollout_limits, preflight
+from tests.bad_models import EXPECTED, bad_model
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +103,141 @@ def test_preflight_checks_the_shard_group_against_the_trainer_ranks(model_dir, t
     separate = apply_overrides(cfg, ["placement=separate"])  # 2 of 4 ranks train
     with pytest.raises(ValueError, match="shard_group_size=2 must divide the 2 trainer"):
         preflight(separate, world_size=4, local_world_size=4, resume=False, overwrite=False)
+
+
+# --- the train command's refusals before any engine starts ----------------------------
+
+
+def _refusal(model: Path | str, out: Path, *extra: str, recipe: str = "tiny_grpo_debug") -> str:
+    """What `hybrid-engine train` on 2 ranks refuses these arguments with (the text
+    after `error: `), run through the command's parser, config and preflight in this
+    process; nothing may be written."""
+    from hybrid_engine import cli
+
+    existed = out.exists()
+    args, rest = cli._parser().parse_known_args(
+        ["train", f"--recipe={recipe}", "--no-progress", f"--model.path={model}",
+         f"--output_dir={out}", "--env.num_eval_prompts=4", "--rollout.max_tokens=8",
+         "--sync.verify=false", *extra])
+    with pytest.raises(ValueError) as e:
+        cfg = cli.train_config(args, rest)
+        preflight(cfg, world_size=2, local_world_size=2, resume=args.resume,
+                  overwrite=args.overwrite)
+    assert out.exists() == existed  # refused before anything was written
+    return str(e.value)
+
+
+def _has(message: str, expected: str | list[str]) -> None:
+    for part in [expected] if isinstance(expected, str) else expected:
+        assert part in message, message
+
+
+@pytest.mark.parametrize("kind", [k for k in EXPECTED if k != "nan_weights"])  # found by the trainer
+def test_bad_model_folder(model_dir, tmp_path, kind) -> None:
+    _has(_refusal(bad_model(kind, model_dir, tmp_path), tmp_path / "run"), EXPECTED[kind])
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--train.lrr=1e-4"], "did you mean 'train.lr'"),
+    (["--train.lr=-1"], "train.lr"),
+    (["--algorithm.clip_low=-0.1"], "algorithm.clip_low"),
+    (["--sync.bucket_mb=0"], "sync.bucket_mb"),
+    (["--train.num_steps=abc"], "train.num_steps"),
+    (["--train.lr"], "needs a value"),
+    (["--rollout.tensor_parallel_size=3"], "must divide the world size 2"),
+    (["--placement=separate", "--rollout.num_ranks=2"], "must leave at least one of the 2 ranks"),
+    (["--placement=separate", "--rollout.num_ranks=1", "--rollout.tensor_parallel_size=2"],
+     "must divide the rollout ranks (rollout.num_ranks=1)"),
+    (["--placement=nope"], "placement"),
+    (["--placement=separate", "--train.offload_optimizer=true"], "needs placement=colocated"),
+    (["--rollout.num_samples_per_prompt=1"], "algorithm.advantage='grpo' needs >= 2 samples"),
+    (["--algorithm.advantage=nope"], "algorithm.advantage: unknown advantage estimator 'nope'"),
+    (["--algorithm.kl_estimator=k4"], "algorithm.kl_estimator: unknown KL estimator 'k4'"),
+    (["--env.name=nope"], "unknown environment 'nope'"),
+    (["--env.min_digits=3", "--env.max_digits=2"], "env.min_digits=3 must be <="),
+    (["--rollout.kv_cache_gib=100000"], ["rollout.kv_cache_gib=100000", "lower rollout.kv_cache_gib"]),
+    (["--resume"], "no complete checkpoint under"),
+    (["--env.reward_fn=no_colon"], "must look like 'path/to/file.py:function'"),
+    (["--env.reward_fn=/no/such/file.py:reward"], "does not exist"),
+    (["--env.reward_fn=x.py:r", "--env.reward_model_path=/m"], "set at most one of env.reward_fn"),
+    (["--rollout.max_model_len=100000"], "more than the model's max_position_embeddings=512"),
+    (["--rollout.kv_cache_gib=0.0001"], ["less than one sequence of rollout.max_model_len=128",
+                                         "raise kv_cache_gib"]),
+    (["--rollout.stop_token_ids=99999"], "stop_token_ids [99999] are outside the model's vocab"),
+    (["--env.max_digits=5000"], "env.max_digits must be <= 4000"),
+    (["--algorithm.advantage=reinforce_pp", "--algorithm.dynamic_sampling=true",
+      "--rollout.num_samples_per_prompt=1"], "a group of 1 never does"),
+])
+def test_bad_config(model_dir, tmp_path, args, expected) -> None:
+    _has(_refusal(model_dir, tmp_path / "run", *args), expected)
+
+
+def test_overlong_shaping_with_a_multi_turn_env(model_dir, tmp_path) -> None:
+    """Found once the environment is built (after the engine started): the same
+    input through the job's own check, on the environment the job would build."""
+    from transformers import AutoTokenizer
+
+    from hybrid_engine import cli
+    from hybrid_engine.envs import make_env
+    from hybrid_engine.job import check_env_fits_algorithm
+
+    argv = ["train", f"--model.path={model_dir}", f"--output_dir={tmp_path / 'run'}"]
+    args, rest = cli._parser().parse_known_args([*argv, "--env.name=tool"])
+    cfg = cli.train_config(args, [*rest, "--algorithm.overlong_buffer=4"])
+    env = make_env(cfg.env, AutoTokenizer.from_pretrained(model_dir))
+    with pytest.raises(ValueError, match=r"env 'tool' is multi-turn\): set "
+                                         r"algorithm.overlong_buffer=0"):
+        check_env_fits_algorithm(cfg, env)
+    check_env_fits_algorithm(cli.train_config(args, rest), env)  # no shaping: fine
+    arithmetic = cli.train_config(*cli._parser().parse_known_args(
+        [*argv, "--algorithm.overlong_buffer=4"]))
+    check_env_fits_algorithm(arithmetic, make_env(arithmetic.env, env.tokenizer))
+
+
+def test_unknown_recipe(model_dir, tmp_path) -> None:
+    _has(_refusal(model_dir, tmp_path / "run", recipe="tiny_grpo_debgu"),
+         "did you mean 'tiny_grpo_debug'")
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    (None, "cannot read the config file"),
+    ("train:\n  lr: [1e-4\n", "invalid YAML"),
+])
+def test_bad_yaml_file(model_dir, tmp_path, content, expected) -> None:
+    path = tmp_path / "cfg.yaml"
+    if content is not None:
+        path.write_text(content)
+    _has(_refusal(model_dir, tmp_path / "run", f"--config={path}"), [str(path), expected])
+
+
+@pytest.mark.parametrize(("lines", "expected"), [
+    (None, "does not exist"),
+    ([], "dataset is empty"),
+    (['{"prompt": "1+1=", "answer": "2"}', "", '{"prompt": "2+2=" "answer": "4"}'],
+     ["data.jsonl:3: malformed JSON"]),
+    (['{"prompt": "1+1=", "answer": "2"}', '{"prompt": "2+2="}'],
+     ["data.jsonl:2: missing key(s) 'answer'"]),
+])
+def test_bad_dataset(model_dir, tmp_path, lines, expected) -> None:
+    path = tmp_path / "data.jsonl"
+    if lines is not None:
+        path.write_text("\n".join(lines))
+    _has(_refusal(model_dir, tmp_path / "run", f"--env.dataset_path={path}"), expected)
+
+
+@pytest.mark.parametrize(("source", "spec", "expected"), [
+    ("def other(p, c, a):\n    return 0.0\n", "reward.py:reward", "has no function 'reward'"),
+    ("import no_such_module\n", "reward.py:reward",
+     ["importing", "ModuleNotFoundError: No module named 'no_such_module'"]),
+])
+def test_bad_reward_fn_file(model_dir, tmp_path, source, spec, expected) -> None:
+    (tmp_path / "reward.py").write_text(source)
+    _has(_refusal(model_dir, tmp_path / "run", f"--env.reward_fn={tmp_path / spec}"), expected)
+
+
+def test_output_dir_is_a_file(model_dir, tmp_path) -> None:
+    out = tmp_path / "run"
+    out.write_text("not a folder")
+    _has(_refusal(model_dir, out), "exists and is not a folder")
+    assert out.read_text() == "not a folder"
+    _has(_refusal(model_dir, out / "sub"), "cannot be made")
