@@ -1,5 +1,7 @@
-"""The controller end to end on real ranks: vLLM rollout, FSDP2 training, resharded
-sync (verified bit for bit every step), for 1/2/4 ranks and every algorithm family;
+"""The controller: first its loop on recording fakes (call order, the skip of a step
+with nothing to train, eval and checkpoint cadence, each stop reason; no engine),
+then end to end on real ranks: vLLM rollout, FSDP2 training, resharded sync
+(verified bit for bit every step), for 1/2/4 ranks and every algorithm family;
 checkpoint + resume reproduces the uninterrupted run step for step."""
 
 from __future__ import annotations
@@ -13,11 +15,208 @@ from hybrid_engine.envs import ENVS, register_env
 from hybrid_engine.envs.arithmetic import ArithmeticEnv
 from hybrid_engine.envs.base import decode
 from hybrid_engine.testing import run_ranks
+from tests.fakes import FakeAlgorithm, FakeEnv, FakePolicy
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+def _e2e(fn):  # noqa: ANN001, ANN202
+    """Marks an end-to-end test: real ranks, a vLLM engine, tens of seconds."""
+    return pytest.mark.vllm(pytest.mark.slow(fn))
+
 
 # Keys that measure time or memory: they differ between runs by nature.
 _VOLATILE = ("_s", "_bytes")
+
+
+# --- the loop on recording fakes (no engine) -----------------------------------------
+
+
+class _Logged:
+    """The fakes' calls in order, as (role.method[, step]) names."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+
+def _fakes(log: _Logged, *, flat_steps=(), train_metrics=None):  # noqa: ANN001, ANN202
+    """A policy, env, scorer, learner and algorithm that log every call. A step in
+    flat_steps (1-based) draws only flat groups: the algorithm selects nothing."""
+
+    class Policy(FakePolicy):
+        def collect(self, env, prompts, *, num_samples, seed, greedy=False):  # noqa: ANN001, ANN201
+            log.calls.append("policy.eval" if greedy else "policy.collect")
+            return super().collect(env, prompts, num_samples=num_samples, seed=seed)
+
+        def train_step(self, trajs, loss_fn=None) -> dict:  # noqa: ANN001
+            log.calls.append("policy.train_step")
+            super().train_step(trajs, loss_fn)
+            return dict(train_metrics(self.version) if train_metrics else {})
+
+        def sync_weights(self) -> dict:
+            log.calls.append("policy.sync_weights")
+            return {}
+
+    class Env(FakeEnv):
+        def score(self, trajs) -> None:  # noqa: ANN001
+            log.calls.append("env.score")
+            super().score(trajs)
+
+    class Role:
+        def score(self, trajs) -> None:  # noqa: ANN001, ARG002
+            log.calls.append("scorer.score")
+
+        def train_step(self, trajs) -> dict:  # noqa: ANN001, ARG002
+            log.calls.append("learner.train_step")
+            return {}
+
+    class Algorithm(FakeAlgorithm):
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def compute_advantages(self, trajs) -> dict:  # noqa: ANN001, ARG002
+            log.calls.append("algorithm.advantages")
+            self.steps += 1
+            return {}
+
+        def prompts_wanted(self, trajs, rounds: int) -> int:  # noqa: ANN001, ARG002
+            return 0
+
+        def select(self, trajs):  # noqa: ANN001, ANN201
+            log.calls.append("algorithm.select")
+            return [] if self.steps in flat_steps else trajs
+
+    return Policy(), Env(), Role(), Algorithm()
+
+
+def _fast_run(overrides: dict, *, flat_steps=(), train_metrics=None, handle_signals=False,  # noqa: ANN001, ANN202
+              clock=None):
+    """Runs a Controller on the fakes; returns (log, summary or the exception, rows)."""
+    from hybrid_engine.config import RunConfig, apply_overrides
+    from hybrid_engine.controller import Controller
+
+    cfg = apply_overrides(RunConfig(), {
+        "rollout.num_samples_per_prompt": 2, "train.prompts_per_step": 2,
+        "train.num_steps": 3, "eval_every": 0, "checkpoint_every": 0,
+        "env.num_eval_prompts": 3, **overrides})
+    log, rows = _Logged(), []
+    policy, env, role, algorithm = _fakes(log, flat_steps=flat_steps, train_metrics=train_metrics)
+
+    class Checkpointer:
+        def save(self, step: int, extra: dict) -> None:
+            assert extra["step"] == step
+            log.calls.append(f"save {step}")
+
+    def on_metrics(step: int, m: dict) -> None:
+        log.calls.append(f"metrics {step}")
+        rows.append({"step": step, **m})
+
+    c = Controller(policy, env, algorithm, cfg, scorers=[role], learners=[role],
+                   checkpointer=Checkpointer(), on_metrics=on_metrics)
+    try:
+        return log, c.run(handle_signals=handle_signals), rows
+    except Exception as e:  # noqa: BLE001 -- the caller checks which
+        return log, e, rows
+
+
+_STEP = ["policy.collect", "env.score", "scorer.score", "algorithm.advantages",
+         "algorithm.select", "policy.train_step", "learner.train_step", "policy.sync_weights"]
+
+
+def test_a_step_calls_the_roles_in_order() -> None:
+    log, summary, rows = _fast_run({"train.num_steps": 2})
+    assert log.calls == [*_STEP, "metrics 1", *_STEP, "metrics 2"]
+    assert summary["steps"] == 2 and summary["stop_reason"] == "num_steps"
+    assert [r["train_samples"] for r in rows] == [4.0, 4.0]
+    assert [h["step"] for h in summary["history"]] == [1, 2]
+
+
+def test_a_step_with_nothing_to_train_skips_train_and_sync() -> None:
+    log, summary, rows = _fast_run({"train.num_steps": 3}, flat_steps=(2,))
+    flat = ["policy.collect", "env.score", "scorer.score", "algorithm.advantages",
+            "algorithm.select"]
+    assert log.calls == [*_STEP, "metrics 1", *flat, "metrics 2", *_STEP, "metrics 3"]
+    assert [r["skipped_degenerate"] for r in rows] == [0.0, 1.0, 0.0]
+    assert [r["train_samples"] for r in rows] == [4.0, 0.0, 4.0]
+    assert "train_s" not in rows[1] and "sync_s" not in rows[1]
+
+
+def test_eval_and_checkpoint_cadence() -> None:
+    """eval_every=2 over 5 steps: at step 0, 2, 4 and after the last; a checkpoint
+    every 2 steps, none for the unfinished period (a signal saves it instead)."""
+    log, summary, rows = _fast_run({"train.num_steps": 5, "eval_every": 2,
+                                    "checkpoint_every": 2})
+    events = [c for c in log.calls if c.startswith(("policy.eval", "save", "metrics"))]
+    assert events == ["policy.eval", "metrics 0", "metrics 1", "policy.eval", "metrics 2",
+                      "save 2", "metrics 3", "policy.eval", "metrics 4", "save 4", "metrics 5",
+                      "policy.eval", "metrics 5"]
+    evals = [r["step"] for r in rows if "eval/reward_mean" in r]
+    assert evals == [0, 2, 4, 5] and summary["steps"] == 5
+
+
+def test_stop_on_target_reward_ema() -> None:
+    # FakeEnv's reward is the prompt's parity: step 1's mean is 0.5, the EMA's first value
+    _, summary, _ = _fast_run({"train.num_steps": 10, "target_reward_ema": 0.5})
+    assert (summary["steps"], summary["stop_reason"]) == (1, "target_reward_ema")
+    _, summary, _ = _fast_run({"train.num_steps": 4, "target_reward_ema": 0.6})
+    assert (summary["steps"], summary["stop_reason"]) == (4, "num_steps")
+
+
+def test_stop_on_max_wall_s(monkeypatch) -> None:
+    """A clock that moves 10 s per train step: max_wall_s=25 stops after step 3."""
+    import types
+
+    from hybrid_engine import controller
+
+    now = [0.0]
+    monkeypatch.setattr(controller, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+
+    def ten_seconds(version: int) -> dict:
+        now[0] += 10.0
+        return {}
+
+    _, summary, _ = _fast_run({"train.num_steps": 10, "max_wall_s": 25.0},
+                              train_metrics=ten_seconds)
+    assert (summary["steps"], summary["stop_reason"]) == (3, "max_wall_s")
+    assert summary["wall_s"] == 30.0
+
+
+def test_stop_on_a_signal_finishes_the_step_and_saves() -> None:
+    import os
+    import signal
+
+    def signal_at_step_2(version: int) -> dict:
+        if version == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {}
+
+    from hybrid_engine.parallel import signals
+
+    try:
+        log, summary, _ = _fast_run({"train.num_steps": 10, "checkpoint_every": 5},
+                                    train_metrics=signal_at_step_2, handle_signals=True)
+    finally:
+        signals.reset()  # the request outlives the run: later runs in this process start clean
+    assert (summary["steps"], summary["stop_reason"]) == (2, "signal")
+    assert log.calls[-3:] == ["policy.sync_weights", "metrics 2", "save 2"]
+
+
+def test_a_guard_aborts_after_writing_the_steps_metrics_before_its_checkpoint() -> None:
+    from hybrid_engine.guards import RunAborted
+
+    def nonfinite_from_step_2(version: int) -> dict:
+        bad = version >= 2
+        return {"skipped": float(bad), "optimizer_steps": float(not bad),
+                "grad_norm": float("nan") if bad else 1.0}
+
+    log, error, rows = _fast_run({"train.num_steps": 10, "checkpoint_every": 1,
+                                  "train.max_nonfinite_in_a_row": 2},
+                                 train_metrics=nonfinite_from_step_2)
+    assert isinstance(error, RunAborted) and "2 steps in a row" in str(error)
+    assert [r["nonfinite_in_a_row"] for r in rows] == [0.0, 1.0, 2.0]
+    assert [c for c in log.calls if c.startswith("save")] == ["save 1", "save 2"]
+    assert log.calls[-1] == "metrics 3"
+
+
+# --- end to end on real ranks ---------------------------------------------------------
 
 
 class DigitEnv(ArithmeticEnv):
@@ -117,6 +316,7 @@ def _check_trained(summary: dict, steps: int) -> None:
         previous = h["elapsed_s"]
 
 
+@_e2e
 @pytest.mark.parametrize(("world", "tp"), [(1, 1), (2, 2), (4, 2)])
 def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp) -> None:
     out = run_ranks(_run_job, world, model_dir, str(tmp_path / "run"),
@@ -129,6 +329,7 @@ def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp) -> None:
                [[h.get(k) for k in keys] for h in out[0]["history"]]
 
 
+@_e2e
 @pytest.mark.parametrize("algo", ["drgrpo", "rloo", "ppo"])
 def test_algorithms_on_2_ranks(model_dir, tmp_path, algo) -> None:
     """(DAPO: test_dapo_clips_refills_and_resumes.) PPO with GAE takes 2 epochs, so
@@ -158,6 +359,7 @@ def _comparable(history: list[dict]) -> list[dict]:
     return [{k: v for k, v in h.items() if not k.endswith(_VOLATILE)} for h in history]
 
 
+@_e2e
 def test_resume_reproduces_the_straight_run(model_dir, tmp_path) -> None:
     """The split run also parks its optimizer state between steps
     (train.offload_optimizer): eval, checkpoints and resume around a parked state
@@ -186,6 +388,7 @@ def test_resume_reproduces_the_straight_run(model_dir, tmp_path) -> None:
     assert parked and all(m > 0 for m in parked)
 
 
+@_e2e
 def test_dapo_clips_refills_and_resumes(model_dir, tmp_path) -> None:
     """DAPO (clip-higher 0.28, 2 mini-batches, dynamic sampling) on an env whose
     groups are flat for about half the prompts: the clip binds on some step, a step
@@ -242,6 +445,7 @@ def _run_with_layer0_unsynced(model_dir: str, out_dir: str, overrides: dict) -> 
         job.shutdown()
 
 
+@_e2e
 @pytest.mark.parametrize("emulate", [False, True])
 def test_broken_sync_trips_the_mismatch_alarm(model_dir, tmp_path, emulate) -> None:
     """Without emulation the stale layer 0 trips the mismatch alarm; with GPU sleep
@@ -287,6 +491,7 @@ def _reward_model_job(model_dir: str, out_dir: str, rm_path: str) -> dict:
     return {"layouts": layouts, "steps": summary["steps"]}
 
 
+@_e2e
 def test_reward_model_scores_in_the_training_layout(model_dir, tmp_path) -> None:
     """G4: the reward model's forwards run with the engine released (the training
     layout), like the reference's; the job wires the env through model_side."""

@@ -20,6 +20,7 @@ from hybrid_engine.metrics import staleness_metrics
 from hybrid_engine.policy.ahead import Inflight, SerialWorker, timed
 from hybrid_engine.testing import run_in_subprocess
 from hybrid_engine.trajectory import Trajectory, trajectory_from_json, trajectory_to_json
+from tests.fakes import FakeAlgorithm, FakeEnv, FakePolicy
 from tests.policy.runs import rows as _rows
 from tests.policy.runs import stable as _stable
 from tests.policy.runs import train
@@ -384,67 +385,6 @@ def test_ahead_schedule_auto_bursts_colocated_and_streams_separate() -> None:
 # --- the controller's schedules, with recording fakes (no engine) --------------------
 
 
-class _Env:
-    """Prompts [n] from a counter (checkpointed); the reward is the prompt's parity."""
-
-    def __init__(self) -> None:
-        self.next = 0
-
-    def sample_prompts(self, n: int) -> list[list[int]]:
-        self.next += n
-        return [[p] for p in range(self.next - n, self.next)]
-
-    def score(self, trajs) -> None:  # noqa: ANN001
-        for t in trajs:
-            t.reward = float(t.prompt_ids[0] % 2)
-
-    def state_dict(self) -> dict:
-        return {"next": self.next}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.next = d["next"]
-
-
-class _Policy:
-    """Records each generation pass (its prompts, seed and the weights' version);
-    K samples per prompt, prompt-major, with the env's group ids left at 0."""
-
-    def __init__(self) -> None:
-        self.version, self.passes = 0, []
-
-    def collect_async(self, env, prompts, *, num_samples, seed):  # noqa: ANN001, ANN201
-        from hybrid_engine.policy.ahead import Ready
-
-        self.passes.append(([p[0] for p in prompts], seed, self.version))
-        trajs = [Trajectory(prompt_ids=list(p), response_ids=[seed % 97] * (1 + p[0] % 3),
-                            rollout_logp=[-1.0] * (1 + p[0] % 3))
-                 for p in prompts for _ in range(num_samples)]
-        return Ready(trajs, 0.5)
-
-    def train_step(self, trajs, loss_fn=None) -> dict:  # noqa: ANN001
-        self.version += 1
-        return {}
-
-    def sync_weights(self) -> dict:
-        return {}
-
-
-class _Algorithm:
-    """Wants one refill round of 1 prompt after a first round holding a prompt that
-    ends in 6 (dynamic sampling; here steps 2 and 5)."""
-
-    def compute_advantages(self, trajs) -> dict:  # noqa: ANN001
-        return {}
-
-    def prompts_wanted(self, trajs, rounds: int) -> int:  # noqa: ANN001
-        return int(rounds == 1 and any(t.prompt_ids[0] % 10 == 6 for t in trajs))
-
-    def select(self, trajs):  # noqa: ANN001, ANN201
-        return trajs
-
-    compute_loss = None
-
-
 class _Stop(Exception):
     pass
 
@@ -463,8 +403,8 @@ def _fake_run(schedule: str, steps: int, state: dict | None = None,  # noqa: ANN
         "rollout.ahead_schedule": schedule, "rollout.num_samples_per_prompt": 2,
         "train.prompts_per_step": 3, "train.num_steps": steps, "eval_every": 0,
         "checkpoint_every": 0})
-    policy, rows = _Policy(), []
-    c = Controller(policy, _Env(), _Algorithm(), cfg, on_metrics=record)
+    policy, rows = FakePolicy(), []
+    c = Controller(policy, FakeEnv(), FakeAlgorithm(), cfg, on_metrics=record)
     if state is not None:
         c.load_state_dict(state)
         policy.version = state["step"]
@@ -515,14 +455,11 @@ def test_the_generations_metrics_are_read_every_step_trained_or_not() -> None:
     the trained samples' tokens, parked prefixes included) by its seconds."""
     from hybrid_engine.controller import Controller
 
-    class Policy(_Policy):
-        def collect(self, env, prompts, *, num_samples, seed):  # noqa: ANN001, ANN201
-            return self.collect_async(env, prompts, num_samples=num_samples, seed=seed).result()[0]
-
+    class Policy(FakePolicy):
         def rollout_metrics(self) -> dict:
             return {"partial/sampled_tokens": 10.0 * len(self.passes)}
 
-    class NothingToTrain(_Algorithm):
+    class NothingToTrain(FakeAlgorithm):
         def select(self, trajs):  # noqa: ANN001, ANN201
             return []
 
@@ -530,7 +467,7 @@ def test_the_generations_metrics_are_read_every_step_trained_or_not() -> None:
                                         "train.prompts_per_step": 3, "train.num_steps": 2,
                                         "eval_every": 0, "checkpoint_every": 0})
     rows = []
-    c = Controller(Policy(), _Env(), NothingToTrain(), cfg,
+    c = Controller(Policy(), FakeEnv(), NothingToTrain(), cfg,
                    on_metrics=lambda s, m: rows.append(m))
     c.run(handle_signals=False)
     assert [r["skipped_degenerate"] for r in rows] == [1.0, 1.0]
