@@ -70,5 +70,5 @@ setup(
     },
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)},
-    entry_points={"console_scripts": ["hybrid-engine=hybrid_engine.cli:main"]},
+    entry_points={"console_scripts": ["hybrid-engine=hybrid_engine.cli:run"]},
 )

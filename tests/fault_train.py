@@ -81,6 +81,6 @@ def _arm() -> None:
 
 if __name__ == "__main__":
     _arm()
-    from hybrid_engine.cli import main
+    from hybrid_engine.cli import run
 
-    sys.exit(main(sys.argv[1:]))
+    run(sys.argv[1:])
