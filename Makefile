@@ -40,8 +40,10 @@ $(VENV)/.build-stamp: $(VENV)/.deps-stamp setup.py $(wildcard csrc/*)
 	@touch $@
 
 # --- use ---------------------------------------------------------------------
+# The whole suite prints its 25 slowest tests and its time against the budget
+# (tests/conftest.py: 35 minutes on a 2-core CPU machine, install included).
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
