@@ -2,7 +2,7 @@
 checkpoints, and a resume that must reproduce the uninterrupted run.
 
     python benchmarks/chaos.py --kills 20 --seed 0      # make chaos
-    python benchmarks/chaos.py --kills 2 --seed 1 --out-dir=/tmp/x   # the slow test's sample
+    python benchmarks/chaos.py --kills 1 --seed 3 --out-dir=/tmp/x   # the test suite's sample
 
 A trial starts `hybrid-engine train` (a tiny random model, the tiny_grpo_debug
 recipe, --steps steps, a checkpoint every step, a coin-flip reward so every

@@ -9,7 +9,7 @@ the command, versions, machine and PNG charts.
 Every number in the report comes from the scripts run by this invocation;
 each script's own result file (and chart) lands in the same folder. The
 README and docs/architecture.md quote the headline table of the newest
-report verbatim (tests/test_bench_report.py checks it).
+report verbatim (tests/benchmarks/test_report.py checks it).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ EXPECTED = {
 }
 
 
-def edit_config(src: Path, dst: Path, **changes: object) -> Path:
+def edit_config(src: Path | str, dst: Path, **changes: object) -> Path:
     """A copy of src whose config.json has changes applied."""
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
@@ -49,7 +49,7 @@ def _damage_weights(kind: str, weights: Path) -> None:
         save_file(tensors, weights)
 
 
-def bad_model(kind: str, model_dir: Path, tmp: Path) -> Path:
+def bad_model(kind: str, model_dir: Path | str, tmp: Path) -> Path:
     """A folder under tmp that is model_dir broken the way `kind` (a key of EXPECTED) says."""
     if kind == "missing":
         return tmp / "no" / "such-model"

@@ -57,6 +57,15 @@ def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ARG001 - pytest'
         print(f"\nremoved {len(removed)} orphaned /dev/shm segment(s) of killed test jobs")
 
 
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    """The tiny preset as a HF folder (random weights, the offline chat tokenizer),
+    written once per session. Tests read it; a test that needs it changed copies it."""
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"]))
+
+
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
     """Two tiny models of one architecture with different random weights (the

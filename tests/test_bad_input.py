@@ -22,13 +22,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 _RANK_TRACEBACK = re.compile(r"\b(ValueError|RewardError|RunAborted|FileNotFoundError|KeyError)\b")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"])
-
-
 def _train(model: Path | str, out: Path, *extra: str, recipe: str = "tiny_grpo_debug"):  # noqa: ANN202
     return run_torchrun(
         ["-m", "hybrid_engine.cli", "train", f"--recipe={recipe}", "--no-progress",

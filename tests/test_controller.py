@@ -289,13 +289,6 @@ def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False
     return summary
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"]))
-
-
 def _check_trained(summary: dict, steps: int) -> None:
     hist = [h for h in summary["history"] if h["step"] > 0]
     assert len(hist) == steps and summary["stop_reason"] == "num_steps"
@@ -316,12 +309,27 @@ def _check_trained(summary: dict, steps: int) -> None:
         previous = h["elapsed_s"]
 
 
+_STRAIGHT = {"rollout.tensor_parallel_size": 2, "checkpoint_every": 2, "eval_every": 2,
+             "train.num_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def straight(model_dir, tmp_path_factory) -> list[dict]:
+    """Every rank's summary of one 4-step run on 2 ranks (TP 2), with an eval and a
+    checkpoint every 2 steps: the 2-rank case below and the resume test's reference."""
+    return run_ranks(_run_job, 2, model_dir, str(tmp_path_factory.mktemp("straight") / "run"),
+                     _STRAIGHT, timeout=400)
+
+
 @_e2e
 @pytest.mark.parametrize(("world", "tp"), [(1, 1), (2, 2), (4, 2)])
-def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp) -> None:
-    out = run_ranks(_run_job, world, model_dir, str(tmp_path / "run"),
-                    {"rollout.tensor_parallel_size": tp}, timeout=400)
-    _check_trained(out[0], 2)
+def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, request) -> None:
+    if world == 2:
+        out, steps = request.getfixturevalue("straight"), _STRAIGHT["train.num_steps"]
+    else:
+        out, steps = run_ranks(_run_job, world, model_dir, str(tmp_path / "run"),
+                               {"rollout.tensor_parallel_size": tp}, timeout=400), 2
+    _check_trained(out[0], steps)
     # Every rank saw the same rewards and took the same decisions.
     keys = ("reward_mean", "loss", "skipped_degenerate")
     for r in out[1:]:
@@ -360,7 +368,7 @@ def _comparable(history: list[dict]) -> list[dict]:
 
 
 @_e2e
-def test_resume_reproduces_the_straight_run(model_dir, tmp_path) -> None:
+def test_resume_reproduces_the_straight_run(model_dir, straight, tmp_path) -> None:
     """The split run also parks its optimizer state between steps
     (train.offload_optimizer): eval, checkpoints and resume around a parked state
     must not change a single metric. Every run emulates GPU sleep (each release
@@ -368,18 +376,18 @@ def test_resume_reproduces_the_straight_run(model_dir, tmp_path) -> None:
     the same metrics: no phase ever sampled discarded weights."""
     k = 2
     common = {"rollout.tensor_parallel_size": 2, "checkpoint_every": k, "eval_every": k}
-    straight = run_ranks(_run_job, 2, model_dir, str(tmp_path / "a"),
-                         {**common, "train.num_steps": 2 * k}, timeout=400)[0]
+    assert {**common, "train.num_steps": 2 * k} == _STRAIGHT
+    ref = straight[0]
     resident = run_ranks(_run_job, 2, model_dir, str(tmp_path / "r"),
                          {**common, "train.num_steps": 2 * k, "rollout.release_memory": False,
                           "rollout.emulate_gpu_sleep": False}, timeout=400)[0]
-    assert _comparable(straight["history"]) == _comparable(resident["history"])
+    assert _comparable(ref["history"]) == _comparable(resident["history"])
     split = {**common, "train.offload_optimizer": True}
     run_ranks(_run_job, 2, model_dir, str(tmp_path / "b"), {**split, "train.num_steps": k},
               timeout=400)
     resumed = run_ranks(_run_job, 2, model_dir, str(tmp_path / "b"),
                         {**split, "train.num_steps": 2 * k}, True, timeout=400)[0]
-    a, b = _comparable(straight["history"]), _comparable(resumed["history"])
+    a, b = _comparable(ref["history"]), _comparable(resumed["history"])
     assert [h["step"] for h in b] == [0, *range(1, 2 * k + 1)]
     assert a == b
     assert any(not h["skipped_degenerate"] for h in a if h["step"] > k)

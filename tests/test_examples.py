@@ -21,13 +21,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_loop.py"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"]))
-
-
 def _steps(stdout: str) -> list[dict]:
     return [json.loads(ln) for ln in stdout.splitlines() if ln.startswith('{"step"')]
 

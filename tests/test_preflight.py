@@ -22,13 +22,6 @@ from tests.bad_models import EXPECTED, bad_model
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"])
-
-
-@pytest.fixture(scope="module")
 def hf(model_dir):  # noqa: ANN201
     from transformers import AutoConfig
 
@@ -241,3 +234,15 @@ def test_output_dir_is_a_file(model_dir, tmp_path) -> None:
     _has(_refusal(model_dir, out), "exists and is not a folder")
     assert out.read_text() == "not a folder"
     _has(_refusal(model_dir, out / "sub"), "cannot be made")
+
+
+def test_a_fresh_run_refuses_an_earlier_runs_checkpoints(model_dir, tmp_path) -> None:
+    """A repeated command must not bury a finished run: refused unless --resume or
+    --overwrite, and nothing in the folder is touched."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000002" / "COMPLETE").write_text("")
+    before = sorted(p.name for p in out.rglob("*"))
+    _has(_refusal(model_dir, out), ["holds checkpoints of an earlier run", "--resume",
+                                    "--overwrite", "another --output_dir"])
+    assert sorted(p.name for p in out.rglob("*")) == before

@@ -19,13 +19,6 @@ from hybrid_engine.testing import RankError, run_torchrun
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"]))
-
-
 def _args(model_dir: str, out: Path, *extra: str) -> list[str]:
     return ["-m", "hybrid_engine.cli", "train", "--recipe=tiny_grpo_debug", "--no-progress",
             f"--model.path={model_dir}", f"--output_dir={out}", "--env.num_eval_prompts=4",

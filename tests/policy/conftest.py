@@ -8,13 +8,6 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"])
-
-
-@pytest.fixture(scope="module")
 def reward_file(tmp_path_factory) -> Path:
     """A reward with signal in every group (so every step trains and syncs)."""
     f = tmp_path_factory.mktemp("reward") / "coin.py"

@@ -151,6 +151,7 @@ def _double_buffer(model_dir: str) -> dict:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_double_buffer_installs_only_at_commit(tmp_path) -> None:
     from hybrid_engine.models.tiny import PRESETS, write_tiny_model
 

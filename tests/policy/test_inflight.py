@@ -232,6 +232,7 @@ def _install_mid_batch(model_dir: str, other_dir: str) -> dict:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_an_install_between_engine_steps_switches_the_weights_mid_sequence(two_models):
     out = run_in_subprocess(_install_mid_batch, *two_models, timeout=300)
     assert out["landed"], out  # taken inside the batch, not after it

@@ -116,17 +116,20 @@ def one_rank(tmp_path_factory) -> dict:
     return res
 
 
+@pytest.mark.slow  # the module's SFT run (~15 s, shared)
 def test_sft_raises_held_out_accuracy(one_rank):
     assert one_rank["acc_before"] <= 0.1
     assert one_rank["acc_after"] >= one_rank["acc_before"] + 0.25, one_rank
 
 
+@pytest.mark.slow  # the module's SFT run (~15 s, shared)
 def test_second_call_hits_cache(one_rank):
     assert one_rank["path2"] == one_rank["path"]
     assert one_rank["mtime2"] == one_rank["mtime"]
     assert one_rank["hit_s"] < 5.0
 
 
+@pytest.mark.slow  # the module's SFT run (~15 s, shared)
 def test_export_is_a_complete_hf_folder(one_rank):
     from transformers import AutoModelForCausalLM
 
@@ -157,6 +160,7 @@ def test_cache_key_tracks_inputs(tmp_path):
         assert other != key
 
 
+@pytest.mark.slow  # the module's SFT run (~15 s, shared)
 def test_two_ranks_match_one_rank(one_rank):
     from safetensors.torch import load_file
 

@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rollout.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_rollout.py"
 
 
 def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:

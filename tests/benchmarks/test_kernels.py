@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kernels.py"
 WORKLOADS = ("pack", "unpack_rows", "unpack_cols", "copy_fp32")
 
 

@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 ACCEPTANCE = ("model_params", "world_size", "tp", "ours_s", "naive_s", "naive_bucketed_s",
               "floor_s", "transfer_s", "repack_s", "bytes_received_per_rank",

@@ -74,10 +74,10 @@ def test_failing_rank_surfaces_its_traceback(world_size):
 def test_hung_rank_fails_within_timeout(world_size):
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_ranks(_hang_on_last_rank, world_size, timeout=10)
-    assert time.monotonic() - t0 < 25
+        run_ranks(_hang_on_last_rank, world_size, timeout=6)
+    assert time.monotonic() - t0 < 20
     msg = str(info.value)
-    assert msg.startswith(f"rank(s) [{world_size - 1}] did not finish within 10 s")
+    assert msg.startswith(f"rank(s) [{world_size - 1}] did not finish within 6 s")
     assert "_hang_on_last_rank" in msg  # the hung rank's stack, dumped into its log
 
 
@@ -126,8 +126,8 @@ def test_torchrun_timeout_kills_the_job(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import time\ntime.sleep(3600)\n")
     t0 = time.monotonic()
-    with pytest.raises(RankError, match="did not finish within 6 s"):
-        run_torchrun([str(script)], nproc=2, timeout=6)
+    with pytest.raises(RankError, match="did not finish within 3 s"):
+        run_torchrun([str(script)], nproc=2, timeout=3)
     assert time.monotonic() - t0 < 30
 
 

@@ -17,7 +17,7 @@ from hybrid_engine.models.tiny import PRESETS, hf_param_shapes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LABELS = ("colocated", "resident", "separate (train ranks)", "separate (rollout ranks)")
 
 
