@@ -76,14 +76,36 @@ def test_the_reference_run_trains_every_step(reference) -> None:
     assert len({r["reward_mean"] for r in ref.values()}) > 1
 
 
-@pytest.mark.parametrize("phase", ["rollout", "train", "sync", "save"])
-def test_killed_rank_stops_the_job_and_resume_reproduces(model_dir, reference, tmp_path,
+KILL_PHASES = ("rollout", "train", "sync", "save")
+
+
+@pytest.fixture(scope="module")
+def killed_runs(model_dir, tmp_path_factory) -> dict[str, tuple]:
+    """Rank 1 SIGKILLed in step 3's phase, once per phase: {phase: (the job's
+    output, seconds from the kill to the job's exit, its folder)}. Two jobs run at
+    a time (a survivor of a kill in rollout waits out torchrun's grace period)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("killed")
+
+    def kill_in(phase: str) -> tuple:
+        out, stamp = root / phase / "run", root / phase / "killed_at"
+        stamp.parent.mkdir()
+        proc = _train(model_dir, out, fault=f"{phase}:3", stamp=stamp)
+        exited = time.time()
+        down = exited - float(stamp.read_text()) if stamp.exists() else None
+        return proc, down, out
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(KILL_PHASES, pool.map(kill_in, KILL_PHASES)))
+
+
+@pytest.mark.parametrize("phase", KILL_PHASES)
+def test_killed_rank_stops_the_job_and_resume_reproduces(model_dir, reference, killed_runs,
                                                          phase) -> None:
-    out, stamp = tmp_path / "run", tmp_path / "killed_at"
-    proc = _train(model_dir, out, fault=f"{phase}:3", stamp=stamp)
-    exited = time.time()
-    assert proc.returncode != 0 and stamp.exists(), proc.stdout[-3000:]
-    assert exited - float(stamp.read_text()) < 60, proc.stdout[-3000:]
+    proc, down_after, out = killed_runs[phase]
+    assert proc.returncode != 0 and down_after is not None, proc.stdout[-3000:]
+    assert down_after < 60, proc.stdout[-3000:]
     # Step 3 never completed: step 2's checkpoint is the newest complete one
     # (a save killed after writing its shards left a .tmp- folder, never used).
     ckpts = out / "checkpoints"
@@ -228,21 +250,43 @@ def test_sigkill_to_hybrid_engine_launch_takes_the_job_down(model_dir, tmp_path)
     assert processes_mentioning(str(out)) == []
 
 
-@pytest.mark.parametrize("phase", ["rollout", "train", "sync", "save"])
-def test_stopped_rank_brings_the_job_down_with_one_error_line(model_dir, tmp_path,
-                                                              phase) -> None:
+STOP_PHASES = ("rollout", "train", "sync", "save")
+STOP_TIMEOUT_S = 20
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(model_dir, tmp_path_factory) -> dict[str, tuple]:
+    """A rank SIGSTOPped in step 2's phase, once per phase: {phase: (the job's
+    output, seconds from the stop to the job's exit, its folder)}. Two jobs run at
+    a time: each spends most of its run waiting out collective_timeout_s (four at
+    once took no less: the rest is CPU-bound)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("stopped")
+
+    def stop_in(phase: str) -> tuple:
+        out, stamp = root / phase / "run", root / phase / "stopped_at"
+        stamp.parent.mkdir()
+        proc = _train(model_dir, out, f"--collective_timeout_s={STOP_TIMEOUT_S}",
+                      fault=f"{phase}:2:stop", stamp=stamp)
+        exited = time.time()
+        down = exited - float(stamp.read_text()) if stamp.exists() else None
+        return proc, down, out
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(STOP_PHASES, pool.map(stop_in, STOP_PHASES)))
+
+
+@pytest.mark.parametrize("phase", STOP_PHASES)
+def test_stopped_rank_brings_the_job_down_with_one_error_line(stopped_runs, phase) -> None:
     """A SIGSTOPped rank neither exits nor answers: vLLM's shared-memory all-reduce
     would spin on it forever. The watchdog names it and ends the job within
-    collective_timeout_s + 30 s, leaving no process behind (issue 18, item 6)."""
-    out, stamp, timeout = tmp_path / "run", tmp_path / "stopped_at", 20
-    proc = _train(model_dir, out, f"--collective_timeout_s={timeout}",
-                  fault=f"{phase}:2:stop", stamp=stamp)
-    exited = time.time()
+    collective_timeout_s + 30 s, leaving no process behind."""
+    proc, down_after, out = stopped_runs[phase]
     text = proc.stdout
-    assert proc.returncode != 0 and stamp.exists(), text[-3000:]
-    down_after = exited - float(stamp.read_text())
-    print(f"{phase}: job down {down_after:.1f} s after SIGSTOP (timeout {timeout} s)")
-    assert down_after < timeout + 30, text[-3000:]
+    assert proc.returncode != 0 and down_after is not None, text[-3000:]
+    print(f"{phase}: job down {down_after:.1f} s after SIGSTOP (timeout {STOP_TIMEOUT_S} s)")
+    assert down_after < STOP_TIMEOUT_S + 30, text[-3000:]
     errors = [ln for ln in text.splitlines() if ln.startswith("error")]
     assert len(errors) == 1 and errors[0].startswith("error: rank 1 (last in phase "), errors
     assert "stopped, hung or dead" in errors[0]
