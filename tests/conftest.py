@@ -27,6 +27,7 @@ def pytest_collection_modifyitems(config, items) -> None:  # noqa: ARG001 - pyte
             item.add_marker(skip)
 
 
+@pytest.hookimpl(trylast=True)  # after --durations' table
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001
     """The session's time against the suite's budget, flagged when a whole-suite
     run (no -m, -k or paths) exceeds it, so growth shows when it happens."""
@@ -37,8 +38,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
         return
     line = f"suite time: {elapsed / 60:.1f} min (budget {SUITE_BUDGET_S / 60:.0f} min on 2 CPU cores)"
     if elapsed > SUITE_BUDGET_S:
-        terminalreporter.write_line(f"OVER BUDGET -- {line}: see the slowest tests above",
-                                    red=True, bold=True)
+        terminalreporter.write_line(f"OVER BUDGET -- {line}: see the slowest tests above "
+                                    "(make test: --durations=25)", red=True, bold=True)
     else:
         terminalreporter.write_line(line)
 

@@ -3,8 +3,8 @@ sync or a checkpoint save takes the job down within 60 s, the newest complete
 checkpoint loads, and resuming from it reproduces the uninterrupted run's
 per-step metrics (also with generation ahead, separate placement: the rollout
 rank killed in its generation thread or mid-sync); fixed seeds give identical
-runs; resuming refuses another model's checkpoint and a fresh run refuses to
-bury an earlier one."""
+runs; resuming refuses another model's checkpoint and --overwrite starts over
+in an earlier run's folder (a fresh run's refusal of it: tests/test_preflight.py)."""
 
 from __future__ import annotations
 
@@ -79,25 +79,30 @@ def test_the_reference_run_trains_every_step(reference) -> None:
 KILL_PHASES = ("rollout", "train", "sync", "save")
 
 
-@pytest.fixture(scope="module")
-def killed_runs(model_dir, tmp_path_factory) -> dict[str, tuple]:
-    """Rank 1 SIGKILLed in step 3's phase, once per phase: {phase: (the job's
-    output, seconds from the kill to the job's exit, its folder)}. Two jobs run at
-    a time (a survivor of a kill in rollout waits out torchrun's grace period)."""
+def _faulty_runs(model_dir: Path, root: Path, faults: dict[str, str],
+                 *extra: str) -> dict[str, tuple]:
+    """One job per {name: fault}, two at a time (each mostly waits for its peers to
+    notice): {name: (its output, seconds from the fault to the job's exit -- None
+    if the fault never fired --, its folder)}."""
     from concurrent.futures import ThreadPoolExecutor
 
-    root = tmp_path_factory.mktemp("killed")
-
-    def kill_in(phase: str) -> tuple:
-        out, stamp = root / phase / "run", root / phase / "killed_at"
+    def run(name: str) -> tuple:
+        out, stamp = root / name / "run", root / name / "fault_at"
         stamp.parent.mkdir()
-        proc = _train(model_dir, out, fault=f"{phase}:3", stamp=stamp)
+        proc = _train(model_dir, out, *extra, fault=faults[name], stamp=stamp)
         exited = time.time()
-        down = exited - float(stamp.read_text()) if stamp.exists() else None
-        return proc, down, out
+        return proc, exited - float(stamp.read_text()) if stamp.exists() else None, out
 
     with ThreadPoolExecutor(2) as pool:
-        return dict(zip(KILL_PHASES, pool.map(kill_in, KILL_PHASES)))
+        return dict(zip(faults, pool.map(run, faults)))
+
+
+@pytest.fixture(scope="module")
+def killed_runs(model_dir, tmp_path_factory) -> dict[str, tuple]:
+    """Rank 1 SIGKILLed in step 3's phase, once per phase (a survivor of a kill in
+    rollout waits out torchrun's grace period)."""
+    return _faulty_runs(model_dir, tmp_path_factory.mktemp("killed"),
+                        {phase: f"{phase}:3" for phase in KILL_PHASES})
 
 
 @pytest.mark.parametrize("phase", KILL_PHASES)
@@ -256,25 +261,11 @@ STOP_TIMEOUT_S = 20
 
 @pytest.fixture(scope="module")
 def stopped_runs(model_dir, tmp_path_factory) -> dict[str, tuple]:
-    """A rank SIGSTOPped in step 2's phase, once per phase: {phase: (the job's
-    output, seconds from the stop to the job's exit, its folder)}. Two jobs run at
-    a time: each spends most of its run waiting out collective_timeout_s (four at
-    once took no less: the rest is CPU-bound)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    root = tmp_path_factory.mktemp("stopped")
-
-    def stop_in(phase: str) -> tuple:
-        out, stamp = root / phase / "run", root / phase / "stopped_at"
-        stamp.parent.mkdir()
-        proc = _train(model_dir, out, f"--collective_timeout_s={STOP_TIMEOUT_S}",
-                      fault=f"{phase}:2:stop", stamp=stamp)
-        exited = time.time()
-        down = exited - float(stamp.read_text()) if stamp.exists() else None
-        return proc, down, out
-
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(STOP_PHASES, pool.map(stop_in, STOP_PHASES)))
+    """Rank 1 SIGSTOPped in step 2's phase, once per phase: each job waits out
+    collective_timeout_s (four at once took no less than two: the rest is CPU-bound)."""
+    return _faulty_runs(model_dir, tmp_path_factory.mktemp("stopped"),
+                        {phase: f"{phase}:2:stop" for phase in STOP_PHASES},
+                        f"--collective_timeout_s={STOP_TIMEOUT_S}")
 
 
 @pytest.mark.parametrize("phase", STOP_PHASES)
