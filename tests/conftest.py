@@ -36,7 +36,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
         config.args in ([], ["tests"], [str(config.rootpath / "tests")])
     if not whole:
         return
-    line = f"suite time: {elapsed / 60:.1f} min (budget {SUITE_BUDGET_S / 60:.0f} min on 2 CPU cores)"
+    line = (f"suite time: {elapsed / 60:.1f} min "
+            f"(budget {SUITE_BUDGET_S / 60:.0f} min on 2 CPU cores)")
     if elapsed > SUITE_BUDGET_S:
         terminalreporter.write_line(f"OVER BUDGET -- {line}: see the slowest tests above "
                                     "(make test: --durations=25)", red=True, bold=True)

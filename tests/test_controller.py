@@ -87,8 +87,8 @@ def _fakes(log: _Logged, *, flat_steps=(), train_metrics=None):  # noqa: ANN001,
     return Policy(), Env(), Role(), Algorithm()
 
 
-def _fast_run(overrides: dict, *, flat_steps=(), train_metrics=None, handle_signals=False,  # noqa: ANN001, ANN202
-              clock=None):
+def _fast_run(overrides: dict, *, flat_steps=(), train_metrics=None,  # noqa: ANN001, ANN202
+              handle_signals=False):
     """Runs a Controller on the fakes; returns (log, summary or the exception, rows)."""
     from hybrid_engine.config import RunConfig, apply_overrides
     from hybrid_engine.controller import Controller
@@ -501,7 +501,7 @@ def _reward_model_job(model_dir: str, out_dir: str, rm_path: str) -> dict:
 
 @_e2e
 def test_reward_model_scores_in_the_training_layout(model_dir, tmp_path) -> None:
-    """G4: the reward model's forwards run with the engine released (the training
+    """The reward model's forwards run with the engine released (the training
     layout), like the reference's; the job wires the env through model_side."""
     from hybrid_engine.envs.reward_model import write_tiny_reward_model
     from hybrid_engine.models.tiny import TinyModelSpec

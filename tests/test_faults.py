@@ -171,7 +171,7 @@ def test_sigterm_to_one_rank_stops_every_rank_cleanly(model_dir, reference, tmp_
     at once with a traceback, and at start-up or in the final export it left
     final.tmp-* behind. Now, wherever it lands, every rank finishes the step in
     progress, the checkpoint and final/ are complete, and all exit 0 with no
-    traceback; a resume then reproduces the straight run (issue 18, item 3)."""
+    traceback; a resume then reproduces the straight run."""
     out = tmp_path / "run"
     proc = _train(model_dir, out, fault=where, stamp=tmp_path / "at")
     text = proc.stdout
@@ -287,7 +287,7 @@ def test_stopped_rank_brings_the_job_down_with_one_error_line(stopped_runs, phas
 def test_ranks_exit_when_their_launcher_dies(model_dir, tmp_path) -> None:
     """SIGKILL to torchrun leaves its ranks as orphans that nothing will stop;
     each notices its new parent within one watchdog beat and exits, with one
-    error line, leaving no process behind (issue 18, item 11)."""
+    error line, leaving no process behind."""
     out, stamp = tmp_path / "run", tmp_path / "killed_at"
     # With collective_timeout_s=60 the store's silence would take 60 s to notice.
     proc = _train(model_dir, out, "--collective_timeout_s=60", "--train.num_steps=50",
@@ -319,7 +319,7 @@ def test_relaunch_on_the_same_port_right_after_a_kill(model_dir, tmp_path) -> No
     """A fixed --master_port (no --standalone: torchrun's run id is "none") used
     again at once after a rank was killed: the killed launch's shared-memory
     segments are too young for the sweep, and the new launch must not collide
-    with them (was `create shm ... errno: 17`; issue 18, item 11)."""
+    with them (was `create shm ... errno: 17`)."""
     from hybrid_engine.testing import free_port
 
     port = free_port()
@@ -336,7 +336,7 @@ def test_a_second_job_on_the_same_output_dir_is_refused(model_dir, tmp_path) -> 
     """Two jobs into one output_dir used to interleave metrics.jsonl and overwrite
     each other's checkpoints; the second (here with --overwrite, which would
     have deleted the first's outputs) now gets one error line and touches
-    nothing (issue 18, item 11)."""
+    nothing."""
     import threading
 
     out, first, release = tmp_path / "run", [], tmp_path / "release"
@@ -375,7 +375,7 @@ def test_a_failed_save_stops_with_one_error_and_resume_continues(model_dir, refe
     """A full disk during a save (rank 1's files may not grow past 64 KiB from the
     3rd save on) used to print torch's 'inline_container' error; now one error
     line says so, no half-written folder stays, and a resume reproduces the
-    straight run (issue 18, item 11)."""
+    straight run."""
     out = tmp_path / "run"
     proc = _train(model_dir, out, fault="save:3:fsize", stamp=tmp_path / "at")
     errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
@@ -396,9 +396,9 @@ def test_a_failed_save_stops_with_one_error_and_resume_continues(model_dir, refe
 def test_a_damaged_newest_checkpoint_yields_to_the_one_before(model_dir, reference,
                                                               tmp_path) -> None:
     """Bytes flipped in the newest checkpoint's shard: the resume names it, warns,
-    and continues from the one before, reproducing the straight run (issue 18,
-    item 11). The damaged folder is kept under another name, so keep_checkpoints
-    counts (and keeps) only sound ones."""
+    and continues from the one before, reproducing the straight run. The damaged
+    folder is kept under another name, so keep_checkpoints counts (and keeps) only
+    sound ones."""
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     ckpts = out / "checkpoints"

@@ -125,7 +125,8 @@ def _has(message: str, expected: str | list[str]) -> None:
         assert part in message, message
 
 
-@pytest.mark.parametrize("kind", [k for k in EXPECTED if k != "nan_weights"])  # found by the trainer
+# nan_weights is found by the trainer as it loads rows: tests/test_bad_input.py
+@pytest.mark.parametrize("kind", [k for k in EXPECTED if k != "nan_weights"])
 def test_bad_model_folder(model_dir, tmp_path, kind) -> None:
     _has(_refusal(bad_model(kind, model_dir, tmp_path), tmp_path / "run"), EXPECTED[kind])
 
@@ -148,7 +149,8 @@ def test_bad_model_folder(model_dir, tmp_path, kind) -> None:
     (["--algorithm.kl_estimator=k4"], "algorithm.kl_estimator: unknown KL estimator 'k4'"),
     (["--env.name=nope"], "unknown environment 'nope'"),
     (["--env.min_digits=3", "--env.max_digits=2"], "env.min_digits=3 must be <="),
-    (["--rollout.kv_cache_gib=100000"], ["rollout.kv_cache_gib=100000", "lower rollout.kv_cache_gib"]),
+    (["--rollout.kv_cache_gib=100000"],
+     ["rollout.kv_cache_gib=100000", "lower rollout.kv_cache_gib"]),
     (["--resume"], "no complete checkpoint under"),
     (["--env.reward_fn=no_colon"], "must look like 'path/to/file.py:function'"),
     (["--env.reward_fn=/no/such/file.py:reward"], "does not exist"),

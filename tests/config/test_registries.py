@@ -1,6 +1,6 @@
 """Open registries: a config field that names an estimator, loss or environment
 is a str checked against its registry at build time, so a new entry needs no
-config edit (issue 15)."""
+config edit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Generation ahead of training (`rollout.max_staleness`, issue 19 items 1, 2, 5).
+"""Generation ahead of training (`rollout.max_staleness`).
 
 References: the colocated run with the same k, where the phases take turns in
 one thread (the separate run overlaps them in a generation thread and must
