@@ -6,7 +6,9 @@
 // elements from each tensor's data_ptr() (its storage offset included).
 #pragma once
 
-#include <torch/all.h>
+#include <ATen/core/Tensor.h>
+
+#include <vector>
 
 namespace hybrid_engine {
 

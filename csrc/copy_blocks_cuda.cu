@@ -2,13 +2,16 @@
 // dtype pair; each group is one kernel launch. A block's rows are flattened
 // and cut into work items of kItemElems elements, one thread block per item.
 // Blocks with unit column strides and aligned rows move 16-byte vectors.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/library.h>
 
+#include <cstring>
 #include <map>
 #include <utility>
 #include <vector>
