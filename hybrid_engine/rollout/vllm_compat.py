@@ -22,7 +22,8 @@ import torch
 from hybrid_engine.rollout import cpu_shm
 
 __all__ = [
-    "VLLM_VERSION", "cache_config", "check_version", "dispatch_cpu_gemm", "engine_loop", "is_cpu",
+    "VLLM_VERSION", "cache_config", "check_version", "dispatch_cpu_gemm", "eager_cpu_helpers",
+    "engine_loop", "is_cpu",
     "isolate_cpu_shm_names", "kv_cache_tensors", "model", "model_dtype", "prepare_process_env",
     "reload_weights", "restrict_world", "set_weight_attrs", "shutdown", "zentorch_gemm",
 ]
@@ -93,6 +94,26 @@ def isolate_cpu_shm_names() -> None:
 
     shm.make_group_name = staticmethod(make_group_name)
     shm._hybrid_engine_patched = True
+
+
+def eager_cpu_helpers() -> None:
+    """Patch [0.32, private module globals `vocab_parallel_embedding.get_masked_input_and_mask`
+    and `sampler.batched_count_greater_than`]: runs these two helpers eagerly on CPU.
+
+    vLLM wraps both in `torch.compile(backend="inductor")`. On CPU their first
+    calls cost ~1.8 s per process (importing inductor, probing the CPU's vector
+    ISA, loading the cached kernels), ~2 s of a tiny 2-rank job's 12.5 s, for a
+    few elementwise integer ops over the batch's token ids (the vocabulary mask
+    of a tensor-parallel embedding) and a row-wise count (the sampled token's
+    rank). Eager gives the same integers.
+    """
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+    from vllm.v1.sample import sampler
+
+    for module, name in ((vpe, "get_masked_input_and_mask"),
+                         (sampler, "batched_count_greater_than")):
+        fn = getattr(module, name)
+        setattr(module, name, getattr(fn, "_torchdynamo_orig_callable", fn))
 
 
 def restrict_world(ranks: list[int]) -> Callable[[], None]:

@@ -1,7 +1,8 @@
 """The CUDA backend's pure parts, on any machine: the engine's memory budget
 (rollout.gpu_memory_fraction, G2) and the allocator check (expandable_segments
 cannot work beside vLLM's sleep-mode allocator). The backend's sleep/wake runs
-only where vLLM's CUDA build is (tests/rollout/test_engine.py, gpu marker)."""
+only where vLLM's CUDA build is (tests/rollout/test_engine.py, gpu marker). The
+CPU backend's patch of two compiled vLLM helpers, in-process."""
 
 from __future__ import annotations
 
@@ -47,3 +48,23 @@ def test_preflight_gpu_check_is_silent_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the check is exercised by the GPU runs")
     check_gpu(64, environ={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+
+
+def test_the_cpu_backend_runs_two_compiled_vllm_helpers_eagerly() -> None:
+    """vLLM compiles its tensor-parallel vocabulary mask and the sampled token's
+    rank with inductor (~1.8 s of start-up per process on CPU); after the patch
+    both are the plain functions, and they give the same integers."""
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+    from vllm.v1.sample import sampler
+
+    from hybrid_engine.rollout import vllm_compat
+
+    vllm_compat.eager_cpu_helpers()
+    mask_fn, rank_fn = vpe.get_masked_input_and_mask, sampler.batched_count_greater_than
+    assert not hasattr(mask_fn, "_torchdynamo_orig_callable")
+    assert not hasattr(rank_fn, "_torchdynamo_orig_callable")
+    # This rank holds token ids [4, 12) of the vocabulary, with no added tokens.
+    ids, masked = mask_fn(torch.tensor([0, 4, 11, 12, 15]), 4, 12, 0, 12, 12)
+    assert ids.tolist() == [0, 0, 7, 0, 0] and masked.tolist() == [True, False, False, True, True]
+    logprobs = torch.tensor([[-0.1, -2.0, -0.5], [-3.0, -1.0, -1.0]])
+    assert rank_fn(logprobs, torch.tensor([[-0.5], [-1.0]])).tolist() == [2, 2]
