@@ -309,23 +309,46 @@ def _check_trained(summary: dict, steps: int) -> None:
         previous = h["elapsed_s"]
 
 
-_STRAIGHT = {"rollout.tensor_parallel_size": 2, "checkpoint_every": 2, "eval_every": 2,
-             "train.num_steps": 4}
+# Optimizer state parked between steps (train.offload_optimizer): eval, checkpoints
+# and a resume around a parked state must not change a single metric.
+_STRAIGHT = {"rollout.tensor_parallel_size": 2, "checkpoint_every": 2, "keep_checkpoints": 2,
+             "eval_every": 2, "train.num_steps": 4, "train.offload_optimizer": True}
+
+
+def _resume_from_step(run_dir, step: int, tmp_path):  # noqa: ANN001, ANN202
+    """A copy of a finished run's folder without its checkpoints past `step`: what
+    a run stopped after that step leaves."""
+    import shutil
+
+    from hybrid_engine.checkpoint import step_checkpoints
+
+    copy = tmp_path / "resumed"
+    shutil.copytree(run_dir, copy)
+    kept = step_checkpoints(copy / "checkpoints")
+    assert step in [n for n, _ in kept], kept
+    for n, path in kept:
+        if n > step:
+            shutil.rmtree(path)
+    return str(copy)
 
 
 @pytest.fixture(scope="module")
-def straight(model_dir, tmp_path_factory) -> list[dict]:
-    """Every rank's summary of one 4-step run on 2 ranks (TP 2), with an eval and a
-    checkpoint every 2 steps: the 2-rank case below and the resume test's reference."""
-    return run_ranks(_run_job, 2, model_dir, str(tmp_path_factory.mktemp("straight") / "run"),
-                     _STRAIGHT, timeout=400)
+def straight(model_dir, tmp_path_factory):  # noqa: ANN201
+    """One 4-step run on 2 ranks (TP 2), with an eval and a checkpoint every 2
+    steps: every rank's summary and the run's folder. The 2-rank case below and the
+    resume test's reference."""
+    from types import SimpleNamespace
+
+    out = tmp_path_factory.mktemp("straight") / "run"
+    return SimpleNamespace(ranks=run_ranks(_run_job, 2, model_dir, str(out), _STRAIGHT,
+                                           timeout=400), dir=out)
 
 
 @_e2e
 @pytest.mark.parametrize(("world", "tp"), [(1, 1), (2, 2), (4, 2)])
 def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, request) -> None:
     if world == 2:
-        out, steps = request.getfixturevalue("straight"), _STRAIGHT["train.num_steps"]
+        out, steps = request.getfixturevalue("straight").ranks, _STRAIGHT["train.num_steps"]
     else:
         out, steps = run_ranks(_run_job, world, model_dir, str(tmp_path / "run"),
                                {"rollout.tensor_parallel_size": tp}, timeout=400), 2
@@ -369,24 +392,21 @@ def _comparable(history: list[dict]) -> list[dict]:
 
 @_e2e
 def test_resume_reproduces_the_straight_run(model_dir, straight, tmp_path) -> None:
-    """The split run also parks its optimizer state between steps
-    (train.offload_optimizer): eval, checkpoints and resume around a parked state
-    must not change a single metric. Every run emulates GPU sleep (each release
-    overwrites vLLM's weights with NaN), and a run that never releases anything gives
-    the same metrics: no phase ever sampled discarded weights."""
+    """The straight run parks its optimizer state between steps and emulates GPU
+    sleep (each release overwrites vLLM's weights with NaN). A run that never
+    releases nor parks anything gives the same metrics (no phase ever sampled
+    discarded weights), and a resume from the straight run's step-2 checkpoint
+    (saved with the state parked) repeats steps 3-4."""
     k = 2
-    common = {"rollout.tensor_parallel_size": 2, "checkpoint_every": k, "eval_every": k}
-    assert {**common, "train.num_steps": 2 * k} == _STRAIGHT
-    ref = straight[0]
+    ref = straight.ranks[0]
     resident = run_ranks(_run_job, 2, model_dir, str(tmp_path / "r"),
-                         {**common, "train.num_steps": 2 * k, "rollout.release_memory": False,
-                          "rollout.emulate_gpu_sleep": False}, timeout=400)[0]
+                         {**_STRAIGHT, "train.offload_optimizer": False,
+                          "rollout.release_memory": False, "rollout.emulate_gpu_sleep": False},
+                         timeout=400)[0]
     assert _comparable(ref["history"]) == _comparable(resident["history"])
-    split = {**common, "train.offload_optimizer": True}
-    run_ranks(_run_job, 2, model_dir, str(tmp_path / "b"), {**split, "train.num_steps": k},
-              timeout=400)
-    resumed = run_ranks(_run_job, 2, model_dir, str(tmp_path / "b"),
-                        {**split, "train.num_steps": 2 * k}, True, timeout=400)[0]
+    assert not any("offload_moved_bytes" in h for h in resident["history"])
+    resumed = run_ranks(_run_job, 2, model_dir, _resume_from_step(straight.dir, k, tmp_path),
+                        _STRAIGHT, True, timeout=400)[0]
     a, b = _comparable(ref["history"]), _comparable(resumed["history"])
     assert [h["step"] for h in b] == [0, *range(1, 2 * k + 1)]
     assert a == b
@@ -400,13 +420,13 @@ def test_resume_reproduces_the_straight_run(model_dir, straight, tmp_path) -> No
 def test_dapo_clips_refills_and_resumes(model_dir, tmp_path) -> None:
     """DAPO (clip-higher 0.28, 2 mini-batches, dynamic sampling) on an env whose
     groups are flat for about half the prompts: the clip binds on some step, a step
-    whose first draw had a flat group draws again, and a run stopped after 2 steps and
-    resumed gives the straight run's metrics (the refilled prompt stream included)."""
+    whose first draw had a flat group draws again, and a resume from the run's
+    step-2 checkpoint repeats its steps 3-4 (the refilled prompt stream included)."""
     k = 2
     common = {"env.name": "test_half_flat", "rollout.tensor_parallel_size": 2,
               "algorithm.clip_high": 0.28, "algorithm.dynamic_sampling": True,
               "algorithm.max_sampling_rounds": 3, "algorithm.overlong_buffer": 4,
-              "train.mini_batches_per_rollout": 2, "checkpoint_every": k}
+              "train.mini_batches_per_rollout": 2, "checkpoint_every": k, "keep_checkpoints": 2}
     straight = run_ranks(_run_job, 2, model_dir, str(tmp_path / "a"),
                          {**common, "train.num_steps": 2 * k}, timeout=400)[0]
     _check_trained(straight, 2 * k)
@@ -419,9 +439,7 @@ def test_dapo_clips_refills_and_resumes(model_dir, tmp_path) -> None:
         [(h["sampling_rounds"], h["groups_flat"]) for h in hist]
     # Never more than prompts_per_step groups (of K = 4 samples) train.
     assert all(h["train_samples"] <= 4 * 4 for h in hist)
-    run_ranks(_run_job, 2, model_dir, str(tmp_path / "b"), {**common, "train.num_steps": k},
-              timeout=400)
-    resumed = run_ranks(_run_job, 2, model_dir, str(tmp_path / "b"),
+    resumed = run_ranks(_run_job, 2, model_dir, _resume_from_step(tmp_path / "a", k, tmp_path),
                         {**common, "train.num_steps": 2 * k}, True, timeout=400)[0]
     assert _comparable(straight["history"]) == _comparable(resumed["history"])
 

@@ -13,6 +13,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -79,46 +80,52 @@ def test_the_reference_run_trains_every_step(reference) -> None:
 KILL_PHASES = ("rollout", "train", "sync", "save")
 
 
-def _faulty_runs(model_dir: Path, root: Path, faults: dict[str, str],
-                 *extra: str) -> dict[str, tuple]:
+def _faulty_runs(model_dir: Path, root: Path, faults: dict[str, str], *extra: str,
+                 resume: bool = False) -> dict[str, SimpleNamespace]:
     """One job per {name: fault}, two at a time (each mostly waits for its peers to
-    notice): {name: (its output, seconds from the fault to the job's exit -- None
-    if the fault never fired --, its folder)}."""
+    notice), each resumed after its fault if `resume`. Per name: proc, down_after
+    (seconds from the fault to the job's exit; None if the fault never fired), out
+    (its folder), latest and tmp_left (its newest complete checkpoint and whether a
+    .tmp- folder was left, both before the resume) and resumed (the resume's proc)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def run(name: str) -> tuple:
+    def run(name: str) -> SimpleNamespace:
         out, stamp = root / name / "run", root / name / "fault_at"
         stamp.parent.mkdir()
         proc = _train(model_dir, out, *extra, fault=faults[name], stamp=stamp)
         exited = time.time()
-        return proc, exited - float(stamp.read_text()) if stamp.exists() else None, out
+        ckpts = out / "checkpoints"
+        r = SimpleNamespace(proc=proc, out=out, resumed=None,
+                            down_after=exited - float(stamp.read_text()) if stamp.exists() else None,
+                            latest=latest_checkpoint(ckpts), tmp_left=bool(list(ckpts.glob("*.tmp-*"))))
+        if resume:
+            r.resumed = _train(model_dir, out, *extra, "--resume")
+        return r
 
     with ThreadPoolExecutor(2) as pool:
         return dict(zip(faults, pool.map(run, faults)))
 
 
 @pytest.fixture(scope="module")
-def killed_runs(model_dir, tmp_path_factory) -> dict[str, tuple]:
+def killed_runs(model_dir, tmp_path_factory) -> dict[str, SimpleNamespace]:
     """Rank 1 SIGKILLed in step 3's phase, once per phase (a survivor of a kill in
-    rollout waits out torchrun's grace period)."""
+    rollout waits out torchrun's grace period), then resumed."""
     return _faulty_runs(model_dir, tmp_path_factory.mktemp("killed"),
-                        {phase: f"{phase}:3" for phase in KILL_PHASES})
+                        {phase: f"{phase}:3" for phase in KILL_PHASES}, resume=True)
 
 
 @pytest.mark.parametrize("phase", KILL_PHASES)
-def test_killed_rank_stops_the_job_and_resume_reproduces(model_dir, reference, killed_runs,
-                                                         phase) -> None:
-    proc, down_after, out = killed_runs[phase]
-    assert proc.returncode != 0 and down_after is not None, proc.stdout[-3000:]
-    assert down_after < 60, proc.stdout[-3000:]
+def test_killed_rank_stops_the_job_and_resume_reproduces(reference, killed_runs, phase) -> None:
+    run = killed_runs[phase]
+    assert run.proc.returncode != 0 and run.down_after is not None, run.proc.stdout[-3000:]
+    assert run.down_after < 60, run.proc.stdout[-3000:]
     # Step 3 never completed: step 2's checkpoint is the newest complete one
     # (a save killed after writing its shards left a .tmp- folder, never used).
-    ckpts = out / "checkpoints"
-    assert latest_checkpoint(ckpts) == step_checkpoint_path(ckpts, 2)
-    assert bool(list(ckpts.glob("*.tmp-*"))) == (phase == "save")
-    proc = _train(model_dir, out, "--resume")
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    assert _steps(out) == _steps(reference)
+    ckpts = run.out / "checkpoints"
+    assert run.latest == step_checkpoint_path(ckpts, 2)
+    assert run.tmp_left == (phase == "save")
+    assert run.resumed.returncode == 0, run.resumed.stdout[-3000:]
+    assert _steps(run.out) == _steps(reference)
     assert not list(ckpts.glob("*.tmp-*"))  # the killed save's folder was swept
 
 
@@ -136,25 +143,27 @@ def ahead_reference(model_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def ahead_killed_runs(model_dir, tmp_path_factory) -> dict[str, SimpleNamespace]:
+    return _faulty_runs(model_dir, tmp_path_factory.mktemp("ahead_killed"),
+                        {f: f for f in ("rollout:4", "sync:3")}, *AHEAD, resume=True)
+
+
 @pytest.mark.parametrize("fault", ["rollout:4", "sync:3"])
 def test_killed_rank_with_generation_ahead_stops_the_job_and_resume_reproduces(
-        model_dir, ahead_reference, tmp_path, fault) -> None:
+        ahead_reference, ahead_killed_runs, fault) -> None:
     """The rollout rank SIGKILLed in its generation thread (its 4th generate: the
     batch of step 4, started in step 3) or in step 3's sync (receiving into the
     back buffer while that thread generates): the job is down within 60 s, and
     the resume from step 2 (with the batch generated ahead in its checkpoint)
     reproduces the uninterrupted run, staleness included."""
-    out, stamp = tmp_path / "run", tmp_path / "killed_at"
-    proc = _train(model_dir, out, *AHEAD, fault=fault, stamp=stamp)
-    exited = time.time()
-    assert proc.returncode != 0 and stamp.exists(), proc.stdout[-3000:]
-    assert exited - float(stamp.read_text()) < 60, proc.stdout[-3000:]
-    ckpts = out / "checkpoints"
-    assert latest_checkpoint(ckpts) == step_checkpoint_path(ckpts, 2)
-    proc = _train(model_dir, out, *AHEAD, "--resume")
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    run = ahead_killed_runs[fault]
+    assert run.proc.returncode != 0 and run.down_after is not None, run.proc.stdout[-3000:]
+    assert run.down_after < 60, run.proc.stdout[-3000:]
+    assert run.latest == step_checkpoint_path(run.out / "checkpoints", 2)
+    assert run.resumed.returncode == 0, run.resumed.stdout[-3000:]
     ref = _steps(ahead_reference)
-    assert _steps(out) == ref
+    assert _steps(run.out) == ref
     assert [ref[s]["staleness_max"] for s in sorted(ref)] == [0.0, 1.0, 1.0, 1.0]
 
 
@@ -260,7 +269,7 @@ STOP_TIMEOUT_S = 20
 
 
 @pytest.fixture(scope="module")
-def stopped_runs(model_dir, tmp_path_factory) -> dict[str, tuple]:
+def stopped_runs(model_dir, tmp_path_factory) -> dict[str, SimpleNamespace]:
     """Rank 1 SIGSTOPped in step 2's phase, once per phase: each job waits out
     collective_timeout_s (four at once took no less than two: the rest is CPU-bound)."""
     return _faulty_runs(model_dir, tmp_path_factory.mktemp("stopped"),
@@ -273,15 +282,15 @@ def test_stopped_rank_brings_the_job_down_with_one_error_line(stopped_runs, phas
     """A SIGSTOPped rank neither exits nor answers: vLLM's shared-memory all-reduce
     would spin on it forever. The watchdog names it and ends the job within
     collective_timeout_s + 30 s, leaving no process behind."""
-    proc, down_after, out = stopped_runs[phase]
-    text = proc.stdout
-    assert proc.returncode != 0 and down_after is not None, text[-3000:]
-    print(f"{phase}: job down {down_after:.1f} s after SIGSTOP (timeout {STOP_TIMEOUT_S} s)")
-    assert down_after < STOP_TIMEOUT_S + 30, text[-3000:]
+    run = stopped_runs[phase]
+    text = run.proc.stdout
+    assert run.proc.returncode != 0 and run.down_after is not None, text[-3000:]
+    print(f"{phase}: job down {run.down_after:.1f} s after SIGSTOP (timeout {STOP_TIMEOUT_S} s)")
+    assert run.down_after < STOP_TIMEOUT_S + 30, text[-3000:]
     errors = [ln for ln in text.splitlines() if ln.startswith("error")]
     assert len(errors) == 1 and errors[0].startswith("error: rank 1 (last in phase "), errors
     assert "stopped, hung or dead" in errors[0]
-    assert processes_mentioning(str(out)) == []  # the stopped rank was killed, not left behind
+    assert processes_mentioning(str(run.out)) == []  # the stopped rank was killed, not left behind
 
 
 def test_ranks_exit_when_their_launcher_dies(model_dir, tmp_path) -> None:

@@ -10,6 +10,25 @@ from hybrid_engine.testing import run_ranks
 _SLOW = pytest.mark.slow
 CASES = [(2, 2), (4, 2), pytest.param(2, 1, marks=_SLOW), pytest.param(4, 1, marks=_SLOW),
          pytest.param(4, 4, marks=_SLOW)]
+SPECS_BF16 = ["qwen2", pytest.param("llama-kv1-tied", marks=_SLOW)]
+FP32_SPECS = ["qwen3-kv1", "qwen2-mha-tied"]
+
+
+def _values(params) -> list[tuple]:  # noqa: ANN001
+    """The argument tuples of a parametrize list (pytest.param or plain)."""
+    return [p.values if hasattr(p, "values") else p if isinstance(p, tuple) else (p,)
+            for p in params]
+
+
+# Every executor case of this file, by world size: (spec, tp, wire dtype, bucket elements).
+# Each world size's cases run in one launch of that many ranks (the cases are
+# milliseconds; a launch is seconds); each test then checks its own case.
+RUNS: dict[int, list[tuple]] = {}
+for (_spec,) in _values(SPECS_BF16):
+    for _world, _tp in _values(CASES):
+        RUNS.setdefault(_world, []).append((_spec, _tp, "bfloat16", 4000))
+for (_spec,) in _values(FP32_SPECS):
+    RUNS[4].append((_spec, 2, "float32", 1 << 20))
 
 
 def _full_tensors(shapes, seed: int) -> dict[str, torch.Tensor]:
@@ -48,10 +67,43 @@ def _run_executor(spec_name: str, tp: int, wire: str, bucket_elems: int) -> dict
             "bucket_bytes": bucket_elems * torch.empty((), dtype=dtype).element_size()}
 
 
+def _run_cases(cases: list[tuple]) -> dict[tuple, dict | str]:
+    """Every case on this rank: its result, or its error as text (only its test fails)."""
+    import traceback
+
+    out = {}
+    for case in cases:
+        try:
+            out[case] = _run_executor(*case)
+        except Exception:  # noqa: BLE001  (reported by the case's test)
+            out[case] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def executor_runs():  # noqa: ANN201
+    """world -> every rank's {case: result}, one launch per world size, on first use."""
+    done: dict[int, list[dict]] = {}
+
+    def get(world: int) -> list[dict]:
+        if world not in done:
+            done[world] = run_ranks(_run_cases, world, RUNS[world], timeout=180)
+        return done[world]
+
+    return get
+
+
+def _case_outputs(executor_runs, world: int, case: tuple) -> list[dict]:  # noqa: ANN001
+    outs = [by_case[case] for by_case in executor_runs(world)]
+    for r, o in enumerate(outs):
+        assert not isinstance(o, str), f"rank {r} raised:\n{o}"
+    return outs
+
+
 @pytest.mark.parametrize("world,tp", CASES)
-@pytest.mark.parametrize("spec", ["qwen2", pytest.param("llama-kv1-tied", marks=_SLOW)])
-def test_executor_matches_layout_bit_for_bit(world, tp, spec):
-    outs = run_ranks(_run_executor, world, spec, tp, "bfloat16", 4000, timeout=120)
+@pytest.mark.parametrize("spec", SPECS_BF16)
+def test_executor_matches_layout_bit_for_bit(executor_runs, world, tp, spec):
+    outs = _case_outputs(executor_runs, world, (spec, tp, "bfloat16", 4000))
     for r, o in enumerate(outs):
         assert o["mismatched"] == [], f"rank {r}: {o['mismatched'][:5]}"
         assert o["bytes_received"] == o["min_bytes"]
@@ -60,9 +112,9 @@ def test_executor_matches_layout_bit_for_bit(world, tp, spec):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["qwen3-kv1", "qwen2-mha-tied"])
-def test_executor_fp32_wire_other_architectures(spec):
-    outs = run_ranks(_run_executor, 4, spec, 2, "float32", 1 << 20, timeout=120)
+@pytest.mark.parametrize("spec", FP32_SPECS)
+def test_executor_fp32_wire_other_architectures(executor_runs, spec):
+    outs = _case_outputs(executor_runs, 4, (spec, 2, "float32", 1 << 20))
     for r, o in enumerate(outs):
         assert o["mismatched"] == [] and o["bytes_received"] == o["min_bytes"], r
 
