@@ -756,16 +756,29 @@ def _to_numpy(x):
     return x.numpy() if isinstance(x, torch.Tensor) else x
 
 
+def _parity_runs(root: str, steps: int, layouts: list[tuple[str, int]]) -> list[dict | None]:
+    """`_parity_run` for each (sharding, shard_group_size), one after another on these
+    ranks (a launch costs seconds, a layout's 3 steps a fraction of one)."""
+    return [_parity_run(root, steps, sharding, size) for sharding, size in layouts]
+
+
+# world -> the layouts run on that many ranks (sharding, shard_group_size)
+PARITY_LAYOUTS = {1: [("full", 0)], 2: [("full", 0), ("grad_op", 0), ("replicate", 0)],
+                  4: [("full", 0), ("hybrid", 2)]}
+
+
 @pytest.mark.slow
 def test_one_two_four_ranks_match_a_plain_model(tmp_path):
     """FSDP2 over 1, 2 and 4 ranks, and every other layout (grad_op and replicate on 2
     ranks, hybrid as 2 shard groups of 2 on 4), vs a plain transformers model in one
-    process (the 1-rank run is FSDP2 over a 1-rank mesh; the reference is not FSDP)."""
-    runs = {w: run_ranks(_parity_run, w, str(tmp_path), 3, timeout=240)[0] for w in (1, 2, 4)}
-    for name, world, size in [("grad_op", 2, 0), ("replicate", 2, 0), ("hybrid", 4, 2)]:
-        runs[f"{world} {name}"] = run_ranks(_parity_run, world, str(tmp_path), 3, name, size,
-                                            timeout=240)[0]
-    plain = runs[1]["plain"]
+    process (the 1-rank run is FSDP2 over a 1-rank mesh; the reference is not FSDP).
+    One launch per world size runs its layouts in turn."""
+    runs = {}
+    for world, layouts in PARITY_LAYOUTS.items():
+        outs = run_ranks(_parity_runs, world, str(tmp_path), 3, layouts, timeout=240)[0]
+        runs.update({f"{world} {name}": out for (name, _), out in zip(layouts, outs)})
+    assert len(runs) == 6
+    plain = runs["1 full"]["plain"]
     assert plain["losses"][-1] < plain["losses"][0]
     for w, r in runs.items():
         assert r["losses"] == pytest.approx(plain["losses"], rel=1e-6), w
