@@ -66,24 +66,18 @@ def _max_logprob_diff(model_full, out) -> float:
     return worst
 
 
-def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str,  # noqa: ANN202
-                              master: str = "float32", shard: int = 0):
+def _sharded_model(model_dir: str, master: str = "float32", shard: int = 0):  # noqa: ANN202
     """The HF model in the master dtype (fp32 unless given), FSDP2-sharded per
     layer + root over the world (shard > 0: over groups of that many ranks,
-    replicated across them, as train.sharding=replicate/hybrid), and a colocated
-    vLLM engine of the same folder (TP = tp, the given dtype)."""
+    replicated across them, as train.sharding=replicate/hybrid)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from hybrid_engine.config import RolloutConfig
-    from hybrid_engine.rollout.engine import VLLMRollout
-
-    world = dist.get_world_size()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, master))
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if shard:
         from hybrid_engine.parallel.fsdp import fsdp_mesh
 
@@ -91,14 +85,30 @@ def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str,  # noqa: ANN2
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    rollout = VLLMRollout(model_dir, RolloutConfig(
+    return model
+
+
+def _engine(model_dir: str, tp: int, dtype: str):  # noqa: ANN202
+    """A colocated vLLM engine of the folder (TP = tp, the given dtype)."""
+    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.rollout.engine import VLLMRollout
+
+    return VLLMRollout(model_dir, RolloutConfig(
         tensor_parallel_size=tp, max_model_len=64, max_tokens=8, kv_cache_gib=1.0,
         enforce_eager=True), dtype=dtype)
-    return model, rollout
 
 
-def _sync_case(model_dir: str, tp: int, dtype: str, master: str = "float32",
-               shard: int = 0) -> dict:
+def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str,  # noqa: ANN202
+                              master: str = "float32", shard: int = 0):
+    return _sharded_model(model_dir, master, shard), _engine(model_dir, tp, dtype)
+
+
+def _sync_layout(model_dir: str, rollout, tp: int, dtype: str, master: str,  # noqa: ANN001
+                 shard: int, reset: bool) -> dict:
+    """One training layout against the engine: train, sync (verified), sample, twice;
+    then the naive sync of the same weights. `reset`: first load the folder's
+    weights into the engine (naive sync of the untrained model), undoing an earlier
+    layout's syncs, so 'changed' compares with the engine as it started."""
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -106,7 +116,11 @@ def _sync_case(model_dir: str, tp: int, dtype: str, master: str = "float32",
     from hybrid_engine.config import SyncConfig
     from hybrid_engine.roles.sync import WeightSync
 
-    model, rollout = _sharded_model_and_engine(model_dir, tp, dtype, master, shard)
+    model = _sharded_model(model_dir, master, shard)
+    naive = WeightSync(model.config, SyncConfig(method="naive"), tp=tp,
+                       wire_dtype=getattr(torch, dtype))
+    if reset:
+        naive.sync(model, rollout)
     before = _greedy(rollout, 8)
     _train_one_step(model, seed=1)
     sync = WeightSync(model.config, SyncConfig(method="reshard", bucket_mb=0.05, verify=True),
@@ -118,8 +132,6 @@ def _sync_case(model_dir: str, tp: int, dtype: str, master: str = "float32",
     after2 = _greedy(rollout, 8)
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
             for n, p in model.named_parameters()}
-    naive = WeightSync(model.config, SyncConfig(method="naive"), tp=tp,
-                       wire_dtype=getattr(torch, dtype))
     naive.sync(model, rollout)
     after_naive = _greedy(rollout, 8)
     if dtype == "float32":  # back to the reshard result for the transformers check
@@ -137,39 +149,85 @@ def _sync_case(model_dir: str, tp: int, dtype: str, master: str = "float32",
         out["max_diff"] = _max_logprob_diff(ref, after2)
         out["greedy_equal"] = _greedy_tokens(rollout, 6) == _transformers_greedy(
             ref, after2.prompt_ids, 6)
-    rollout.shutdown()
     return out
 
 
+def _sync_case(model_dir: str, tp: int, dtype: str, master: str = "float32",
+               shards: tuple[int, ...] = (0,)) -> list[dict]:
+    """`_sync_layout` for each training layout (shard group size, 0: FSDP over the
+    world) in turn, against one engine: an engine costs seconds, a layout less."""
+    rollout = _engine(model_dir, tp, dtype)
+    outs = [_sync_layout(model_dir, rollout, tp, dtype, master, shard, reset=i > 0)
+            for i, shard in enumerate(shards)]
+    rollout.shutdown()
+    return outs
+
+
 # norm_std: random norm weights, so a norm written to another layer's slot shows.
-CASES = [
-    ("qwen2", dict(arch="qwen2", vocab_size=1000, norm_std=0.1), 2, 2, "float32"),
-    ("llama-kv1-tied", dict(arch="llama", num_kv_heads=1, tie_word_embeddings=True), 2, 1, "float32"),
-    ("qwen3-kv1", dict(arch="qwen3", num_kv_heads=1, vocab_size=1001, norm_std=0.1), 4, 2,
-     "float32"),
-    ("qwen2-tied-bf16", dict(arch="qwen2", tie_word_embeddings=True), 4, 4, "bfloat16"),
-    ("llama-bias-replicas", dict(arch="llama", vocab_size=1000, attention_bias=True), 4, 1,
-     "float32"),
-    # Odd world (issue 18, item 6): N=3 does not divide hidden 128, intermediate
-    # 256 nor the prime vocabulary 1009, so every FSDP row split is uneven.
-    ("qwen2-n3-prime-vocab", dict(arch="qwen2", vocab_size=1009, norm_std=0.1), 3, 1,
-     "float32"),
+# name: (model spec, world, TP, wire dtype, shard group size: 0 = FSDP over the world,
+# 1 = train.sharding=replicate, 2 on 4 ranks = hybrid as 2 groups of 2). Cases that
+# differ only in the layout share a launch (`sync_runs`).
+_QWEN2 = dict(arch="qwen2", vocab_size=1000, norm_std=0.1)
+_QWEN3_KV1 = dict(arch="qwen3", num_kv_heads=1, vocab_size=1001, norm_std=0.1)
+SYNC_CASES = {
+    "qwen2": (_QWEN2, 2, 2, "float32", 0),
+    "qwen2-replicate": (_QWEN2, 2, 2, "float32", 1),
+    "llama-kv1-tied": (dict(arch="llama", num_kv_heads=1, tie_word_embeddings=True), 2, 1,
+                       "float32", 0),
+    "qwen3-kv1": (_QWEN3_KV1, 4, 2, "float32", 0),
+    "qwen3-hybrid-2x2": (_QWEN3_KV1, 4, 2, "float32", 2),
+    "qwen2-tied-bf16": (dict(arch="qwen2", tie_word_embeddings=True), 4, 4, "bfloat16", 0),
+    "llama-bias-replicas": (dict(arch="llama", vocab_size=1000, attention_bias=True), 4, 1,
+                            "float32", 0),
+    # Odd world: N=3 does not divide hidden 128, intermediate 256 nor the prime
+    # vocabulary 1009, so every FSDP row split is uneven.
+    "qwen2-n3-prime-vocab": (dict(arch="qwen2", vocab_size=1009, norm_std=0.1), 3, 1,
+                             "float32", 0),
     # N=3 and T=3: 6 heads, 3 KV heads (one per TP rank), intermediate 258 = 3 x 86,
     # prime vocabulary 1117 (uneven FSDP rows) that vLLM pads to 1152 = 3 x 384.
-    ("llama-n3-t3", dict(arch="llama", hidden_size=192, num_heads=6, num_kv_heads=3,
-                         intermediate_size=258, vocab_size=1117, norm_std=0.1), 3, 3, "float32"),
-]
+    "llama-n3-t3": (dict(arch="llama", hidden_size=192, num_heads=6, num_kv_heads=3,
+                         intermediate_size=258, vocab_size=1117, norm_std=0.1), 3, 3,
+                    "float32", 0),
+}
+LAYOUT_CASES = ["qwen2-replicate", "qwen3-hybrid-2x2"]
+CASES = [name for name in SYNC_CASES if name not in LAYOUT_CASES]
+
+
+def _group(name: str) -> list[str]:
+    """The cases that share `name`'s launch: the same model, world, TP and dtype."""
+    key = SYNC_CASES[name][:4]
+    return [n for n, case in SYNC_CASES.items() if case[:4] == key]
+
+
+@pytest.fixture(scope="module")
+def sync_runs(tmp_path_factory):  # noqa: ANN201
+    """name -> every rank's result of that case; a group's launch runs on first use."""
+    from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
+
+    done: dict[str, list[dict]] = {}
+
+    def get(name: str) -> list[dict]:
+        if name not in done:
+            group = _group(name)
+            spec, world, tp, dtype, _ = SYNC_CASES[name]
+            model_dir = str(write_tiny_model(tmp_path_factory.mktemp(name) / "m",
+                                             TinyModelSpec(**spec)))
+            shards = tuple(SYNC_CASES[n][4] for n in group)
+            outs = run_ranks(_sync_case, world, model_dir, tp, dtype, "float32", shards,
+                             timeout=420)
+            for i, n in enumerate(group):
+                done[n] = [rank_outs[i] for rank_outs in outs]
+        return done[name]
+
+    return get
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("name,spec,world,tp,dtype", CASES, ids=[c[0] for c in CASES])
-def test_sync_is_exact_and_vllm_follows_training(tmp_path, name, spec, world, tp, dtype):
-    from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
-
-    model_dir = str(write_tiny_model(tmp_path / name, TinyModelSpec(**spec)))
-    outs = run_ranks(_sync_case, world, model_dir, tp, dtype, timeout=420)
-    for o in outs:
+@pytest.mark.parametrize("name", CASES)
+def test_sync_is_exact_and_vllm_follows_training(sync_runs, name):
+    dtype = SYNC_CASES[name][3]
+    for o in sync_runs(name):
         assert o["changed"], "vLLM outputs did not change after the first sync"
         assert o["naive_equal"], "naive path and reshard path disagree"
         for m in (o["m1"], o["m2"]):
@@ -179,27 +237,16 @@ def test_sync_is_exact_and_vllm_follows_training(tmp_path, name, spec, world, tp
             assert o["greedy_equal"]
 
 
-# train.sharding=replicate (shard groups of 1) and hybrid (2 groups of 2 on 4 ranks)
-LAYOUTS = [
-    ("qwen2-replicate", dict(arch="qwen2", vocab_size=1000, norm_std=0.1), 2, 2, 1),
-    ("qwen3-hybrid-2x2", dict(arch="qwen3", num_kv_heads=1, vocab_size=1001, norm_std=0.1),
-     4, 2, 2),
-]
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("name,spec,world,tp,shard", LAYOUTS, ids=[c[0] for c in LAYOUTS])
-def test_sync_is_exact_from_replicated_and_hybrid_layouts(tmp_path, name, spec, world, tp,
-                                                          shard):
+@pytest.mark.parametrize("name", LAYOUT_CASES)
+def test_sync_is_exact_from_replicated_and_hybrid_layouts(sync_runs, name):
     """Every source rank holds rows shard_rows(rows, S, g % S): the sync is bit-exact
     (verify), moves only what a rank's shard group lacks (replicate: nothing), and
-    vLLM then follows the trained weights."""
-    from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
-
-    model_dir = str(write_tiny_model(tmp_path / name, TinyModelSpec(**spec)))
-    outs = run_ranks(_sync_case, world, model_dir, tp, "float32", "float32", shard, timeout=420)
-    for o in outs:
+    vLLM then follows the trained weights. (Each runs after its FSDP twin, on the
+    same engine: `reset` first puts the folder's weights back.)"""
+    shard = SYNC_CASES[name][4]
+    for o in sync_runs(name):
         assert o["changed"] and o["naive_equal"]
         for m in (o["m1"], o["m2"]):
             assert m["sync_bytes_received"] == o["min_bytes"]
@@ -210,13 +257,13 @@ def test_sync_is_exact_from_replicated_and_hybrid_layouts(tmp_path, name, spec, 
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_sync_from_bf16_master_weights(tmp_path):
-    """master_dtype=bfloat16 (issue 18, item 6): the FSDP parameters themselves are
+    """master_dtype=bfloat16: the FSDP parameters themselves are
     bf16, the wire dtype too (no cast); every synced weight equals vLLM's own
     loader's bit for bit (verify), with the minimum bytes, and the naive path agrees."""
     from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
 
     model_dir = str(write_tiny_model(tmp_path / "m", TinyModelSpec(arch="qwen3", norm_std=0.1)))
-    for o in run_ranks(_sync_case, 2, model_dir, 2, "bfloat16", "bfloat16", timeout=420):
+    for (o,) in run_ranks(_sync_case, 2, model_dir, 2, "bfloat16", "bfloat16", timeout=420):
         assert o["changed"] and o["naive_equal"]
         for m in (o["m1"], o["m2"]):
             assert m["sync_bytes_received"] == o["min_bytes"]
