@@ -80,14 +80,27 @@ def _run_cases(cases: list[tuple]) -> dict[tuple, dict | str]:
     return out
 
 
+def _case_of(item) -> tuple[int, tuple] | None:  # noqa: ANN001
+    """(world, case) of a collected executor test of this file, else None."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if item.originalname == "test_executor_matches_layout_bit_for_bit":
+        return params["world"], (params["spec"], params["tp"], "bfloat16", 4000)
+    if item.originalname == "test_executor_fp32_wire_other_architectures":
+        return 4, (params["spec"], 2, "float32", 1 << 20)
+    return None
+
+
 @pytest.fixture(scope="module")
-def executor_runs():  # noqa: ANN201
-    """world -> every rank's {case: result}, one launch per world size, on first use."""
+def executor_runs(request):  # noqa: ANN001, ANN201
+    """world -> every rank's {case: result}: one launch per world size, on first use,
+    of the cases this session selected (`-m "not slow"` runs the fast ones only)."""
+    selected = {_case_of(item) for item in request.session.items} - {None}
     done: dict[int, list[dict]] = {}
 
     def get(world: int) -> list[dict]:
         if world not in done:
-            done[world] = run_ranks(_run_cases, world, RUNS[world], timeout=180)
+            cases = [c for c in RUNS[world] if (world, c) in selected]
+            done[world] = run_ranks(_run_cases, world, cases, timeout=180)
         return done[world]
 
     return get
