@@ -41,7 +41,7 @@ $(VENV)/.build-stamp: $(VENV)/.deps-stamp setup.py $(wildcard csrc/*)
 
 # --- use ---------------------------------------------------------------------
 # The whole suite prints its 25 slowest tests and its time against its budget
-# (tests/conftest.py: 30 minutes of tests on a 2-core CPU machine; .ci/run
+# (tests/conftest.py: 33 minutes of tests on a 2-core CPU machine; .ci/run
 # holds the whole run, install included, to 35).
 test: install
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)

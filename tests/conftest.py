@@ -9,9 +9,9 @@ import time
 import pytest
 
 _SESSION_START = time.time()
-# The whole suite's budget on a 2-core CPU machine (CI's .ci/run allows 35 minutes,
-# install included); README.md states the measured time.
-SUITE_BUDGET_S = 30 * 60
+# The whole suite's budget on a 2-core CPU machine: CI's .ci/run allows 35 minutes,
+# of which the install takes about 2; README.md states the measured time.
+SUITE_BUDGET_S = 33 * 60
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ARG001 - pytest's signature
