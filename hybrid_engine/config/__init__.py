@@ -307,6 +307,14 @@ class TrainConfig:
         "ranks and lie strictly between 1 and their number. 0 = unset.",
         ge=0,
     )
+    replica_check_every: int = _field(
+        10,
+        "sharding='replicate' or 'hybrid': every this many optimizer steps, compare an "
+        "exact checksum of every rank's parameters with its replicas' and stop the run with "
+        "one line if any differ (replicas must stay bitwise identical). 1 = after every "
+        "step (debugging); 0 = never.",
+        ge=0,
+    )
     offload_optimizer: bool = _field(
         False,
         "Colocated: move the policy's AdamW state to host memory from the weight sync "

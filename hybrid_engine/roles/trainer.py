@@ -59,6 +59,7 @@ from torch.utils.checkpoint import checkpoint
 from hybrid_engine.algorithms.aggregation import loss_normalizer
 from hybrid_engine.algorithms.losses import (ADDITIVE_METRICS, LossFn, LossInputs, combine_metrics,
                                              metric_weight)
+from hybrid_engine.parallel import replicas
 from hybrid_engine.parallel.fsdp import (
     assert_sharded,
     build_fsdp_model,
@@ -81,7 +82,8 @@ __all__ = [
 PROFILE_ENV = "HYBRID_ENGINE_PROFILE_TRAIN"
 _OPTIMIZER_RANGE = "hybrid_engine::optimizer"
 _FUSED_ADAMW_DEVICES = ("cpu", "cuda")
-_COMM_PREFIXES = ("gloo:", "nccl:", "_C::shm_allreduce")  # the last: train.cpu_shm_allreduce
+# the last two: train.cpu_shm_allreduce
+_COMM_PREFIXES = ("gloo:", "nccl:", "_C::shm_allreduce", "_C::shm_all_gather")
 
 
 # --------------------------------------------------------------------------
@@ -581,12 +583,23 @@ class Trainer:
         grad_norm, lr, skipped = clip_and_step(self.optimizer, self.scheduler,
                                                self.train_cfg.grad_clip, advance_lr=advance_lr)
         self.step += not skipped
+        self._check_replicas(skipped)
         metrics = _reduce_metrics(combine_metrics(per_mb), self.mesh)
         tokens = torch.tensor(float(batch.attention_mask_BT.sum()), device=self.device)
         dist.all_reduce(tokens, group=group)
         metrics.update(grad_norm=grad_norm, lr=lr, tokens=float(tokens),
                        num_micro_batches=float(num_mb), skipped=float(skipped))
         return metrics
+
+    def _check_replicas(self, skipped: bool) -> None:
+        """Every train.replica_check_every optimizer steps: the replicas of each
+        rank's weights (replicate, hybrid) are bitwise identical, else ReplicaDrift."""
+        every, cfg = self.train_cfg.replica_check_every, self.train_cfg
+        if skipped or not every or self.step % every:
+            return
+        size = replicas.replica_group_size(cfg.sharding, cfg.shard_group_size, self.mesh.size())
+        replicas.check(list(self.module.parameters()), self.mesh.get_group(), size,
+                       layout=cfg.sharding, step=self.step, device=self.device)
 
     @contextlib.contextmanager
     def _micro_batch_comm(self, *, last: bool) -> Iterator[None]:

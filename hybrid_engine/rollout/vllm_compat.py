@@ -25,7 +25,8 @@ __all__ = [
     "VLLM_VERSION", "cache_config", "check_version", "dispatch_cpu_gemm", "eager_cpu_helpers",
     "engine_loop", "is_cpu",
     "isolate_cpu_shm_names", "kv_cache_tensors", "model", "model_dtype", "prepare_process_env",
-    "reload_weights", "restrict_world", "set_weight_attrs", "shutdown", "zentorch_gemm",
+    "reload_weights", "restrict_world", "set_weight_attrs", "shm_all_gather", "shm_allreduce",
+    "shm_manager", "shutdown", "zentorch_gemm",
 ]
 
 VLLM_VERSION = "0.32.0"  # what every function below was written for and checked on
@@ -262,8 +263,16 @@ def shm_manager(name: str, world: int, rank: int, threads: int,
 
 
 def shm_allreduce(handle: int, tensor: torch.Tensor) -> None:
-    """In-place sum of `tensor` over the manager's ranks (fp32, bf16, fp16). [0.32, private]"""
+    """In-place sum of `tensor` over the manager's ranks (fp32, bf16, fp16). Each rank
+    adds the others' buffers to its own in an order that starts from itself: with 3+
+    ranks the rounding, hence the result, differs by rank. [0.32, private]"""
     torch.ops._C.shm_allreduce(handle, tensor)
+
+
+def shm_all_gather(handle: int, tensor: torch.Tensor, out: torch.Tensor) -> None:
+    """Every rank's `tensor` into `out` (contiguous, world x its size, in rank order),
+    as vLLM-CPU's `all_gather_into_tensor` does. [0.32, private]"""
+    torch.ops._C.shm_all_gather(handle, tensor, out)
 
 
 def shutdown(llm) -> None:  # noqa: ANN001

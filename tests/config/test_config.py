@@ -96,6 +96,7 @@ def test_no_required_field_defaults_to_none():
         ("train.weight_decay", -0.1, "train.weight_decay must be >= 0"),
         ("train.betas", (0.9, 1.0), "train.betas must each be in [0, 1)"),
         ("train.warmup_steps", -1, "train.warmup_steps must be >= 0"),
+        ("train.replica_check_every", -1, "train.replica_check_every must be >= 0"),
         ("train.grad_clip", 0.0, "train.grad_clip must be > 0"),
         ("train.micro_batch_size", 0, "train.micro_batch_size must be >= 1"),
         ("train.num_steps", 0, "train.num_steps must be >= 1"),

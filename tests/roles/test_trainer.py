@@ -786,6 +786,75 @@ def test_one_two_four_ranks_match_a_plain_model(tmp_path):
         assert max_diff(r["weights"], plain["weights"]) < WEIGHT_ATOL, w
 
 
+def _replicas(root: str, steps: int, layouts: list[tuple[str, int]]) -> list[dict]:
+    """Per (sharding, shard_group_size): `steps` steps with the replica check after
+    every step (train.cpu_shm_allreduce on, the default), then how many elements of
+    this rank's parameters differ from those of the first rank holding the same rows;
+    then the last rank's first weight nudged by one ulp and a step more: the check's
+    message on this rank (None if nothing was raised), and with the check off
+    (replica_check_every=0) one more step, which must pass."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
+    from hybrid_engine.parallel.replicas import ReplicaDrift
+
+    spec = TinyModelSpec(**SPECS["qwen2"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = f"{root}/qwen2_replicas_w{world}"
+    if rank == 0:
+        write_tiny_model(path, spec)
+    dist.barrier()
+    outs = []
+    for sharding, size in layouts:
+        run = start_run(path, {"micro_batch_size": 1}, vocab=spec.vocab_size, num_seqs=12,
+                        sharding=sharding, shard_group_size=size,
+                        replica_check_every=1).steps(steps)
+        module, first = run.trainer.module, rank % (size or 1)
+        mine = [(p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                for p in module.parameters()]
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        differ = sum(int((a != b).sum()) for a, b in zip(everyone[first], mine))
+        if rank == world - 1:
+            with torch.no_grad():
+                w = next(module.parameters())
+                w = (w.to_local() if hasattr(w, "to_local") else w).view(-1)
+                w[0] = torch.nextafter(w[0], w[0] + 1)
+        try:
+            run.steps(1)
+            caught = None
+        except ReplicaDrift as e:
+            caught = str(e)
+        trainer = run.trainer
+        trainer.train_cfg = dataclasses.replace(trainer.train_cfg, replica_check_every=0)
+        run.steps(1)
+        outs.append({"differ": differ, "caught": caught,
+                     "shm_calls": getattr(module, "shm_allreduce_calls", [0])[0]})
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 4])
+def test_replicas_stay_bitwise_identical_and_a_drift_stops_the_run(tmp_path, world):
+    """vLLM's shared-memory all-reduce sums in a per-rank order: from 3 ranks on, the
+    replicated layout's copies drifted apart (~1e-6 after 2 steps). Every rank's
+    weights must equal its replicas' bit for bit, step after step (replicate on 3
+    and 4 ranks; hybrid's replicate dimension, 2 groups of 2, on 4), and a replica
+    nudged by one ulp stops the run on every rank with one line naming the layout."""
+    layouts = {3: [("replicate", 0)], 4: [("replicate", 0), ("hybrid", 2)]}[world]
+    outs = run_ranks(_replicas, world, str(tmp_path), 5, layouts, timeout=240)
+    for i, (sharding, size) in enumerate(layouts):
+        for r, by_layout in enumerate(outs):
+            o = by_layout[i]
+            assert o["differ"] == 0, f"{sharding}, rank {r}: {o['differ']} elements differ"
+            assert (o["shm_calls"] > 0) == (sharding == "replicate")
+            assert o["caught"] is not None and "\n" not in o["caught"], (sharding, r, o)
+            assert f"under train.sharding={sharding}: rank {world - 1}'s weights differ " \
+                   f"from rank {(world - 1) % (size or 1)}'s in 1 of" in o["caught"], o["caught"]
+
+
 def _reduce_two_ranks() -> dict[str, float]:
     """Rank 0: 10 loss tokens, 4 of them scored by the drift scorer; rank 1: 30
     tokens, none scored (its sample fell elsewhere; its split values are junk
