@@ -3,9 +3,12 @@
 Job: everything about a `RunConfig` that can be checked cheaply without
 building the trainer or vLLM: the output folder (and resume / overwrite
 intent), the model folder (config.json, a supported architecture, weights,
-a tokenizer that fits the vocabulary), the parallel layout, the KV cache
-against the machine's memory and one max_model_len sequence, stop tokens and
-max_model_len against the model, the dataset file and the reward function.
+a tokenizer that fits the vocabulary), the parallel layout, the head size
+against the installed vLLM's attention, the KV cache against the machine's
+memory and one max_model_len sequence, stop tokens and max_model_len against
+the model, the dataset file, the reward function and the reward model's
+folder. What it accepts but is likely a mistake (a setting the configuration
+ignores, answers that are all empty) is logged once, from rank 0.
 
 Invariant: no collective and no write; every rank runs the same checks on
 the same files and reaches the same verdict, a `ValueError` with one
@@ -17,6 +20,7 @@ by the environment), so skipping preflight loses speed, not safety.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -24,8 +28,11 @@ from typing import Any
 from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoints
 from hybrid_engine.config import RunConfig, check_registered
 
-__all__ = ["check_gpu", "check_kv_cache", "check_model_folder", "check_model_for_run",
-           "check_output_dir", "check_rollout_limits", "check_safetensors", "preflight"]
+__all__ = ["check_gpu", "check_head_size", "check_kv_cache", "check_model_folder",
+           "check_model_for_run", "check_output_dir", "check_reward_model_folder",
+           "check_rollout_limits", "check_safetensors", "preflight", "warnings_for"]
+
+log = logging.getLogger(__name__)
 
 
 def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume: bool,
@@ -59,16 +66,55 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
 
     Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,  # e.g. group sizes
               max_tokens=cfg.rollout.max_tokens, prompts_per_step=cfg.train.prompts_per_step)
+    examples = None
     if cfg.env.dataset_path:
         from hybrid_engine.envs.dataset import load_jsonl
 
-        load_jsonl(cfg.env.dataset_path)
+        examples = load_jsonl(cfg.env.dataset_path)
     if cfg.env.reward_fn:
         from hybrid_engine.envs.custom_reward import load_reward_fn
 
         load_reward_fn(cfg.env.reward_fn)
-    if cfg.env.reward_model_path and not os.path.isdir(cfg.env.reward_model_path):
-        raise ValueError(f"env.reward_model_path={cfg.env.reward_model_path!r} is not a folder")
+    if cfg.env.reward_model_path:
+        check_reward_model_folder(Path(cfg.env.reward_model_path))
+    if int(os.environ.get("RANK", "0")) == 0:
+        for warning in warnings_for(cfg, examples):
+            log.warning(warning)
+
+
+def warnings_for(cfg: RunConfig, examples: list | None) -> list[str]:
+    """What the run accepts but is likely a mistake (preflight logs each once,
+    from rank 0): a setting the chosen configuration ignores, and a dataset
+    whose answers cannot give the environment's reward a signal."""
+    out = []
+    t = cfg.train
+    if t.shard_group_size and t.sharding not in ("hybrid", "auto"):
+        out.append(f"train.shard_group_size={t.shard_group_size} is ignored under "
+                   f"train.sharding={t.sharding}: it sizes the shard groups of sharding=hybrid "
+                   "(or of auto's choice of hybrid)")
+    custom = cfg.env.reward_fn or cfg.env.reward_model_path
+    if examples and not any(e.answer for e in examples) and not custom:
+        out.append(f"env.dataset_path={cfg.env.dataset_path!r}: all {len(examples)} answers are "
+                   "empty, so the environment's answer check scores every sample 0 and no step "
+                   "has a learning signal: fill in the answers, or score with env.reward_fn")
+    return out
+
+
+def check_reward_model_folder(folder: Path) -> None:
+    """env.reward_model_path is a folder holding a sequence-classification model
+    (a causal LM there is a common slip: it has no score head)."""
+    if not folder.is_dir():
+        raise ValueError(f"env.reward_model_path={str(folder)!r} is not a folder")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"env.reward_model_path={str(folder)!r}: config.json is unreadable: "
+                         f"{e}") from None
+    archs = config.get("architectures") or []
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"env.reward_model_path={str(folder)!r} holds a {archs[0]}, not a reward "
+                         "model: a reward model is a *ForSequenceClassification folder with "
+                         "num_labels=1 (one score per sequence)")
 
 
 def check_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
@@ -179,18 +225,32 @@ def check_rollout_limits(rollout: Any, hf: Any, *, dtype: str) -> None:
 
 def check_parallel(hf: Any, tp: int, world_size: int, *, what: str = "world size") -> None:
     """rollout.tensor_parallel_size divides the world (the rollout ranks under
-    separate placement), and the model meets the supported-model contract for
+    separate placement), the model meets the supported-model contract for
     it (`reshard.layouts.check_model`: architecture, biases, heads, MLP, padded
-    vocabulary)."""
+    vocabulary), and the installed vLLM's attention runs its head size."""
     from hybrid_engine.reshard.layouts import check_model
 
     if world_size % tp:
         raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the {what} "
                          f"{world_size}")
     try:
-        check_model(hf, tp)
+        dims = check_model(hf, tp)
     except ValueError as e:
         raise ValueError(f"rollout.{e}") from None
+    check_head_size(dims.head_dim)
+
+
+def check_head_size(head_dim: int) -> None:
+    """The installed vLLM's attention runs heads of head_dim (vLLM-CPU's kernels
+    take a fixed list; found otherwise only at the first generation, as three
+    raw tracebacks)."""
+    from hybrid_engine.rollout.vllm_compat import attention_head_sizes
+
+    sizes = attention_head_sizes()
+    if sizes and head_dim not in sizes:
+        raise ValueError(f"the model's attention heads have head_dim={head_dim}, a size the "
+                         f"installed vLLM's CPU attention does not run: it takes "
+                         f"{', '.join(map(str, sizes))}")
 
 
 def check_kv_cache(kv_cache_gib: float, local_world_size: int) -> None:

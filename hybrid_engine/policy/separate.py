@@ -92,7 +92,10 @@ def split_ranks(world_size: int, cfg: RolloutConfig) -> tuple[int, int]:
                          f"this run has {world_size}")
     r = cfg.num_ranks or max(tp, world_size // 2 // tp * tp)
     if not 1 <= r < world_size:
-        raise ValueError(f"rollout.num_ranks={r} must leave at least one of the {world_size} ranks "
+        given = (f"rollout.num_ranks={r}" if cfg.num_ranks else
+                 f"rollout.num_ranks=0 (auto: half the ranks in multiples of "
+                 f"rollout.tensor_parallel_size={tp}, at least one group: {r})")
+        raise ValueError(f"{given} must leave at least one of the {world_size} ranks "
                          "to train (placement=separate)")
     if r % tp:
         raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the rollout ranks "

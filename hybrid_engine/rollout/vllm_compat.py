@@ -22,7 +22,7 @@ import torch
 from hybrid_engine.rollout import cpu_shm
 
 __all__ = [
-    "VLLM_VERSION", "cache_config", "check_version", "dispatch_cpu_gemm", "eager_cpu_helpers",
+    "VLLM_VERSION", "attention_head_sizes", "cache_config", "check_version", "dispatch_cpu_gemm", "eager_cpu_helpers",
     "engine_loop", "is_cpu",
     "isolate_cpu_shm_names", "kv_cache_tensors", "model", "model_dtype", "prepare_process_env",
     "reload_weights", "restrict_world", "set_weight_attrs", "shm_all_gather", "shm_allreduce",
@@ -64,6 +64,19 @@ def is_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def attention_head_sizes() -> list[int] | None:
+    """The head sizes the installed vLLM's attention runs: on its CPU platform,
+    those of its one attention backend (`CPUAttentionBackend.get_supported_head_sizes`,
+    a public classmethod) [0.32]; None on other platforms (CUDA picks among
+    several backends by head size itself)."""
+    prepare_process_env()
+    if not is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return list(CPUAttentionBackend.get_supported_head_sizes())
 
 
 def isolate_cpu_shm_names() -> None:
