@@ -12,9 +12,9 @@ target drawn from rank 0, rank 1 and torchrun itself. It then measures:
 - down_s: from the kill until no process of the job is left (torchrun, its
   ranks, which torchrun starts in sessions of their own, and their helpers);
 - leftovers right after the job is down: processes, the master port still
-  listening, and /dev/shm entries new since the trial began (what a killed
-  process cannot remove itself); then again after the resume, whose engine
-  start sweeps the dead job's segments: those must be none;
+  listening, and /dev/shm entries new since the trial began (a killed process
+  cannot remove its own: the survivors remove the job's as they leave); then
+  again after the resume: both must be none;
 - the checkpoints: every `step_<n>` folder must be sound
   (`checkpoint_problem`: complete, every file's checksum); `.tmp-` folders of
   a save cut short are counted (the resume removes them);
@@ -52,8 +52,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kills", type=int, default=20, help="trials, one kill each (default 20)")
     p.add_argument("--seed", type=int, default=0, help="draws the moments and targets")
     p.add_argument("--steps", type=int, default=6, help="RL steps of the run (default 6)")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="a job must be down this many seconds after the kill (default 60)")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="a job must be down this many seconds after the kill (default 10)")
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--work-dir", default=None, help="where runs go (default: a temporary folder)")
     return p.parse_args(argv)
@@ -236,7 +236,7 @@ def _table(rows: list[dict], timeout: float) -> str:
                f"(the others' run had ended first). Down after the kill: median "
                f"{downs[len(downs) // 2] if downs else '-'} s, max {max(downs, default='-')} s "
                f"(bound {timeout:.0f} s). Trials with a process, the port or a /dev/shm entry "
-               f"left after the resume: {sum(bool(r['procs_left'] or r['port_left'] or r['shm_left_after_resume']) for r in rows)}. "
+               f"left: {sum(bool(r['procs_left'] or r['port_left'] or r['shm_left_at_exit'] or r['shm_left_after_resume']) for r in rows)}. "
                f"Damaged checkpoints: {sum(len(r['damaged_ckpts']) for r in rows)}. "
                f"Resumes reproducing the straight run: {sum(r['resume_ok'] for r in rows)} of {len(rows)}.\n")
     return head + body + summary
@@ -245,7 +245,8 @@ def _table(rows: list[dict], timeout: float) -> str:
 def ok(row: dict, timeout: float) -> bool:
     """What the acceptance asks of one trial."""
     return ((not row["killed"] or row["down_s"] < timeout) and row["procs_left"] == 0
-            and not row["port_left"] and not row["shm_left_after_resume"]
+            and not row["port_left"] and not row["shm_left_at_exit"]
+            and not row["shm_left_after_resume"]
             and not row["damaged_ckpts"] and row["resume_ok"])
 
 

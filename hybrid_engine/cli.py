@@ -110,12 +110,13 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     Bad input (a ValueError: config, files, model, rewards, checkpoints), a
     run that aborts itself and a checkpoint that could not be written (full
-    disk) are one `error: ...` line and exit code 2; anything else is a bug
-    and keeps its traceback.
+    disk) are one `error: ...` line and exit code 2. A collective that failed
+    because a peer died is the watchdog's one line (`watchdog.settle`); anything
+    else is a bug and keeps its traceback.
     """
     from hybrid_engine.parallel.dist import is_launched, set_collective_timeout
     from hybrid_engine.checkpoint import CheckpointWriteError
-    from hybrid_engine.parallel import signals
+    from hybrid_engine.parallel import signals, watchdog
     from hybrid_engine.job import Job, RunAborted, configure_logging
 
     if args.nproc is not None:
@@ -132,12 +133,20 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         try:
             cfg = train_config(args, overrides)
             set_collective_timeout(cfg.collective_timeout_s)
-            job = Job(cfg, resume=args.resume, progress=not args.no_progress,
-                      overwrite=args.overwrite)
+            job = None
             try:
+                job = Job(cfg, resume=args.resume, progress=not args.no_progress,
+                          overwrite=args.overwrite)
                 summary = job.run()
+            except Exception as e:
+                if isinstance(e, (ValueError, RunAborted, CheckpointWriteError)):
+                    watchdog.left_with_error(str(e))  # once gone, not reported as a death
+                else:
+                    watchdog.settle()  # a dead peer's collective error: its verdict first
+                raise
             finally:
-                job.shutdown()  # vLLM's teardown; ends the process group too
+                if job is not None:
+                    job.shutdown()  # vLLM's teardown; ends the process group too
         except (ValueError, RunAborted, CheckpointWriteError) as e:
             _say_once(str(e), store)
             return 2
@@ -182,7 +191,7 @@ def _relaunch_train(args: argparse.Namespace, overrides: list[str]) -> int:
     argv += [f"--config={args.config}"] if args.config else []
     argv += [flag for flag, on in (("--resume", args.resume), ("--overwrite", args.overwrite),
                                    ("--no-progress", args.no_progress)) if on]
-    return launch_local(args.nproc, [*argv, *overrides])
+    return launch_local(args.nproc, [*argv, *overrides], verbose=args.verbose)
 
 
 def _default_store():  # noqa: ANN202
@@ -264,6 +273,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="start N ranks on this machine (torchrun through hybrid_engine.launch: "
                          "Ctrl-C or SIGTERM stops them after the current step, with a checkpoint, "
                          "and exits 0); without it, run on the world that launched this process")
+    tr.add_argument("--verbose", action="store_true",
+                    help="with --nproc: torchrun's own log and failure report on stderr (by "
+                         "default they go to a file, named when the run fails, so a rank's "
+                         "one error line is not followed by torchrun's traceback)")
 
     from hybrid_engine import demo
 

@@ -22,7 +22,12 @@ limit on the step.
   (parallel/watchdog.watch_launcher).
 
 The exit code is torchrun's (128 + N when a signal N ended it).
-`hybrid-engine train --nproc N` and `hybrid-engine demo` launch through here.
+`hybrid-engine train --nproc N` and `hybrid-engine demo` launch through here
+with a report file (`launch_local`): torchrun then runs with its own log and
+its failure report (a `ChildFailedError` traceback after every failed run)
+written to that file instead of the terminal, so a rank's one `error:` line
+is the last word, followed by one line naming the file; the exit code is the
+first failed rank's (2 for a run that stopped itself with an error line).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["launch", "launch_local", "main"]
+__all__ = ["launch", "launch_local", "main", "torchrun_reporting_to"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 HANDLER_WAIT_S = 30.0  # a rank without a SIGTERM handler after this long gets the signal anyway
@@ -64,18 +69,58 @@ def _say(msg: str) -> None:
     print(f"hybrid_engine.launch: {msg}", file=sys.stderr, flush=True)
 
 
-def launch(torchrun_args: Sequence[str], *, env: dict[str, str] | None = None) -> int:
+_REPORTING = ("import sys; from hybrid_engine.launch import torchrun_reporting_to; "
+              "sys.exit(torchrun_reporting_to(sys.argv[1], sys.argv[2:]))")
+
+
+def torchrun_reporting_to(report: str, torchrun_args: Sequence[str]) -> int:
+    """torchrun in this process, with its log and failure report appended to the
+    file `report` instead of stderr. Returns 0, or the exit code of the first
+    rank that failed (128 + N for a signal N)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    handler = logging.FileHandler(report)
+    for name in ("torch", "torch.distributed"):  # the two that write to stderr
+        logger = logging.getLogger(name)
+        for h in list(logger.handlers):
+            handler.setFormatter(h.formatter)
+            logger.removeHandler(h)
+        logger.addHandler(handler)
+    try:
+        run(parse_args(list(torchrun_args)))
+    except ChildFailedError as e:
+        import traceback
+
+        handler.stream.write(traceback.format_exc())
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        print(f"(torchrun: rank {rank} exited with code {code}; its report: {report}; "
+              "--verbose prints it here)", file=sys.stderr, flush=True)
+        return 128 - code if code < 0 else code or 1
+    finally:
+        handler.close()
+    return 0
+
+
+def launch(torchrun_args: Sequence[str], *, env: dict[str, str] | None = None,
+           report: str | None = None) -> int:
     """Runs `torchrun *torchrun_args` until it exits; returns its exit code.
-    SIGINT/SIGTERM meanwhile go to the ranks (see the module docstring)."""
+    SIGINT/SIGTERM meanwhile go to the ranks (see the module docstring). With
+    `report`, torchrun's log and failure report go to that file."""
     import psutil
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", *torchrun_args] if report is None
+           else [sys.executable, "-c", _REPORTING, report, *torchrun_args])
     received: list[int] = []
 
     def on_signal(signum: int, frame: object) -> None:  # noqa: ARG001
         received.append(signum)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in SIGNALS}
+    started = time.time()
     try:
         proc = subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=_die_with_parent)
         torchrun = psutil.Process(proc.pid)
@@ -116,17 +161,39 @@ def launch(torchrun_args: Sequence[str], *, env: dict[str, str] | None = None) -
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    _sweep_shared_memory(started)
     return 128 - code if code < 0 else code
 
 
-def launch_local(nproc: int, argv: Sequence[str]) -> int:
+def _sweep_shared_memory(since: float) -> None:
+    """After torchrun is gone: removes what its ranks left in /dev/shm when none
+    could (all killed): our segments of dead launchers, and vLLM's ring buffers
+    made since `since` that no process maps."""
+    from hybrid_engine.rollout import cpu_shm
+
+    cpu_shm.sweep_orphans()
+    cpu_shm.sweep_orphans(0.0, pattern=cpu_shm.FOREIGN, changed_after=since)
+
+
+def launch_local(nproc: int, argv: Sequence[str], *, verbose: bool = False) -> int:
     """`launch` of `torchrun --standalone --nproc_per_node=nproc ARGV`, each rank
-    with OMP_NUM_THREADS = cores / nproc unless the environment sets it."""
+    with OMP_NUM_THREADS = cores / nproc unless the environment sets it.
+    torchrun's log and failure report go to a temporary file, kept and named
+    when the run fails (unless verbose: then to stderr, as torchrun writes them)."""
     import os
+    import tempfile
 
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return launch(["--standalone", f"--nproc_per_node={nproc}", *argv], env=env)
+    args = ["--standalone", f"--nproc_per_node={nproc}", *argv]
+    if verbose:
+        return launch(args, env=env)
+    fd, report = tempfile.mkstemp(prefix="hybrid-engine-torchrun-", suffix=".log")
+    os.close(fd)
+    code = launch(args, env=env, report=report)
+    if code == 0:
+        os.unlink(report)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,7 @@
-"""Bad input to `hybrid-engine train` under torchrun on 2 ranks: one clear message
-(from rank 0, once; no rank's traceback), a non-zero exit, nothing half-written.
+"""Bad input to `hybrid-engine train --nproc 2` (torchrun under the project's
+launcher): on stderr one clear `error:` line (from rank 0, once), then one line
+naming the file that holds torchrun's report; no traceback at all, exit code 2,
+nothing half-written.
 
 The first group proves the wiring with a few inputs refused before any engine
 starts (the rest of them are checked in-process: tests/test_preflight.py); the
@@ -13,32 +15,42 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_engine.testing import run_torchrun
+from hybrid_engine.testing import run_cli
 from tests.bad_models import EXPECTED, bad_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-# A rank's own traceback names the exception; torchrun's launcher report does not.
-_RANK_TRACEBACK = re.compile(r"\b(ValueError|RewardError|RunAborted|FileNotFoundError|KeyError)\b")
+_REPORT_LINE = re.compile(r"^\(torchrun: rank \d exited with code 2; its report: (\S+); "
+                          r"--verbose prints it here\)$")
 
 
 def _train(model: Path | str, out: Path, *extra: str, recipe: str = "tiny_grpo_debug"):  # noqa: ANN202
-    return run_torchrun(
-        ["-m", "hybrid_engine.cli", "train", f"--recipe={recipe}", "--no-progress",
-         f"--model.path={model}", f"--output_dir={out}", "--env.num_eval_prompts=4",
-         "--rollout.max_tokens=8", "--sync.verify=false", *extra], 2, timeout=300, check=False)
+    return run_cli(["train", "--nproc", "2", f"--recipe={recipe}", "--no-progress",
+                    f"--model.path={model}", f"--output_dir={out}", "--env.num_eval_prompts=4",
+                    "--rollout.max_tokens=8", "--sync.verify=false", *extra], timeout=300)
 
 
-def _assert_one_error(proc, out: Path, expected: str | list[str]) -> str:  # noqa: ANN001
-    """Non-zero exit, exactly one error line (rank 0's) holding expected, no
-    rank traceback, no half-written checkpoint or final model. Returns the line."""
-    text = proc.stdout
-    assert proc.returncode != 0, text[-3000:]
-    errors = [ln for ln in text.splitlines() if ln.startswith("error")]
+def _assert_one_error(proc, out: Path, expected: str | list[str], *,  # noqa: ANN001
+                      launched: bool = True) -> str:
+    """Exit code 2; on stderr exactly one error line (rank 0's) holding expected,
+    the report line last (if the ranks were launched), and no traceback anywhere
+    (torchrun's is in the report); no half-written checkpoint or final model.
+    Returns the error line."""
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
     assert len(errors) == 1 and errors[0].startswith("error: "), text[-3000:]
     for part in [expected] if isinstance(expected, str) else expected:
         assert part in errors[0], errors[0]
-    assert not _RANK_TRACEBACK.search(text), text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert not [ln for ln in proc.stdout.splitlines() if ln.startswith("error")], text[-3000:]
+    if launched:
+        report = _REPORT_LINE.match(proc.stderr.splitlines()[-1])
+        assert report, proc.stderr[-3000:]
+        assert "ChildFailedError" in Path(report.group(1)).read_text()
+        Path(report.group(1)).unlink()
+    else:  # refused before any rank started: the error line is all
+        assert proc.stderr.splitlines() == errors, proc.stderr[-3000:]
     assert not list(out.glob("checkpoints/*.tmp-*")) and not (out / "final").exists()
     return errors[0]
 
@@ -59,14 +71,23 @@ def test_bad_model_folder(model_dir, tmp_path, kind) -> None:
     assert not out.exists()  # failed before writing anything
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["--train.lrr=1e-4"], "did you mean 'train.lr'"),               # the overrides' parser
-    (["--rollout.tensor_parallel_size=3"], "must divide the world size 2"),  # torchrun's world
+@pytest.mark.parametrize(("args", "expected", "launched"), [
+    (["--train.lrr=1e-4"], "did you mean 'train.lr'", False),       # the overrides' parser
+    (["--rollout.tensor_parallel_size=3"], "must divide the world size 2", True),  # the world
 ])
-def test_bad_config(model_dir, tmp_path, args, expected) -> None:
+def test_bad_config(model_dir, tmp_path, args, expected, launched) -> None:
     out = tmp_path / "run"
-    _assert_one_error(_train(model_dir, out, *args), out, expected)
+    _assert_one_error(_train(model_dir, out, *args), out, expected, launched=launched)
     assert not out.exists()
+
+
+def test_verbose_shows_torchruns_report(model_dir, tmp_path) -> None:
+    """--verbose: torchrun's log and its ChildFailedError traceback on stderr, as
+    torchrun writes them (exit code 1, torchrun's own), and no report file."""
+    proc = _train(model_dir, tmp_path / "run", "--rollout.tensor_parallel_size=3", "--verbose")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "must divide the world size 2" in proc.stderr
+    assert "ChildFailedError" in proc.stderr and "its report:" not in proc.stderr
 
 
 # --- with the engine running ------------------------------------------------------

@@ -15,13 +15,22 @@ aborts the whole job when
 - this rank's progress (phase entries) has not changed for `timeout_s` while a
   peer's differs: the ranks wait in different phases, in a collective that no
   one will complete. Ranks that all sit in the same phase are all working
-  (a long generate), never an abort.
+  (a long generate), never an abort;
+- a peer on this host has died (its process is gone or a zombie: SIGKILL, the
+  OOM killer, a crash), checked every `TICK_S` from the pids the peers
+  publish: the message names the rank and the phase it died in (published at
+  each phase change). A peer that reported its own error first (`left_with_error`)
+  is not a death: the survivors leave silently, its line said it all.
 
 Aborting: the first rank to decide posts its message in the store and prints
 one `error: ...` line; it SIGKILLs silent peers on its own host (a stopped
 process would otherwise hold the launcher for its 30 s grace), runs the
-registered cleanup hooks (shared-memory names), and every rank leaves with
-`os._exit(2)` (the CLI's code for a run that stopped itself).
+registered cleanup hooks (the engine's shared-memory segments), and every rank
+leaves with `os._exit(2)` (the CLI's code for a run that stopped itself)
+within a tick of the post, whatever its main thread waits in (a collective,
+vLLM's shared-memory all-reduce spin). A main thread whose collective failed
+because a peer died (gloo: "Connection reset by peer") calls `settle()` before
+showing a traceback: the verdict about the peer comes first.
 
 Under torchrun, a rank whose launcher dies (SIGKILL, OOM), so that nothing
 will stop it, leaves the same way within half a second: `watch_launcher()`,
@@ -51,20 +60,24 @@ from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["Watchdog", "add_cleanup", "current", "phase", "start", "stop", "watch_launcher"]
+__all__ = ["Watchdog", "add_cleanup", "current", "left_with_error", "phase", "settle", "start",
+           "stop", "watch_launcher"]
 
 log = logging.getLogger("hybrid_engine.watchdog")
 
 _KEY = "hybrid_engine/watchdog/"
 _ABORT_KEY = _KEY + "abort"
 _EXIT_CODE = 2
+TICK_S = 0.25  # how often the thread looks for an abort post and for dead peers on this host
 _ACTIVE: Watchdog | None = None
 _CLEANUPS: list[Callable[[], None]] = []
 
 
 def add_cleanup(fn: Callable[[], None]) -> None:
-    """Registers fn to run (best effort) before the watchdog ends the process."""
-    _CLEANUPS.append(fn)
+    """Registers fn to run (best effort) before the watchdog ends the process
+    (once, however often it is registered)."""
+    if fn not in _CLEANUPS:
+        _CLEANUPS.append(fn)
 
 
 def current() -> Watchdog | None:
@@ -83,6 +96,9 @@ def phase(name: str) -> Iterator[None]:
     previous = wd.enter(name)
     try:
         yield
+    except BaseException:
+        wd.failed_in = wd.failed_in or name
+        raise
     finally:
         wd.enter(previous)
 
@@ -162,6 +178,36 @@ def start(timeout_s: float, *, interval_s: float | None = None) -> Watchdog | No
     return _ACTIVE
 
 
+def settle(wait_s: float = 3.0, reported_wait_s: float = 20.0) -> None:
+    """For a main thread with an exception in flight: gives the watchdog
+    `wait_s` to end this process if the exception came from a peer's death
+    or another rank's abort (a collective fails as soon as the dead peer's
+    sockets close, a moment before its process is seen gone), and up to
+    `reported_wait_s` when a peer is leaving with an error of its own (it
+    prints its line first, then exits: this rank then leaves silently).
+    Returns if the watchdog found nothing: the exception is this rank's own."""
+    wd = _ACTIVE
+    if wd is None or wd._done.is_set():
+        return
+    start, limit = time.monotonic(), wait_s
+    while time.monotonic() - start < limit:
+        wd._wake.set()
+        time.sleep(TICK_S)
+        if limit == wait_s and wd.peer_reported_error():
+            limit = reported_wait_s
+
+
+def left_with_error(msg: str) -> None:
+    """Says in the store that this rank reports `msg` itself and will exit: once
+    its process is gone its peers leave silently instead of reporting a death.
+    A no-op without a running watchdog."""
+    wd = _ACTIVE
+    if wd is not None:
+        wd.error = msg
+        with contextlib.suppress(Exception):
+            wd.store.set(wd._key(wd.rank), json.dumps({"done": True, "error": msg}))
+
+
 def stop() -> None:
     """Stops the watchdog after telling the peers this rank is done (a clean
     shutdown is not a silent rank)."""
@@ -169,6 +215,27 @@ def stop() -> None:
     wd, _ACTIVE = _ACTIVE, None
     if wd is not None:
         wd.close()
+
+
+def _host_and_pid_namespace() -> str:
+    """This host's name and PID namespace: peers with the same value can check
+    each other's pids (two containers may share a host name, not a namespace)."""
+    try:
+        return f"{socket.gethostname()}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return socket.gethostname()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process pid exists and is not a zombie (Linux /proc; True where
+    it cannot be read: then only the silence rule judges it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        return True
 
 
 def _connect(timeout_s: float) -> dist.Store:
@@ -186,10 +253,12 @@ class Watchdog:
         timeout_s: silence (or disagreeing progress) that aborts the job.
         interval_s: publish/check period; default timeout_s / 10 in [0.5, 5] s.
         store: the key-value store to use; default a new client of the launcher's.
+        thread: start the thread (False: tests drive `check` and `judge_dead`).
     """
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, *,
-                 interval_s: float | None = None, store: dist.Store | None = None) -> None:
+                 interval_s: float | None = None, store: dist.Store | None = None,
+                 thread: bool = True) -> None:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.interval_s = interval_s or min(5.0, max(0.5, timeout_s / 10))
         # Silence is measured from the last beat seen, up to two periods after the
@@ -199,13 +268,19 @@ class Watchdog:
         self.silence_s = max(self.interval_s, timeout_s - 3 * self.interval_s)
         self.store = store or _connect(min(timeout_s, 30.0))
         self.phase, self.progress, self.beat = "build", 0, 0
+        self.failed_in: str | None = None  # the innermost phase an exception left
+        self.error: str | None = None  # what this rank reported itself (left_with_error)
         self._progress_at = time.monotonic()
         self._seen: dict[int, tuple[int, float, dict]] = {}  # peer -> (beat, when, state)
+        self._local_pids: dict[int, int] = {}  # peer on this host -> its pid
+        self._host = _host_and_pid_namespace()
         self._done = threading.Event()
+        self._wake = threading.Event()  # look now, not at the next tick
         self._publish()
         self._thread = threading.Thread(target=self._run, name="hybrid-engine-watchdog",
                                         daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread.start()
         log.info("watchdog on: a rank silent or stuck for %.0f s aborts the job", timeout_s)
 
     # --- the main thread's side --------------------------------------------------
@@ -215,13 +290,25 @@ class Watchdog:
         previous, self.phase = self.phase, name
         self.progress += 1
         self._progress_at = time.monotonic()
+        with contextlib.suppress(Exception):  # now, not at the next beat: a peer that
+            self._publish()                   # sees this rank die names this phase
         return previous
 
     def close(self) -> None:
         self._done.set()
-        self._thread.join(timeout=self.interval_s * 2 + 5)
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.interval_s * 2 + 5)
+        done = {"done": True} if self.error is None else {"done": True, "error": self.error}
         with contextlib.suppress(Exception):
-            self.store.set(self._key(self.rank), json.dumps({"done": True}))
+            self.store.set(self._key(self.rank), json.dumps(done))
+
+    def peer_reported_error(self) -> bool:
+        """Whether a peer has said it leaves with an error of its own."""
+        with contextlib.suppress(Exception):
+            return any((self._state(r) or {}).get("error")
+                       for r in range(self.world_size) if r != self.rank)
+        return False
 
     # --- the thread ------------------------------------------------------------
 
@@ -231,11 +318,19 @@ class Watchdog:
     def _publish(self) -> None:
         self.store.set(self._key(self.rank), json.dumps({
             "beat": self.beat, "phase": self.phase, "progress": self.progress,
-            "pid": os.getpid(), "host": socket.gethostname()}))
+            "pid": os.getpid(), "host": self._host}))
 
     def _run(self) -> None:
-        store_failing_since = None
-        while not self._done.wait(self.interval_s):
+        store_failing_since, next_beat = None, time.monotonic() + self.interval_s
+        while not self._done.is_set():
+            self._wake.wait(min(TICK_S, self.interval_s))
+            self._wake.clear()
+            if self._done.is_set():
+                return
+            self._tick()
+            if time.monotonic() < next_beat:
+                continue
+            next_beat = time.monotonic() + self.interval_s
             self.beat += 1
             try:
                 self._publish()
@@ -250,10 +345,53 @@ class Watchdog:
                                f"{self.timeout_s:.0f} s ({type(e).__name__}: {e})", [])
             if self._done.is_set():
                 return
-            if self._aborted_elsewhere():
-                self._exit(None, [])
             if verdict is not None:
                 self._exit(*verdict)
+
+    def _tick(self) -> None:
+        """Leaves (silently) when another rank has posted an abort; aborts when
+        a peer on this host has died."""
+        if self._aborted_elsewhere():
+            self._exit(None, [])
+        with contextlib.suppress(Exception):  # a failing store is the beat's to judge
+            self._learn_local_pids()
+            dead = {r: pid for r, pid in self._local_pids.items() if not pid_alive(pid)}
+            if dead:
+                msg, reported = self.judge_dead(dead, {r: self._state(r) for r in dead})
+                if msg is not None or reported:
+                    self._exit(msg, [])
+
+    def _state(self, rank: int) -> dict | None:
+        key = self._key(rank)
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def _learn_local_pids(self) -> None:
+        if len(self._local_pids) == self.world_size - 1 or self.beat > 3:
+            return  # all known, or the rest are on other hosts (or never started)
+        for r in range(self.world_size):
+            if r != self.rank and r not in self._local_pids:
+                state = self._state(r)
+                if state and state.get("host") == self._host and state.get("pid"):
+                    self._local_pids[r] = int(state["pid"])
+
+    def judge_dead(self, dead: dict[int, int],
+                   states: dict[int, dict | None]) -> tuple[str | None, bool]:
+        """Peers whose processes are gone ({rank: pid}, with their last published
+        states): (the abort message naming them and their phases, or None;
+        whether one of them reported its own error, so this rank leaves
+        silently). A peer that said it was done is forgotten."""
+        died, reported = [], False
+        for r, pid in sorted(dead.items()):
+            state = states.get(r) or {}
+            if state.get("done"):
+                reported = reported or bool(state.get("error"))
+                self._local_pids.pop(r, None)
+                continue
+            died.append(f"rank {r} (pid {pid}, in phase {state.get('phase', 'start')!r})")
+        if reported or not died:
+            return None, reported
+        return (f"{', '.join(died)} died (killed or crashed); this rank ({self.rank}) was in "
+                f"phase {self.failed_in or self.phase!r}; aborting the job"), False
 
     def _read_peers(self) -> dict[int, dict | None]:
         peers = {}
@@ -302,8 +440,10 @@ class Watchdog:
         return None
 
     def _aborted_elsewhere(self) -> bool:
+        """Whether a rank other than this one has posted an abort."""
         try:
-            return bool(self.store.check([_ABORT_KEY]))
+            return bool(self.store.check([_ABORT_KEY])) and not \
+                self.store.get(_ABORT_KEY).decode().startswith(f"{self.rank}:")
         except Exception:  # noqa: BLE001
             return False
 
@@ -314,13 +454,13 @@ class Watchdog:
         if msg is not None:
             first = say  # a store that cannot answer cannot say another rank spoke
             if post:
+                mine = f"{self.rank}:{msg}"
                 with contextlib.suppress(Exception):
-                    first = self.store.compare_set(_ABORT_KEY, "", msg).decode() == msg
+                    first = self.store.compare_set(_ABORT_KEY, "", mine).decode() == mine
             if first:
                 print(f"error: {msg}", file=sys.stderr, flush=True)
-        here = socket.gethostname()
         for s in silent:
-            if s.get("host") == here and s.get("pid"):
+            if s.get("host") == self._host and s.get("pid"):
                 with contextlib.suppress(OSError):
                     os.kill(int(s["pid"]), signal.SIGKILL)
         for fn in _CLEANUPS:

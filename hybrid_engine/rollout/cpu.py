@@ -7,7 +7,8 @@ next generation; its weights stay resident. It packs linear weights into
 oneDNN / sgl handles after loading, so a sync writes them into staging
 tensors that `install` re-packs, and `refresh_packed` re-packs the copies of
 vocab-parallel weights it keeps. Its shared-memory segments get per-job
-names (`vllm_compat.isolate_cpu_shm_names`) and are unlinked at shutdown.
+names (`vllm_compat.isolate_cpu_shm_names`) and are unlinked at shutdown, or
+when the watchdog aborts the rank (its cleanup hooks).
 Two small helpers vLLM compiles with inductor run eagerly
 (`vllm_compat.eager_cpu_helpers`): ~1.8 s less start-up per process.
 
@@ -29,6 +30,7 @@ import time
 import torch
 
 from hybrid_engine.config import RolloutConfig
+from hybrid_engine.parallel import watchdog
 from hybrid_engine.rollout import cpu_shm, vllm_compat
 
 __all__ = ["CpuBackend"]
@@ -48,6 +50,8 @@ class CpuBackend:
         self._kv_storage_list: list[torch.UntypedStorage] = []
         vllm_compat.isolate_cpu_shm_names()
         vllm_compat.eager_cpu_helpers()
+        watchdog.add_cleanup(cpu_shm.unlink_job_segments)  # a rank that aborts leaves none
+        watchdog.add_cleanup(cpu_shm.unlink_in_use)
 
     def engine_kwargs(self) -> dict:
         """The KV cache size as vLLM's `kv_cache_memory_bytes`, exact to the byte

@@ -1,10 +1,12 @@
 """Names and cleanup of vLLM-CPU's shared-memory segments (/dev/shm/he<port>-...).
 
 Job: give each job's segments a unique prefix (`prefix`), remove a job's own
-segments when its engine shuts down (`unlink_job_segments`), and remove the
-segments of jobs that died without shutting down (`sweep_orphans`: a rank
-killed by SIGKILL cannot unlink anything; each such job leaves 8 MB per TP
-pair). vllm_rollout.py applies the prefix to vLLM's segment names.
+segments when its engine shuts down (`unlink_job_segments`) or its rank
+aborts (`unlink_in_use`: also vLLM's message-queue ring buffers this rank
+maps, which a dead peer may have created), and remove the segments of jobs
+that died without shutting down (`sweep_orphans`: a rank killed by SIGKILL
+cannot unlink anything; each such job leaves 8 MB per TP pair).
+`vllm_compat.isolate_cpu_shm_names` applies the prefix to vLLM's segment names.
 
 A segment is an orphan when it carries our prefix (he<digits>-), belongs to this user,
 no live process maps it (/proc/<pid>/maps), and either the launcher whose pid
@@ -22,11 +24,12 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["prefix", "sweep_foreign_orphans", "sweep_orphans", "unlink_job_segments"]
+__all__ = ["FOREIGN", "leftovers", "prefix", "sweep_foreign_orphans", "sweep_orphans", "unlink_in_use",
+           "unlink_job_segments"]
 
 SHM = Path("/dev/shm")
 _OURS = re.compile(r"he\d+-(\d+)-.+")  # prefix() + vLLM's name; group 1: the launcher's pid
-_FOREIGN = re.compile(r"psm_[0-9a-f]+|sem\.mp-.+")  # vLLM's shm ring buffers, Python's semaphores
+FOREIGN = re.compile(r"psm_[0-9a-f]+|sem\.mp-.+")  # vLLM's shm ring buffers, Python's semaphores
 
 
 def prefix() -> str:
@@ -54,13 +57,60 @@ def _alive(pid: int) -> bool:
 def sweep_foreign_orphans(min_age_s: float = 60.0) -> list[str]:
     """Unlinks `psm_*` and `sem.mp-*` entries of this user that no live process
     maps and that are older than min_age_s; returns their names."""
-    return sweep_orphans(min_age_s, pattern=_FOREIGN)
+    return sweep_orphans(min_age_s, pattern=FOREIGN)
 
 
 def unlink_job_segments() -> None:
     """Removes this job's segments (mappings stay valid until unmapped)."""
     for f in SHM.glob(f"{prefix()}*"):
         f.unlink(missing_ok=True)
+
+
+def unlink_in_use(root: Path = SHM, maps: Path = Path("/proc/self/maps")) -> list[str]:
+    """Unlinks the segments of ours and vLLM's (`psm_*`, `sem.mp-*`) that this
+    process maps: for a rank about to leave a job that ends abnormally, whose
+    peers (dead ones too) shared them. Mappings stay valid until unmapped.
+    Returns the names removed."""
+    names = set()
+    for line in maps.read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        path = fields[5] if len(fields) == 6 else ""
+        if path.startswith(f"{root}/") and not path.endswith(" (deleted)"):
+            name = path[len(str(root)) + 1:]
+            if _OURS.fullmatch(name) or FOREIGN.fullmatch(name):
+                names.add(name)
+    for name in names:
+        (root / name).unlink(missing_ok=True)
+        if name.startswith("psm_"):
+            _untrack(name)
+    return sorted(names)
+
+
+def _untrack(name: str) -> None:
+    """Tells Python's resource tracker that shared-memory segment `name` is gone
+    (Python < 3.13 registers every segment a process creates or attaches, and
+    its tracker warns at exit about each one still registered)."""
+    from multiprocessing import resource_tracker
+
+    if getattr(resource_tracker._resource_tracker, "_fd", None) is not None:  # running here
+        resource_tracker.unregister(f"/{name}", "shared_memory")
+
+
+def leftovers(since: float, root: Path = SHM) -> list[str]:
+    """Our segments and vLLM's (`psm_*`, `sem.mp-*`) under root created since
+    `since` (a time.time()) that no live process maps: what jobs that ended
+    since then left behind."""
+    found = []
+    for f in root.iterdir():
+        if _OURS.fullmatch(f.name) or FOREIGN.fullmatch(f.name):
+            try:
+                st = f.stat()
+            except FileNotFoundError:
+                continue
+            if st.st_ctime >= since:
+                found.append((f.name, (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)))
+    mapped = _mapped_files() if found else set()
+    return sorted(name for name, key in found if key not in mapped)
 
 
 def _mapped_files() -> set[tuple[int, int, int]]:

@@ -41,7 +41,7 @@ import psutil
 
 from hybrid_engine.parallel.dist import free_port  # re-exported: tests import it from here
 
-__all__ = ["RankError", "free_port", "kill_tree", "processes_mentioning", "run_in_subprocess",
+__all__ = ["RankError", "free_port", "kill_tree", "processes_mentioning", "run_cli", "run_in_subprocess",
            "run_ranks", "run_torchrun"]
 
 _LOG_TAIL_CHARS = 4000
@@ -315,3 +315,21 @@ def run_torchrun(
         raise RankError(f"torchrun exited with code {proc.returncode}: {' '.join(cmd)}\n"
                         f"{out[-_LOG_TAIL_CHARS:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def run_cli(argv: Sequence[str], *, timeout: float = 300.0,
+            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Runs `hybrid-engine ARGV...` (as `python -m hybrid_engine.cli`, e.g.
+    ["train", "--nproc", "2", ...]) and returns it with stdout and stderr
+    apart. Raises RankError on the deadline (the whole process tree is killed)."""
+    cmd = [sys.executable, "-m", "hybrid_engine.cli", *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        raise RankError(f"hybrid-engine did not finish within {timeout:.0f} s: {' '.join(cmd)}\n"
+                        f"{(out + err)[-_LOG_TAIL_CHARS:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

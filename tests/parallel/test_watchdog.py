@@ -12,8 +12,8 @@ from hybrid_engine.parallel.watchdog import Watchdog
 
 
 def _dog(timeout_s: float = 20.0) -> Watchdog:
-    # A long period: the thread stays idle, the test drives check() itself.
-    wd = Watchdog(0, 3, timeout_s, interval_s=1000.0, store=dist.HashStore())
+    # No thread: the test drives check() and judge_dead() itself.
+    wd = Watchdog(0, 3, timeout_s, interval_s=1000.0, store=dist.HashStore(), thread=False)
     wd.silence_s = timeout_s
     return wd
 
@@ -96,3 +96,58 @@ def test_phase_marks_and_restores_and_close_says_done() -> None:
     assert json.loads(store.get("hybrid_engine/watchdog/1")) == {"done": True}
     with watchdog.phase("train"):  # no watchdog: a no-op
         pass
+
+
+def test_a_dead_peer_is_named_with_its_phase_and_a_reported_one_is_not() -> None:
+    wd = _dog()
+    wd.enter("sync")
+    msg, reported = wd.judge_dead({2: 4321}, {2: _state(3, phase="sync")})
+    assert not reported
+    assert msg == ("rank 2 (pid 4321, in phase 'sync') died (killed or crashed); this rank (0) "
+                   "was in phase 'sync'; aborting the job")
+    wd.failed_in = "train"  # an exception left 'train' (the phase then restored)
+    assert "this rank (0) was in phase 'train'" in wd.judge_dead({2: 1}, {2: _state(3)})[0]
+    # A peer that printed its own error and left: no second line, this rank leaves too.
+    assert wd.judge_dead({1: 7}, {1: {"done": True, "error": "bad reward"}}) == (None, True)
+    # A peer that shut down cleanly is forgotten, not mourned.
+    wd._local_pids = {1: 7}
+    assert wd.judge_dead({1: 7}, {1: {"done": True}}) == (None, False)
+    assert wd._local_pids == {}
+    wd.close()
+
+
+def test_pid_alive_tells_running_from_gone_and_zombie() -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    assert watchdog.pid_alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 30
+    while watchdog.pid_alive(child.pid):  # exited, not yet reaped: a zombie
+        assert time.time() < deadline
+        time.sleep(0.05)
+    child.wait()
+    assert not watchdog.pid_alive(child.pid)  # reaped: gone
+
+
+def test_abort_posts_carry_the_poster_and_an_error_survives_close() -> None:
+    store = dist.HashStore()
+    wd = Watchdog(1, 2, 20.0, interval_s=1000.0, store=store, thread=False)
+    store.set("hybrid_engine/watchdog/abort", "1:rank 0 silent")
+    assert not wd._aborted_elsewhere()  # its own post
+    store.set("hybrid_engine/watchdog/abort", "0:rank 1 silent")
+    assert wd._aborted_elsewhere()
+    watchdog._ACTIVE = wd
+    try:
+        watchdog.left_with_error("bad reward")
+        assert json.loads(store.get("hybrid_engine/watchdog/1")) == {"done": True,
+                                                                     "error": "bad reward"}
+    finally:
+        watchdog._ACTIVE = None
+        wd.close()
+    assert json.loads(store.get("hybrid_engine/watchdog/1"))["error"] == "bad reward"
+    peer = Watchdog(0, 2, 20.0, interval_s=1000.0, store=store, thread=False)
+    assert peer.peer_reported_error()
+    peer.close()

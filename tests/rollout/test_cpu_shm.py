@@ -68,7 +68,7 @@ def test_foreign_orphans_are_vllm_ring_buffers_and_python_semaphores(tmp_path) -
     for name in ("psm_0123abcd", "sem.mp-k2j3h4", f"he1234-{ME}-x", "psm_notHex", "other"):
         _segment(tmp_path, name, age_s=3600)
     _segment(tmp_path, "psm_4567ef01", age_s=0)  # too young
-    removed = cpu_shm.sweep_orphans(min_age_s=60, root=tmp_path, pattern=cpu_shm._FOREIGN)
+    removed = cpu_shm.sweep_orphans(min_age_s=60, root=tmp_path, pattern=cpu_shm.FOREIGN)
     assert sorted(removed) == ["psm_0123abcd", "sem.mp-k2j3h4"]
 
 
@@ -98,3 +98,28 @@ def test_prefix_is_unique_per_port_launcher_and_run(monkeypatch) -> None:
     monkeypatch.setattr(os, "getppid", lambda: launcher + 1)  # a relaunch on the same port
     assert cpu_shm.prefix() == f"he29512-{launcher + 1}-"
     assert cpu_shm._OURS.fullmatch(cpu_shm.prefix() + "vllm_shm")
+
+
+def test_an_aborting_rank_unlinks_the_segments_it_maps_and_only_those(tmp_path) -> None:
+    """The watchdog's cleanup: every segment of ours or vLLM's this process maps
+    goes (a dead peer's among them); one it does not map, or not ours, stays.
+    What is left is then visible to `leftovers` until unlinked."""
+    import mmap
+
+    since = time.time() - 1
+    mapped = [_segment(tmp_path, n, age_s=0) for n in
+              ("psm_0123abcd", f"he1234-{ME}-abcd1234--tp:0-[0-1]-cpushm_1", "other")]
+    unmapped = _segment(tmp_path, "psm_4567ef01", age_s=0)
+    maps = []
+    for path in mapped:
+        with open(path, "r+b") as f:
+            maps.append(mmap.mmap(f.fileno(), 0))
+    try:
+        assert cpu_shm.leftovers(since, root=tmp_path) == [unmapped.name]
+        removed = cpu_shm.unlink_in_use(root=tmp_path)
+        assert removed == sorted([mapped[0].name, mapped[1].name])
+        assert [p.exists() for p in mapped] == [False, False, True] and unmapped.exists()
+    finally:
+        for m in maps:
+            m.close()
+    assert cpu_shm.leftovers(since, root=tmp_path) == [unmapped.name]
