@@ -2,9 +2,9 @@
 
 The peer: TRL's GRPOTrainer with vLLM in colocate mode and DDP training
 (benchmarks/peer/trl_grpo.py; setup and shims in benchmarks/peer/README.md),
-the kind of peer issue 17 measured. Ours: `hybrid-engine train` exactly as
-bench_step.py runs it. Same model (a random-init 180M Qwen2, by default issue
-17's: preset qwen2-180m-v512), same workload
+the peer users pick for colocated GRPO. Ours: `hybrid-engine train` exactly as
+bench_step.py runs it. Same model (a random-init 180M Qwen2, by default the
+preset qwen2-180m-v512), same workload
 (bench_step's W1 or W2: prompts x K completions x new tokens per optimizer
 step, one optimizer step per rollout, GRPO without KL, AdamW lr 1e-4, bf16
 rollout, fp32 master weights), same reward (bench_step's hashed one), 2 ranks
@@ -63,7 +63,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=2, help="steps per job before the timed ones")
     p.add_argument("--preset", default="qwen2-180m-v512",
-                   help="model preset (bench_step's; default: issue 17's job, vocab 512)")
+                   help="model preset (bench_step's; default: the peer-sized job, vocab 512)")
     p.add_argument("--peer-python", default=os.environ.get("HE_PEER_PYTHON"),
                    help="a Python with trl and datasets (default $HE_PEER_PYTHON)")
     p.add_argument("--cache-dir", default=str(HERE.parent / ".cache" / "bench_models"))

@@ -14,7 +14,7 @@ N/2 ranks train, the last N/2 roll out. The reward is one of 1024 levels in
 signal and every step trains (a random-init model never solves the task, and
 at the recipe's lr it soon collapses to identical completions).
 
-Workloads (issue 17's): `w1` (default) 4 prompts x K=4 = 16 completions x
+Workloads: `w1` (default) 4 prompts x K=4 = 16 completions x
 16 new tokens per step, a user's small GRPO batch; `w2` 16 x 4 = 64
 completions x 64 tokens. The environment's prompts are 1-3 digit
 arithmetic (short: the trained tokens are mostly completions). `mixed`
@@ -51,7 +51,7 @@ ONE profiled step (left out of every timing).
 - Every statistic is `_stats.describe` over all timed steps of all jobs
   (median, IQR); per-step values are kept in the result file.
 - Train split: the profiled step's trainer `train_step` runs under
-  torch.profiler (`HYBRID_ENGINE_PROFILE_TRAIN`, see roles/trainer.py):
+  torch.profiler (`HYBRID_ENGINE_PROFILE_TRAIN`, see roles/profile.py):
   optimizer = gradient clipping + AdamW; comm = wall time while a gloo
   collective or the shared-memory gradient all-reduce (train.cpu_shm_allreduce)
   runs outside the optimizer (overlap with compute is counted as comm); compute = the rest of train_step. The fractions (medians over jobs x
@@ -107,8 +107,8 @@ ONE profiled step (left out of every timing).
 
 Budget (the default run must fit `make bench`: report.py gives a script 60
 min). Per job: start-up (~40 s, ~60 s at N=4) + (warm-up + timed + 1) steps.
-Estimated w1 step times alone on 2 cores: N=2 ~8.5 s (issue 17's
-measurement), N=1 ~5.5 s and N=4 ~15 s (scaled by the last full run's N=1/N=2
+Estimated w1 step times alone on 2 cores: N=2 ~8.5 s (measured), N=1 ~5.5 s
+and N=4 ~15 s (scaled by the last full run's N=1/N=2
 and N=4/N=2 ratios; N=4 puts 4 ranks on 2 cores). 3 jobs x 23 steps at every N
 would take ~40 min, so the default runs 3 jobs at N=2 (the headline), 2 at
 N=1 and 1 at N=4 (`--configs qwen2-180m:1@2 qwen2-180m:2@3 qwen2-180m:4@1`),
@@ -161,7 +161,7 @@ WORKLOAD_SETS = {"long": ("rollout.max_model_len=320",),
 # mixed: every MIXED_STOP_EVERY-th id of the vocabulary ends a completion, so a random-init
 # model's lengths are geometric (mean ~24, a few near the cap of 112): a long tail.
 MIXED_STOP_EVERY = 24
-PROFILE_ENV = "HYBRID_ENGINE_PROFILE_TRAIN"  # = hybrid_engine.roles.trainer.PROFILE_ENV
+PROFILE_ENV = "HYBRID_ENGINE_PROFILE_TRAIN"  # = hybrid_engine.roles.profile.PROFILE_ENV
 # A reward per scored sample hashed from a call counter and the completion, one of 1024
 # levels in [0, 1]: every rank scores the same list in the same order, so ranks agree; a
 # counter keeps the rewards varied even when the policy collapses to identical completions

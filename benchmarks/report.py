@@ -8,8 +8,8 @@ the command, versions, machine and PNG charts.
 
 Every number in the report comes from the scripts run by this invocation;
 each script's own result file (and chart) lands in the same folder. The
-README and docs/architecture.md quote the headline table of the newest
-report verbatim (tests/benchmarks/test_report.py checks it).
+README quotes the headline table of the newest report verbatim
+(tests/benchmarks/test_report.py checks it); docs/benchmarks.md explains it.
 """
 
 from __future__ import annotations

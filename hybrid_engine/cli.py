@@ -244,13 +244,8 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return subprocess.call([sys.executable, str(report), *rest])
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybrid-engine", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    e = sub.add_parser("env", help="versions, device, world size, native kernels")
-    e.add_argument("--json", action="store_true", help="one JSON line instead of a table")
-
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    """The train subcommand's flags (the config keys come as --section.key=value)."""
     tr = sub.add_parser(
         "train", help="RL-train a HF model on this world (torchrun or one process)",
         description="Runs generate -> score -> advantages -> train -> sync steps with the "
@@ -277,6 +272,16 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --nproc: torchrun's own log and failure report on stderr (by "
                          "default they go to a file, named when the run fails, so a rank's "
                          "one error line is not followed by torchrun's traceback)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybrid-engine", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    e = sub.add_parser("env", help="versions, device, world size, native kernels")
+    e.add_argument("--json", action="store_true", help="one JSON line instead of a table")
+
+    _add_train(sub)
 
     from hybrid_engine import demo
 

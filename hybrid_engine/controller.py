@@ -1,6 +1,6 @@
 """The controller: calls the roles in order, step after step, until a stop condition.
 
-Job: the RL loop of DESIGN.md and nothing else --
+Job: the RL loop and nothing else --
 
     generate K per prompt -> score (reward, reference, critic values)
     [-> again, while the algorithm wants more prompts: dynamic sampling]

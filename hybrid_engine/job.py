@@ -15,7 +15,7 @@ Output folder layout (cfg.output_dir):
     final/             the policy as a HF folder
     metrics.png        reward and accuracy over steps
     .lock              held (flock) by the running job's rank 0: a second job
-                       on the same folder is refused, not interleaved
+                       on the same folder is refused, not interleaved (`output_dir.py`)
 
 Invariant: the controller is built the same way for every placement, algorithm
 and task; this module is the only place that knows which roles exist.
@@ -23,15 +23,11 @@ and task; this module is the only place that knows which roles exist.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
-import shutil
-import socket
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,11 +42,12 @@ from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.parallel.dist import set_collective_timeout
 from hybrid_engine.envs import make_env
 from hybrid_engine.metrics import MetricsSink, plot_metrics
+from hybrid_engine.output_dir import OutputDir
 from hybrid_engine.rollout.episodes import is_multi_turn
 from hybrid_engine.preflight import preflight
 from hybrid_engine.policy.separate import SeparatePolicy
 
-__all__ = ["Job", "JobCheckpointer", "RunAborted", "check_env_fits_algorithm", "lock_output_dir",
+__all__ = ["Job", "JobCheckpointer", "RunAborted", "check_env_fits_algorithm", "configure_logging",
            "make_policy"]
 
 log = logging.getLogger("hybrid_engine.train")
@@ -132,33 +129,61 @@ class Job:
                   resume=resume, overwrite=overwrite)
         torch.manual_seed(cfg.seed)
         self.cfg, self.out = cfg, Path(cfg.output_dir)
-        made_out = not self.out.exists()
-        self._lock = lock_output_dir(self.out)  # before anything is cleared or written
+        self.output_dir = OutputDir(self.out)
         try:
             self.actor = make_policy(cfg)
         except BaseException:
-            self._unlock(remove_if_unused=made_out)  # a failed start leaves no empty folder
+            self.output_dir.unlock(remove_if_unused=True)  # a failed start leaves no empty folder
             raise
         try:
             self._build(cfg, resume, progress, overwrite)
         except BaseException:
             self.actor.shutdown()  # the engine goes before the error does
-            self._unlock(remove_if_unused=made_out)
+            self.output_dir.unlock(remove_if_unused=True)
             raise
 
     def _build(self, cfg: RunConfig, resume: bool, progress: bool, overwrite: bool) -> None:
         """Every role but the actor, the checkpointer, the sink (and resume)."""
         self.rank0 = dist.get_rank() == 0
-        if self.rank0:
-            sweep_unfinished(self.out)
+        self.output_dir.sweep_unfinished()
         if overwrite and not resume:
-            self._clear_outputs()
+            self.output_dir.clear()
         # An env whose score() runs a model (reward model) is called in the training layout.
         self.env = self.actor.model_side(make_env(cfg.env, self.actor.tokenizer))
         check_env_fits_algorithm(cfg, self.env)
         self.algorithm = Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,
                                    max_tokens=cfg.rollout.max_tokens,
                                    prompts_per_step=cfg.train.prompts_per_step)
+        scorers, learners = self._scorers(cfg)
+        self.checkpointer = JobCheckpointer(self.actor, self.critic, self.out / "checkpoints",
+                                            cfg.keep_checkpoints)
+        self.controller = Controller(self.actor, self.env, self.algorithm, cfg, scorers=scorers,
+                                     learners=learners, checkpointer=self.checkpointer,
+                                     on_metrics=self._on_metrics,
+                                     guards=Guards(cfg, lambda: latest_checkpoint(
+                                         self.out / "checkpoints")))
+        start = None
+        if resume:
+            self.controller.load_state_dict(self.checkpointer.load_latest())
+            start = self.controller.state.step + 1
+        self.sink = MetricsSink(self.out, log_every=cfg.log_every, resume=start)
+        self.bar = None
+        if progress and self.rank0:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.train.num_steps, initial=self.controller.state.step,
+                            desc="GRPO" if cfg.algorithm.advantage == "grpo" else "RL",
+                            unit="step", dynamic_ncols=True)
+        if self.rank0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            import yaml
+
+            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        set_collective_timeout(cfg.collective_timeout_s)  # the scorers' groups too
+
+    def _scorers(self, cfg: RunConfig) -> tuple[list, list]:
+        """(scorers, learners) the algorithm needs: the drift scorer, the reference,
+        the critic (which also learns); sets self.critic."""
         scorers, learners, self.critic = [], [], None
         # Stale samples (colocated): the engine's log-probs under the current weights
         # split the mismatch into drift and numerics; first, in the inference layout.
@@ -189,40 +214,7 @@ class Job:
             critic = self.actor.trainer_side(critic)
             scorers.append(critic)
             learners.append(critic)
-        self.checkpointer = JobCheckpointer(self.actor, self.critic, self.out / "checkpoints",
-                                            cfg.keep_checkpoints)
-        self.controller = Controller(self.actor, self.env, self.algorithm, cfg, scorers=scorers,
-                                     learners=learners, checkpointer=self.checkpointer,
-                                     on_metrics=self._on_metrics,
-                                     guards=Guards(cfg, lambda: latest_checkpoint(
-                                         self.out / "checkpoints")))
-        start = None
-        if resume:
-            self.controller.load_state_dict(self.checkpointer.load_latest())
-            start = self.controller.state.step + 1
-        self.sink = MetricsSink(self.out, log_every=cfg.log_every, resume=start)
-        self.bar = None
-        if progress and self.rank0:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=cfg.train.num_steps, initial=self.controller.state.step,
-                            desc="GRPO" if cfg.algorithm.advantage == "grpo" else "RL",
-                            unit="step", dynamic_ncols=True)
-        if self.rank0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            import yaml
-
-            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        set_collective_timeout(cfg.collective_timeout_s)  # the scorers' groups too
-
-    def _clear_outputs(self) -> None:
-        """--overwrite: rank 0 deletes an earlier run's outputs (collective)."""
-        if self.rank0:
-            for name in ("checkpoints", "final", "tb"):
-                shutil.rmtree(self.out / name, ignore_errors=True)
-            for name in ("metrics.jsonl", "metrics.png", "config.yaml"):
-                (self.out / name).unlink(missing_ok=True)
-        dist.barrier()
+        return scorers, learners
 
     def _on_metrics(self, step: int, m: dict[str, float]) -> None:
         """Writes the metrics and moves the bar (the controller's guards decide stops)."""
@@ -252,19 +244,7 @@ class Job:
 
     def shutdown(self) -> None:
         self.actor.shutdown()
-        self._unlock()
-
-    def _unlock(self, remove_if_unused: bool = False) -> None:
-        """Releases out's lock; with remove_if_unused (the job created out and
-        failed to start), out goes too when the lock file is all it holds."""
-        if self._lock is None:
-            return
-        self._lock.close()  # closing the file releases the flock
-        self._lock = None
-        if remove_if_unused and [p.name for p in self.out.iterdir()] == [".lock"]:
-            (self.out / ".lock").unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # another job may have just taken it
-                self.out.rmdir()
+        self.output_dir.unlock()
 
 
 def check_env_fits_algorithm(cfg: RunConfig, env: Any) -> None:
@@ -280,58 +260,6 @@ def check_env_fits_algorithm(cfg: RunConfig, env: Any) -> None:
             "length with rollout.max_tokens, which limits each segment of a multi-turn "
             f"episode, not the episode (env {cfg.env.name!r} is multi-turn): set "
             "algorithm.overlong_buffer=0")
-
-
-def sweep_unfinished(out: Path) -> None:
-    """Removes the unfinished folders an earlier job on out left when it died
-    mid-save or mid-export (`<name>.tmp-*`; never loaded, see checkpoint.py).
-    A `<name>.old-*` whose `<name>` is gone (a death between the two renames of
-    a commit) is the previous complete folder: it is moved back, not removed.
-    Call with out's lock held, so no running job owns them."""
-    for folder in (out, out / "checkpoints"):
-        if not folder.is_dir():
-            continue
-        for old in sorted(folder.glob("*.old-*")):
-            base = old.with_name(old.name.split(".old-")[0])
-            if not base.exists():
-                os.replace(old, base)
-                log.warning("restored %s from %s (a save died between its renames)", base, old)
-            else:
-                shutil.rmtree(old, ignore_errors=True)
-        for tmp in sorted(folder.glob("*.tmp-*")):
-            shutil.rmtree(tmp, ignore_errors=True)
-            log.info("removed %s: an earlier job's unfinished save or export", tmp)
-
-
-def lock_output_dir(out: Path) -> IO[str] | None:
-    """Rank 0 takes an exclusive flock on out/.lock for the job's life (the
-    kernel drops it when the process dies, so a crash leaves no stale lock);
-    collective under a process group: every rank raises the same ValueError
-    when another job holds it. Returns the open lock file (rank 0) or None."""
-    held, msg = None, ""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        f = (out / ".lock").open("a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            who = f.read().strip() or "another job"
-            f.close()
-            msg = (f"output_dir={str(out)!r} is in use by a running job ({who}): wait for it "
-                   "to end, or pass another --output_dir")
-        else:
-            f.seek(0)
-            f.truncate()
-            f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-            f.flush()
-            held = f
-    box = [msg]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        raise ValueError(box[0])
-    return held
 
 
 def configure_logging() -> None:

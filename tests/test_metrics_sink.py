@@ -1,7 +1,6 @@
 """metrics.jsonl survives crashes and full disks: a torn last line is dropped on
-resume (it used to make every later --resume fail with a bare JSON error), a
-failed append is undone, and the resume rewrite replaces the file whole
-(issue 18, item 11)."""
+resume (else every later --resume would fail with a bare JSON error), a
+failed append is undone, and the resume rewrite replaces the file whole."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """PhaseTimer splits each phase's time into wall, user CPU and system CPU
-(issue 17: system time per step). Page faults are system time: touching fresh
+(system time per step matters on CPU). Page faults are system time: touching fresh
 memory must show up as <phase>_sys_s, busy Python as <phase>_user_s, and a
 sleep as neither."""
 

@@ -5,7 +5,7 @@ trainer's for the same tokens under the same weights, with no extra pass:
 from the old log-probs when the trainer computed them (several updates per
 rollout), else from the forward of the step's update (with
 behaviour_logp='rollout' and several updates: the first update's, on its
-mini-batch; later updates' weights have moved, so `policy/updates.py` leaves
+mini-batch; later updates' weights have moved, so `roles/updates.py` leaves
 their mismatch metrics out).
 `with_mismatch_metrics(loss_fn)` wraps any `LossFn` and adds
 

@@ -154,9 +154,9 @@ PRESETS: dict[str, TinyModelSpec] = {
         vocab_size=32000,
         max_position_embeddings=4096,
     ),
-    # ~180M params, nearly all in the decoder (vocab 512): the job of issue 17's
-    # measurement against a colocated peer (hidden 896, 12 layers, 14 heads,
-    # 2 KV heads, intermediate 4864), used by bench_peer and issue 17's bench_step runs.
+    # ~180M params, nearly all in the decoder (vocab 512): the job measured
+    # against a colocated peer (hidden 896, 12 layers, 14 heads, 2 KV heads,
+    # intermediate 4864), used by bench_peer and bench_step's peer-sized runs.
     "qwen2-180m-v512": TinyModelSpec(
         arch="qwen2",
         hidden_size=896,

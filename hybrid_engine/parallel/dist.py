@@ -15,13 +15,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from hybrid_engine.config import RolloutConfig
+
 __all__ = ["all_gather_ragged", "all_groups", "collective_timeouts", "free_port", "init_distributed", "is_launched", "rank0_logger",
-           "resync_group_counter", "set_collective_timeout", "set_train_group", "train_group",
-           "train_rank_world"]
+           "resync_group_counter", "set_collective_timeout", "set_train_group", "split_ranks",
+           "train_group", "train_rank_world"]
 
 _TRAIN_GROUP: dist.ProcessGroup | None = None
 
@@ -42,6 +46,32 @@ def train_rank_world() -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(_TRAIN_GROUP), dist.get_world_size(_TRAIN_GROUP)
+
+
+def split_ranks(world_size: int, cfg: RolloutConfig) -> tuple[int, int]:
+    """(trainer ranks M, rollout ranks R) of a separate placement over world_size.
+
+    R = cfg.num_ranks, or half the world rounded down to a multiple of T when 0.
+
+    Raises:
+        ValueError: fewer than 2 ranks, no rank left for either side, or T
+            not dividing R.
+    """
+    tp = cfg.tensor_parallel_size
+    if world_size < 2:
+        raise ValueError("placement=separate needs at least 2 ranks (one trains, one rolls out); "
+                         f"this run has {world_size}")
+    r = cfg.num_ranks or max(tp, world_size // 2 // tp * tp)
+    if not 1 <= r < world_size:
+        given = (f"rollout.num_ranks={r}" if cfg.num_ranks else
+                 f"rollout.num_ranks=0 (auto: half the ranks in multiples of "
+                 f"rollout.tensor_parallel_size={tp}, at least one group: {r})")
+        raise ValueError(f"{given} must leave at least one of the {world_size} ranks "
+                         "to train (placement=separate)")
+    if r % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the rollout ranks "
+                         f"(rollout.num_ranks={r})")
+    return world_size - r, r
 
 
 def is_launched() -> bool:

@@ -263,7 +263,7 @@ def build_fsdp_model(
     trust_remote_code: bool = False,
     sharding: str = "full",
     shard_group_size: int = 0,
-    cpu_shm_allreduce: bool = False,
+    grad_hook: Callable[[nn.Module, dist.ProcessGroup, torch.device], None] | None = None,
 ) -> tuple[FSDPModule, LoadStats]:
     """Builds the FSDP2 layout of a checkpoint without materialising it anywhere.
 
@@ -280,8 +280,10 @@ def build_fsdp_model(
             every rank) or "hybrid" (sharded over groups of shard_group_size
             ranks, replicated across them); see TrainConfig.sharding.
         shard_group_size: ranks per shard group (sharding="hybrid" only).
-        cpu_shm_allreduce: sharding="replicate": average the gradients through
-            shared memory where it can (parallel/shm_allreduce.py), else gloo.
+        grad_hook: sharding="replicate": called with the replicated model, its
+            process group and device to install a gradient communication hook
+            (the trainer's `train.cpu_shm_allreduce`: `rollout/shm_allreduce.py`);
+            None: DDP's own all-reduce over the group.
 
     Returns:
         (model, stats): the root FSDPModule (a HF `*ForCausalLM` whose lm_head
@@ -295,7 +297,7 @@ def build_fsdp_model(
     if sharding == "replicate":
         return _build_replicated(model, folder, mesh, DTYPES[master_dtype],
                                  DTYPES[compute_dtype], activation_checkpointing,
-                                 cpu_shm_allreduce)
+                                 grad_hook)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=DTYPES[master_dtype])
     size = {"hybrid": shard_group_size}.get(sharding, mesh.size())
     stats = shard_and_load(model, folder, fsdp_mesh(mesh, size), mp,
@@ -306,7 +308,7 @@ def build_fsdp_model(
 
 def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
                       master: torch.dtype, compute: torch.dtype,
-                      checkpointing: bool, cpu_shm_allreduce: bool = False,
+                      checkpointing: bool, grad_hook: Callable | None = None,
                       ) -> tuple[nn.Module, LoadStats]:
     """train.sharding=replicate: plain parameters, whole on every rank, gradients
     averaged by DDP (torch's composable `replicate`: buckets all-reduced while
@@ -330,15 +332,8 @@ def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
         # broadcast_buffers=False: the only buffers are the rotary tables.
         replicate(model, device_id=device, process_group=mesh.get_group(),
                   init_sync=False, broadcast_buffers=False, gradient_as_bucket_view=True)
-        if cpu_shm_allreduce and mesh.size() > 1:
-            from hybrid_engine.parallel import shm_allreduce
-
-            why_not = shm_allreduce.unusable_because(device, mesh.get_group())
-            if why_not is None:
-                shm_allreduce.register(model, mesh.get_group())
-            else:
-                log.info("train.cpu_shm_allreduce: gradients through %s (%s)",
-                         mesh.get_group().name(), why_not)
+        if grad_hook is not None and mesh.size() > 1:
+            grad_hook(model, mesh.get_group(), device)
     model.compute_autocast = compute if compute != master else None
     return model, stats
 

@@ -76,7 +76,7 @@ from hybrid_engine.parallel.shards import gather_response_field, local_batch
 from hybrid_engine.policy.ahead import Ready, timed
 from hybrid_engine.policy.memory import ReleasePolicy
 from hybrid_engine.policy.phases import Phases
-from hybrid_engine.policy.updates import policy_updates
+from hybrid_engine.roles.updates import policy_updates
 from hybrid_engine.preflight import check_model_for_run
 from hybrid_engine.roles.sync import WeightSync
 from hybrid_engine.roles.trainer import Trainer
@@ -493,7 +493,7 @@ class HybridActor:
     def model_side(self, env: Any) -> Any:
         """An environment whose score() runs a model (`runs_a_model`, e.g. a reward
         model), as the controller should call it: its scoring enters the training
-        layout first, like the reference's forwards (G4); other envs unchanged."""
+        layout first, like the reference's forwards; other envs unchanged."""
         return self.phases.training_side(env) if getattr(env, "runs_a_model", False) else env
 
     # --- persistence -------------------------------------------------------------

@@ -61,6 +61,7 @@ from hybrid_engine.parallel.dist import (
     resync_group_counter,
     set_collective_timeout,
     set_train_group,
+    split_ranks,
 )
 from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_path
 from hybrid_engine.parallel.sharding import (
@@ -72,35 +73,9 @@ from hybrid_engine.roles.sync import WeightSync
 from hybrid_engine.rollout.engine import Completions
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
-__all__ = ["SeparatePolicy", "TrainerSide", "split_ranks"]
+__all__ = ["SeparatePolicy", "TrainerSide"]
 
 log = logging.getLogger(__name__)
-
-
-def split_ranks(world_size: int, cfg: RolloutConfig) -> tuple[int, int]:
-    """(trainer ranks M, rollout ranks R) of a separate placement over world_size.
-
-    R = cfg.num_ranks, or half the world rounded down to a multiple of T when 0.
-
-    Raises:
-        ValueError: fewer than 2 ranks, no rank left for either side, or T
-            not dividing R.
-    """
-    tp = cfg.tensor_parallel_size
-    if world_size < 2:
-        raise ValueError("placement=separate needs at least 2 ranks (one trains, one rolls out); "
-                         f"this run has {world_size}")
-    r = cfg.num_ranks or max(tp, world_size // 2 // tp * tp)
-    if not 1 <= r < world_size:
-        given = (f"rollout.num_ranks={r}" if cfg.num_ranks else
-                 f"rollout.num_ranks=0 (auto: half the ranks in multiples of "
-                 f"rollout.tensor_parallel_size={tp}, at least one group: {r})")
-        raise ValueError(f"{given} must leave at least one of the {world_size} ranks "
-                         "to train (placement=separate)")
-    if r % tp:
-        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the rollout ranks "
-                         f"(rollout.num_ranks={r})")
-    return world_size - r, r
 
 
 def _from_rank(src: int, obj: Any) -> Any:
@@ -201,7 +176,32 @@ class SeparatePolicy:
         self._behind = (cfg.rollout.max_staleness > 0 and cfg.sync.method == "reshard"
                         and not cfg.sync.verify)
         sync_group = dist.new_group(list(range(world))) if self._behind else None
+        hf_config = self._build_side(train_cfg, trainer_group, rollout_ranks, rollout_group)
+        resync_group_counter()  # only the rollout ranks made vLLM's groups
+        self.syncer = WeightSync(hf_config, cfg.sync, tp=cfg.rollout.tensor_parallel_size,
+                                 wire_dtype=DTYPES[cfg.model.rollout_dtype],
+                                 num_trainers=self.num_trainers, group=sync_group,
+                                 shard_group_size=shard_group_size(train_cfg, self.num_trainers))
+        set_collective_timeout(cfg.collective_timeout_s,
+                               [g for g in all_groups() if g not in host_groups])
+        self._shared = _SharedRollout(self.rollout, cfg.rollout, src=self.num_trainers)
+        self._init_ahead(cfg)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        # Both sides loaded the same file; a master dtype narrower than fp32 rounded
+        # the trainer's copy, so the first generate syncs (step 0 samples the
+        # trainer's weights).
+        self._stale = cfg.model.master_dtype != "float32"
+        log.info("separate policy ready in %.1f s: FSDP2 over ranks 0-%d, vLLM TP=%d over "
+                 "ranks %d-%d", time.perf_counter() - t0, self.num_trainers - 1,
+                 cfg.rollout.tensor_parallel_size, self.num_trainers, world - 1)
+
+    def _build_side(self, train_cfg: Any, trainer_group: dist.ProcessGroup,
+                    rollout_ranks: list[int], rollout_group: dist.ProcessGroup) -> Any:
+        """This rank's side: the FSDP2 trainer (trainer ranks) or the vLLM engine
+        (rollout ranks), and the tokenizer; returns the model's HF config."""
         self.trainer, self.rollout = None, None
+        cfg = self.cfg
         if self.is_trainer:
             from transformers import AutoTokenizer
 
@@ -211,27 +211,22 @@ class SeparatePolicy:
             self.trainer = Trainer(self.model_path, train_cfg, cfg.model,
                                    logits_chunk_tokens=cfg.train.logits_chunk_tokens,
                                    temperature=cfg.rollout.temperature)
-            hf_config = self.trainer.module.config
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        else:
-            from transformers import AutoConfig
+            return self.trainer.module.config
+        from transformers import AutoConfig
 
-            from hybrid_engine.rollout.engine import VLLMRollout
+        from hybrid_engine.rollout.engine import VLLMRollout
 
-            self.rollout = VLLMRollout(self.model_path, cfg.rollout, dtype=cfg.model.rollout_dtype,
-                                       ranks=rollout_ranks, group=rollout_group)
-            hf_config = AutoConfig.from_pretrained(self.model_path)
-            self.tokenizer = self.rollout.tokenizer
-        resync_group_counter()  # only the rollout ranks made vLLM's groups
-        self.syncer = WeightSync(hf_config, cfg.sync, tp=cfg.rollout.tensor_parallel_size,
-                                 wire_dtype=DTYPES[cfg.model.rollout_dtype],
-                                 num_trainers=self.num_trainers, group=sync_group,
-                                 shard_group_size=shard_group_size(train_cfg, self.num_trainers))
-        set_collective_timeout(cfg.collective_timeout_s,
-                               [g for g in all_groups() if g not in host_groups])
-        self._shared = _SharedRollout(self.rollout, cfg.rollout, src=self.num_trainers)
-        # Generation ahead of training (rollout.max_staleness): the rollout ranks'
-        # generation thread samples through _local (no broadcast: result() shares).
+        self.rollout = VLLMRollout(self.model_path, cfg.rollout, dtype=cfg.model.rollout_dtype,
+                                   ranks=rollout_ranks, group=rollout_group)
+        self.tokenizer = self.rollout.tokenizer
+        return AutoConfig.from_pretrained(self.model_path)
+
+    def _init_ahead(self, cfg: RunConfig) -> None:
+        """The state of generation ahead of training (rollout.max_staleness) and of
+        in-flight updates: the threads, the install gate, the sync behind the step."""
+        # The rollout ranks' generation thread samples through _local (no
+        # broadcast: result() shares).
         self._local = _SharedRollout(self.rollout, cfg.rollout, src=None)
         self._gen = SerialWorker("generation")
         if self.rollout is not None:
@@ -248,15 +243,6 @@ class SeparatePolicy:
         self._sync_metrics: dict[str, float] | None = None
         if self.trainer is not None and self._behind:
             self.trainer.before_weights_change = self._join_sync
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
-        # Both sides loaded the same file; a master dtype narrower than fp32 rounded
-        # the trainer's copy, so the first generate syncs (step 0 samples the
-        # trainer's weights).
-        self._stale = cfg.model.master_dtype != "float32"
-        log.info("separate policy ready in %.1f s: FSDP2 over ranks 0-%d, vLLM TP=%d over "
-                 "ranks %d-%d", time.perf_counter() - t0, self.num_trainers - 1,
-                 cfg.rollout.tensor_parallel_size, self.num_trainers, world - 1)
 
     def _sampling(self, greedy: bool) -> contextlib.AbstractContextManager[None]:
         return greedy_sampling(self._shared, greedy)

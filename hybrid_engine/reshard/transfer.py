@@ -11,7 +11,7 @@ ReshardPlan.groups): a group's targets are asked for just before its blocks
 move and handed back (`on_group`) as soon as they are complete, so a rollout
 that must stage and re-pack weights (vLLM-CPU) stages one layer at a time.
 
-Timing never stalls the device (G10): on CUDA the stages are marked with
+Timing never stalls the device: on CUDA the stages are marked with
 CUDA events on the current stream and read once, after the last group; the
 kernels and NCCL's all_to_all are ordered by the stream, not by host
 synchronisation. On CPU every call is synchronous and the host clock is read.

@@ -19,7 +19,7 @@ from hybrid_engine.config import AlgorithmConfig, TrainConfig
 from hybrid_engine.roles.critic import Critic
 from hybrid_engine.roles.reference import Reference
 from hybrid_engine.parallel.shards import gather_response_field, local_batch, scatter_response_field
-from hybrid_engine.policy.updates import run_updates
+from hybrid_engine.roles.updates import run_updates
 from hybrid_engine.trajectory import Trajectory
 
 __all__ = ["CriticScorer", "ReferenceScorer"]

@@ -121,7 +121,7 @@ class WeightSync:
         and checked first (`assert_sharded`); the views stay valid while the
         model runs forward and backward (they read the shards' storage, which
         only the optimizer step writes)."""
-        if model is None:  # on the collectives' device (G5: NCCL, CUDA kernels)
+        if model is None:  # on the collectives' device (NCCL, CUDA kernels)
             return {n: torch.empty(0, c, device=self.device)
                     for n, (_, c) in self.plan.hf_shapes.items()}
         if isinstance(model, FSDPModule):
@@ -178,16 +178,28 @@ class WeightSync:
                 before_install()
             return self._sync_naive(model, rollout, t0)
         if self.gather is not None:
-            if rollout is None or model is None:
-                raise ValueError("naive_bucketed sync needs the model and the rollout on every rank")
-            stats = self.gather.run(dict(hf_named_parameters(model)),
-                                    lambda w: rollout.load_full_weights(w, partial=True))
-            rollout.mark_weights_written()
-            return {"sync_s": time.perf_counter() - t0, **stats}
-        ref = None
-        if self.cfg.verify:
-            ref = self._reference(model, rollout)
+            return self._sync_gathered(model, rollout, t0)
+        ref = self._reference(model, rollout) if self.cfg.verify else None
+        targets, done = self._group_callbacks(rollout, ref)
+        stats = self.executor.run(sources if sources is not None else self.sources(model),
+                                   targets, on_group=done)
+        installed = self._install(rollout, before_install, install) if rollout is not None else {}
+        return {
+            "sync_s": time.perf_counter() - t0, "sync_transfer_s": stats.total_s,
+            "sync_repack_s": 0.0, "sync_install_wait_s": 0.0,
+            "sync_bytes_received": float(stats.bytes_received),
+            "sync_bytes_local": float(stats.bytes_local), "sync_buckets": float(stats.num_buckets),
+            "sync_local_s": stats.local_s, "sync_pack_s": stats.pack_s,
+            "sync_exchange_s": stats.exchange_s, "sync_unpack_s": stats.unpack_s,
+            "sync_staging_bytes": float(rollout.staging_bytes if rollout is not None else 0),
+            **installed,
+        }
 
+    def _group_callbacks(self, rollout: VLLMRollout | None, ref: dict | None) -> tuple[
+            Callable[[list[str]], dict[str, torch.Tensor]],
+            Callable[[list[str], dict[str, torch.Tensor]], None]]:
+        """The executor's per-group hooks: where a group's weights land (the
+        engine's targets) and what follows its transfer (verify, install)."""
         def targets(names: list[str]) -> dict[str, torch.Tensor]:
             if rollout is None:
                 return {}
@@ -204,31 +216,37 @@ class WeightSync:
                 self._check(names, written, ref)
             rollout.install_staged()  # frees the staging arena for the next group
 
-        stats = self.executor.run(sources if sources is not None else self.sources(model),
-                                   targets, on_group=done)
-        repack_s = wait_s = 0.0
-        inflight: dict[str, float] = {}
-        if rollout is not None:
-            t_wait = time.perf_counter()
-            if install is not None:
-                repack_s, landed = install(rollout.commit_weights)
-                wait_s, inflight = time.perf_counter() - t_wait - repack_s, {
-                    "sync_inflight": float(landed)}
-            else:
-                if before_install is not None:
-                    before_install()
-                wait_s = time.perf_counter() - t_wait
-                repack_s = rollout.commit_weights()
-            rollout.mark_weights_written()
-        return {
-            "sync_s": time.perf_counter() - t0, "sync_transfer_s": stats.total_s,
-            "sync_repack_s": repack_s, "sync_bytes_received": float(stats.bytes_received),
-            "sync_bytes_local": float(stats.bytes_local), "sync_buckets": float(stats.num_buckets),
-            "sync_local_s": stats.local_s, "sync_pack_s": stats.pack_s,
-            "sync_exchange_s": stats.exchange_s, "sync_unpack_s": stats.unpack_s,
-            "sync_staging_bytes": float(rollout.staging_bytes if rollout is not None else 0),
-            "sync_install_wait_s": wait_s, **inflight,
-        }
+        return targets, done
+
+    @staticmethod
+    def _install(rollout: VLLMRollout, before_install: Callable[[], None] | None,
+                 install: Callable[[Callable[..., float]], tuple[float, bool]] | None,
+                 ) -> dict[str, float]:
+        """The engine's commit of the staged weights (at once, after before_install,
+        or where `install` lands it); its re-pack and wait seconds."""
+        t_wait = time.perf_counter()
+        if install is not None:
+            repack_s, landed = install(rollout.commit_weights)
+            out = {"sync_install_wait_s": time.perf_counter() - t_wait - repack_s,
+                   "sync_inflight": float(landed)}
+        else:
+            if before_install is not None:
+                before_install()
+            out = {"sync_install_wait_s": time.perf_counter() - t_wait}
+            repack_s = rollout.commit_weights()
+        rollout.mark_weights_written()
+        return {"sync_repack_s": repack_s, **out}
+
+    def _sync_gathered(self, model: torch.nn.Module | None, rollout: VLLMRollout | None,
+                       t0: float) -> dict[str, float]:
+        """sync.method='naive_bucketed': full tensors gathered in buckets, loaded
+        through vLLM's own loader."""
+        if rollout is None or model is None:
+            raise ValueError("naive_bucketed sync needs the model and the rollout on every rank")
+        stats = self.gather.run(dict(hf_named_parameters(model)),
+                                lambda w: rollout.load_full_weights(w, partial=True))
+        rollout.mark_weights_written()
+        return {"sync_s": time.perf_counter() - t0, **stats}
 
     def _sync_naive(self, model: torch.nn.Module | None, rollout: VLLMRollout | None,
                     t0: float) -> dict[str, float]:
@@ -306,7 +324,7 @@ class WeightSync:
     def _check(self, names: list[str], written: dict[str, torch.Tensor],
                ref: dict[str, torch.Tensor]) -> None:
         """Raises if a written weight differs from the reference, bit for bit (compared
-        on the written tensor's device: G6, CUDA targets vs a reference elsewhere)."""
+        on the written tensor's device: CUDA targets vs a reference elsewhere)."""
         bad = [n for n in names
                if not torch.equal(_bits(written[n]), _bits(ref[n].to(written[n].device)))]
         if bad:

@@ -24,14 +24,8 @@ that the module's parameters are exactly the optimizer's DTensors.
 compute by torch.autocast around each micro-batch's forward and its
 vocabulary projection, `fsdp.compute_autocast`.)
 
-Profiling (benchmarks): with `HYBRID_ENGINE_PROFILE_TRAIN=<n>:<dir>` in the
-environment, the n-th `train_step` call (1-based) runs under torch.profiler
-and each rank writes `<dir>/train_profile_rank<r>.json`: the step's wall
-seconds split into optimizer (gradient clipping + AdamW), communication (wall
-time while a gloo/NCCL collective or the shared-memory gradient all-reduce runs
-outside the optimizer, overlap with compute counted as communication) and
-compute (the rest), plus the top
-ops (`profile_split`). Unset, nothing is profiled.
+Profiling (benchmarks): `HYBRID_ENGINE_PROFILE_TRAIN=<n>:<dir>` profiles the
+n-th `train_step` call (`roles/profile.py`).
 
 Shape legend: B sequences, T positions, H hidden size, V vocabulary,
 N selected (loss) positions, C positions of one chunk.
@@ -40,13 +34,10 @@ N selected (loss) positions, C positions of one chunk.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -69,21 +60,19 @@ from hybrid_engine.parallel.fsdp import (
     reshard_all,
     sharded_named_parameters,
 )
+from hybrid_engine.roles.profile import OPTIMIZER_RANGE, maybe_profile
+from hybrid_engine.rollout import shm_allreduce
 
 if TYPE_CHECKING:
     from hybrid_engine.config import ModelConfig, TrainConfig
     from hybrid_engine.trajectory import TrainBatch
 
 __all__ = [
-    "PROFILE_ENV", "Trainer", "batch_logprobs", "build_optimizer", "clip_and_step", "comm_device",
-    "lr_lambda", "micro_batch_logprobs", "num_micro_batches", "profile_split", "token_logprobs",
+    "Trainer", "batch_logprobs", "build_optimizer", "clip_and_step", "comm_device",
+    "lr_lambda", "micro_batch_logprobs", "num_micro_batches", "token_logprobs",
 ]
 
-PROFILE_ENV = "HYBRID_ENGINE_PROFILE_TRAIN"
-_OPTIMIZER_RANGE = "hybrid_engine::optimizer"
 _FUSED_ADAMW_DEVICES = ("cpu", "cuda")
-# the last two: train.cpu_shm_allreduce
-_COMM_PREFIXES = ("gloo:", "nccl:", "_C::shm_allreduce", "_C::shm_all_gather")
 
 
 # --------------------------------------------------------------------------
@@ -292,74 +281,6 @@ def _reduce_metrics(local: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, flo
 
 
 # --------------------------------------------------------------------------
-# Profiling one step (benchmarks)
-# --------------------------------------------------------------------------
-
-
-def _union_s(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) spans (any unit)."""
-    total, end = 0.0, -math.inf
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
-def profile_split(events: list, wall_s: float) -> dict[str, float]:
-    """The profiled step's wall seconds as optimizer + comm + compute.
-
-    Args:
-        events: torch.profiler FunctionEvents of the step (`prof.events()`).
-        wall_s: the step's wall seconds (measured around the profiled call).
-
-    Returns:
-        {wall_s, optimizer_s: the `hybrid_engine::optimizer` range (grad clip +
-        AdamW), comm_s: wall time while any gloo/NCCL collective runs outside
-        it (union of spans, whatever thread), compute_s: the rest}.
-    """
-    def span(e: Any) -> tuple[float, float]:
-        return e.time_range.start / 1e6, e.time_range.end / 1e6
-
-    opt = [span(e) for e in events if e.name == _OPTIMIZER_RANGE]
-    comm = []
-    for e in events:
-        if e.name.startswith(_COMM_PREFIXES):
-            a, b = span(e)
-            for oa, ob in opt:  # the optimizer's own all-reduce counts as optimizer
-                if a < ob and b > oa:
-                    a, b = (a, oa) if a < oa else (max(a, ob), max(b, ob))
-            if b > a:
-                comm.append((a, b))
-    optimizer_s, comm_s = _union_s(opt), _union_s(comm)
-    return {"wall_s": wall_s, "optimizer_s": optimizer_s, "comm_s": comm_s,
-            "compute_s": max(wall_s - optimizer_s - comm_s, 0.0)}
-
-
-@contextlib.contextmanager
-def _maybe_profile(call: int, rank: int) -> Iterator[None]:
-    """Profiles this train_step call if PROFILE_ENV names it; writes the split."""
-    spec = os.environ.get(PROFILE_ENV, "")
-    n, _, folder = spec.partition(":")
-    if not spec or not n.strip().isdigit() or int(n) != call:
-        if spec and (not n.strip().isdigit() or not folder):
-            raise ValueError(f"{PROFILE_ENV}={spec!r} is not '<call number>:<dir>'")
-        yield
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        yield
-    wall_s = time.perf_counter() - t0
-    out = profile_split(list(prof.events()), wall_s)
-    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]
-    out["top_self_s"] = {e.key: e.self_cpu_time_total / 1e6 for e in top}
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / f"train_profile_rank{rank}.json").write_text(json.dumps(out, indent=1))
-
-
-# --------------------------------------------------------------------------
 # The trainer
 # --------------------------------------------------------------------------
 
@@ -394,7 +315,7 @@ def clip_and_step(
     Returns:
         (grad_norm before clipping, lr used, skipped).
     """
-    with torch.profiler.record_function(_OPTIMIZER_RANGE):  # free unless profiled
+    with torch.profiler.record_function(OPTIMIZER_RANGE):  # free unless profiled
         params = [p for g in optimizer.param_groups for p in g["params"]]
         in_kernel = _clips_in_kernel(optimizer, params)
         if in_kernel:
@@ -488,7 +409,7 @@ class Trainer:
             activation_checkpointing=train_cfg.activation_checkpointing,
             trust_remote_code=model_cfg.trust_remote_code, sharding=train_cfg.sharding,
             shard_group_size=train_cfg.shard_group_size,
-            cpu_shm_allreduce=train_cfg.cpu_shm_allreduce,
+            grad_hook=shm_allreduce.install if train_cfg.cpu_shm_allreduce else None,
         )
         # Guard, part 1: built before any forward, over the sharded DTensors.
         self._param_ids, self.optimizer, self.scheduler = build_optimizer(
@@ -557,7 +478,7 @@ class Trainer:
             train_step_s: this rank's seconds in this call (the one local value).
         """
         self._calls += 1
-        with _maybe_profile(self._calls, dist.get_rank()):
+        with maybe_profile(self._calls, dist.get_rank()):
             t0 = time.perf_counter()
             metrics = self._train_step(batch, loss_fn, loss_agg, loss_agg_constant, entropy_grad,
                                        advance_lr)

@@ -2,23 +2,24 @@
 
 Job: what vLLM's CUDA build needs that the engine (`rollout/engine.py`) does
 not know about.
-- Budget (G2): the trainer is built first, so the engine may only use what is
+- Budget: the trainer is built first, so the engine may only use what is
   left. `gpu_memory_utilization` is derived from the memory free when the
   engine is built, less what the trainer will still allocate
   (`reserve_bytes`: AdamW's moments are created at the first step), times
   `rollout.gpu_memory_fraction`. vLLM's cumem allocator (sleep mode) refuses
   `expandable_segments`, so that setting is a clear error here and in preflight.
 - Release: sleep level 2 drops the KV cache and the weights (weights lost).
-  Wake: the weights first, once per step, before the sync writes them (G9);
+  Wake: the weights first, once per step, before the sync writes them;
   the KV cache before generation. `empty_cache()` before every wake: cumem maps
-  physical pages, the caching allocator must give its cached blocks back (G3).
-- Accounting (G8): bytes released and regrown are the change of
+  physical pages, the caching allocator must give its cached blocks back.
+- Accounting: bytes released and regrown are the change of
   `torch.cuda.mem_get_info`'s free memory, the only counter that sees cumem's
   unmapping (`memory_reserved` does not).
 
 Invariant: the weights are mapped before anything writes or reads them;
 `release` reports them lost (the engine's `weights_valid` turns False).
-Written for vLLM 0.32; it has never run on a GPU (README, GPU status).
+Written for vLLM 0.32; run on H100 and H200 with vLLM 0.26.0's CUDA build
+(real level-2 sleep, whole 1-GPU jobs: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class CudaBackend:
 
     def wake_weights(self, llm) -> None:  # noqa: ANN001
         """Maps the weights again before a sync writes them (their contents are
-        still lost); a no-op when awake, so a step wakes them once (G9)."""
+        still lost); a no-op when awake, so a step wakes them once."""
         if self._weights_asleep:
             torch.cuda.empty_cache()  # cumem maps physical pages: give back cached blocks
             llm.wake_up(tags=["weights"])

@@ -163,30 +163,7 @@ class VLLMRollout:
             from hybrid_engine.rollout.cuda import CudaBackend
 
             self.backend = CudaBackend(cfg, reserve_bytes=reserve_bytes)
-        from vllm import LLM
-
-        kwargs = self.backend.engine_kwargs()
-        if dist.is_initialized():
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        undo = vllm_compat.restrict_world(self.ranks) if self.ranks is not None else (lambda: None)
-        # vLLM runs about nine full garbage collections while it starts, then freezes
-        # the heap itself; freezing what is alive already (torch, transformers, the
-        # trainer) keeps those collections from scanning it: ~1.5 s less per start on
-        # 2 CPU cores. Objects stay freed by reference counting as before.
-        gc.freeze()
-        try:
-            self.llm: LLM = LLM(
-                model=model_path,
-                dtype=dtype,
-                tensor_parallel_size=cfg.tensor_parallel_size,
-                max_model_len=cfg.max_model_len,
-                enforce_eager=cfg.enforce_eager,
-                seed=cfg.seed,
-                logprobs_mode="processed_logprobs",
-                **kwargs,
-            )
-        finally:
-            undo()
+        self.llm = self._start_engine(model_path, dtype)
         self.tokenizer = self.llm.get_tokenizer()
         self._staging: dict[str, torch.Tensor] = {}
         self._kv_released = False  # release_memory() dropped the KV cache
@@ -207,6 +184,28 @@ class VLLMRollout:
         self._max_prompt_len = cfg.max_model_len - cfg.max_tokens
         self.num_truncated = 0
         self._request_serial = 0  # hand-driven request ids are unique per engine
+
+    def _start_engine(self, model_path: str, dtype: str) -> LLM:
+        """vLLM's LLM over this world (external_launcher), or over `ranks` alone."""
+        import torch.distributed as dist
+        from vllm import LLM
+
+        cfg = self.cfg
+        kwargs = self.backend.engine_kwargs()
+        if dist.is_initialized():
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        undo = vllm_compat.restrict_world(self.ranks) if self.ranks is not None else (lambda: None)
+        # vLLM runs about nine full garbage collections while it starts, then freezes
+        # the heap itself; freezing what is alive already (torch, transformers, the
+        # trainer) keeps those collections from scanning it: ~1.5 s less per start on
+        # 2 CPU cores. Objects stay freed by reference counting as before.
+        gc.freeze()
+        try:
+            return LLM(model=model_path, dtype=dtype, tensor_parallel_size=cfg.tensor_parallel_size,
+                       max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
+                       seed=cfg.seed, logprobs_mode="processed_logprobs", **kwargs)
+        finally:
+            undo()
 
     def prompt_ids(self, prompts: Sequence[str | Sequence[int]],
                     max_tokens: Sequence[int] | None = None) -> list[list[int]]:
@@ -261,23 +260,9 @@ class VLLMRollout:
         Returns:
             Completions, prompt-major, in the order of `prompts`.
         """
-        if self._kv_released:
-            raise RuntimeError("generate() after release_memory(): call restore_memory() first")
-        if not self.weights_valid:
-            raise RuntimeError(
-                "generate() with discarded weights: release_memory() dropped vLLM's weights "
-                f"({'GPU sleep level 2' if self.backend.name == 'cuda' else 'rollout.emulate_gpu_sleep'}) and "
-                "no sync has rewritten them since; sync the trainer's weights first")
+        self._check_can_sample()
         k = num_samples or self.cfg.num_samples_per_prompt
-        limits: list[int] | None = None
-        if max_tokens is not None:
-            limits = ([int(max_tokens)] * len(prompts) if isinstance(max_tokens, int)
-                      else [int(m) for m in max_tokens])
-            if len(limits) != len(prompts):
-                raise ValueError(f"max_tokens has {len(limits)} entries, {len(prompts)} prompts")
-            if any(not 1 <= m < self.cfg.max_model_len for m in limits):
-                raise ValueError(f"max_tokens must lie in [1, max_model_len="
-                                 f"{self.cfg.max_model_len}), got {limits}")
+        limits = self._token_limits(max_tokens, len(prompts))
         prompt_ids = self.prompt_ids(prompts, limits)
         replica, num_replicas = self.replica()
         bounds = [len(prompt_ids) * i // num_replicas for i in range(num_replicas + 1)]
@@ -288,19 +273,45 @@ class VLLMRollout:
             max_tokens=None if limits is None else [limits[p] for p in mine],
         )
         if num_replicas > 1:  # every replica's results, as tensors (no pickling)
-            from hybrid_engine.parallel.dist import all_gather_ragged
-
-            def gather(rows: list[list], dtype: torch.dtype) -> list[list]:
-                out = all_gather_ragged([torch.tensor(x, dtype=dtype) for x in rows], self.group)
-                tp = self.cfg.tensor_parallel_size
-                return [x.tolist() for r in range(num_replicas) for x in out[r * tp]]
-
-            token_ids, logprobs = gather(token_ids, torch.int64), gather(logprobs, torch.float64)
-            installs = None if installs is None else gather(installs, torch.int64)
+            token_ids = self._gather_replicas(token_ids, torch.int64)
+            logprobs = self._gather_replicas(logprobs, torch.float64)
+            installs = None if installs is None else self._gather_replicas(installs, torch.int64)
         if any(math.isnan(x) for lps in logprobs for x in lps):
             raise RuntimeError("sampled tokens have NaN log-probs: vLLM's weights are not valid "
                                "(discarded by a release and never rewritten?)")
         return Completions(prompt_ids, token_ids, logprobs, k, installs)
+
+    def _check_can_sample(self) -> None:
+        if self._kv_released:
+            raise RuntimeError("generate() after release_memory(): call restore_memory() first")
+        if not self.weights_valid:
+            how = "GPU sleep level 2" if self.backend.name == "cuda" else "rollout.emulate_gpu_sleep"
+            raise RuntimeError(
+                f"generate() with discarded weights: release_memory() dropped vLLM's weights "
+                f"({how}) and no sync has rewritten them since; sync the trainer's weights first")
+
+    def _token_limits(self, max_tokens: int | Sequence[int] | None,
+                      num_prompts: int) -> list[int] | None:
+        """generate()'s max_tokens as one limit per prompt (None: rollout.max_tokens)."""
+        if max_tokens is None:
+            return None
+        limits = ([int(max_tokens)] * num_prompts if isinstance(max_tokens, int)
+                  else [int(m) for m in max_tokens])
+        if len(limits) != num_prompts:
+            raise ValueError(f"max_tokens has {len(limits)} entries, {num_prompts} prompts")
+        if any(not 1 <= m < self.cfg.max_model_len for m in limits):
+            raise ValueError(f"max_tokens must lie in [1, max_model_len="
+                             f"{self.cfg.max_model_len}), got {limits}")
+        return limits
+
+    def _gather_replicas(self, rows: list[list], dtype: torch.dtype) -> list[list]:
+        """Every replica's rows, in replica order (collective over the engine's world)."""
+        from hybrid_engine.parallel.dist import all_gather_ragged
+
+        _, num_replicas = self.replica()
+        out = all_gather_ragged([torch.tensor(x, dtype=dtype) for x in rows], self.group)
+        tp = self.cfg.tensor_parallel_size
+        return [x.tolist() for r in range(num_replicas) for x in out[r * tp]]
 
     def tp_all(self, flag: bool) -> bool:
         """Whether flag holds on every rank of this engine's TP group (an all-reduce
@@ -616,7 +627,7 @@ class VLLMRollout:
         Returns vLLM name -> 2-D tensor.
         """
         modules = dict(self._model().named_modules())
-        device = next(self._model().parameters()).device  # G6: beside the targets
+        device = next(self._model().parameters()).device  # beside the targets (CUDA)
         out: dict[str, torch.Tensor] = {}
         for name, (rows, cols) in shapes.items():
             layer = modules[name.rsplit(".", 1)[0]]

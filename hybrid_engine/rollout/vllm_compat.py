@@ -142,7 +142,7 @@ def restrict_world(ranks: list[int]) -> Callable[[], None]:
     ranks and each grid index maps to its global rank. Only the engine ranks
     create these groups, so torch's group counter must be re-synchronised on
     every rank afterwards (`hybrid_engine.parallel.dist.resync_group_counter`).
-    (docs/separate_placement.md.)
+    (docs/placement.md.)
     """
     import torch.distributed as dist
     import vllm.distributed.parallel_state as ps

@@ -189,7 +189,7 @@ def test_the_split_covers_the_scored_sequences_and_combines_weighted_by_their_to
     leave the split (not the total), and a micro-batch or update without scored
     tokens does not dilute the split's means when they combine."""
     from hybrid_engine.algorithms.losses import LossInputs, combine_metrics, policy_loss_fn
-    from hybrid_engine.policy.updates import combine_updates
+    from hybrid_engine.roles.updates import combine_updates
 
     fn = with_mismatch_metrics(policy_loss_fn(AlgorithmConfig()))
     nan = float("nan")

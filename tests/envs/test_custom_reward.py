@@ -1,6 +1,6 @@
 """A user's reward function (`env.reward_fn`): what it returns becomes the
 reward; a sys.exit() or a call that never returns is a RewardError naming the
-sample, never a silent exit or a hang (issue 18, item 10)."""
+sample, never a silent exit or a hang."""
 
 from __future__ import annotations
 

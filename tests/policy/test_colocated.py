@@ -5,8 +5,8 @@ host memory while vLLM generates), every way into the training layout (`training
 `compute_logprobs`, `train_step`, a save or load of a parked state) is followed by a
 generate that resyncs by itself and never samples the discarded weights, save/load keep
 the layout they found, and save/load restore the policy and its optimizer state even
-while that state is parked. A last case removes one invalidation by hand (the G1 bug
-class) and the emulation makes it fail loudly."""
+while that state is parked. A last case removes one invalidation by hand (sampling
+weights a release discarded) and the emulation makes it fail loudly."""
 
 from __future__ import annotations
 
@@ -161,8 +161,8 @@ def test_hybrid_actor_switches_syncs_and_restores(tmp_path) -> None:
         assert r["vllm_follows_load"]            # same seed, restored weights: same samples
 
 
-def _g1_case(model_dir: str) -> dict:
-    """The G1 bug class, reintroduced on purpose: the engine's invalidation on release
+def _discarded_weights_case(model_dir: str) -> dict:
+    """Sampling discarded weights, reintroduced on purpose: the engine's invalidation on release
     is removed (its weights are lost but it claims they are valid), then the public
     `training()` is followed by `generate()` with no train step in between."""
     from hybrid_engine.policy.colocated import HybridActor
@@ -209,7 +209,7 @@ def test_emulated_sleep_catches_a_forgotten_invalidation(tmp_path) -> None:
     from hybrid_engine.models.tiny import PRESETS, write_tiny_model
 
     model = write_tiny_model(tmp_path / "m", PRESETS["tiny"])
-    for r in run_ranks(_g1_case, 2, str(model), timeout=300):
+    for r in run_ranks(_discarded_weights_case, 2, str(model), timeout=300):
         # Correct bookkeeping: training() then generate() resyncs; nothing raised.
         assert r["guarded"] is None and r["changed_after_block"]
         # Without the invalidation the engine samples the NaN weights: refused, loudly.
@@ -238,7 +238,7 @@ def _bf16_master_case(model_dir: str) -> dict:
 
 def test_bf16_master_rollouts_start_from_the_trainers_rounded_weights(tmp_path) -> None:
     """A bf16 master rounds the fp32 checkpoint; vLLM loaded the file itself. Step 0
-    must still sample exactly the trainer's weights (issue 18, item 4)."""
+    must still sample exactly the trainer's weights."""
     from hybrid_engine.models.tiny import PRESETS, write_tiny_model
 
     model = write_tiny_model(tmp_path / "m", PRESETS["tiny"])  # fp32 file

@@ -1,4 +1,4 @@
-"""In-flight weight updates (`rollout.inflight_updates`, issue 19 item 4): a sync's
+"""In-flight weight updates (`rollout.inflight_updates`): a sync's
 install taken between two engine steps of a running batch.
 
 References: the same batch sampled without an install (its tokens before the

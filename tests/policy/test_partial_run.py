@@ -1,5 +1,5 @@
-"""Partial rollouts in whole colocated runs (`rollout.partial_rollout`, issue 19
-item 3): 2 ranks, 2 engine replicas (TP 1), a few long sequences parked at the
+"""Partial rollouts in whole colocated runs (`rollout.partial_rollout`): 2
+ranks, 2 engine replicas (TP 1), a few long sequences parked at the
 token budget and finished the next step; the checkpoint holds the parked pool
 and a resume repeats the uninterrupted run."""
 

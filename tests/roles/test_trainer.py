@@ -400,7 +400,7 @@ def _check_profile(path: str, vocab: int, folder: str) -> dict:
 
     import torch.distributed as dist
 
-    from hybrid_engine.roles.trainer import PROFILE_ENV
+    from hybrid_engine.roles.profile import PROFILE_ENV
 
     file = f"{folder}/train_profile_rank{dist.get_rank()}.json"
     os.environ[PROFILE_ENV] = f"2:{folder}"
@@ -707,7 +707,7 @@ def test_profile_split_attributes_overlaps_once():
     """Comm spans are unioned; the part inside the optimizer range counts as optimizer."""
     from types import SimpleNamespace
 
-    from hybrid_engine.roles.trainer import profile_split
+    from hybrid_engine.roles.profile import profile_split
 
     def ev(name, a, b):  # microseconds, like the profiler's time_range
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=a * 1e6, end=b * 1e6))

@@ -1,5 +1,5 @@
 """The CUDA backend's pure parts, on any machine: the engine's memory budget
-(rollout.gpu_memory_fraction, G2) and the allocator check (expandable_segments
+(rollout.gpu_memory_fraction) and the allocator check (expandable_segments
 cannot work beside vLLM's sleep-mode allocator). The backend's sleep/wake runs
 only where vLLM's CUDA build is (tests/rollout/test_engine.py, gpu marker). The
 CPU backend's patch of two compiled vLLM helpers, in-process."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_engine.policy.updates import combine_updates, num_updates, update_plan
+from hybrid_engine.roles.updates import combine_updates, num_updates, update_plan
 from hybrid_engine.testing import run_ranks
 from tests.roles.test_trainer import CHUNK, LR, SPECS, full_weights, make_trajs, plain_logprobs
 
@@ -72,7 +72,7 @@ def test_without_old_logprobs_only_the_first_update_measures_the_mismatch(
 
     from hybrid_engine.config import apply_overrides
     from hybrid_engine.config.recipes import get_recipe
-    from hybrid_engine.policy import updates
+    from hybrid_engine.roles import updates
 
     monkeypatch.setattr(updates, "compute_old_logp", lambda *a: None)
     cfg = apply_overrides(get_recipe("tiny_grpo_debug"), {

@@ -1,5 +1,6 @@
-"""The controller stays small: under 200 lines of logic (code lines that are not
-blank, comments or docstrings)."""
+"""Sizes a reader can hold: the controller under 200 lines of logic (code lines
+that are not blank, comments or docstrings), and no function of the package
+over 60 lines (docstring included)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,25 @@ def test_counter_counts_only_logic(tmp_path) -> None:
 
 def test_controller_under_200_lines_of_logic() -> None:
     assert logic_lines(Path(hybrid_engine.controller.__file__)) < 200
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(root: Path) -> list[str]:
+    """'path:line name (n lines)' of every function under root longer than the limit."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_no_function_over_60_lines(tmp_path) -> None:
+    package = Path(hybrid_engine.controller.__file__).parent
+    assert long_functions(package) == []
+    (tmp_path / "m.py").write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    assert long_functions(tmp_path) == ["m.py:1 f (61 lines)"]  # the check sees one

@@ -31,9 +31,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["register", "unusable_because"]
+__all__ = ["install", "register", "unusable_because"]
 
 log = logging.getLogger(__name__)
+
+
+def install(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
+    """`register` where the shared-memory all-reduce can serve group, else says
+    why DDP's own all-reduce stays (the `grad_hook` of `parallel.fsdp.build_fsdp_model`
+    for train.cpu_shm_allreduce). Collective over group."""
+    why_not = unusable_because(device, group)
+    if why_not is None:
+        register(model, group)
+    else:
+        log.info("train.cpu_shm_allreduce: gradients through %s (%s)", group.name(), why_not)
 
 
 def unusable_because(device: torch.device, group: dist.ProcessGroup) -> str | None:

@@ -1,0 +1,151 @@
+"""The policy as a plain HF folder (`AutoModelForCausalLM.from_pretrained` loads it).
+
+Job: `export_hf` all-gathers one parameter at a time; only rank 0 keeps full
+tensors, at most about one safetensors shard at once, and writes them with the
+source folder's config and tokenizer files, committed atomically like a
+checkpoint (`folders.commit`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+
+from hybrid_engine.checkpoint.folders import WRITE_ERRORS, agree, commit, group_rank, tmp_folder
+from hybrid_engine.parallel.fsdp import full_tensor, reshard_all, sharded_named_parameters
+
+if TYPE_CHECKING:
+    from hybrid_engine.roles.trainer import Trainer
+
+__all__ = ["export_hf"]
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def _copy_side_files(source: Path, dest: Path) -> None:
+    """Copies tokenizer, generation config and other non-weight files (not config.json)."""
+    for f in sorted(source.iterdir()):
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(f, dest / f.name)
+
+
+def _write_shard(folder: Path, tensors: dict[str, Tensor], index: int,
+                 weight_map: dict[str, str]) -> None:
+    name = f"model-{index:05d}.safetensors"
+    save_file(tensors, str(folder / name), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(tensors, name))
+
+
+def _gather_and_write(module: FSDPModule, folder: Path, dtype: torch.dtype | None,
+                      max_shard_bytes: int) -> Exception | None:
+    """Collective: all-gathers one parameter at a time; rank 0 buffers at most
+    about one shard of full tensors and writes it. A write error stops rank
+    0's writing but not its part in the gathers; it is returned."""
+    is_writer = group_rank() == 0
+    weight_map: dict[str, str] = {}
+    buf: dict[str, Tensor] = {}
+    buf_bytes, num_shards = 0, 0
+    for name, param in sharded_named_parameters(module):
+        full = full_tensor(param)
+        if not is_writer:
+            continue
+        t = full.detach().to("cpu", dtype=dtype or full.dtype).contiguous()
+        if buf and buf_bytes + t.nbytes > max_shard_bytes:
+            num_shards += 1
+            try:
+                _write_shard(folder, buf, num_shards, weight_map)
+            except WRITE_ERRORS as e:
+                return _drain(module, name, e)
+            buf, buf_bytes = {}, 0
+        buf[name] = t
+        buf_bytes += t.nbytes
+    if not is_writer:
+        return None
+    try:
+        _write_last(folder, buf, num_shards, weight_map)
+    except WRITE_ERRORS as e:
+        return e
+    return None
+
+
+def _drain(module: FSDPModule, after: str, err: Exception) -> Exception:
+    """Takes part in the gathers of every parameter after `after` (rank 0,
+    once its writing failed), so the other ranks' collectives still match."""
+    names = [n for n, _ in sharded_named_parameters(module)]
+    for _, param in list(sharded_named_parameters(module))[names.index(after) + 1:]:
+        full_tensor(param)
+    return err
+
+
+def _write_last(folder: Path, buf: dict[str, Tensor], num_shards: int,
+                weight_map: dict[str, str]) -> None:
+    """Rank 0: the last buffered shard, and the index when there are several."""
+    if num_shards == 0:  # everything fits in one file: the HF single-file layout
+        save_file(buf, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    _write_shard(folder, buf, num_shards + 1, weight_map)
+    num = num_shards + 1
+    renames = {f"model-{i:05d}.safetensors": f"model-{i:05d}-of-{num:05d}.safetensors"
+               for i in range(1, num + 1)}
+    for old, new in renames.items():
+        os.replace(folder / old, folder / new)
+    index = {"metadata": {}, "weight_map": {k: renames[v] for k, v in weight_map.items()}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+def export_hf(
+    path: str | os.PathLike,
+    *,
+    model: Trainer | FSDPModule,
+    hf_config_source: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> None:
+    """Writes the policy as a HF folder that `AutoModelForCausalLM.from_pretrained` loads.
+
+    Collective. Parameters are all-gathered one at a time (`full_tensor()`)
+    and only rank 0 keeps them, at most about max_shard_bytes at once. Names
+    are the HF checkpoint names; a tied lm_head is one parameter, written
+    once as the embedding (no lm_head.weight), as HF expects. The folder is
+    committed atomically like a checkpoint (COMPLETE marker, rename).
+
+    Args:
+        path: destination folder (replaced if it exists).
+        model: a Trainer or a root FSDPModule from `fsdp.build_fsdp_model`.
+        hf_config_source: the HF folder the model was built from: config.json
+            (dtype updated), tokenizer and generation config are copied from it.
+        dtype: dtype of the written weights; None keeps the parameters' (master) dtype.
+        max_shard_bytes: split the weights into indexed files past this size.
+    """
+    from transformers import AutoConfig
+
+    module = model.module if hasattr(model, "module") else model
+    reshard_all(module)  # the guard: a forward without backward leaves the root unsharded
+    path, source = Path(path), Path(hf_config_source)
+    tmp = tmp_folder(path)
+    err = None
+    if group_rank() == 0:
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            err = e
+    agree(err, tmp, path)
+    err = _gather_and_write(module, tmp, dtype, max_shard_bytes)
+    if group_rank() == 0 and err is None:
+        try:
+            config = AutoConfig.from_pretrained(source)
+            config.dtype = dtype or next(module.parameters()).dtype
+            config.save_pretrained(tmp)
+            _copy_side_files(source, tmp)
+        except WRITE_ERRORS as e:
+            err = e
+    agree(err, tmp, path)
+    commit(tmp, path)

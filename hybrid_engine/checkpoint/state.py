@@ -1,0 +1,241 @@
+"""Resumable training state: the policy (and critic) with their optimizers, the
+schedules, step counts, every rank's RNG states and the controller's `extra`.
+
+Job: `save_training_state` writes it with torch.distributed.checkpoint (every
+rank its own shards) into an atomic folder (`folders.commit`);
+`load_training_state` restores it in place, checking first that the folder is
+complete and undamaged and that the model has the checkpoint's shapes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hybrid_engine.checkpoint.folders import (WRITE_ERRORS, agree, check_complete, commit,
+                                              group_rank, tmp_folder)
+from hybrid_engine.parallel.dist import train_group
+from hybrid_engine.parallel.fsdp import reshard_all
+
+if TYPE_CHECKING:
+    from hybrid_engine.roles.critic import Critic
+    from hybrid_engine.roles.trainer import Trainer
+
+__all__ = ["load_training_state", "save_training_state"]
+
+logger = logging.getLogger(__name__)
+
+
+def _check_shapes(path: Path, state: dict[str, Any]) -> None:
+    """Every model tensor to load has the checkpoint's shape (else: another model)."""
+    saved = dcp.FileSystemReader(path / "dcp").read_metadata().state_dict_metadata
+    for section in ("model", "critic_model"):
+        for name, t in state.get(section, {}).items():
+            md = saved.get(f"{section}.{name}")
+            shape = tuple(getattr(md, "size", ()) or ())
+            if md is None or shape != tuple(t.shape):
+                raise ValueError(
+                    f"{path} was saved from a model of another shape: {name} is "
+                    f"{list(shape) if md is not None else 'absent'} there, {list(t.shape)} "
+                    "here; resume with the model.path the run started with"
+                )
+
+
+# --------------------------------------------------------------------------
+# RNG states
+# --------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors and plain values (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------
+# Save / load
+# --------------------------------------------------------------------------
+
+
+def _dcp_state(trainer: Trainer, critic: Critic | None) -> dict[str, Any]:
+    """The DCP state dict: sharded model and optimizer state of the policy (and critic).
+
+    Both roles keep their FSDP root resharded outside a step, so the
+    optimizer's DTensors are the module's (the trainer's guard)."""
+    reshard_all(trainer.module)
+    model_sd, optim_sd = _state_dicts(trainer.module, trainer.optimizer)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    if critic is not None:
+        reshard_all(critic.module)
+        state["critic_model"], state["critic_optim"] = _state_dicts(critic.module,
+                                                                    critic.optimizer)
+    return state
+
+
+def _state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """DCP's model and optimizer state dicts, leaving the optimizer as it was. An
+    optimizer that has not stepped yet has no state, so `get_state_dict` makes it
+    by one zero-gradient step at lr 0, which leaves AdamW's step count at 1: the
+    next real update would use the second step's bias correction. Set back to 0
+    (the moments are zero), it updates as a fresh optimizer would, and the
+    checkpoint holds step 0."""
+    fresh = not optimizer.state
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    if fresh:
+        for st in optimizer.state.values():  # the same tensors as optim_sd's
+            if torch.is_tensor(st.get("step")):
+                st["step"].zero_()
+    return model_sd, optim_sd
+
+
+def _write_state(
+    folder: Path, trainer: Trainer, critic: Critic | None, extra: dict | None, path: Path
+) -> None:
+    """Collective: every rank writes its DCP shards and RNG file, rank 0 meta.json.
+
+    Leaves folder without the COMPLETE marker (that is `_commit`'s job). A
+    write failure on any rank raises CheckpointWriteError on every rank."""
+    rank, err = group_rank(), None
+    if rank == 0:
+        try:
+            (folder / "rng").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            err = e
+    agree(err, folder, path)
+    try:  # DCP hands every rank's write failure to every rank
+        dcp.save(_dcp_state(trainer, critic), checkpoint_id=folder / "dcp",
+                 process_group=train_group())
+    except (CheckpointException, OSError) as e:
+        err = e
+    agree(err, folder, path)
+    try:
+        _write_rest(folder, trainer, critic, extra)
+    except WRITE_ERRORS as e:
+        err = e
+    agree(err, folder, path)
+
+
+def _write_rest(folder: Path, trainer: Trainer, critic: Critic | None, extra: dict | None) -> None:
+    """This rank's RNG file; rank 0 also meta.json."""
+    rank = group_rank()
+    buf = io.BytesIO()  # serialised first: a failed file write then says why (errno),
+    torch.save(_rng_state(), buf)  # where torch.save to a path says "inline_container.cc"
+    (folder / "rng" / f"rank{rank}.pt").write_bytes(buf.getbuffer())
+    if rank == 0:
+        meta = {
+            "world_size": dist.get_world_size(train_group()),
+            "step": trainer.step,
+            "scheduler": trainer.scheduler.state_dict(),
+            "critic": None if critic is None else {
+                "step": critic.step, "scheduler": critic.scheduler.state_dict()},
+            "extra": extra,
+        }
+        (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def save_training_state(
+    path: str | os.PathLike,
+    *,
+    trainer: Trainer,
+    critic: Critic | None = None,
+    extra: dict | None = None,
+) -> None:
+    """Writes a resumable checkpoint of the policy (and critic) to path, atomically.
+
+    Collective over the train group (`dist.train_group`: every rank unless
+    placement is separate). Each rank writes
+    only its own shards; path may already hold an older checkpoint, which is
+    replaced.
+
+    Args:
+        path: the checkpoint folder (on a file system all ranks share).
+        trainer: the policy trainer (module, optimizer, scheduler, step).
+        critic: the value model, if the run has one.
+        extra: controller state (JSON-able), taken from rank 0.
+
+    Raises:
+        CheckpointWriteError: on every rank, if a write failed on any rank (the
+            message names the rank and says when the disk is full); nothing is
+            left at `<path>.tmp-*` and an older checkpoint at path is intact.
+    """
+    path = Path(path)
+    tmp = tmp_folder(path)
+    _write_state(tmp, trainer, critic, extra, path)
+    commit(tmp, path, manifest=True)
+
+
+def load_training_state(
+    path: str | os.PathLike, *, trainer: Trainer, critic: Critic | None = None
+) -> dict | None:
+    """Restores a checkpoint written by `save_training_state` in place.
+
+    Collective. The roles must be freshly built with the same model and
+    config. Model and optimizer state reshard to any rank count (DCP); RNG
+    states are restored only when the rank count matches (else a warning).
+
+    Args:
+        path: a complete checkpoint folder.
+        trainer: the policy trainer to fill.
+        critic: the critic to fill; must be given iff the checkpoint has one.
+
+    Returns:
+        The `extra` dict passed to save (None if none was).
+
+    Raises:
+        ValueError: path is not a complete checkpoint, a file differs from its
+            MANIFEST.json entry, critic presence differs, or the checkpoint holds
+            a model of another shape.
+    """
+    path = Path(path)
+    check_complete(path)
+    meta = json.loads((path / "meta.json").read_text())
+    if (meta["critic"] is None) != (critic is None):
+        raise ValueError(f"{path}: checkpoint has critic={meta['critic'] is not None}, "
+                         f"but critic={'given' if critic is not None else 'None'}")
+    state = _dcp_state(trainer, critic)
+    _check_shapes(path, state)
+    dcp.load(state, checkpoint_id=path / "dcp", process_group=train_group())
+    set_state_dict(trainer.module, trainer.optimizer,
+                   model_state_dict=state["model"], optim_state_dict=state["optim"])
+    trainer.scheduler.load_state_dict(meta["scheduler"])
+    trainer.step = meta["step"]
+    if critic is not None:
+        set_state_dict(critic.module, critic.optimizer, model_state_dict=state["critic_model"],
+                       optim_state_dict=state["critic_optim"])
+        critic.scheduler.load_state_dict(meta["critic"]["scheduler"])
+        critic.step = meta["critic"]["step"]
+    if meta["world_size"] == dist.get_world_size(train_group()):
+        _set_rng_state(torch.load(path / "rng" / f"rank{group_rank()}.pt", weights_only=True))
+    elif group_rank() == 0:
+        logger.warning("checkpoint %s was written by %d ranks, loading on %d: RNG states "
+                       "not restored", path, meta["world_size"], dist.get_world_size(train_group()))
+    return meta["extra"]

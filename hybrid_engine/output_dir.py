@@ -1,0 +1,121 @@
+"""A run's output folder: one job at a time, and nothing half-written from a dead one.
+
+Job: `OutputDir.lock` takes an exclusive flock on `out/.lock` from rank 0 for
+the job's life (a second job on the folder is refused, not interleaved; the
+kernel drops the lock when the process dies, so a crash leaves no stale
+lock); `sweep_unfinished` removes the folders a dead job's save or export
+left (`<name>.tmp-*`) and puts back a complete folder moved aside by a commit
+that died between its renames; `clear` deletes an earlier run's outputs
+(--overwrite); `unlock` releases the folder, removing it when the job made
+it and failed before writing anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import IO
+
+import torch.distributed as dist
+
+__all__ = ["OUTPUTS", "OutputDir", "lock_output_dir", "sweep_unfinished"]
+
+log = logging.getLogger("hybrid_engine.train")
+
+# What a run writes into its folder (cleared by --overwrite), besides .lock.
+OUTPUTS = ("checkpoints", "final", "tb", "metrics.jsonl", "metrics.png", "config.yaml")
+
+
+class OutputDir:
+    """The folder at path, locked for this job (collective: every rank makes one)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.made = not self.path.exists()
+        self._lock: IO[str] | None = lock_output_dir(self.path)  # before anything is touched
+
+    def sweep_unfinished(self) -> None:
+        """Rank 0: `sweep_unfinished` of this folder (the lock is held)."""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            sweep_unfinished(self.path)
+
+    def clear(self) -> None:
+        """--overwrite: rank 0 deletes an earlier run's outputs (collective)."""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for name in OUTPUTS:
+                target = self.path / name
+                if target.is_dir():
+                    shutil.rmtree(target, ignore_errors=True)
+                else:
+                    target.unlink(missing_ok=True)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def unlock(self, *, remove_if_unused: bool = False) -> None:
+        """Releases the lock; with remove_if_unused (the job failed to start), the
+        folder goes too when this job made it and the lock file is all it holds."""
+        if self._lock is None:
+            return
+        self._lock.close()  # closing the file releases the flock
+        self._lock = None
+        if remove_if_unused and self.made and [p.name for p in self.path.iterdir()] == [".lock"]:
+            (self.path / ".lock").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # another job may have just taken it
+                self.path.rmdir()
+
+
+def sweep_unfinished(out: Path) -> None:
+    """Removes the unfinished folders an earlier job on out left when it died
+    mid-save or mid-export (`<name>.tmp-*`; never loaded, see `checkpoint/folders.py`).
+    A `<name>.old-*` whose `<name>` is gone (a death between the two renames of
+    a commit) is the previous complete folder: it is moved back, not removed.
+    Call with out's lock held, so no running job owns them."""
+    for folder in (out, out / "checkpoints"):
+        if not folder.is_dir():
+            continue
+        for old in sorted(folder.glob("*.old-*")):
+            base = old.with_name(old.name.split(".old-")[0])
+            if not base.exists():
+                os.replace(old, base)
+                log.warning("restored %s from %s (a save died between its renames)", base, old)
+            else:
+                shutil.rmtree(old, ignore_errors=True)
+        for tmp in sorted(folder.glob("*.tmp-*")):
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.info("removed %s: an earlier job's unfinished save or export", tmp)
+
+
+def lock_output_dir(out: Path) -> IO[str] | None:
+    """Rank 0 takes an exclusive flock on out/.lock for the job's life (the
+    kernel drops it when the process dies, so a crash leaves no stale lock);
+    collective under a process group: every rank raises the same ValueError
+    when another job holds it. Returns the open lock file (rank 0) or None."""
+    held, msg = None, ""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        f = (out / ".lock").open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            who = f.read().strip() or "another job"
+            f.close()
+            msg = (f"output_dir={str(out)!r} is in use by a running job ({who}): wait for it "
+                   "to end, or pass another --output_dir")
+        else:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            f.flush()
+            held = f
+    box = [msg]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise ValueError(box[0])
+    return held
