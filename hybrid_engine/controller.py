@@ -54,13 +54,14 @@ from hybrid_engine.config import RunConfig
 from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.metrics import PhaseTimer, staleness_metrics, trajectory_metrics
 from hybrid_engine.parallel import signals
-from hybrid_engine.policy.ahead import Ready, restorable, split_burst
+from hybrid_engine.policy.ahead import Generated, resumable_batches, split_burst
+from hybrid_engine.roles.base import Algorithm, Environment, Learner, Pending, Policy, Scorer
 from hybrid_engine.trajectory import stamp_version, trajectory_from_json, trajectory_to_json
 
 __all__ = ["Controller", "Checkpointer", "any_rank"]
 
 _log = logging.getLogger(__name__)
-_ROUND_SEED = 7_919_999  # a refill round's sampling seed offset (far from any step count)
+_REFILL_SEED_OFFSET = 7_919_999  # a refill round's sampling seed offset (far from any step count)
 
 
 class Checkpointer(Protocol):
@@ -91,21 +92,14 @@ class Controller:
     """Drives policy, environment, algorithm and the other scorers (collective).
 
     Args:
-        policy: `collect(env, prompts, num_samples=, seed=, greedy=)`,
-            `train_step(trajs, loss_fn)`, `sync_weights()` (e.g. `HybridActor`);
-            with rollout.max_staleness > 0 also `collect_async(env, prompts,
-            num_samples=, seed=)` -> a handle whose `result()` (collective)
-            returns (trajectories, seconds the engine spent on them). Optional:
-            `rollout_metrics()` (the generation's own, e.g. partial rollouts'
-            pool; read after every step's sampling, trained or not) and
-            `rollout_state()` / `load_rollout_state()` (checkpointed).
-        env: `sample_prompts(n)`, `eval_prompts(n)`, `score(trajs)`,
-            `state_dict()`, `load_state_dict()`.
-        algorithm: `compute_advantages(trajs)`, `prompts_wanted(trajs, rounds)`,
-            `select(trajs)`, `compute_loss`.
+        policy, env, algorithm: what `roles.base.Policy`, `Environment` and
+            `Algorithm` describe (e.g. `HybridActor`, `ArithmeticEnv`, the
+            algorithm role); the policy's `collect_async` serves
+            rollout.max_staleness > 0, its `rollout_metrics()` are read after
+            every step's sampling, and `rollout_state()` is checkpointed.
         cfg: the run config (steps, K, prompts per step, eval/checkpoint cadence).
-        scorers: roles whose `score(trajs)` runs after the reward (reference, critic).
-        learners: roles whose `train_step(trajs)` runs after the policy's (critic).
+        scorers: `Scorer`s, whose `score(trajs)` runs after the reward (reference, critic).
+        learners: `Learner`s, whose `train_step(trajs)` runs after the policy's (critic).
         checkpointer: saves job state every cfg.checkpoint_every steps; None = never.
         on_metrics: called with (step, metrics) after every step and eval, once
             the guards have flagged them; it writes, it decides nothing.
@@ -114,8 +108,8 @@ class Controller:
             after the metrics are written and before the step's checkpoint.
     """
 
-    def __init__(self, policy: Any, env: Any, algorithm: Any, cfg: RunConfig, *,
-                 scorers: Sequence[Any] = (), learners: Sequence[Any] = (),
+    def __init__(self, policy: Policy, env: Environment, algorithm: Algorithm, cfg: RunConfig, *,
+                 scorers: Sequence[Scorer] = (), learners: Sequence[Learner] = (),
                  checkpointer: Checkpointer | None = None,
                  on_metrics: Callable[[int, dict[str, float]], None] | None = None,
                  guards: Guards | None = None) -> None:
@@ -125,7 +119,7 @@ class Controller:
         self.guards = guards or Guards(cfg)
         self.state = _State()
         # rollout.max_staleness: (version, handle) of the batches of steps s, s+1, ...
-        self._ahead: deque[tuple[int, Any]] = deque()
+        self._ahead: deque[tuple[int, Pending]] = deque()
 
     # --- state ---------------------------------------------------------------------
 
@@ -140,8 +134,8 @@ class Controller:
         self.env.load_state_dict(d["env"])
         self.guards.load_state_dict(d.get("guards", {}))  # absent in older checkpoints
         size = self.cfg.train.prompts_per_step * self.cfg.rollout.num_samples_per_prompt
-        ahead = restorable(d.get("ahead", []), d["step"], self._ahead_depth(), size)
-        self._ahead = deque((b["version"], Ready([trajectory_from_json(t) for t in b["trajs"]],
+        ahead = resumable_batches(d.get("ahead", []), d["step"], self._ahead_depth(), size)
+        self._ahead = deque((b["version"], Generated([trajectory_from_json(t) for t in b["trajs"]],
                                                  b["generate_s"])) for b in ahead)
         if d.get("rollout") is not None:  # parked partial rollouts
             self.policy.load_rollout_state(d["rollout"])
@@ -157,7 +151,7 @@ class Controller:
 
     # --- one step ------------------------------------------------------------------
 
-    def _submit(self, step: int, want: int, rounds: int) -> tuple[int, Any]:
+    def _submit(self, step: int, want: int, rounds: int) -> tuple[int, Pending]:
         """Starts the generation of `want` prompt groups for step's round `rounds`
         with the current weights: (their version, the handle)."""
         prompts = self.env.sample_prompts(want)
@@ -189,7 +183,7 @@ class Controller:
 
     def _seed(self, step: int, rounds: int) -> int:
         """The sampling seed of a step's generate round."""
-        return self.cfg.seed * 1_000_003 + step + rounds * _ROUND_SEED
+        return self.cfg.seed * 1_000_003 + step + rounds * _REFILL_SEED_OFFSET
 
     def _sample(self, timer: PhaseTimer) -> tuple[list, int, float]:
         """Generates and scores prompt groups, in rounds while the algorithm wants
@@ -229,7 +223,7 @@ class Controller:
         trajs, rounds, busy_s = self._sample(timer)
         m = {**trajectory_metrics(trajs), **self.algorithm.compute_advantages(trajs),
              **staleness_metrics(trajs, self.state.step, self.cfg.rollout.max_staleness),
-             **getattr(self.policy, "rollout_metrics", dict)()}  # e.g. partial rollouts
+             **self.policy.rollout_metrics()}  # e.g. partial rollouts
         train = self.algorithm.select(trajs)
         m.update(sampling_rounds=float(rounds), train_samples=float(len(train)),
                  skipped_degenerate=float(not train))
@@ -322,6 +316,6 @@ class Controller:
         extra = self.state_dict()
         extra["wall_s"] = self.state.wall_s + time.monotonic() - t_start
         extra["ahead"] = self._ahead_state()
-        extra["rollout"] = getattr(self.policy, "rollout_state", lambda: None)()
+        extra["rollout"] = self.policy.rollout_state()
         self.checkpointer.save(self.state.step, extra)
 

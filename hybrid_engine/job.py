@@ -149,7 +149,7 @@ class Job:
         if overwrite and not resume:
             self.output_dir.clear()
         # An env whose score() runs a model (reward model) is called in the training layout.
-        self.env = self.actor.model_side(make_env(cfg.env, self.actor.tokenizer))
+        self.env = self.actor.env_for_scoring(make_env(cfg.env, self.actor.tokenizer))
         check_env_fits_algorithm(cfg, self.env)
         self.algorithm = Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,
                                    max_tokens=cfg.rollout.max_tokens,
@@ -201,7 +201,7 @@ class Job:
                                 logits_chunk_tokens=cfg.train.logits_chunk_tokens,
                                 temperature=cfg.rollout.temperature)
                 scorer = ReferenceScorer(ref, pad_id=self.actor.pad_id, train_cfg=cfg.train)
-            scorers.append(self.actor.trainer_side(scorer))
+            scorers.append(self.actor.run_with_trainer(scorer))
         if self.algorithm.needs_values:
             from hybrid_engine.roles.critic import Critic
             from hybrid_engine.roles.scorers import CriticScorer
@@ -211,7 +211,7 @@ class Job:
                 self.critic = Critic(self.actor.model_path, cfg.train, cfg.model)
                 critic = CriticScorer(self.critic, pad_id=self.actor.pad_id,
                                       algorithm_cfg=cfg.algorithm)
-            critic = self.actor.trainer_side(critic)
+            critic = self.actor.run_with_trainer(critic)
             scorers.append(critic)
             learners.append(critic)
         return scorers, learners

@@ -40,13 +40,13 @@ class FakePolicy:
         self.version, self.passes = 0, []
 
     def collect_async(self, env, prompts, *, num_samples, seed):  # noqa: ANN001, ANN201
-        from hybrid_engine.policy.ahead import Ready
+        from hybrid_engine.policy.ahead import Generated
 
         self.passes.append(([p[0] for p in prompts], seed, self.version))
         trajs = [Trajectory(prompt_ids=list(p), response_ids=[seed % 97] * (1 + p[0] % 3),
                             rollout_logp=[-1.0] * (1 + p[0] % 3))
                  for p in prompts for _ in range(num_samples)]
-        return Ready(trajs, 0.5)
+        return Generated(trajs, 0.5)
 
     def collect(self, env, prompts, *, num_samples, seed, greedy=False):  # noqa: ANN001, ANN201, ARG002
         return self.collect_async(env, prompts, num_samples=num_samples, seed=seed).result()[0]
@@ -57,6 +57,15 @@ class FakePolicy:
 
     def sync_weights(self) -> dict:
         return {}
+
+    def rollout_metrics(self) -> dict:
+        return {}
+
+    def rollout_state(self) -> None:
+        return None
+
+    def load_rollout_state(self, state) -> None:  # noqa: ANN001
+        assert state is None
 
 
 class FakeAlgorithm:

@@ -503,7 +503,7 @@ def _reward_model_job(model_dir: str, out_dir: str, rm_path: str) -> dict:
                                            "rollout.tensor_parallel_size": 1}),
               progress=False)
     layouts = []
-    score = job.env.role.score  # the RewardModelEnv behind the policy's model_side
+    score = job.env.role.score  # the RewardModelEnv behind the policy's env_for_scoring
 
     def recording(trajs):  # noqa: ANN001, ANN202
         layouts.append(job.actor.phases.layout)
@@ -520,7 +520,7 @@ def _reward_model_job(model_dir: str, out_dir: str, rm_path: str) -> dict:
 @_e2e
 def test_reward_model_scores_in_the_training_layout(model_dir, tmp_path) -> None:
     """The reward model's forwards run with the engine released (the training
-    layout), like the reference's; the job wires the env through model_side."""
+    layout), like the reference's; the job wires the env through env_for_scoring."""
     from hybrid_engine.envs.reward_model import write_tiny_reward_model
     from hybrid_engine.models.tiny import TinyModelSpec
 

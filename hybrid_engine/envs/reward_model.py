@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybrid_engine.envs.base import RewardError, decode, encode
+from hybrid_engine.envs.base import RewardError, decode
 from hybrid_engine.models.tiny import TinyModelSpec, hf_config, random_state_dict
 from hybrid_engine.models.tokenizer import EOS_TOKEN_ID, write_tokenizer_files
 from hybrid_engine.reshard.plan import shard_rows
@@ -319,7 +319,7 @@ class RewardModelEnv:
     """
 
     # score() runs a model forward: colocated, it runs in the training layout
-    # (the policy's `model_side`), never beside an awake engine.
+    # (the policy's `env_for_scoring`), never beside an awake engine.
     runs_a_model = True
 
     def __init__(self, base_env: Any, reward_model: RewardModel, tokenizer: Any, *,

@@ -6,7 +6,7 @@ returns `(trajectories, generate_s)`, the same on every rank, where
 generate_s is the seconds the engine spent on that batch (not the caller's
 wait). Two kinds:
 
-    Ready        generated already (colocated: the device takes turns, so
+    Generated        generated already (colocated: the device takes turns, so
                  the batch is sampled at once; a batch restored from a
                  checkpoint)
     Inflight     separate placement: a rollout rank's generation thread
@@ -42,7 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["Inflight", "Ready", "SerialWorker", "restorable", "split_burst", "timed"]
+__all__ = ["Inflight", "Generated", "SerialWorker", "resumable_batches", "split_burst", "timed"]
 
 _log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-class Ready:
+class Generated:
     """A batch generated already: result() returns it (no collective)."""
 
     def __init__(self, trajs: list, generate_s: float) -> None:
@@ -149,7 +149,7 @@ class Inflight:
 
 
 def split_burst(trajs: list, seconds: float, batches: int, groups: int,
-                num_samples: int) -> list[Ready]:
+                num_samples: int) -> list[Generated]:
     """One burst pass's trajectories (prompt-major, `batches` x `groups` prompts
     of `num_samples` each) as `batches` handles in order, each with group ids
     0.. by position, as if generated alone. The pass's engine seconds are
@@ -166,11 +166,11 @@ def split_burst(trajs: list, seconds: float, batches: int, groups: int,
     for batch, n in zip(cut, tokens, strict=True):
         for j, t in enumerate(batch):
             t.group_id = j // num_samples
-        out.append(Ready(batch, seconds * (n / total if total else 1 / batches)))
+        out.append(Generated(batch, seconds * (n / total if total else 1 / batches)))
     return out
 
 
-def restorable(ahead: list[dict], step: int, k: int, size: int) -> list[dict]:
+def resumable_batches(ahead: list[dict], step: int, k: int, size: int) -> list[dict]:
     """A checkpoint's batches ahead (oldest first, each with its "version" and
     "trajs") that a run at max_staleness k resuming at `step`, `size`
     trajectories a batch, can train: all of them if none trains past the bound,

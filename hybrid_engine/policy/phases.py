@@ -125,7 +125,7 @@ class Phases:
             self.offload.reload()
             self._log("optimizer reloaded")
 
-    def trained(self) -> None:
+    def trainer_weights_changed(self) -> None:
         """The trainer's weights changed (an optimizer step, a checkpoint load)."""
         self._trainer_changed = True
 

@@ -19,7 +19,7 @@ its whole TP shard, cast to the rollout dtype in the pack kernel).
                          (`policy.inflight.InstallGate`, agreed by the TP group)
     train_step           trainer ranks step; metrics broadcast from rank 0
     sync_weights         trainer ranks send, rollout ranks receive and re-pack
-    trainer_side(role)   a reference or critic: built on the trainer ranks,
+    run_with_trainer(role)   a reference or critic: built on the trainer ranks,
                          its scores (and metrics) mirrored to the rollout ranks
 
 Memory: nothing is released between phases: each layout owns its ranks.
@@ -244,6 +244,19 @@ class SeparatePolicy:
         if self.trainer is not None and self._behind:
             self.trainer.before_weights_change = self._join_sync
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """None of its own: partial rollouts are colocated only."""
+        return {}
+
+    def rollout_state(self) -> None:
+        """Nothing kept between steps but the batches ahead (the controller's)."""
+        return None
+
+    def load_rollout_state(self, state: dict | None) -> None:
+        if state is not None:
+            raise ValueError("this checkpoint holds parked partial rollouts, which only "
+                             "placement=colocated keeps: resume it colocated")
+
     def _sampling(self, greedy: bool) -> contextlib.AbstractContextManager[None]:
         return greedy_sampling(self._shared, greedy)
 
@@ -328,7 +341,7 @@ class SeparatePolicy:
         one response-local tensor each, on every rank (collective, no grad)."""
         out = None
         if self.is_trainer:
-            from hybrid_engine.parallel.shards import gather_response_field
+            from hybrid_engine.parallel.batch_slices import gather_response_field
 
             batch, idx = train_batch(trajs, self.pad_id, self.cfg)
             logp_BT, _ = self.trainer.compute_logprobs(batch)
@@ -381,11 +394,11 @@ class SeparatePolicy:
         if job is not None:
             self._sync_metrics = job.result()
 
-    def trainer_side(self, role: Any) -> TrainerSide:
+    def run_with_trainer(self, role: Any) -> TrainerSide:
         """Wraps a role built on the trainer ranks (None elsewhere) for every rank."""
         return TrainerSide(role)
 
-    def model_side(self, env: Any) -> Any:
+    def env_for_scoring(self, env: Any) -> Any:
         """The environment unchanged: no engine is released for a scoring forward
         here (trainer ranks hold none; rollout ranks keep theirs resident)."""
         return env

@@ -1,9 +1,11 @@
 """The roles' interfaces, as typing.Protocols: what the controller may call.
 
 Job: state the colocation contract between roles in one place, small enough
-to read at a glance. Implementations live one per module in `roles/`
-(vllm_rollout, trainer, reference, sync, environments); the controller and
-tests depend on these Protocols, never on an implementation's extras.
+to read at a glance. Implementations: `rollout.engine.VLLMRollout`,
+`roles.trainer.Trainer`, `roles.reference.Reference`, `roles.sync.WeightSync`,
+the policies in `policy/`, the environments in `envs/`, the scorers in
+`roles.scorers`; the controller and tests depend on these Protocols, never
+on an implementation's extras.
 
 Invariant: roles exchange dataclasses (`Trajectory`, `TrainBatch`,
 `Completions`) and tensors with documented shapes, not untyped dicts; only
@@ -24,7 +26,8 @@ if TYPE_CHECKING:
     from hybrid_engine.rollout.engine import Completions
     from hybrid_engine.trajectory import TrainBatch, Trajectory
 
-__all__ = ["Algorithm", "Environment", "Policy", "Reference", "Rollout", "Trainer", "WeightSync"]
+__all__ = ["Algorithm", "Environment", "Learner", "Pending", "Policy", "Reference", "Rollout",
+           "Scorer", "Trainer", "WeightSync"]
 
 
 @runtime_checkable
@@ -56,15 +59,28 @@ class Rollout(Protocol):
         ...
 
 
+class Pending(Protocol):
+    """A generation started ahead of its step (`Policy.collect_async`)."""
+
+    def result(self) -> tuple[list[Trajectory], float]:
+        """(the unscored trajectories, seconds the engine spent on them); collective."""
+        ...
+
+
 @runtime_checkable
 class Policy(Protocol):
-    """The policy in whatever placement (`actor.HybridActor`: colocated;
-    `separate.SeparatePolicy`: trainer and rollout ranks apart): what the
+    """The policy in whatever placement (`policy.colocated.HybridActor`: colocated;
+    `policy.separate.SeparatePolicy`: trainer and rollout ranks apart): what the
     controller calls. All collective."""
 
     def collect(self, env: Environment, prompts: Sequence[Sequence[int]], *, num_samples: int,
                 seed: int, greedy: bool = False) -> list[Trajectory]:
         """Unscored trajectories, K per prompt (single- or multi-turn)."""
+        ...
+
+    def collect_async(self, env: Environment, prompts: Sequence[Sequence[int]], *,
+                      num_samples: int, seed: int) -> Pending:
+        """`collect` started now and finished by `result()` (rollout.max_staleness > 0)."""
         ...
 
     def train_step(self, trajs: Sequence[Trajectory], loss_fn: LossFn) -> dict[str, float]:
@@ -74,6 +90,31 @@ class Policy(Protocol):
     def sync_weights(self) -> dict[str, float]:
         """Makes the sampling layout hold the trained weights."""
         ...
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """The generation's own metrics since the last call (e.g. partial rollouts' pool)."""
+        ...
+
+    def rollout_state(self) -> dict | None:
+        """What the generation keeps between steps (parked partial rollouts), JSON-able."""
+        ...
+
+    def load_rollout_state(self, state: dict | None) -> None:
+        """Restores what `rollout_state` returned."""
+        ...
+
+
+class Scorer(Protocol):
+    """A role that adds to the trajectories after the reward (reference log-probs,
+    critic values, the drift scorer); collective."""
+
+    def score(self, trajs: Sequence[Trajectory]) -> None: ...
+
+
+class Learner(Protocol):
+    """A role that trains after the policy each step (the critic); collective."""
+
+    def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]: ...
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from hybrid_engine.config import AlgorithmConfig, TrainConfig
 from hybrid_engine.roles.critic import Critic
 from hybrid_engine.roles.reference import Reference
-from hybrid_engine.parallel.shards import gather_response_field, local_batch, scatter_response_field
+from hybrid_engine.parallel.batch_slices import gather_response_field, local_batch, scatter_response_field
 from hybrid_engine.roles.updates import run_updates
 from hybrid_engine.trajectory import Trajectory
 

@@ -11,7 +11,7 @@ num_iterations and OpenRLHF's max_epochs do:
     metrics = combine_updates(per_update)
 
 Each mini-batch is spread over the data-parallel ranks like a whole step
-(`shards.local_batch`), so every rank takes part in every optimizer step and
+(`batch_slices.local_batch`), so every rank takes part in every optimizer step and
 the loss of a mini-batch is normalised over that mini-batch only.
 
 Old log-probs (`policy_updates`): before the first of several updates, the
@@ -40,10 +40,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybrid_engine.algorithms.losses import metric_weight
-from hybrid_engine.parallel.shards import gather_response_field, local_batch
+from hybrid_engine.parallel.batch_slices import gather_response_field, local_batch
 
 if TYPE_CHECKING:
-    from hybrid_engine.algorithms.losses import LossFn
     from hybrid_engine.config import RunConfig, TrainConfig
     from hybrid_engine.roles.trainer import Trainer
     from hybrid_engine.trajectory import Trajectory

@@ -78,9 +78,9 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
             def score(self, trajs):  # noqa: ANN001, ANN202
                 self.phase = actor.phase
 
-        env = actor.model_side(ModelEnv())
+        env = actor.env_for_scoring(ModelEnv())
         env.score(trajs)
-        out["model_env"] = (env.phase, env.name, actor.model_side(PROMPTS) is PROMPTS)
+        out["model_env"] = (env.phase, env.name, actor.env_for_scoring(PROMPTS) is PROMPTS)
         actor.generate(PROMPTS[:1], num_samples=1)  # back to inference (resynced)
         actor.save(ckpt)
         # DCP created the AdamW state on the device beside the awake engine: parked.

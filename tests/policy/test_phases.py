@@ -92,7 +92,7 @@ class Actor:
         self.phases.to_train()
         assert self.offload is None or not self.offload.offloaded, "stepped a parked optimizer"
         self.version += 1
-        self.phases.trained()
+        self.phases.trainer_weights_changed()
 
     def step(self, reference: object | None = None) -> int:
         """One RL step as the controller calls it; returns the version sampled."""
@@ -153,7 +153,7 @@ def test_a_train_step_without_a_sync_makes_the_next_generate_sync() -> None:
     a.train_step()
     assert a.phases.weights == "stale"
     assert a.generate() == 1 and a.engine.calls["sync"] == 1
-    a.phases.trained()  # e.g. a checkpoint load in the inference layout
+    a.phases.trainer_weights_changed()  # e.g. a checkpoint load in the inference layout
     assert a.phases.weights == "stale"
     with pytest.raises(RuntimeError, match="weights=stale"):
         a.phases.check_rollout()

@@ -16,7 +16,7 @@ def _trajs(n: int) -> list[Trajectory]:
 def _rank(n: int) -> dict:
     import torch.distributed as dist
 
-    from hybrid_engine.parallel.shards import gather_response_field, local_batch, scatter_response_field
+    from hybrid_engine.parallel.batch_slices import gather_response_field, local_batch, scatter_response_field
 
     trajs = _trajs(n)
     batch, idx = local_batch(trajs, pad_id=0, micro_batch_size=2)
