@@ -45,7 +45,8 @@ ONE profiled step (left out of every timing).
 - step_s: wall clock per step = the difference of consecutive steps'
   `elapsed_s` (the controller's wall clock at each step's end), so it
   includes everything between two steps (metrics writing, the stop check),
-  not only the four phases. Phases (generate_s, score_s, train_s, sync_s)
+  not only the phases. Phases (switch_s: the layout switches; generate_s,
+  score_s, train_s, sync_s)
   come from the same rows (rank 0's timers; every phase is collective);
   overhead_s = step wall - sum of the phases, per step.
 - Every statistic is `_stats.describe` over all timed steps of all jobs
@@ -59,8 +60,8 @@ ONE profiled step (left out of every timing).
   train_step_s (the trainer's own timer, every step) give train_compute_s,
   train_comm_s, train_optimizer_s: the profiler slows the profiled step, so
   its seconds are not used directly. train_other_s = train_s - train_step_s
-  per step: what the train phase does besides the trainer (releasing the KV
-  cache, collating the batch).
+  per step: what the train phase does besides the trainer (collating the
+  batch; releasing the KV cache counts in switch_s).
 - train_mfu: model FLOPs of the train phase / train_s per rank, over the
   per-rank matmul peak. FLOPs per step = 6 x (parameters except the two
   vocabulary matrices) x trained tokens (prompt + completion, padding not
@@ -143,7 +144,7 @@ sys.path.insert(0, str(REPO))
 import _stats  # noqa: E402
 from _common import result_header, result_path  # noqa: E402
 
-PHASES = ("generate", "score", "train", "sync")
+PHASES = ("switch", "generate", "score", "train", "sync")
 # 3 jobs for the headline N=2; fewer at N=1 and N=4 to fit the budget (docstring).
 DEFAULT_CONFIGS = ("qwen2-180m:1@2", "qwen2-180m:2@3", "qwen2-180m:4@1")
 # prompts per step, K, max new tokens
@@ -709,7 +710,7 @@ def _same_config(jobs: list[dict]) -> dict:
 
 def _table(rows: list[dict]) -> str:
     head = ("| model | params | N | placement | settings | T | jobs x steps | step s (IQR) | generate s | "
-            "score s | train s | sync s | overhead | train: trainer (compute/comm/opt) + other | "
+            "score s | switch s | train s | sync s | overhead | train: trainer (compute/comm/opt) + other | "
             "gen tok/s | "
             "train MFU (IQR) | rank-0 CPU s: user / sys (sys: gen / train / sync) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -722,8 +723,8 @@ def _table(rows: list[dict]) -> str:
             f"| {r['preset']} | {r['model_params'] / 1e6:.1f}M | {r['world_size']} | "
             f"{r['placement']} | {', '.join(r.get('overrides', [])) or '-'} | {r['tp']} | {r['jobs']} x {r['steps_timed'] // r['jobs']} | "
             f"{r['step_s']:.3f} ({r['step_s_iqr']:.3f}) | {r['generate_s']:.3f} | "
-            f"{r['score_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.3f} | "
-            f"{r['overhead_s']:.3f} ({r['overhead_frac']:.0%}) | {split} | "
+            f"{r['score_s']:.3f} | {r['switch_s']:.3f} | {r['train_s']:.3f} | "
+            f"{r['sync_s']:.3f} | {r['overhead_s']:.3f} ({r['overhead_frac']:.0%}) | {split} | "
             f"{r['generated_tok_s']:.0f} | {r['train_mfu']:.1%} ({r['train_mfu_iqr']:.1%}) | "
             f"{r['step_user_s']:.2f} / {r['step_sys_s']:.2f} ({r['generate_sys_s']:.2f} / "
             f"{r['train_sys_s']:.2f} / {r['sync_sys_s']:.2f}) |")
@@ -791,7 +792,7 @@ def _chart(rows: list[dict], path: Path) -> None:
 AHEAD_HEADLINE_KEYS = ("max_staleness", "step_cycle_s", "step_cycle_s_iqr",
                        "step_over_synchronous", "step_over_synchronous_ci")
 HEADLINE_KEYS = ("step_s", "step_s_iqr", "generate_s", "generate_floor_s",
-                 "generate_floor_bytes_s", "generate_floor_flops_s", "score_s", "train_s",
+                 "generate_floor_bytes_s", "generate_floor_flops_s", "score_s", "switch_s", "train_s",
                  "train_floor_s", "sync_s", "sync_floor_s", "step_user_s", "step_sys_s",
                  "mem_bandwidth_per_rank",
                  "overhead_s", "overhead_frac", "train_mfu", "train_mfu_iqr", "matmul_peak_flops",

@@ -2,9 +2,16 @@
 
 Job: the RL loop and nothing else --
 
-    generate K per prompt -> score (reward, reference, critic values)
-    [-> again, while the algorithm wants more prompts: dynamic sampling]
-    -> advantages -> skip if no sample carries signal -> train -> sync -> metrics
+    inference layout -> generate K per prompt -> score (reward, then each scorer
+    in the layout it needs: the drift scorer in inference, reference and critic
+    in training) [-> again, while the algorithm wants more prompts: dynamic
+    sampling] -> advantages -> skip if no sample carries signal -> training
+    layout -> train -> sync -> metrics
+
+The layout switches are the colocated device's choreography: "inference" gives
+the device to the engine (its KV cache back), "training" to the trainer (the
+engine releases its memory where configured). The policy makes them no-ops
+where the placement keeps the layouts apart; they are timed as `switch_s`.
 
 With rollout.max_staleness = k > 0 the generation runs up to k steps ahead
 (`policy.collect_async`), on one of two schedules (`RunConfig.ahead_burst`):
@@ -45,39 +52,22 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
-import torch.distributed as dist
+from typing import Any
 
 from hybrid_engine.config import RunConfig
 from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.metrics import PhaseTimer, staleness_metrics, trajectory_metrics
 from hybrid_engine.parallel import signals
-from hybrid_engine.policy.ahead import Generated, resumable_batches, split_burst
-from hybrid_engine.roles.base import Algorithm, Environment, Learner, Pending, Policy, Scorer
-from hybrid_engine.trajectory import stamp_version, trajectory_from_json, trajectory_to_json
+from hybrid_engine.parallel.dist import any_rank
+from hybrid_engine.policy.ahead import batches_to_json, resumable_batches, split_burst
+from hybrid_engine.roles.base import (Algorithm, Checkpointer, Environment, Layout, Learner,
+                                      Pending, Policy, Scorer, layout_of)
+from hybrid_engine.trajectory import stamp_version
 
-__all__ = ["Controller", "Checkpointer", "any_rank"]
+__all__ = ["Controller"]
 
 _log = logging.getLogger(__name__)
 _REFILL_SEED_OFFSET = 7_919_999  # a refill round's sampling seed offset (far from any step count)
-
-
-class Checkpointer(Protocol):
-    """Saves and restores the job (policy, critic, ...) with the controller's state."""
-
-    def save(self, step: int, extra: dict) -> None: ...
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank if flag is True on any rank (collective when distributed)."""
-    if not dist.is_initialized():
-        return flag
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors
-    t = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 @dataclass
@@ -98,7 +88,8 @@ class Controller:
             rollout.max_staleness > 0, its `rollout_metrics()` are read after
             every step's sampling, and `rollout_state()` is checkpointed.
         cfg: the run config (steps, K, prompts per step, eval/checkpoint cadence).
-        scorers: `Scorer`s, whose `score(trajs)` runs after the reward (reference, critic).
+        scorers: `Scorer`s, whose `score(trajs)` runs after the reward (reference,
+            critic), each in the layout it names (`roles.base.layout_of`).
         learners: `Learner`s, whose `train_step(trajs)` runs after the policy's (critic).
         checkpointer: saves job state every cfg.checkpoint_every steps; None = never.
         on_metrics: called with (step, metrics) after every step and eval, once
@@ -134,20 +125,10 @@ class Controller:
         self.env.load_state_dict(d["env"])
         self.guards.load_state_dict(d.get("guards", {}))  # absent in older checkpoints
         size = self.cfg.train.prompts_per_step * self.cfg.rollout.num_samples_per_prompt
-        ahead = resumable_batches(d.get("ahead", []), d["step"], self._ahead_depth(), size)
-        self._ahead = deque((b["version"], Generated([trajectory_from_json(t) for t in b["trajs"]],
-                                                 b["generate_s"])) for b in ahead)
+        self._ahead = deque(resumable_batches(d.get("ahead", []), d["step"], self._ahead_depth(),
+                                              size))
         if d.get("rollout") is not None:  # parked partial rollouts
             self.policy.load_rollout_state(d["rollout"])
-
-    def _ahead_state(self) -> list[dict]:
-        """The batches generated ahead, finished and JSON-able (collective: waits)."""
-        out = []
-        for version, handle in self._ahead:
-            trajs, seconds = handle.result()
-            out.append({"version": version, "generate_s": seconds,
-                        "trajs": [trajectory_to_json(t) for t in trajs]})
-        return out
 
     # --- one step ------------------------------------------------------------------
 
@@ -193,6 +174,7 @@ class Controller:
         trajs, rounds, want, busy_s = [], 0, self.cfg.train.prompts_per_step, 0.0
         s, k, partial = self.state.step, self._ahead_depth(), self.cfg.rollout.partial_rollout
         while want:
+            self._switch("inference", timer)
             with timer.phase("generate"):
                 if not k:  # partial rollouts: the policy records each token's version
                     prompts = self.env.sample_prompts(want)
@@ -209,10 +191,7 @@ class Controller:
                     busy_s += seconds
             if not partial:  # partial rollouts set it per trajectory (its oldest token's)
                 stamp_version(new, version)
-            with timer.phase("score"):
-                self.env.score(new)
-                for scorer in self.scorers:
-                    scorer.score(new)
+            self._score(new, [self.env, *self.scorers], timer)
             trajs, rounds = trajs + new, rounds + 1
             want = self.algorithm.prompts_wanted(trajs, rounds)
         return trajs, rounds, busy_s
@@ -228,6 +207,7 @@ class Controller:
         m.update(sampling_rounds=float(rounds), train_samples=float(len(train)),
                  skipped_degenerate=float(not train))
         if train:
+            self._switch("training", timer)
             with timer.phase("train"):
                 m.update(self.policy.train_step(train, self.algorithm.compute_loss))
                 for learner in self.learners:
@@ -248,12 +228,28 @@ class Controller:
         """Greedy completions of the held-out prompts (one each): accuracy and reward."""
         timer = PhaseTimer()
         with timer.phase("eval"):
+            self.policy.switch_to("inference")
             prompts = self.env.eval_prompts(self.cfg.env.num_eval_prompts)
             trajs = self.policy.collect(self.env, prompts, num_samples=1, seed=0, greedy=True)
-            self.env.score(trajs)
+            self._score(trajs, [self.env])
         tm = trajectory_metrics(trajs)
         out = {f"eval/{key}": v for key, v in tm.items() if key in ("reward_mean", "accuracy")}
         return {**out, "eval_s": timer.metrics["eval_s"]}
+
+    def _switch(self, layout: Layout, timer: PhaseTimer | None) -> None:
+        """Gives the device to `layout` (a no-op where the placement has nothing to
+        switch), timed as the step's `switch_s` when a timer is given."""
+        with timer.phase("switch") if timer else contextlib.nullcontext():
+            self.policy.switch_to(layout)
+
+    def _score(self, trajs: list, roles: Sequence[Environment | Scorer],
+               timer: PhaseTimer | None = None) -> None:
+        """Each role scores trajs in turn, in the layout it needs (`layout_of`)."""
+        for role in roles:
+            if (layout := layout_of(role)) is not None:
+                self._switch(layout, timer)
+            with timer.phase("score") if timer else contextlib.nullcontext():
+                role.score(trajs)
 
     # --- the run -------------------------------------------------------------------
 
@@ -315,7 +311,7 @@ class Controller:
             return
         extra = self.state_dict()
         extra["wall_s"] = self.state.wall_s + time.monotonic() - t_start
-        extra["ahead"] = self._ahead_state()
+        extra["ahead"] = batches_to_json(self._ahead)
         extra["rollout"] = self.policy.rollout_state()
         self.checkpointer.save(self.state.step, extra)
 

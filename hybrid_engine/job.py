@@ -148,8 +148,7 @@ class Job:
         self.output_dir.sweep_unfinished()
         if overwrite and not resume:
             self.output_dir.clear()
-        # An env whose score() runs a model (reward model) is called in the training layout.
-        self.env = self.actor.env_for_scoring(make_env(cfg.env, self.actor.tokenizer))
+        self.env = make_env(cfg.env, self.actor.tokenizer)
         check_env_fits_algorithm(cfg, self.env)
         self.algorithm = Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,
                                    max_tokens=cfg.rollout.max_tokens,

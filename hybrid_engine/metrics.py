@@ -225,8 +225,8 @@ def _rows(path: Path) -> list[str]:
 def format_line(step: int, m: Mapping[str, float]) -> str:
     """The one-line step summary (absent keys skipped)."""
     parts = [f"step {step}"] + [fmt.format(m[k]) for k, fmt in _LINE_KEYS if k in m]
-    phases = [f"{p} {m[p + '_s']:.2f}s" for p in ("generate", "score", "train", "sync", "eval")
-              if p + "_s" in m]
+    phases = [f"{p} {m[p + '_s']:.2f}s"
+              for p in ("switch", "generate", "score", "train", "sync", "eval") if p + "_s" in m]
     mem = [f"{p} {m['mem_' + p + '_bytes'] / 2**30:.2f}" for p in ("generate", "train", "sync")
            if f"mem_{p}_bytes" in m]
     if m.get("skipped_degenerate"):

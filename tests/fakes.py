@@ -58,6 +58,9 @@ class FakePolicy:
     def sync_weights(self) -> dict:
         return {}
 
+    def switch_to(self, layout) -> None:  # noqa: ANN001
+        pass
+
     def rollout_metrics(self) -> dict:
         return {}
 

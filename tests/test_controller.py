@@ -37,9 +37,11 @@ class _Logged:
         self.calls: list[str] = []
 
 
-def _fakes(log: _Logged, *, flat_steps=(), train_metrics=None):  # noqa: ANN001, ANN202
+def _fakes(log: _Logged, *, flat_steps=(), train_metrics=None, clock=None):  # noqa: ANN001, ANN202
     """A policy, env, scorer, learner and algorithm that log every call. A step in
-    flat_steps (1-based) draws only flat groups: the algorithm selects nothing."""
+    flat_steps (1-based) draws only flat groups: the algorithm selects nothing.
+    clock: a one-element list the policy's layout switches advance (1 s to
+    training, 0.5 s to inference)."""
 
     class Policy(FakePolicy):
         def collect(self, env, prompts, *, num_samples, seed, greedy=False):  # noqa: ANN001, ANN201
@@ -55,12 +57,19 @@ def _fakes(log: _Logged, *, flat_steps=(), train_metrics=None):  # noqa: ANN001,
             log.calls.append("policy.sync_weights")
             return {}
 
+        def switch_to(self, layout) -> None:  # noqa: ANN001
+            log.calls.append(f"policy.switch_to {layout}")
+            if clock is not None:
+                clock[0] += 1.0 if layout == "training" else 0.5
+
     class Env(FakeEnv):
         def score(self, trajs) -> None:  # noqa: ANN001
             log.calls.append("env.score")
             super().score(trajs)
 
     class Role:
+        layout = "training"  # the controller switches before its calls
+
         def score(self, trajs) -> None:  # noqa: ANN001, ARG002
             log.calls.append("scorer.score")
 
@@ -88,7 +97,7 @@ def _fakes(log: _Logged, *, flat_steps=(), train_metrics=None):  # noqa: ANN001,
 
 
 def _fast_run(overrides: dict, *, flat_steps=(), train_metrics=None,  # noqa: ANN001, ANN202
-              handle_signals=False):
+              handle_signals=False, clock=None):
     """Runs a Controller on the fakes; returns (log, summary or the exception, rows)."""
     from hybrid_engine.config import RunConfig, apply_overrides
     from hybrid_engine.controller import Controller
@@ -98,7 +107,8 @@ def _fast_run(overrides: dict, *, flat_steps=(), train_metrics=None,  # noqa: AN
         "train.num_steps": 3, "eval_every": 0, "checkpoint_every": 0,
         "env.num_eval_prompts": 3, **overrides})
     log, rows = _Logged(), []
-    policy, env, role, algorithm = _fakes(log, flat_steps=flat_steps, train_metrics=train_metrics)
+    policy, env, role, algorithm = _fakes(log, flat_steps=flat_steps, train_metrics=train_metrics,
+                                          clock=clock)
 
     class Checkpointer:
         def save(self, step: int, extra: dict) -> None:
@@ -117,8 +127,10 @@ def _fast_run(overrides: dict, *, flat_steps=(), train_metrics=None,  # noqa: AN
         return log, e, rows
 
 
-_STEP = ["policy.collect", "env.score", "scorer.score", "algorithm.advantages",
-         "algorithm.select", "policy.train_step", "learner.train_step", "policy.sync_weights"]
+_SAMPLE = ["policy.switch_to inference", "policy.collect", "env.score",
+           "policy.switch_to training", "scorer.score", "algorithm.advantages", "algorithm.select"]
+_STEP = [*_SAMPLE, "policy.switch_to training", "policy.train_step", "learner.train_step",
+         "policy.sync_weights"]
 
 
 def test_a_step_calls_the_roles_in_order() -> None:
@@ -129,11 +141,23 @@ def test_a_step_calls_the_roles_in_order() -> None:
     assert [h["step"] for h in summary["history"]] == [1, 2]
 
 
+def test_layout_switches_are_timed_apart_from_the_phases(monkeypatch) -> None:
+    """The release before a trainer-side scorer counts in switch_s, not score_s:
+    per step, to inference (0.5 s), to training for the scorer and again
+    before the train step (1 s each), on a clock only the switches advance."""
+    import types
+
+    from hybrid_engine import metrics
+
+    clock = [0.0]
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    _, _, rows = _fast_run({"train.num_steps": 2}, clock=clock)
+    assert [(r["switch_s"], r["score_s"], r["train_s"]) for r in rows] == [(2.5, 0.0, 0.0)] * 2
+
+
 def test_a_step_with_nothing_to_train_skips_train_and_sync() -> None:
     log, summary, rows = _fast_run({"train.num_steps": 3}, flat_steps=(2,))
-    flat = ["policy.collect", "env.score", "scorer.score", "algorithm.advantages",
-            "algorithm.select"]
-    assert log.calls == [*_STEP, "metrics 1", *flat, "metrics 2", *_STEP, "metrics 3"]
+    assert log.calls == [*_STEP, "metrics 1", *_SAMPLE, "metrics 2", *_STEP, "metrics 3"]
     assert [r["skipped_degenerate"] for r in rows] == [0.0, 1.0, 0.0]
     assert [r["train_samples"] for r in rows] == [4.0, 0.0, 4.0]
     assert "train_s" not in rows[1] and "sync_s" not in rows[1]
@@ -503,13 +527,13 @@ def _reward_model_job(model_dir: str, out_dir: str, rm_path: str) -> dict:
                                            "rollout.tensor_parallel_size": 1}),
               progress=False)
     layouts = []
-    score = job.env.role.score  # the RewardModelEnv behind the policy's env_for_scoring
+    score = job.env.score
 
     def recording(trajs):  # noqa: ANN001, ANN202
         layouts.append(job.actor.phases.layout)
         return score(trajs)
 
-    job.env.role.score = recording
+    job.env.score = recording
     try:
         summary = job.run()
     finally:
@@ -520,7 +544,8 @@ def _reward_model_job(model_dir: str, out_dir: str, rm_path: str) -> dict:
 @_e2e
 def test_reward_model_scores_in_the_training_layout(model_dir, tmp_path) -> None:
     """The reward model's forwards run with the engine released (the training
-    layout), like the reference's; the job wires the env through env_for_scoring."""
+    layout), like the reference's: the controller switches to the layout the
+    env names."""
     from hybrid_engine.envs.reward_model import write_tiny_reward_model
     from hybrid_engine.models.tiny import TinyModelSpec
 

@@ -318,9 +318,9 @@ class RewardModelEnv:
             (False skips it, e.g. for a task with no reference answers).
     """
 
-    # score() runs a model forward: colocated, it runs in the training layout
-    # (the policy's `env_for_scoring`), never beside an awake engine.
-    runs_a_model = True
+    # score() runs a model forward: the controller switches to the training
+    # layout first (`roles.base.layout_of`), never scoring beside an awake engine.
+    layout = "training"
 
     def __init__(self, base_env: Any, reward_model: RewardModel, tokenizer: Any, *,
                  task_metrics: bool = True) -> None:

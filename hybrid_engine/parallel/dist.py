@@ -23,7 +23,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from hybrid_engine.config import RolloutConfig
 
-__all__ = ["all_gather_ragged", "all_groups", "collective_timeouts", "free_port", "init_distributed", "is_launched", "rank0_logger",
+__all__ = ["all_gather_ragged", "any_rank", "all_groups", "collective_timeouts", "free_port", "init_distributed", "is_launched", "rank0_logger",
            "resync_group_counter", "set_collective_timeout", "set_train_group", "split_ranks",
            "train_group", "train_rank_world"]
 
@@ -72,6 +72,16 @@ def split_ranks(world_size: int, cfg: RolloutConfig) -> tuple[int, int]:
         raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the rollout ranks "
                          f"(rollout.num_ranks={r})")
     return world_size - r, r
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if flag is True on any rank (collective when distributed)."""
+    if not dist.is_initialized():
+        return flag
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def is_launched() -> bool:

@@ -4,7 +4,7 @@ Job: while `stop_on_signals()` is active (the whole `hybrid-engine train`
 command, from before the engines are built to after `final/` is written;
 `Controller.run` for an embedding trainer), SIGINT and SIGTERM only record
 the request. The controller reads `requested()` at each step boundary through
-a collective OR (`controller.any_rank`), so a signal to torchrun (which
+a collective OR (`parallel.dist.any_rank`), so a signal to torchrun (which
 forwards SIGTERM to every rank) and a signal to one rank (a scheduler, an OOM
 handler) end the same way: every rank finishes the step in progress, the
 checkpoint is written when checkpointing is on, `final/` is exported, and the

@@ -38,11 +38,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["Inflight", "Generated", "SerialWorker", "resumable_batches", "split_burst", "timed"]
+from hybrid_engine.trajectory import trajectory_from_json, trajectory_to_json
+
+__all__ = ["Inflight", "Generated", "SerialWorker", "batches_to_json", "resumable_batches",
+           "split_burst", "timed"]
 
 _log = logging.getLogger(__name__)
 
@@ -170,16 +173,29 @@ def split_burst(trajs: list, seconds: float, batches: int, groups: int,
     return out
 
 
-def resumable_batches(ahead: list[dict], step: int, k: int, size: int) -> list[dict]:
-    """A checkpoint's batches ahead (oldest first, each with its "version" and
-    "trajs") that a run at max_staleness k resuming at `step`, `size`
-    trajectories a batch, can train: all of them if none trains past the bound,
+def batches_to_json(ahead: Iterable[tuple[int, Any]]) -> list[dict]:
+    """The (version, handle) batches generated ahead, finished (collective: waits)
+    and JSON-able, oldest first, for a checkpoint."""
+    out = []
+    for version, handle in ahead:
+        trajs, seconds = handle.result()
+        out.append({"version": version, "generate_s": seconds,
+                    "trajs": [trajectory_to_json(t) for t in trajs]})
+    return out
+
+
+def resumable_batches(ahead: list[dict], step: int, k: int,
+                      size: int) -> list[tuple[int, Generated]]:
+    """A checkpoint's batches ahead (`batches_to_json`) that a run at
+    max_staleness k resuming at `step`, `size` trajectories a batch, can
+    train, as (version, handle): all of them if none trains past the bound,
     at most k are queued (stream refills up to k, with the restored weights;
     burst holds what is left of a pass) and each has this run's size; else none
     (logged: their prompts are skipped, the environment's stream is past them)."""
     if all(step + i - b["version"] <= k for i, b in enumerate(ahead)) and len(ahead) <= k \
             and all(len(b["trajs"]) == size for b in ahead):
-        return ahead
+        return [(b["version"], Generated([trajectory_from_json(t) for t in b["trajs"]],
+                                         b["generate_s"])) for b in ahead]
     _log.warning("the checkpoint holds %d batch(es) generated ahead that this run cannot train "
                  "(rollout.max_staleness=%d, %d trajectories a batch): discarded; their prompts "
                  "are skipped and the next batches are sampled with the restored weights",

@@ -13,9 +13,9 @@ trainer and the vLLM engine -- and own the switch between them, so a caller
 
 Memory: one phase machine (`policy/phases.py`) owns which layout holds the
 device, whether vLLM holds the trainer's current weights, and where the
-optimizer state is. Everything that runs the trainer (`train_step`,
-`compute_logprobs`, a reference or critic through `run_with_trainer`) first
-switches to the training layout: the engine releases its memory (GPU: vLLM
+optimizer state is. `switch_to(layout)` switches explicitly (the controller
+does, before every phase); everything that runs the trainer (`train_step`,
+`compute_logprobs`) switches to the training layout itself too: the engine releases its memory (GPU: vLLM
 sleep level 2, which discards its weights; CPU: the KV cache storage, the
 only thing vLLM-CPU can drop -- the log says so; `rollout.emulate_gpu_sleep`
 makes CPU lose the weights too, for tests). `generate` / `collect` switch
@@ -76,6 +76,7 @@ from hybrid_engine.parallel.batch_slices import gather_response_field, local_bat
 from hybrid_engine.policy.ahead import Generated, timed
 from hybrid_engine.policy.memory import ReleasePolicy
 from hybrid_engine.policy.phases import Phases
+from hybrid_engine.roles.base import Layout
 from hybrid_engine.roles.updates import policy_updates
 from hybrid_engine.preflight import check_model_for_run
 from hybrid_engine.roles.sync import WeightSync
@@ -165,7 +166,8 @@ class DriftScorer:
     (engine now vs the rollout's log-probs) and numerics (trainer vs engine,
     same weights); see algorithms/mismatch.py. One prefill of `sequences`
     stale trajectories, evenly spaced over them (all when fewer), in the
-    inference layout (put it before the trainer-side scorers); the others get
+    inference layout (`layout`; put it before the trainer-side scorers, so
+    one step switches layouts once); the others get
     NaN engine log-probs (outside the split), as does a token vLLM cannot
     score (a sequence filling max_model_len: its last). A fresh trajectory
     (every token sampled by the engine's current weights: no sync since;
@@ -175,6 +177,8 @@ class DriftScorer:
     stale, so after a step that trained nothing a resumed run may prefill
     what the straight run did not; only the split's metrics differ). Called
     once per sampling round (one per step unless dynamic sampling refills)."""
+
+    layout = "inference"
 
     def __init__(self, actor: HybridActor, sequences: int) -> None:
         if sequences < 1:
@@ -195,8 +199,7 @@ class DriftScorer:
         sample = [trajs[i] for i in sorted(picked)]
         if not sample:
             return
-        a.phases.to_rollout()
-        a.phases.check_rollout()
+        a.phases.check_rollout()  # the controller switched to the inference layout
         scores = a.rollout.score([list(t.prompt_ids) + list(t.response_ids) for t in sample],
                                  [len(t.prompt_ids) for t in sample])
         for t, lps in zip(sample, scores, strict=True):
@@ -471,11 +474,20 @@ class HybridActor:
         optimizer step brings it back)."""
         return self.phases.sync()
 
+    def switch_to(self, layout: Layout) -> None:
+        """Gives the device to `layout` (collective): "inference" syncs the weights
+        if they changed or were discarded and brings the KV cache back;
+        "training" releases the engine's memory where configured."""
+        if layout == "inference":
+            self.phases.to_rollout()
+        else:
+            self.phases.to_train()
+
     def run_with_trainer(self, role: Any) -> Any:
         """A role that runs with the trainer (reference, critic), as the controller
-        should call it: colocated, every rank trains; its calls enter the training
-        layout first, so its forwards never run beside an awake engine."""
-        return self.phases.training_side(role)
+        should call it: colocated, every rank trains, so the role itself (its
+        `layout` says the controller switches to the training layout first)."""
+        return role
 
     def drift_scorer(self) -> DriftScorer | None:
         """The scorer that splits the mismatch metric when samples can be stale
@@ -489,12 +501,6 @@ class HybridActor:
                 or not self.cfg.mismatch_split_sequences):
             return None
         return DriftScorer(self, self.cfg.mismatch_split_sequences)
-
-    def env_for_scoring(self, env: Any) -> Any:
-        """An environment whose score() runs a model (`runs_a_model`, e.g. a reward
-        model), as the controller should call it: its scoring enters the training
-        layout first, like the reference's forwards; other envs unchanged."""
-        return self.phases.training_side(env) if getattr(env, "runs_a_model", False) else env
 
     # --- persistence -------------------------------------------------------------
 

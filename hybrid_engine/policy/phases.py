@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hybrid_engine.policy.memory import ReleasePolicy
 
@@ -188,34 +188,3 @@ class Phases:
         if before == "inference":
             self.to_rollout()
             self._park()
-
-    def training_side(self, role: Any) -> Any:
-        """role (reference, critic, a reward-model environment) wrapped so that
-        its score/train_step run in the training layout: the engine has
-        released the device first. Other attributes are the role's."""
-        return _InTrainingLayout(role, self)
-
-
-class _InTrainingLayout:
-    """A trainer-side role whose calls enter the training layout first.
-
-    Attributes:
-        role: the wrapped role (e.g. a ReferenceScorer or CriticScorer).
-    """
-
-    def __init__(self, role: Any, phases: Phases) -> None:
-        self.role, self._phases = role, phases
-
-    def score(self, trajs: Any) -> Any:
-        self._phases.to_train()
-        return self.role.score(trajs)
-
-    def train_step(self, trajs: Any) -> Any:
-        self._phases.to_train()
-        return self.role.train_step(trajs)
-
-    def __getattr__(self, name: str) -> Any:
-        # Everything else (an environment's prompts, state, ...) is the role's own.
-        if name in ("role", "_phases"):
-            raise AttributeError(name)
-        return getattr(self.role, name)

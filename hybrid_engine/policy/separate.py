@@ -21,6 +21,7 @@ its whole TP shard, cast to the rollout dtype in the pack kernel).
     sync_weights         trainer ranks send, rollout ranks receive and re-pack
     run_with_trainer(role)   a reference or critic: built on the trainer ranks,
                          its scores (and metrics) mirrored to the rollout ranks
+    switch_to(layout)    nothing to switch: each layout owns its ranks
 
 Memory: nothing is released between phases: each layout owns its ranks.
 Every method is collective over all N ranks, like HybridActor's, so the
@@ -69,6 +70,7 @@ from hybrid_engine.parallel.sharding import (
     resolve_train_config,
     shard_group_size,
 )
+from hybrid_engine.roles.base import Layout
 from hybrid_engine.roles.sync import WeightSync
 from hybrid_engine.rollout.engine import Completions
 from hybrid_engine.trajectory import TrainBatch, Trajectory
@@ -114,6 +116,8 @@ class TrainerSide:
     Args:
         role: the role on trainer ranks; None on rollout ranks.
     """
+
+    layout = "training"
 
     def __init__(self, role: Any) -> None:
         self.role = role
@@ -398,10 +402,8 @@ class SeparatePolicy:
         """Wraps a role built on the trainer ranks (None elsewhere) for every rank."""
         return TrainerSide(role)
 
-    def env_for_scoring(self, env: Any) -> Any:
-        """The environment unchanged: no engine is released for a scoring forward
-        here (trainer ranks hold none; rollout ranks keep theirs resident)."""
-        return env
+    def switch_to(self, layout: Layout) -> None:
+        """Nothing to switch: the trainer and the engine hold different ranks."""
 
     # --- persistence -------------------------------------------------------------
 

@@ -16,7 +16,7 @@ called by every rank, in the same order.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -26,8 +26,20 @@ if TYPE_CHECKING:
     from hybrid_engine.rollout.engine import Completions
     from hybrid_engine.trajectory import TrainBatch, Trajectory
 
-__all__ = ["Algorithm", "Environment", "Learner", "Pending", "Policy", "Reference", "Rollout",
-           "Scorer", "Trainer", "WeightSync"]
+__all__ = ["Algorithm", "Checkpointer", "Environment", "Layout", "Learner", "Pending", "Policy", "Reference",
+           "Rollout", "Scorer", "Trainer", "WeightSync", "layout_of"]
+
+# Which layout holds a colocated device: the engine with its memory ("inference")
+# or the trainer, with the engine's memory released where configured ("training").
+Layout = Literal["inference", "training"]
+
+
+def layout_of(role: object) -> Layout | None:
+    """The layout a role's calls need (its `layout` attribute): "training" for a
+    forward on the trainer's side (reference, critic, reward model), "inference"
+    for one on the engine (the drift scorer); None, when it has none, runs in
+    either (a rule-based reward)."""
+    return getattr(role, "layout", None)
 
 
 @runtime_checkable
@@ -91,6 +103,13 @@ class Policy(Protocol):
         """Makes the sampling layout hold the trained weights."""
         ...
 
+    def switch_to(self, layout: Layout) -> None:
+        """Gives this device to `layout`: "inference" brings the engine's memory
+        back (and the trainer's weights, if a release discarded them); "training"
+        releases the engine's memory where configured. A no-op where the
+        placement keeps the layouts on different devices."""
+        ...
+
     def rollout_metrics(self) -> dict[str, float]:
         """The generation's own metrics since the last call (e.g. partial rollouts' pool)."""
         ...
@@ -106,20 +125,29 @@ class Policy(Protocol):
 
 class Scorer(Protocol):
     """A role that adds to the trajectories after the reward (reference log-probs,
-    critic values, the drift scorer); collective."""
+    critic values, the drift scorer); collective. Its `layout` attribute, when
+    it has one, names the layout the controller switches to first (`layout_of`)."""
 
     def score(self, trajs: Sequence[Trajectory]) -> None: ...
 
 
+class Checkpointer(Protocol):
+    """Saves the job (policy, critic, ...) with the controller's state (collective)."""
+
+    def save(self, step: int, extra: dict) -> None: ...
+
+
 class Learner(Protocol):
-    """A role that trains after the policy each step (the critic); collective."""
+    """A role that trains after the policy each step (the critic), in the
+    training layout; collective."""
 
     def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]: ...
 
 
 @runtime_checkable
 class Environment(Protocol):
-    """The task: prompts in, rewards out; never sees logits."""
+    """The task: prompts in, rewards out; never sees logits. An environment whose
+    score() runs a model (a reward model) says `layout = "training"`."""
 
     def sample_prompts(self, num_prompts: int) -> list[list[int]]:
         """The next num_prompts prompts, as token ids."""

@@ -26,7 +26,9 @@ __all__ = ["CriticScorer", "ReferenceScorer"]
 
 
 class ReferenceScorer:
-    """Fills ref_logp from a frozen `Reference` (collective)."""
+    """Fills ref_logp from a frozen `Reference` (collective), in the training layout."""
+
+    layout = "training"
 
     def __init__(self, reference: Reference, *, pad_id: int, train_cfg: TrainConfig) -> None:
         self.reference, self.pad_id, self.train_cfg = reference, pad_id, train_cfg
@@ -41,7 +43,10 @@ class ReferenceScorer:
 
 
 class CriticScorer:
-    """The value model: values before the advantages, one update after the policy's."""
+    """The value model: values before the advantages, one update after the policy's;
+    both in the training layout."""
+
+    layout = "training"
 
     def __init__(self, critic: Critic, *, pad_id: int, algorithm_cfg: AlgorithmConfig) -> None:
         self.critic, self.pad_id, self.cfg = critic, pad_id, algorithm_cfg

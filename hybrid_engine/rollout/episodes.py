@@ -95,9 +95,8 @@ class MultiTurnEnvironment(Protocol):
 def is_multi_turn(env: Any) -> bool:
     """Whether env answers between segments (`MultiTurnEnvironment`'s methods).
     Checked by attribute, not `isinstance`: from Python 3.12 a runtime
-    Protocol check ignores `__getattr__`, so a wrapped environment (a
-    reward-model env in the training layout, `Phases.training_side`) would
-    pass for single-turn."""
+    Protocol check ignores `__getattr__`, so an environment behind a
+    forwarding wrapper would pass for single-turn."""
     return all(callable(getattr(env, m, None)) for m in ("reset", "step", "build_trajectory"))
 
 

@@ -228,7 +228,7 @@ def quick(tmp_path_factory) -> tuple[dict, Path]:
 
 def _check_row(r: dict) -> None:
     assert r["steps_timed"] == 4 and r["steps_trained"] == 4  # hashed reward: all train
-    for ph in ("generate_s", "score_s", "train_s", "sync_s", "step_s"):
+    for ph in ("switch_s", "generate_s", "score_s", "train_s", "sync_s", "step_s"):
         assert r[ph] > 0, ph
         assert r[f"{ph}_iqr"] >= 0, ph
     # The wall clock holds the phases: whatever they do not cover is overhead >= 0.

@@ -17,7 +17,7 @@ import pytest
 
 from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.metrics import staleness_metrics
-from hybrid_engine.policy.ahead import Inflight, SerialWorker, timed
+from hybrid_engine.policy.ahead import Inflight, SerialWorker, batches_to_json, timed
 from hybrid_engine.testing import run_in_subprocess
 from hybrid_engine.trajectory import Trajectory, trajectory_from_json, trajectory_to_json
 from tests.fakes import FakeAlgorithm, FakeEnv, FakePolicy
@@ -433,7 +433,7 @@ def test_burst_samples_k_plus_1_batches_per_pass_and_resumes_mid_burst() -> None
     assert all(r["gen_tok_s"] < 1e6 for r in rows)  # every batch has its share of seconds
     # state after step 4 (of 0-6), as a checkpoint holds it, then a resumed run to step 7
     c5, _, _ = _fake_run("burst", 7, stop_after=5)
-    state = json.loads(json.dumps({**c5.state_dict(), "ahead": c5._ahead_state()}))
+    state = json.loads(json.dumps({**c5.state_dict(), "ahead": batches_to_json(c5._ahead)}))
     assert state["step"] == 5 and [b["version"] for b in state["ahead"]] == [3]
     _, resumed_policy, resumed = _fake_run("burst", 7, state)
     assert [_stable(r) for r in resumed[-2:]] == [_stable(r) for r in rows[-2:]]

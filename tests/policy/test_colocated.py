@@ -72,16 +72,13 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
         out["resynced_same_samples"] = [t.response_ids for t in again] == \
             [t.response_ids for t in trajs]
 
-        class ModelEnv:  # an environment whose score() runs a model (a reward model)
-            runs_a_model, name = True, "rm-env"
-
-            def score(self, trajs):  # noqa: ANN001, ANN202
-                self.phase = actor.phase
-
-        env = actor.env_for_scoring(ModelEnv())
-        env.score(trajs)
-        out["model_env"] = (env.phase, env.name, actor.env_for_scoring(PROMPTS) is PROMPTS)
-        actor.generate(PROMPTS[:1], num_samples=1)  # back to inference (resynced)
+        # The controller's explicit switches: the engine's weights go with its
+        # memory (emulated) and come back resynced.
+        actor.switch_to("inference")
+        actor.switch_to("training")
+        out["switch_to"] = [(actor.phase, actor.phases.weights)]
+        actor.switch_to("inference")
+        out["switch_to"].append((actor.phase, actor.phases.weights))
         actor.save(ckpt)
         # DCP created the AdamW state on the device beside the awake engine: parked.
         out["parked_after_first_save"] = _parked(actor) and actor.phase == "inference"
@@ -142,7 +139,7 @@ def test_hybrid_actor_switches_syncs_and_restores(tmp_path) -> None:
         assert r["layouts_agree"] < 1e-4
         assert r["logprobs_phase"] == ("training", "lost")
         assert r["resynced_same_samples"]        # the resync restored exactly the weights
-        assert r["model_env"] == ("training", "rm-env", True)  # scoring forward: engine released
+        assert r["switch_to"] == [("training", "lost"), ("inference", "valid")]
         assert r["phase_in_training"] == "training" and r["released"] > 0
         assert r["train_moved"] > 1e-3
         assert r["phase_after_generate"] == "inference"

@@ -97,7 +97,8 @@ class Actor:
     def step(self, reference: object | None = None) -> int:
         """One RL step as the controller calls it; returns the version sampled."""
         sampled = self.generate()
-        if reference is not None:
+        if reference is not None:  # the controller's switch before a trainer-side scorer
+            self.phases.to_train()
             reference.score([])
         self.train_step()
         self.phases.sync()
@@ -129,9 +130,9 @@ def test_a_step_samples_the_current_weights_with_one_release_and_one_sync(drops_
 @pytest.mark.parametrize("drops_weights", [False, True])
 def test_a_reference_scores_in_the_training_layout_within_the_steps_release(drops_weights) -> None:
     a = Actor(drops_weights=drops_weights)
-    ref = a.phases.training_side(FakeReference(a.engine))
+    ref = FakeReference(a.engine)
     assert [a.step(ref) for _ in range(2)] == [0, 1]
-    assert ref.role.seen == [False, False]  # the engine had released its KV cache
+    assert ref.seen == [False, False]  # the engine had released its KV cache
     assert a.engine.calls["release"] == 2  # the train step found the layout already switched
 
 

@@ -183,18 +183,6 @@ def test_single_turn_env_is_one_call():
         collect(rollout, env, prompts, num_samples=0, seed=5)
 
 
-def test_a_wrapped_multi_turn_env_is_still_multi_turn():
-    """An env behind a forwarding wrapper (`Phases.training_side`, for an env that
-    runs a model) keeps its turns: the check is by attribute, which Python 3.12+'s
-    runtime Protocol isinstance no longer is through __getattr__."""
-    from hybrid_engine.policy.phases import _InTrainingLayout
-    from hybrid_engine.rollout.episodes import is_multi_turn
-
-    assert is_multi_turn(_InTrainingLayout(ToolEnv(TOK), phases=None))
-    assert not is_multi_turn(_InTrainingLayout(ArithmeticEnv(TOK), phases=None))
-    assert is_multi_turn(ToolEnv(TOK)) and not is_multi_turn(ArithmeticEnv(TOK))
-
-
 class DroppingToolEnv(ToolEnv):
     """Breaks the protocol: its trajectories leave out the env replies."""
 
