@@ -302,7 +302,7 @@ def check_safetensors(path: Path) -> None:
     """A safetensors file whose header parses and whose size is exactly the
     header's plus the data it declares: a zero-byte, truncated or corrupt file
     fails here, before any engine reads it (finiteness is checked as the
-    trainer loads the rows, `parallel.fsdp.load_sharded_safetensors`)."""
+    trainer loads the rows, `parallel.params.load_sharded_safetensors`)."""
     size = path.stat().st_size
     bad = f"model file {str(path)!r}"
     if size < 8:

@@ -59,8 +59,8 @@ from hybrid_engine.algorithms.losses import (
     ppo,
     register_policy_loss,
     tis_weights,
-    value_loss,
 )
+from hybrid_engine.algorithms.value_loss import value_loss
 
 __all__ = [
     "ADVANTAGES",

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from hybrid_engine.checkpoint.folders import WRITE_ERRORS, agree, commit, group_rank, tmp_folder
-from hybrid_engine.parallel.fsdp import full_tensor, reshard_all, sharded_named_parameters
+from hybrid_engine.parallel.params import full_tensor, reshard_all, sharded_named_parameters
 
 if TYPE_CHECKING:
     from hybrid_engine.roles.trainer import Trainer

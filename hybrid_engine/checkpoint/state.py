@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from hybrid_engine.checkpoint.folders import (WRITE_ERRORS, agree, check_complete, commit,
                                               group_rank, tmp_folder)
 from hybrid_engine.parallel.dist import train_group
-from hybrid_engine.parallel.fsdp import reshard_all
+from hybrid_engine.parallel.params import reshard_all
 
 if TYPE_CHECKING:
     from hybrid_engine.roles.critic import Critic

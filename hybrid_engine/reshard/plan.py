@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, tp_layout
 
-__all__ = ["Block", "ReshardPlan", "build_plan", "serving_group", "shard_rows", "target_group"]
+__all__ = ["Block", "ReshardPlan", "build_plan", "padding_rows", "serving_group", "shard_rows",
+           "target_group"]
 
 
 def shard_rows(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -273,3 +274,16 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
     remote = [b for name in order for b in sorted(by_target[name], key=lambda b: b.dst_rank)]
     return ReshardPlan(world_size, tp, m, shapes, targets, groups, local,
                        _bucketize(remote, world_size, bucket_elems), size)
+
+
+def padding_rows(targets: list) -> dict[str, int]:
+    """vLLM parameter name -> first local row no segment of the plan writes (the vocab
+    padding of embed_tokens / lm_head), for targets with such rows. vLLM zero-fills
+    them at load time; after a release that discarded the weights (GPU sleep level 2)
+    they hold garbage, so every sync zeroes them again."""
+    out = {}
+    for t in targets:
+        covered = max((seg.dst_row + seg.rows[1] - seg.rows[0] for seg in t.segments), default=0)
+        if covered < t.shape[0]:
+            out[t.name] = covered
+    return out

@@ -4,7 +4,7 @@ Job: build the value model from the policy's HF folder with the policy's
 layout (`fsdp` helpers: fully_shard per decoder layer and at the root,
 sharded init read row-range by row-range from safetensors, no lm_head at
 all), own its AdamW optimizer and LR schedule, predict per-token values, and
-take one optimizer step per `train_step` on `algorithms.losses.value_loss`
+take one optimizer step per `train_step` on `algorithms.value_loss.value_loss`
 (several per RL step: `roles.updates`, old values from before the first),
 normalised like the policy loss: by the loss-token count of the WHOLE step
 over all data-parallel ranks, so neither the micro-batch split nor the rank
@@ -30,20 +30,11 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-from hybrid_engine.algorithms.losses import value_loss
-from hybrid_engine.parallel.fsdp import (
-    DTYPES,
-    dp_mesh,
-    reshard_all,
-    resolve_model_path,
-    shard_and_load,
-)
-from hybrid_engine.roles.trainer import (
-    build_optimizer,
-    clip_and_step,
-    comm_device,
-    num_micro_batches,
-)
+from hybrid_engine.algorithms.value_loss import value_loss
+from hybrid_engine.parallel.fsdp import DTYPES, dp_mesh, resolve_model_path, shard_and_load
+from hybrid_engine.parallel.params import reshard_all
+from hybrid_engine.roles.logprobs import comm_device, num_micro_batches
+from hybrid_engine.roles.trainer import build_optimizer, clip_and_step
 
 if TYPE_CHECKING:
     from hybrid_engine.config import ModelConfig, TrainConfig

@@ -3,7 +3,7 @@
 Job: hold a frozen copy of the initial policy in the same FSDP2 layout as the
 trainer (every parameter a Shard(0) DTensor, so its memory is 1/N of the
 model per rank, with no gradients and no optimizer state) and score batches
-through the trainer's code path (`trainer.batch_logprobs`), so reference and
+through the trainer's code path (`logprobs.batch_logprobs`), so reference and
 policy log-probs are computed identically and differ only by the weights.
 
 Invariant: the reference never changes. Its parameters have
@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh, sharded_named_parameters
-from hybrid_engine.roles.trainer import batch_logprobs
+from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh
+from hybrid_engine.parallel.params import sharded_named_parameters
+from hybrid_engine.roles.logprobs import batch_logprobs
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

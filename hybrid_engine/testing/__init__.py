@@ -300,21 +300,32 @@ def run_torchrun(
     if launcher not in module:
         raise ValueError(f"launcher must be one of {sorted(module)}, got {launcher!r}")
     cmd = [sys.executable, "-m", module[launcher], *where, f"--nproc_per_node={nproc}", *argv]
-    full_env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
-    full_env.update(env or {})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, cwd=cwd, start_new_session=True)
+    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    done = _run_tree(cmd, "torchrun", timeout=timeout, env={**threads, **(env or {})}, cwd=cwd,
+                     merge=True)
+    if check and done.returncode != 0:
+        raise RankError(f"torchrun exited with code {done.returncode}: {' '.join(cmd)}\n"
+                        f"{done.stdout[-_LOG_TAIL_CHARS:]}")
+    return done
+
+
+def _run_tree(cmd: list[str], name: str, *, timeout: float, env: Mapping[str, str],
+              cwd: str | os.PathLike | None = None,
+              merge: bool) -> subprocess.CompletedProcess[str]:
+    """Runs cmd in its own session with env added to ours; on the deadline kills
+    its whole process tree and raises RankError naming it with the output's
+    tail. merge: stderr into stdout."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=cwd,
+                            stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+                            env={**os.environ, **env}, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
-        out, _ = proc.communicate()
-        raise RankError(f"torchrun did not finish within {timeout:.0f} s: {' '.join(cmd)}\n"
-                        f"{out[-_LOG_TAIL_CHARS:]}") from None
-    if check and proc.returncode != 0:
-        raise RankError(f"torchrun exited with code {proc.returncode}: {' '.join(cmd)}\n"
-                        f"{out[-_LOG_TAIL_CHARS:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+        out, err = proc.communicate()
+        raise RankError(f"{name} did not finish within {timeout:.0f} s: {' '.join(cmd)}\n"
+                        f"{(out + (err or ''))[-_LOG_TAIL_CHARS:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err or "")
 
 
 def run_cli(argv: Sequence[str], *, timeout: float = 300.0,
@@ -322,14 +333,5 @@ def run_cli(argv: Sequence[str], *, timeout: float = 300.0,
     """Runs `hybrid-engine ARGV...` (as `python -m hybrid_engine.cli`, e.g.
     ["train", "--nproc", "2", ...]) and returns it with stdout and stderr
     apart. Raises RankError on the deadline (the whole process tree is killed)."""
-    cmd = [sys.executable, "-m", "hybrid_engine.cli", *argv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-        raise RankError(f"hybrid-engine did not finish within {timeout:.0f} s: {' '.join(cmd)}\n"
-                        f"{(out + err)[-_LOG_TAIL_CHARS:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return _run_tree([sys.executable, "-m", "hybrid_engine.cli", *argv], "hybrid-engine",
+                     timeout=timeout, env=env or {}, merge=False)

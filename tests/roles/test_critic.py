@@ -44,7 +44,8 @@ def _check_layout(path: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from hybrid_engine.parallel.fsdp import shard_rows, sharded_named_parameters
+    from hybrid_engine.parallel.params import sharded_named_parameters
+    from hybrid_engine.reshard.plan import shard_rows
 
     critic = _critic(path, 1e-3)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -148,7 +149,7 @@ def test_value_loss_falls_on_fixed_batch(two_ranks):
 def test_first_step_loss_is_global_token_mean_of_clipped_value_loss(two_ranks):
     """The zero head makes the first values 0, so the first step's loss is known by
     hand: coef * token-mean over BOTH ranks' rows of value_loss(0, old, R, clip)."""
-    from hybrid_engine.algorithms.losses import value_loss
+    from hybrid_engine.algorithms.value_loss import value_loss
     from hybrid_engine.trajectory import collate_trajectories
 
     batch = collate_trajectories(make_trajs(8, VOCAB, seed=5), pad_id=0)

@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hybrid_engine.parallel.fsdp import shard_rows
+from hybrid_engine.reshard.plan import shard_rows
 from hybrid_engine.testing import run_ranks
 
 SPECS = {  # odd vocab: uneven row shards (501 / 500 on 2 ranks)
@@ -113,7 +113,7 @@ def start_run(path: str, batch_kw: dict, *, vocab: int, num_seqs: int = 8,
 
 def full_weights(module) -> dict[str, torch.Tensor]:
     """Checkpoint name -> full tensor (collective all-gather), for comparisons."""
-    from hybrid_engine.parallel.fsdp import full_tensor, sharded_named_parameters
+    from hybrid_engine.parallel.params import full_tensor, sharded_named_parameters
 
     return {n: full_tensor(p).detach().clone() for n, p in sharded_named_parameters(module)}
 
@@ -229,7 +229,8 @@ def _check_init(path: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
-    from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh, sharded_named_parameters
+    from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh
+    from hybrid_engine.parallel.params import sharded_named_parameters
 
     mode = LargestAllocation()
     with mode:
@@ -315,7 +316,7 @@ def _check_guard(path: str, vocab: int) -> dict:
 def _fsdp2_gotcha(path: str, vocab: int) -> dict:
     """Plain FSDP2, no guard: an optimizer built after a no-grad forward misses the root."""
     from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh
-    from hybrid_engine.roles.trainer import micro_batch_logprobs
+    from hybrid_engine.roles.logprobs import micro_batch_logprobs
 
     model, _ = build_fsdp_model(path, dp_mesh())
     batch = rank_batch(make_trajs(4, vocab))
@@ -530,7 +531,7 @@ def test_clipping_in_the_fused_kernel_equals_clip_grad_norm(grad_scale):
 
 
 def test_token_logprobs_chunked_equals_full_with_gradients():
-    from hybrid_engine.roles.trainer import token_logprobs
+    from hybrid_engine.roles.logprobs import token_logprobs
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 8, generator=g, requires_grad=True)

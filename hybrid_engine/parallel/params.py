@@ -1,0 +1,204 @@
+"""FSDP2 parameters by their HF names: access, full tensors, rows, and the sharded load.
+
+Job: what every role needs of a model's parameters whatever the training
+layout (FSDP2 DTensors sharded on dim 0, or plain replicated tensors): HF
+checkpoint names (`hf_name`), this rank's rows (`local_rows`), full tensors,
+resharding after a forward without backward, and loading a safetensors
+folder so that each rank reads only its own rows (`load_sharded_safetensors`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from hybrid_engine.reshard.plan import shard_rows
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LoadStats", "assert_sharded", "full_tensor", "hf_name", "load_sharded_safetensors",
+           "local_rows", "reshard_all", "sharded_named_parameters"]
+
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+_PLACEMENTS = ((Shard(0),), (Replicate(), Shard(0)))  # FSDP2, HSDP
+
+
+def hf_name(name: str) -> str:
+    """The checkpoint name of a module parameter (activation-checkpoint prefix removed)."""
+    return name.replace(_CHECKPOINT_PREFIX, "")
+
+
+# --------------------------------------------------------------------------
+# Sharded load
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStats:
+    """What one rank read from the checkpoint during a sharded load.
+
+    Attributes:
+        elements_read: tensor elements read by this rank (its rows only).
+        elements_total: elements of all the model's parameters in the file.
+        max_rows_read: the most rows read for any one tensor.
+    """
+
+    elements_read: int
+    elements_total: int
+    max_rows_read: int
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Checkpoint name -> safetensors file, from the index or the single file."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise ValueError(f"{folder} has no model.safetensors(.index.json)")
+    with safetensors.safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no iter
+
+
+def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> LoadStats:
+    """Fills each rank's `Shard(0)` rows of every parameter from the safetensors files.
+
+    Reads only rows `local_rows(param)` of each tensor (file dtype, cast on
+    copy). Tied parameters are loaded once, from the name
+    `named_parameters` reports (the embedding's).
+
+    Args:
+        model: a module whose parameters are DTensors placed as FSDP2 places them.
+        folder: the checkpoint folder.
+
+    Returns:
+        LoadStats of this rank.
+
+    Raises:
+        ValueError: a parameter is missing from the checkpoint or has another
+            shape, or any rank read a NaN/inf (checked as the rows load; every
+            rank raises, naming the first such tensor).
+    """
+    files = _tensor_files(Path(folder))
+    by_file: dict[Path, list[tuple[str, DTensor]]] = {}
+    for name, param in sharded_named_parameters(model):
+        if name not in files:
+            raise ValueError(f"parameter {name} is not in the checkpoint {folder}")
+        by_file.setdefault(files[name], []).append((name, param))
+    read = total = max_rows = 0
+    nonfinite: str | None = None
+    for file, params in by_file.items():
+        with safetensors.safe_open(file, "pt") as f:
+            for name, param in params:
+                sl = f.get_slice(name)
+                if tuple(sl.get_shape()) != tuple(param.shape):
+                    raise ValueError(
+                        f"{name}: file shape {sl.get_shape()} != model {tuple(param.shape)}"
+                    )
+                start, end = local_rows(param)
+                local = param.to_local() if isinstance(param, DTensor) else param
+                assert local.shape[0] == end - start, (name, local.shape, start, end)
+                if end > start:
+                    with torch.no_grad():
+                        local.copy_(sl[start:end])
+                        if nonfinite is None and not bool(torch.isfinite(local).all()):
+                            nonfinite = name
+                read += local.numel()
+                total += param.numel()
+                max_rows = max(max_rows, end - start)
+    _agree_finite(nonfinite, by_file, folder)
+    return LoadStats(elements_read=read, elements_total=total, max_rows_read=max_rows)
+
+
+def _agree_finite(nonfinite: str | None, by_file: dict, folder: str | os.PathLike) -> None:
+    """Every rank of the mesh raises if any rank read a non-finite weight
+    (a rank alone raising would leave the others waiting in a collective)."""
+    params = [p for ps in by_file.values() for _, p in ps]
+    # replicated plain parameters: every rank read the same rows and found the same
+    mesh = params[0].device_mesh if params and isinstance(params[0], DTensor) else None
+    bad = [] if nonfinite is None else [nonfinite]
+    for dim in range(mesh.ndim if mesh is not None else 0):  # a 2-D mesh: along each dim
+        group = mesh.get_group(dim)
+        if dist.get_world_size(group) > 1:
+            found: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(found, bad[0] if bad else None, group=group)
+            bad = [n for n in found if n is not None][:1]
+    if bad:
+        raise ValueError(f"model folder {str(folder)!r}: {bad[0]} holds NaN or inf values "
+                         "(a corrupt or diverged checkpoint); training from it is meaningless")
+
+
+# --------------------------------------------------------------------------
+# Access for the trainer, the reference and the weight sync
+# --------------------------------------------------------------------------
+
+
+def sharded_named_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(checkpoint name, parameter) pairs; tied parameters once. The parameters are
+    sharded DTensors, or plain whole tensors in a replicated model (no FSDP).
+
+    Raises:
+        AssertionError: a parameter of an FSDP model is not a Shard(0) DTensor
+            (see `assert_sharded`).
+    """
+    fsdp = isinstance(model, FSDPModule)
+    for name, param in model.named_parameters():
+        _check_param(name, param, fsdp)
+        yield hf_name(name), param
+
+
+def _check_param(name: str, param: Tensor, fsdp: bool) -> None:
+    assert (isinstance(param, DTensor) and param.placements in _PLACEMENTS) or not fsdp, (
+        f"{name} is a {type(param).__name__}, not a Shard(0) DTensor: the FSDP root is "
+        "unsharded (a forward without backward leaves it so); call reshard_all(module)"
+    )
+
+
+def full_tensor(param: Tensor) -> Tensor:
+    """The whole parameter: all-gathered from a DTensor (collective), or param itself."""
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+def local_rows(param: Tensor) -> tuple[int, int]:
+    """[start, end) rows of the full parameter that this rank's local tensor holds:
+    its Shard(0) chunk within its shard group (the mesh's last dim); all of a
+    plain (replicated) tensor."""
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0]
+    mesh = param.device_mesh
+    dim = mesh.ndim - 1
+    return shard_rows(param.shape[0], mesh.size(dim), mesh.get_local_rank(dim))
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Frees every gathered parameter: the root's group (a forward without backward
+    leaves it gathered) and, with sharding=grad_op, every layer's too."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def assert_sharded(model: nn.Module) -> None:
+    """Asserts every parameter of an FSDP model is registered as its Shard(0)
+    DTensor (a replicated model's plain parameters pass).
+
+    After a forward with no backward FSDP2 leaves the root unsharded: the
+    module then exposes plain full tensors for embed/norm/lm_head, and
+    anything built from `parameters()` (an optimizer, a weight sync, a
+    checkpoint) silently holds the wrong tensors.
+    """
+    fsdp = isinstance(model, FSDPModule)
+    for name, param in model.named_parameters():
+        _check_param(name, param, fsdp)

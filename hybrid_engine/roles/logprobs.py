@@ -1,0 +1,185 @@
+"""Per-token log-probabilities and entropy, chunked over positions x vocabulary.
+
+Job: the forward half every model role shares (trainer, reference, critic's
+batching): never hold full-vocab logits for a whole micro-batch. The final
+hidden states are projected onto the vocabulary `logits_chunk_tokens` rows at
+a time (`token_logprobs`), and with autograd on each chunk is recomputed in
+backward, so peak logits memory is one chunk, not B x T x V.
+
+Shape legend: B sequences, T positions, H hidden size, V vocabulary,
+N selected (loss) positions, C positions of one chunk.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.checkpoint import checkpoint
+
+from hybrid_engine.parallel.fsdp import compute_autocast, default_device
+from hybrid_engine.parallel.params import reshard_all
+
+if TYPE_CHECKING:
+    from hybrid_engine.trajectory import TrainBatch
+
+__all__ = ["batch_logprobs", "comm_device", "micro_batch_logprobs", "num_micro_batches",
+           "token_logprobs"]
+
+
+def _chunk_logprobs(
+    h_CH: Tensor, weight_VH: Tensor, targets_C: Tensor, temperature: float
+) -> tuple[Tensor, Tensor]:
+    logits_CV = (h_CH @ weight_VH.t()).float()
+    if temperature != 1.0:
+        logits_CV = logits_CV / temperature
+    lse_C = logits_CV.logsumexp(-1)
+    logp_C = logits_CV.gather(-1, targets_C[:, None]).squeeze(-1) - lse_C
+    entropy_C = lse_C - (logits_CV.softmax(-1) * logits_CV).sum(-1)
+    return logp_C, entropy_C
+
+
+def token_logprobs(
+    hidden_NH: Tensor,
+    weight_VH: Tensor,
+    targets_N: Tensor,
+    *,
+    chunk_tokens: int,
+    temperature: float = 1.0,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """log softmax(h W^T / temperature)[target] and the entropy, chunk_tokens rows at a time.
+
+    The matmul runs in the weight's dtype and the softmax in float32. With
+    autograd on, each chunk is checkpointed: only its inputs are saved and
+    its [C, V] logits are recomputed in backward, so neither pass ever holds
+    more than one chunk of logits.
+
+    Args:
+        hidden_NH: [N, H] final hidden states at the positions that predict the targets.
+        weight_VH: [V, H] output embedding (the unsharded lm_head weight).
+        targets_N: [N] int64 target ids.
+        chunk_tokens: rows per chunk (C).
+        temperature: logits are divided by it (the rollout's sampling temperature).
+        entropy_grad: keep the entropy in the graph (entropy bonus); else detached.
+
+    Returns:
+        (logp_N, entropy_N), float32.
+    """
+    grad = torch.is_grad_enabled() and (hidden_NH.requires_grad or weight_VH.requires_grad)
+    logps, entropies = [], []
+    for start in range(0, max(hidden_NH.shape[0], 1), chunk_tokens):
+        args = (hidden_NH[start : start + chunk_tokens], weight_VH,
+                targets_N[start : start + chunk_tokens], temperature)
+        if grad:
+            logp_C, entropy_C = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            logp_C, entropy_C = _chunk_logprobs(*args)
+        logps.append(logp_C)
+        entropies.append(entropy_C if entropy_grad else entropy_C.detach())
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def micro_batch_logprobs(
+    module: FSDPModule,
+    mb: TrainBatch,
+    device: torch.device,
+    *,
+    chunk_tokens: int,
+    temperature: float = 1.0,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """One forward of a micro-batch: log-prob and entropy of every loss token.
+
+    Only loss positions are projected onto the vocabulary, and the model
+    returns hidden states only from the first position any row needs
+    (`logits_to_keep`), so prompt and padding cost nothing past the decoder.
+
+    Args:
+        module: a model from `fsdp.build_fsdp_model` (forward returns hidden states).
+        mb: the micro-batch (CPU or device tensors).
+        device: where the model lives.
+        chunk_tokens, temperature, entropy_grad: see `token_logprobs`.
+
+    Returns:
+        (logp_BT, entropy_BT): float32 on device, logp_BT[b, t] = log
+        p(tokens[b, t] | tokens[b, :t]); both 0 outside loss_mask_BT.
+    """
+    autocast = compute_autocast(module)
+    with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+        return _micro_batch_logprobs(module, mb, device, chunk_tokens, temperature, entropy_grad)
+
+
+def _micro_batch_logprobs(module: torch.nn.Module, mb: TrainBatch, device: torch.device,
+                          chunk_tokens: int, temperature: float,
+                          entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    tokens_BT = mb.tokens_BT.to(device)
+    rows_N, cols_N = mb.loss_mask_BT.to(device).nonzero(as_tuple=True)
+    # Target at column t is predicted by the output at t - 1 (t = 0 is never a target).
+    first = int(cols_N.min()) - 1 if cols_N.numel() else 0
+    keep_K = torch.arange(first, tokens_BT.shape[1] - 1, device=device)
+    hidden_BKH = module(
+        input_ids=tokens_BT,
+        attention_mask=mb.attention_mask_BT.to(device),
+        position_ids=mb.position_ids_BT.to(device),
+        use_cache=False,
+        logits_to_keep=keep_K,
+    ).logits
+    logp_N, entropy_N = token_logprobs(
+        hidden_BKH[rows_N, cols_N - 1 - first], module.lm_head.weight, tokens_BT[rows_N, cols_N],
+        chunk_tokens=chunk_tokens, temperature=temperature, entropy_grad=entropy_grad,
+    )
+    zeros_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32, device=device)
+    return (zeros_BT.index_put((rows_N, cols_N), logp_N),
+            zeros_BT.index_put((rows_N, cols_N), entropy_N))
+
+
+def num_micro_batches(batch: TrainBatch, mesh: DeviceMesh) -> int:
+    """The most micro-batches any rank has: every rank runs that many forwards
+    (FSDP2 collectives must match), padding with loss-free ones."""
+    n = torch.tensor([len(batch.bounds)], device=comm_device(mesh))
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return int(n)
+
+
+def comm_device(mesh: DeviceMesh) -> torch.device:
+    return default_device() if mesh.device_type == "cuda" else torch.device("cpu")
+
+
+@torch.no_grad()
+def batch_logprobs(
+    module: FSDPModule, batch: TrainBatch, mesh: DeviceMesh, *, chunk_tokens: int,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropy of a whole batch, micro-batch by micro-batch, no grad.
+
+    Collective: every rank of mesh must call it (with its own batch). Ends
+    with `reshard_all(module)` (see the module docstring).
+
+    Returns:
+        (logp_BT, entropy_BT): float32 on the batch's device, 0 outside loss_mask_BT.
+    """
+    device = comm_device(mesh)
+    logp_BT = torch.zeros(batch.tokens_BT.shape, dtype=torch.float32)
+    entropy_BT = torch.zeros_like(logp_BT)
+    try:
+        for i in range(num_micro_batches(batch, mesh)):
+            if i >= len(batch.bounds):
+                micro_batch_logprobs(module, batch.empty_like(), device, chunk_tokens=chunk_tokens)
+                continue
+            start, end = batch.bounds[i]
+            mb = batch.rows(start, end)
+            lp, ent = micro_batch_logprobs(
+                module, mb, device, chunk_tokens=chunk_tokens, temperature=temperature
+            )
+            width = mb.tokens_BT.shape[1]
+            logp_BT[start:end, :width] = lp.cpu()
+            entropy_BT[start:end, :width] = ent.cpu()
+    finally:
+        # The guard: a forward without backward leaves the FSDP root unsharded.
+        reshard_all(module)
+    return logp_BT.to(batch.tokens_BT.device), entropy_BT.to(batch.tokens_BT.device)
