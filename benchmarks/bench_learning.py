@@ -6,7 +6,7 @@ interleaved seed by seed (seed 0: every config in order, then seed 1, ...), one
 run at a time, each with `--set seed=S --set rollout.seed=S`, the config's
 overrides and the common `--set`s. The first config is the baseline. A config is
 `NAME` or `NAME:KEY=VALUE+KEY=VALUE...`, e.g. (the default)
-`k0 k1:rollout.max_staleness=1+algorithm.behaviour_logp=rollout`. The demos
+`k0 k1:async_rollout.max_staleness=1+algorithm.behaviour_logp=rollout`. The demos
 share one warm start (--cache-dir) and run under --runs-dir/<name>-s<seed>
 (their metrics.jsonl, TensorBoard, log <name>-s<seed>.log beside it); a run
 that finished before (its <name>-s<seed>.json summary is there) is read, not
@@ -51,7 +51,7 @@ import _stats
 import compare_runs
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIGS = ("k0", "k1:rollout.max_staleness=1+algorithm.behaviour_logp=rollout")
+DEFAULT_CONFIGS = ("k0", "k1:async_rollout.max_staleness=1+algorithm.behaviour_logp=rollout")
 PHASES = ("generate", "score", "train", "sync")
 
 

@@ -7,7 +7,7 @@ order), the same model, prompts, sampling and seeds:
   releases its memory (GPU: vLLM sleep level 2; CPU: the KV cache, the only
   thing vLLM-CPU can drop) and regrows it before generation;
 - resident: the naive colocation: trainer and engine both stay resident
-  (`rollout.release_memory=false`);
+  (`memory.release=false`);
 - separate: `placement=separate` on the same N ranks: the first N/2 only
   train (FSDP2 over N/2), the last N/2 only roll out (vLLM, T = N/2 unless
   --tp); reported for the trainer ranks and the rollout ranks apart.
@@ -207,8 +207,8 @@ def _rank_job(args: argparse.Namespace) -> None:
         "model.path": model, "rollout.tensor_parallel_size": _tp(args, mode),
         "rollout.max_tokens": args.max_tokens,
         "rollout.max_model_len": _max_model_len(args),
-        "rollout.kv_cache_gib": int(kv_bytes) / 2**30,
-        "rollout.enforce_eager": True, "rollout.release_memory": mode == "colocated",
+        "memory.kv_cache_gib": int(kv_bytes) / 2**30,
+        "rollout.enforce_eager": True, "memory.release": mode == "colocated",
         "train.micro_batch_size": 8, "train.lr": 1e-5,
         "placement": "separate" if mode == "separate" else "colocated"})
     actor = make_policy(cfg)

@@ -23,7 +23,7 @@ enforces) and each engine's KV cache is what B leaves:
                     (bf16: 2 bytes/param / T)
     standalone KV = B - engine weights
 
-passed to vLLM as `kv_cache_memory_bytes` (rollout.kv_cache_gib, exact to the
+passed to vLLM as `kv_cache_memory_bytes` (memory.kv_cache_gib, exact to the
 byte on CPU). By default B is chosen so the colocated KV holds --kv-share of
 the blocks the workload needs at once (all prompts x K sequences of prompt +
 max_tokens tokens, in vLLM-CPU blocks of 128 tokens): the colocated KV binds,
@@ -131,7 +131,7 @@ def _overrides(args: argparse.Namespace, world: int) -> dict:
         "rollout.num_samples_per_prompt": args.num_samples,
         "rollout.max_tokens": args.max_tokens,
         "rollout.max_model_len": _max_model_len(args),
-        "rollout.kv_cache_gib": args.kv_bytes / 2**30,
+        "memory.kv_cache_gib": args.kv_bytes / 2**30,
         "rollout.enforce_eager": args.eager,
         # One real optimizer step (grads + AdamW state allocated, sync re-packs),
         # but a step too small to move the fp32 weights: both kinds of job then
@@ -193,7 +193,8 @@ def _rank_job(args: argparse.Namespace) -> None:
         from hybrid_engine.rollout.engine import VLLMRollout
 
         cfg = apply_overrides(RunConfig(), {**overrides, "model.path": model_dir})
-        rollout = VLLMRollout(model_dir, cfg.rollout, dtype=cfg.model.rollout_dtype)
+        rollout = VLLMRollout(model_dir, cfg.rollout, memory=cfg.memory,
+                              dtype=cfg.model.rollout_dtype)
         shutdown = rollout.shutdown
         generate = rollout.generate
     setup["setup_s"] = time.perf_counter() - t_setup

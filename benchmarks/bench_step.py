@@ -21,7 +21,7 @@ arithmetic (short: the trained tokens are mostly completions). `mixed`
 (for partial rollouts): 16 x 4 completions of up to 112 tokens, every 24th
 vocabulary id a stop token, so a random-init model's completion lengths are
 geometric (mean ~24) with a long tail; a config with
-`rollout.partial_rollout` gets a table against the same config without it
+`async_rollout.partial` gets a table against the same config without it
 (generate seconds, tokens the engine sampled and its tok/s in the generate
 phase, trained samples per step, parked groups, staleness, ratios with
 bootstrap CIs). `long` (generation-heavy, for generation ahead under separate
@@ -38,7 +38,7 @@ level-2 sleep every train phase, CUDA graphs, half the device for vLLM and micro
 of 16384 tokens, as in `results/gpu_loop_qwen2_180m_h100_202611.md`; with a GPU the jobs
 run on it and the floors' GEMM peak and copy bandwidth are measured on it, e.g.
 `--workload gpu --jobs 2 --steps 6 --set model.compute_dtype=bfloat16 --configs
-qwen2-180m:1 qwen2-180m:1+rollout.max_staleness=1+algorithm.behaviour_logp=rollout`.
+qwen2-180m:1 qwen2-180m:1+async_rollout.max_staleness=1+algorithm.behaviour_logp=rollout`.
 
 Measured, per job: `--warmup` steps (left out), `--steps` timed steps, then
 ONE profiled step (left out of every timing).
@@ -156,8 +156,8 @@ WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64), "mixed": (16, 4, 112), "long":
 WORKLOAD_SETS = {"long": ("rollout.max_model_len=320",),
                  # gpu: the settings of gpu_loop_qwen2_180m_h100_202611.md (a user's GPU job:
                  # level-2 sleep every train phase, CUDA graphs, half the device for vLLM)
-                 "gpu": ("rollout.max_model_len=320", "rollout.release_memory=true",
-                         "rollout.enforce_eager=false", "rollout.gpu_memory_fraction=0.5",
+                 "gpu": ("rollout.max_model_len=320", "memory.release=true",
+                         "rollout.enforce_eager=false", "memory.gpu_memory_fraction=0.5",
                          "train.max_tokens_per_micro_batch=16384")}
 # mixed: every MIXED_STOP_EVERY-th id of the vocabulary ends a completion, so a random-init
 # model's lengths are geometric (mean ~24, a few near the cap of 112): a long tail.
@@ -503,17 +503,16 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
     _med_iqr(row, "train_other_s", _jobs_of(
         timed, lambda r: r.get("train_s", 0.0) - r.get("train_step_s", 0.0)))
     row.update(_train_split(jobs, row["train_step_s"]))
-    partial = jobs[0]["config"]["rollout"].get("partial_rollout", False)
-    row.update(_ahead_stats(timed, 0 if partial else jobs[0]["config"]["rollout"].get(
-        "max_staleness", 0)))
-    row.update(_partial_stats(timed, jobs[0]["config"]["rollout"]) if partial else {})
+    ahead = jobs[0]["config"]["async_rollout"]
+    row.update(_ahead_stats(timed, 0 if ahead["partial"] else ahead["max_staleness"]))
+    row.update(_partial_stats(timed, ahead) if ahead["partial"] else {})
     _med_iqr(row, "train_samples", _jobs_of(timed, lambda r: r.get("train_samples", 0.0)))
     row["generate_s_jobs"] = _jobs_of(timed, lambda r: r.get("generate_s", 0.0))
     row["sampled_tok_s_jobs"] = _jobs_of(timed, lambda r: r.get(
         "partial/sampled_tokens", r["generated_tokens"]) / max(r.get("generate_s", 0.0), 1e-9))
     if row.get("generate_busy_s"):  # generation ahead: generate_s is the step's wait
         row["generated_tok_s"] = gen / row["generate_busy_s"]
-    if partial:  # what the engine sampled in the step, not the trained samples' tokens
+    if ahead["partial"]:  # what the engine sampled in the step, not the trained samples' tokens
         row["generated_tok_s"] = row["partial_sampled_tokens"] / row["generate_s"]
     row["step_s_jobs"] = step_jobs
     row["resolved_config"] = _same_config(jobs)
@@ -521,7 +520,7 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
 
 
 def _ahead_stats(timed: list[list[dict]], k: int) -> dict:
-    """rollout.max_staleness = k > 0: generate_busy_s (the engine's seconds on the
+    """async_rollout.max_staleness = k > 0: generate_busy_s (the engine's seconds on the
     step's batch; generate_s is then the step's wait for it), the overlap bound
     max(train_s, generate_busy_s) per step and the step's wall over it, and the
     staleness distribution (fraction of the timed steps' samples at each d)."""
@@ -545,7 +544,7 @@ def _staleness_summary(timed: list[list[dict]], k: int) -> dict:
            "staleness_max": max(r["staleness_max"] for r in rows),
            "staleness_dist": {d: sum(r.get(f"staleness/{d}", 0.0) for r in rows) / len(rows)
                               for d in range(k + 1)}}
-    if any("sync_inflight" in r for r in rows):  # rollout.inflight_updates
+    if any("sync_inflight" in r for r in rows):  # async_rollout.inflight_updates
         out["staleness_token_mean"] = sum(r.get("staleness_token_mean", r["staleness_mean"])
                                           for r in rows) / len(rows)
         synced = [r["sync_inflight"] for r in rows if "sync_inflight" in r]
@@ -553,12 +552,12 @@ def _staleness_summary(timed: list[list[dict]], k: int) -> dict:
     return out
 
 
-def _partial_stats(timed: list[list[dict]], rollout: dict) -> dict:
-    """rollout.partial_rollout: tokens the engine sampled per step (the trained
+def _partial_stats(timed: list[list[dict]], ahead: dict) -> dict:
+    """async_rollout.partial: tokens the engine sampled per step (the trained
     samples' tokens include parked prefixes sampled earlier), parked groups after
     each step, continued samples, and the staleness distribution."""
-    k = rollout["max_staleness"]
-    out: dict = {"partial_rollout": True, "step_token_budget": rollout["step_token_budget"],
+    k = ahead["max_staleness"]
+    out: dict = {"partial_rollout": True, "step_token_budget": ahead["step_token_budget"],
                  "max_staleness": 0}
     for key in ("sampled_tokens", "parked_groups", "continued_samples", "regenerated_groups",
                 "dropped_groups"):
@@ -570,8 +569,8 @@ def _partial_stats(timed: list[list[dict]], rollout: dict) -> dict:
 def _partial_table(rows: list[dict]) -> str:
     """Configs with partial rollouts against the same config without them: the
     generate phase (the long tail's idle time is in it) and the whole step."""
-    skip = ("rollout.partial_rollout=", "rollout.step_token_budget=", "rollout.max_staleness=",
-            "algorithm.behaviour_logp=", "rollout.stale_partial=")
+    skip = ("async_rollout.partial=", "async_rollout.step_token_budget=", "async_rollout.max_staleness=",
+            "algorithm.behaviour_logp=", "async_rollout.stale_partial=")
 
     def key(r: dict) -> tuple:
         return (r["preset"], r["world_size"], r["placement"],
@@ -615,8 +614,8 @@ def _ahead_table(rows: list[dict]) -> str:
     def key(r: dict) -> tuple:
         return (r["preset"], r["world_size"], r["placement"],
                 tuple(o for o in r.get("overrides", []) if not o.startswith(
-                    ("rollout.max_staleness=", "algorithm.behaviour_logp=",
-                     "rollout.inflight_updates=", "rollout.ahead_schedule="))))
+                    ("async_rollout.max_staleness=", "algorithm.behaviour_logp=",
+                     "async_rollout.inflight_updates=", "async_rollout.schedule="))))
 
     sync = {key(r): r for r in rows if not r.get("max_staleness")}
     head = ("| config | k | step s (IQR) | mean of k + 1 steps s (IQR) | train s | generate "
@@ -832,7 +831,7 @@ def main(argv=None) -> None:
     ahead = _ahead_table(rows)
     if ahead:
         print(ahead)
-        ahead = ("\n\nGeneration ahead of training (rollout.max_staleness = k): generate busy "
+        ahead = ("\n\nGeneration ahead of training (async_rollout.max_staleness = k): generate busy "
                  "= the engine's seconds on the step's batch (a burst's pass shared by its "
                  "batches' tokens; wait: what the step waited for it); the bound is the slower "
                  "side, per step (separate placement; colocated, nothing overlaps); mean of k "
@@ -848,7 +847,7 @@ def main(argv=None) -> None:
     partial = _partial_table(rows)
     if partial:
         print(partial)
-        partial = ("\n\nPartial rollouts (rollout.partial_rollout): a step's generation stops "
+        partial = ("\n\nPartial rollouts (async_rollout.partial): a step's generation stops "
                    "once it has its groups or has spent step_token_budget tokens; unfinished "
                    "sequences continue next step. sampled tok / step: what the engine sampled "
                    "in the step (the trained samples' tokens include parked prefixes); engine "
@@ -864,7 +863,7 @@ def main(argv=None) -> None:
         result_header(__file__, argv) +
         f"Workload {args.workload}: {prompts} prompts x K={k} completions x {max_tokens} new "
         f"tokens per step; recipe tiny_grpo_debug with bf16 rollout, reshard sync (64 MiB "
-        f"buckets), fp32 training, full sharding, release_memory=auto, unless a config's "
+        f"buckets), fp32 training, full sharding, memory.release=auto, unless a config's "
         f"settings say otherwise; fresh jobs per config as in the table, {args.warmup} warm-up "
         f"+ {args.steps} timed steps each, then one profiled step (train split). step s: wall "
         "clock between consecutive steps' ends, median (IQR) over all timed steps of all jobs; "

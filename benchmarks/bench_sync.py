@@ -238,7 +238,7 @@ def _rank_job(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hybrid_engine.config import RolloutConfig, SyncConfig
+    from hybrid_engine.config import MemoryConfig, RolloutConfig, SyncConfig
     from hybrid_engine.parallel.fsdp import build_fsdp_model
     from hybrid_engine.roles.sync import WeightSync
     from hybrid_engine.rollout.engine import VLLMRollout
@@ -251,8 +251,8 @@ def _rank_job(args: argparse.Namespace) -> None:
     # The trainer's own FSDP2 layout, built shard by shard from the file.
     model, _ = build_fsdp_model(args.rank_job, init_device_mesh("cpu", (world,)))
     rollout = VLLMRollout(args.rank_job, RolloutConfig(
-        tensor_parallel_size=tp, max_model_len=256, max_tokens=16, kv_cache_gib=1.0,
-        enforce_eager=True), dtype=WIRE_DTYPE)
+        tensor_parallel_size=tp, max_model_len=256, max_tokens=16, enforce_eager=True),
+        memory=MemoryConfig(kv_cache_gib=1.0), dtype=WIRE_DTYPE)
     syncs = {m: WeightSync(model.config, SyncConfig(method=m, bucket_mb=args.bucket_mb),
                            tp=tp, wire_dtype=wire) for m in METHODS}
     WeightSync(model.config, SyncConfig(method="reshard", verify=True, bucket_mb=args.bucket_mb),

@@ -29,7 +29,7 @@ def main() -> None:
     args = p.parse_args()
     actor = HybridActor.from_pretrained(args.model, overrides={
         "rollout.tensor_parallel_size": args.tp, "rollout.max_tokens": 8, "rollout.max_model_len": 64,
-        "rollout.kv_cache_gib": 0.25, "rollout.enforce_eager": True, "train.lr": 1e-3,
+        "memory.kv_cache_gib": 0.25, "rollout.enforce_eager": True, "train.lr": 1e-3,
         "model.compute_dtype": "float32", "model.rollout_dtype": "float32"})
     env = ArithmeticEnv(actor.tokenizer, seed=0)
     for step in range(args.steps):

@@ -13,7 +13,7 @@ the device to the engine (its KV cache back), "training" to the trainer (the
 engine releases its memory where configured). The policy makes them no-ops
 where the placement keeps the layouts apart; they are timed as `switch_s`.
 
-With rollout.max_staleness = k > 0 the generation runs up to k steps ahead
+With async_rollout.max_staleness = k > 0 the generation runs up to k steps ahead
 (`policy.collect_async`), on one of two schedules (`RunConfig.ahead_burst`):
 stream -- step s starts the batch of step s + k, sampled with the weights of
 step s, and trains on the batch started k steps earlier, so under separate
@@ -22,7 +22,7 @@ when no batch is queued, step s samples the batches of steps s .. s + k in one
 pass with its weights (colocated: one generation pass for k + 1 steps).
 Each trajectory carries the step whose weights sampled it (policy_version);
 its staleness s - policy_version is at most k and reported per step. With
-rollout.partial_rollout nothing runs ahead: the policy parks unfinished
+async_rollout.partial nothing runs ahead: the policy parks unfinished
 sequences between steps (`rollout/partial.py`), so the controller passes the
 step as the weights' version and the policy stamps each trajectory with its
 oldest token's.
@@ -85,7 +85,7 @@ class Controller:
         policy, env, algorithm: what `roles.base.Policy`, `Environment` and
             `Algorithm` describe (e.g. `HybridActor`, `ArithmeticEnv`, the
             algorithm role); the policy's `collect_async` serves
-            rollout.max_staleness > 0, its `rollout_metrics()` are read after
+            async_rollout.max_staleness > 0, its `rollout_metrics()` are read after
             every step's sampling, and `rollout_state()` is checkpointed.
         cfg: the run config (steps, K, prompts per step, eval/checkpoint cadence).
         scorers: `Scorer`s, whose `score(trajs)` runs after the reward (reference,
@@ -109,7 +109,7 @@ class Controller:
         self.checkpointer, self.on_metrics = checkpointer, on_metrics or (lambda s, m: None)
         self.guards = guards or Guards(cfg)
         self.state = _State()
-        # rollout.max_staleness: (version, handle) of the batches of steps s, s+1, ...
+        # async_rollout.max_staleness: (version, handle) of the batches of steps s, s+1, ...
         self._ahead: deque[tuple[int, Pending]] = deque()
 
     # --- state ---------------------------------------------------------------------
@@ -160,7 +160,7 @@ class Controller:
     def _ahead_depth(self) -> int:
         """How many steps ahead generation runs: max_staleness, except with partial
         rollouts, where the staleness comes from parked prefixes instead."""
-        return 0 if self.cfg.rollout.partial_rollout else self.cfg.rollout.max_staleness
+        return 0 if self.cfg.async_rollout.partial else self.cfg.async_rollout.max_staleness
 
     def _seed(self, step: int, rounds: int) -> int:
         """The sampling seed of a step's generate round."""
@@ -172,7 +172,7 @@ class Controller:
         the engine's seconds on them. max_staleness = k > 0: the first round is
         the step's batch from the queue (`_queue_ahead` refills it first)."""
         trajs, rounds, want, busy_s = [], 0, self.cfg.train.prompts_per_step, 0.0
-        s, k, partial = self.state.step, self._ahead_depth(), self.cfg.rollout.partial_rollout
+        s, k, partial = self.state.step, self._ahead_depth(), self.cfg.async_rollout.partial
         while want:
             self._switch("inference", timer)
             with timer.phase("generate"):
@@ -201,7 +201,7 @@ class Controller:
         timer = PhaseTimer()
         trajs, rounds, busy_s = self._sample(timer)
         m = {**trajectory_metrics(trajs), **self.algorithm.compute_advantages(trajs),
-             **staleness_metrics(trajs, self.state.step, self.cfg.rollout.max_staleness),
+             **staleness_metrics(trajs, self.state.step, self.cfg.async_rollout.max_staleness),
              **self.policy.rollout_metrics()}  # e.g. partial rollouts
         train = self.algorithm.select(trajs)
         m.update(sampling_rounds=float(rounds), train_samples=float(len(train)),

@@ -29,7 +29,7 @@ class RunAborted(RuntimeError):
 
 class Guards:
     """Args:
-        cfg: mismatch_alarm, mismatch_abort and train.max_nonfinite_in_a_row.
+        cfg: the run config; its guards section sets the checks.
         newest_checkpoint: names the newest complete checkpoint for the abort
             message (None: the run keeps none).
     """
@@ -50,21 +50,21 @@ class Guards:
         """Flags m; returns why the run must stop now, or None."""
         alarm = self._mismatch_alarm(step, m)
         streak = self._nonfinite_streak(step, m)
-        if alarm and self.cfg.mismatch_abort:
+        if alarm and self.cfg.guards.mismatch_abort:
             return alarm
         return streak
 
     def _nonfinite_streak(self, step: int, m: dict[str, float]) -> str | None:
         """Counts steps whose every update the trainer skipped for a NaN/inf loss
         or gradient norm (m["skipped"] > 0 and no optimizer step); the abort
-        message once train.max_nonfinite_in_a_row are in a row. A step with
+        message once guards.max_nonfinite_in_a_row are in a row. A step with
         some updates skipped and some taken warns and breaks the streak."""
         if "skipped" not in m:
             return None  # an eval row, or a step with nothing to train on
         stalled = m["skipped"] > 0 and m.get("optimizer_steps", 0.0) == 0
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if stalled else 0
         m["nonfinite_in_a_row"] = float(self.nonfinite_in_a_row)
-        limit = self.cfg.train.max_nonfinite_in_a_row
+        limit = self.cfg.guards.max_nonfinite_in_a_row
         if not limit or self.nonfinite_in_a_row < limit:
             if stalled:
                 log.warning("step %d: non-finite loss or gradient norm (%s): step skipped, "
@@ -77,7 +77,7 @@ class Guards:
         return (f"step {step}: {limit} steps in a row had a non-finite loss or gradient norm "
                 f"(skipped, weights unchanged); aborting. Newest checkpoint: "
                 f"{newest or 'none'}; lower train.lr, check the reward scale, or raise "
-                "train.max_nonfinite_in_a_row")
+                "guards.max_nonfinite_in_a_row")
 
     def _mismatch_alarm(self, step: int, m: dict[str, float]) -> str | None:
         """The alarm message when the step's rollout/trainer mismatch is over the
@@ -86,7 +86,7 @@ class Guards:
         # is the policy's own change.
         key = "mismatch_numerics_abs_mean" if m.get("mismatch_split_tokens", 0.0) > 0 else \
             "mismatch_abs_mean"
-        limit, value = self.cfg.mismatch_alarm, m.get(key)
+        limit, value = self.cfg.guards.mismatch_alarm, m.get(key)
         if limit is None or value is None or value <= limit:
             return None
         if m.get("skipped") and not math.isfinite(value):
@@ -95,6 +95,6 @@ class Guards:
         worst = m.get(key.replace("mean", "max"), float("nan"))
         msg = (f"step {step}: rollout/trainer log-prob mismatch {value:.3g} (mean |diff| on "
                f"sampled tokens, max {worst:.3g}) exceeds "
-               f"mismatch_alarm={limit}: the weight sync or the dtypes are likely broken")
+               f"guards.mismatch_alarm={limit}: the weight sync or the dtypes are likely broken")
         log.warning("%s", msg)
         return msg

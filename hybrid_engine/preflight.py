@@ -58,8 +58,9 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     from hybrid_engine.parallel.sharding import check_shard_group
 
     check_shard_group(cfg.train, trainers)
-    check_kv_cache(cfg.rollout.kv_cache_gib, local_world_size)
-    check_rollout_limits(cfg.rollout, hf, dtype=cfg.model.rollout_dtype)
+    check_kv_cache(cfg.memory.kv_cache_gib, local_world_size)
+    check_rollout_limits(cfg.rollout, hf, dtype=cfg.model.rollout_dtype,
+                         kv_cache_gib=cfg.memory.kv_cache_gib)
     check_gpu(local_world_size)
     check_registered(cfg)  # names of estimators, losses, envs: lists the registered ones
     from hybrid_engine.algorithms.algorithm import Algorithm
@@ -186,7 +187,7 @@ def check_model_folder(folder: Path) -> Any:
 _CPU_KV_BLOCK_TOKENS = 128  # vLLM-CPU's default block_size (platforms/cpu.py) [0.32]
 
 
-def check_rollout_limits(rollout: Any, hf: Any, *, dtype: str) -> None:
+def check_rollout_limits(rollout: Any, hf: Any, *, dtype: str, kv_cache_gib: float) -> None:
     """What vLLM would refuse with a message about its own internals:
     stop_token_ids outside the vocabulary, a max_model_len past the model's
     positions, and (CPU) a KV cache that cannot hold one max_model_len sequence."""
@@ -213,14 +214,14 @@ def check_rollout_limits(rollout: Any, hf: Any, *, dtype: str) -> None:
                  * torch.empty(0, dtype=getattr(torch, dtype)).element_size())
     # vLLM-CPU pages the cache in blocks of 128 tokens and reserves one (the null block).
     block = _CPU_KV_BLOCK_TOKENS * per_token
-    budget = int(rollout.kv_cache_gib * 2**30)
+    budget = int(kv_cache_gib * 2**30)
     holds = max(0, budget // block - 1) * _CPU_KV_BLOCK_TOKENS
     if holds < rollout.max_model_len:
         raise ValueError(
-            f"rollout.kv_cache_gib={rollout.kv_cache_gib:g} holds {holds} tokens of this model "
+            f"memory.kv_cache_gib={kv_cache_gib:g} holds {holds} tokens of this model "
             f"per rank ({per_token} bytes each in {dtype}, in blocks of {_CPU_KV_BLOCK_TOKENS} "
             f"less one reserved), less than one sequence of rollout.max_model_len="
-            f"{rollout.max_model_len}: raise kv_cache_gib or lower max_model_len")
+            f"{rollout.max_model_len}: raise memory.kv_cache_gib or lower rollout.max_model_len")
 
 
 def check_parallel(hf: Any, tp: int, world_size: int, *, what: str = "world size") -> None:
@@ -265,9 +266,9 @@ def check_kv_cache(kv_cache_gib: float, local_world_size: int) -> None:
     need = kv_cache_gib * local_world_size
     total = psutil.virtual_memory().total / 2**30  # not .available: the same on every rank
     if need > total:
-        raise ValueError(f"rollout.kv_cache_gib={kv_cache_gib:g} x {local_world_size} rank(s) on "
+        raise ValueError(f"memory.kv_cache_gib={kv_cache_gib:g} x {local_world_size} rank(s) on "
                          f"this machine = {need:g} GiB, more than its {total:.1f} GiB of memory: "
-                         "lower rollout.kv_cache_gib")
+                         "lower memory.kv_cache_gib")
 
 
 def check_gpu(local_world_size: int, *, environ: dict | None = None) -> None:

@@ -60,7 +60,7 @@ class Trajectory:
         policy_version: the version of the weights that sampled it (its oldest
             token, when versions differ within it): the RL step counter when
             they did, steps that trained nothing included (its staleness at
-            step s is s - policy_version; `rollout.max_staleness` bounds it).
+            step s is s - policy_version; `async_rollout.max_staleness` bounds it).
         info: free-form metadata; always has "degenerate" (bool, default False).
             "token_versions" (R ints): the version that sampled each response
             token, when they differ within a sequence (partial rollouts'

@@ -154,7 +154,7 @@ def test_nonfinite_steps_are_skipped_then_abort(model_dir, tmp_path) -> None:
     proc = _train(model_dir, out, f"--env.reward_fn={tmp_path / 'reward.py'}:reward",
                   "--algorithm.advantage=drgrpo", "--train.num_steps=6", "--checkpoint_every=1",
                   "--keep_checkpoints=5",
-                  "--train.max_nonfinite_in_a_row=2")
+                  "--guards.max_nonfinite_in_a_row=2")
     line = _assert_one_error(proc, out, ["step 4: 2 steps in a row had a non-finite loss",
                                          "step_00000003"])
     rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}

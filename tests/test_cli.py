@@ -41,10 +41,21 @@ def test_config_applies_overrides_and_rejects_typos(tmp_path):
     assert bad.returncode != 0 and "train" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_config_keys_lists_documented_fields():
+def test_config_keys_lists_documented_fields_grouped_by_concern():
     out = _cli("config", "--keys")
     assert out.returncode == 0, out.stderr
-    assert "--train.lr=" in out.stdout and "--rollout.tensor_parallel_size=" in out.stdout
+    blocks = {b.splitlines()[0]: b.splitlines()[1:] for b in out.stdout.strip().split("\n\n")}
+    heads = [h.split(":")[0] for h in blocks]
+    assert heads == ["# model", "# rollout", "# train", "# algorithm", "# sync", "# env",
+                     "# async_rollout", "# memory", "# guards", "# top level"]
+    for head, lines in blocks.items():
+        section = head[2:].split(":")[0]
+        assert lines and all(ln.startswith(f"--{section}.") for ln in lines) or \
+            section == "top level" and all("." not in ln.split("=")[0] for ln in lines), head
+    memory = next(lines for head, lines in blocks.items() if head.startswith("# memory"))
+    assert [ln.split("=")[0] for ln in memory] == [
+        "--memory.release", "--memory.budget", "--memory.kv_cache_gib",
+        "--memory.gpu_memory_fraction", "--memory.offload_optimizer", "--memory.emulate_gpu_sleep"]
 
 
 def test_tiny_model_writes_a_loadable_folder(tmp_path):

@@ -232,7 +232,7 @@ def test_a_guard_aborts_after_writing_the_steps_metrics_before_its_checkpoint() 
                 "grad_norm": float("nan") if bad else 1.0}
 
     log, error, rows = _fast_run({"train.num_steps": 10, "checkpoint_every": 1,
-                                  "train.max_nonfinite_in_a_row": 2},
+                                  "guards.max_nonfinite_in_a_row": 2},
                                  train_metrics=nonfinite_from_step_2)
     assert isinstance(error, RunAborted) and "2 steps in a row" in str(error)
     assert [r["nonfinite_in_a_row"] for r in rows] == [0.0, 1.0, 2.0]
@@ -284,8 +284,8 @@ def _config(model_dir: str, out_dir: str, overrides: dict):
         "model.path": model_dir, "output_dir": out_dir, "env.name": "test_digits",
         "rollout.num_samples_per_prompt": 4, "rollout.max_tokens": 8, "train.num_steps": 2,
         "train.prompts_per_step": 4, "train.lr": 1e-3, "checkpoint_every": 0, "eval_every": 0,
-        "env.num_eval_prompts": 4, "rollout.emulate_gpu_sleep": True,
-        "rollout.release_memory": "true",  # every phase: the emulation acts every step
+        "env.num_eval_prompts": 4, "memory.emulate_gpu_sleep": True,
+        "memory.release": "true",  # every phase: the emulation acts every step
     }
     return apply_overrides(get_recipe("tiny_grpo_debug"), {**base, **overrides})
 
@@ -333,10 +333,10 @@ def _check_trained(summary: dict, steps: int) -> None:
         previous = h["elapsed_s"]
 
 
-# Optimizer state parked between steps (train.offload_optimizer): eval, checkpoints
+# Optimizer state parked between steps (memory.offload_optimizer): eval, checkpoints
 # and a resume around a parked state must not change a single metric.
 _STRAIGHT = {"rollout.tensor_parallel_size": 2, "checkpoint_every": 2, "keep_checkpoints": 2,
-             "eval_every": 2, "train.num_steps": 4, "train.offload_optimizer": True}
+             "eval_every": 2, "train.num_steps": 4, "memory.offload_optimizer": True}
 
 
 def _resume_from_step(run_dir, step: int, tmp_path):  # noqa: ANN001, ANN202
@@ -424,8 +424,8 @@ def test_resume_reproduces_the_straight_run(model_dir, straight, tmp_path) -> No
     k = 2
     ref = straight.ranks[0]
     resident = run_ranks(_run_job, 2, model_dir, str(tmp_path / "r"),
-                         {**_STRAIGHT, "train.offload_optimizer": False,
-                          "rollout.release_memory": False, "rollout.emulate_gpu_sleep": False},
+                         {**_STRAIGHT, "memory.offload_optimizer": False,
+                          "memory.release": False, "memory.emulate_gpu_sleep": False},
                          timeout=400)[0]
     assert _comparable(ref["history"]) == _comparable(resident["history"])
     assert not any("offload_moved_bytes" in h for h in resident["history"])
@@ -502,8 +502,9 @@ def test_broken_sync_trips_the_mismatch_alarm(model_dir, tmp_path, emulate) -> N
     emulated its weights are NaN after the first release, and the engine refuses to
     return NaN samples at the next generate, before any alarm."""
     overrides = {"rollout.tensor_parallel_size": 2, "train.num_steps": 4, "train.lr": 1e-2,
-                 "sync.verify": False, "mismatch_alarm": 1e-3, "mismatch_abort": True,
-                 "rollout.emulate_gpu_sleep": emulate, "rollout.release_memory": "true"}
+                 "sync.verify": False, "guards.mismatch_alarm": 1e-3,
+                 "guards.mismatch_abort": True, "memory.emulate_gpu_sleep": emulate,
+                 "memory.release": "true"}
     out = run_ranks(_run_with_layer0_unsynced, 2, model_dir, str(tmp_path / "run"), overrides,
                     timeout=400)
     expected = "NaN log-probs" if emulate else "log-prob mismatch"

@@ -12,7 +12,8 @@
   * `hybrid_engine.a.b` is a module, or a module followed by attribute names
     that appear in the module's source;
   * `a.b` whose first part is a module or package of hybrid_engine (and which
-    is not a config key such as `rollout.max_staleness`) is read as
+    is not a config key such as `async_rollout.max_staleness`, or a renamed
+    one) is read as
     `hybrid_engine.a.b`;
   * tokens with `*`, `<` or `{` are patterns or placeholders and are skipped.
   Fenced code blocks are not scanned (commands, not references).
@@ -70,13 +71,13 @@ def _cell(text: str) -> str:
 def config_reference() -> str:
     """Markdown for every config key of RunConfig(), grouped by section."""
     from hybrid_engine.config import RunConfig
-    from hybrid_engine.config.overrides import describe
+    from hybrid_engine.config import describe
 
     sections: dict[str, list[tuple[str, str, str]]] = {}
     for key, value, doc in describe(RunConfig()):
         section = key.split(".", 1)[0] if "." in key else ""
         sections.setdefault(section, []).append((key, value, doc))
-    out = [f"Generated from the dataclasses in `hybrid_engine/config/__init__.py` by "
+    out = [f"Generated from the dataclasses in `hybrid_engine/config/sections.py` by "
            f"`{REGENERATE}`; defaults are `RunConfig()`'s (a recipe sets its own).", ""]
     for section, rows in sections.items():
         out += [f"### `{section}`" if section else "### Top level", "",
@@ -84,6 +85,14 @@ def config_reference() -> str:
         out += [f"| `{k}` | `{_cell(v)}` | {_cell(d)} |" for k, v, d in rows]
         out.append("")
     return "\n".join(out)
+
+
+def test_every_renamed_key_is_listed() -> None:
+    from hybrid_engine.config import RENAMED_KEYS
+
+    text = CONFIG_DOC.read_text(encoding="utf-8")
+    missing = [o for o, n in RENAMED_KEYS.items() if f"| `{o}` | `{n}` |" not in text]
+    assert missing == [], f"{CONFIG_DOC.relative_to(REPO)}: renamed keys not listed: {missing}"
 
 
 def _split_generated(text: str) -> tuple[str, str, str]:
@@ -117,10 +126,9 @@ def test_config_reference_is_generated_from_the_dataclasses() -> None:
 
 @cache
 def config_keys() -> frozenset[str]:
-    from hybrid_engine.config import RunConfig
-    from hybrid_engine.config.overrides import describe
+    from hybrid_engine.config import RENAMED_KEYS, RunConfig, describe
 
-    return frozenset(k for k, _, _ in describe(RunConfig()))
+    return frozenset(k for k, _, _ in describe(RunConfig())) | frozenset(RENAMED_KEYS)
 
 
 @cache
@@ -256,7 +264,7 @@ def test_the_path_rule_catches_stale_references() -> None:
     assert check_token("benchmarks/results/chaos_cpu_202611.md") is None
     assert check_token("hybrid_engine.launch.launch_local") is None
     assert check_token("hybrid_engine._C") is None
-    assert check_token("rollout.max_staleness") is None  # a config key
+    assert check_token("async_rollout.max_staleness") is None  # a config key
     assert check_token("benchmarks/results/<topic>_<device>_<yyyymm>.md") is None
     assert check_token("roles.vllm_rollout") is not None
     assert check_token("policy.no_such_module") is not None

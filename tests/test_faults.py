@@ -160,7 +160,7 @@ def test_killed_rank_stops_the_job_and_resume_reproduces(reference, killed_runs,
 # Separate placement with generation ahead: rank 0 trains, rank 1 samples in its
 # generation thread while its main thread joins the step's collectives.
 AHEAD = ("--placement=separate", "--rollout.num_ranks=1", "--rollout.tensor_parallel_size=1",
-         "--rollout.max_staleness=1", "--algorithm.behaviour_logp=rollout")
+         "--async_rollout.max_staleness=1", "--algorithm.behaviour_logp=rollout")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from hybrid_engine.guards import Guards
 
 
 def _cfg(**overrides: object) -> RunConfig:
-    return apply_overrides(RunConfig(), overrides)  # dotted keys
+    """A RunConfig with these keys of the guards section."""
+    return apply_overrides(RunConfig(), {f"guards.{k}": v for k, v in overrides.items()})
 
 
 def test_mismatch_alarm_flags_always_and_aborts_only_when_asked() -> None:
@@ -38,20 +39,20 @@ def test_with_stale_samples_the_alarm_watches_the_numerics_not_the_drift() -> No
 
 
 def test_nonfinite_streak_counts_resets_and_aborts_at_the_limit() -> None:
-    g = Guards(_cfg(**{"train.max_nonfinite_in_a_row": 2}), lambda: "ckpt/step_00000003")
+    g = Guards(_cfg(max_nonfinite_in_a_row=2), lambda: "ckpt/step_00000003")
     rows = [{"skipped": 1.0}, {"skipped": 0.0}, {"skipped": 1.0}, {"eval/accuracy": 0.5},
             {"skipped": 1.0}]
     answers = [g.check(i, r) for i, r in enumerate(rows, 1)]
     assert [r.get("nonfinite_in_a_row") for r in rows] == [1.0, 0.0, 1.0, None, 2.0]
     assert answers[:4] == [None] * 4
     assert "step 5: 2 steps in a row" in answers[4] and "ckpt/step_00000003" in answers[4]
-    unlimited = Guards(_cfg(**{"train.max_nonfinite_in_a_row": 0}))
+    unlimited = Guards(_cfg(max_nonfinite_in_a_row=0))
     assert all(unlimited.check(i, {"skipped": 1.0}) is None for i in range(10))
 
 
 def test_a_step_counts_toward_the_streak_only_when_no_update_was_taken() -> None:
     """Four updates, one skipped: the weights moved, so the streak breaks."""
-    g = Guards(_cfg(**{"train.max_nonfinite_in_a_row": 2}))
+    g = Guards(_cfg(max_nonfinite_in_a_row=2))
     rows = [{"skipped": 4.0, "optimizer_steps": 0.0}, {"skipped": 1.0, "optimizer_steps": 3.0},
             {"skipped": 4.0, "optimizer_steps": 0.0}]
     assert [g.check(i, r) for i, r in enumerate(rows, 1)] == [None] * 3
@@ -60,7 +61,7 @@ def test_a_step_counts_toward_the_streak_only_when_no_update_was_taken() -> None
 
 def test_the_streak_survives_a_resume() -> None:
     """A run resumed after 2 skipped steps aborts at the same step as the straight run."""
-    cfg = _cfg(**{"train.max_nonfinite_in_a_row": 3})
+    cfg = _cfg(max_nonfinite_in_a_row=3)
     straight = Guards(cfg)
     assert [straight.check(i, {"skipped": 1.0}) is None for i in (1, 2, 3)] == [True, True, False]
     first = Guards(cfg)
@@ -77,7 +78,7 @@ def test_the_streak_survives_a_resume() -> None:
 def test_a_nan_mismatch_on_a_skipped_step_is_left_to_the_nonfinite_streak() -> None:
     """A NaN trainer forward makes the mismatch NaN too; the step is skipped, and the
     non-finite streak (not the weight-sync alarm) decides whether to stop."""
-    g = Guards(_cfg(**{"mismatch_abort": True, "train.max_nonfinite_in_a_row": 3}))
+    g = Guards(_cfg(mismatch_abort=True, max_nonfinite_in_a_row=3))
     row = {"skipped": 1.0, "mismatch_abs_mean": float("nan")}
     assert g.check(1, row) is None and "mismatch_alarm" not in row
     assert "exceeds" in g.check(2, {"skipped": 0.0, "mismatch_abs_mean": float("nan")})

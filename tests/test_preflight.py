@@ -28,8 +28,11 @@ def hf(model_dir):  # noqa: ANN201
     return AutoConfig.from_pretrained(model_dir)
 
 
+KV_GIB = 0.25  # the KV cache of the checks that are not about its size
+
+
 def _rollout(**kw) -> RolloutConfig:  # noqa: ANN003
-    return dataclasses.replace(RolloutConfig(max_model_len=128, max_tokens=8, kv_cache_gib=0.25), **kw)
+    return dataclasses.replace(RolloutConfig(max_model_len=128, max_tokens=8), **kw)
 
 
 def test_output_dir_under_a_file(tmp_path) -> None:
@@ -41,20 +44,24 @@ def test_output_dir_under_a_file(tmp_path) -> None:
 
 def test_stop_token_outside_the_vocabulary(hf) -> None:
     vocab = hf.vocab_size
-    check_rollout_limits(_rollout(stop_token_ids=(0, vocab - 1)), hf, dtype="bfloat16")
+    check_rollout_limits(_rollout(stop_token_ids=(0, vocab - 1)), hf, dtype="bfloat16",
+                         kv_cache_gib=KV_GIB)
     with pytest.raises(ValueError, match=rf"stop_token_ids \[{vocab}\] are outside the model's "
                                          rf"vocabulary \(vocab_size={vocab}\)"):
-        check_rollout_limits(_rollout(stop_token_ids=(3, vocab)), hf, dtype="bfloat16")
+        check_rollout_limits(_rollout(stop_token_ids=(3, vocab)), hf, dtype="bfloat16",
+                             kv_cache_gib=KV_GIB)
 
 
 def test_max_model_len_past_the_models_positions(hf, monkeypatch) -> None:
     positions = hf.max_position_embeddings
-    check_rollout_limits(_rollout(max_model_len=positions), hf, dtype="bfloat16")
+    check_rollout_limits(_rollout(max_model_len=positions), hf, dtype="bfloat16", kv_cache_gib=KV_GIB)
     with pytest.raises(ValueError, match=rf"max_model_len={positions + 1} is more than the "
                                          rf"model's max_position_embeddings={positions}"):
-        check_rollout_limits(_rollout(max_model_len=positions + 1), hf, dtype="bfloat16")
+        check_rollout_limits(_rollout(max_model_len=positions + 1), hf, dtype="bfloat16",
+                             kv_cache_gib=KV_GIB)
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own override
-    check_rollout_limits(_rollout(max_model_len=positions + 1), hf, dtype="bfloat16")
+    check_rollout_limits(_rollout(max_model_len=positions + 1), hf, dtype="bfloat16",
+                         kv_cache_gib=KV_GIB)
 
 
 def test_kv_cache_smaller_than_one_sequence(hf) -> None:
@@ -66,13 +73,13 @@ def test_kv_cache_smaller_than_one_sequence(hf) -> None:
     per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 4  # fp32, T=1
     assert 128 * per_token == 131072
     fits = 2 * 131072 / 2**30
-    check_rollout_limits(_rollout(kv_cache_gib=fits), hf, dtype="float32")
+    check_rollout_limits(_rollout(), hf, dtype="float32", kv_cache_gib=fits)
     with pytest.raises(ValueError, match=rf"holds 0 tokens of this model per rank "
                                          rf"\({per_token} bytes each in float32"):
-        check_rollout_limits(_rollout(kv_cache_gib=fits * 0.99), hf, dtype="float32")
-    check_rollout_limits(_rollout(kv_cache_gib=fits / 2), hf, dtype="bfloat16")  # half the bytes
-    with pytest.raises(ValueError, match="raise kv_cache_gib or lower max_model_len"):
-        check_rollout_limits(_rollout(kv_cache_gib=fits, max_model_len=129), hf, dtype="float32")
+        check_rollout_limits(_rollout(), hf, dtype="float32", kv_cache_gib=fits * 0.99)
+    check_rollout_limits(_rollout(), hf, dtype="bfloat16", kv_cache_gib=fits / 2)  # half the bytes
+    with pytest.raises(ValueError, match="raise memory.kv_cache_gib or lower rollout.max_model_len"):
+        check_rollout_limits(_rollout(max_model_len=129), hf, dtype="float32", kv_cache_gib=fits)
 
 
 def test_preflight_runs_the_rollout_limits(model_dir, tmp_path) -> None:
@@ -146,21 +153,21 @@ def test_bad_model_folder(model_dir, tmp_path, kind) -> None:
     (["--placement=separate", "--rollout.num_ranks=1", "--rollout.tensor_parallel_size=2"],
      "must divide the rollout ranks (rollout.num_ranks=1)"),
     (["--placement=nope"], "placement"),
-    (["--placement=separate", "--train.offload_optimizer=true"], "needs placement=colocated"),
+    (["--placement=separate", "--memory.offload_optimizer=true"], "needs placement=colocated"),
     (["--rollout.num_samples_per_prompt=1"], "algorithm.advantage='grpo' needs >= 2 samples"),
     (["--algorithm.advantage=nope"], "algorithm.advantage: unknown advantage estimator 'nope'"),
     (["--algorithm.kl_estimator=k4"], "algorithm.kl_estimator: unknown KL estimator 'k4'"),
     (["--env.name=nope"], "unknown environment 'nope'"),
     (["--env.min_digits=3", "--env.max_digits=2"], "env.min_digits=3 must be <="),
-    (["--rollout.kv_cache_gib=100000"],
-     ["rollout.kv_cache_gib=100000", "lower rollout.kv_cache_gib"]),
+    (["--memory.kv_cache_gib=100000"],
+     ["memory.kv_cache_gib=100000", "lower memory.kv_cache_gib"]),
     (["--resume"], "no complete checkpoint under"),
     (["--env.reward_fn=no_colon"], "must look like 'path/to/file.py:function'"),
     (["--env.reward_fn=/no/such/file.py:reward"], "does not exist"),
     (["--env.reward_fn=x.py:r", "--env.reward_model_path=/m"], "set at most one of env.reward_fn"),
     (["--rollout.max_model_len=100000"], "more than the model's max_position_embeddings=512"),
-    (["--rollout.kv_cache_gib=0.0001"], ["less than one sequence of rollout.max_model_len=128",
-                                         "raise kv_cache_gib"]),
+    (["--memory.kv_cache_gib=0.0001"], ["less than one sequence of rollout.max_model_len=128",
+                                         "raise memory.kv_cache_gib"]),
     (["--rollout.stop_token_ids=99999"], "stop_token_ids [99999] are outside the model's vocab"),
     (["--env.max_digits=5000"], "env.max_digits must be <= 4000"),
     (["--algorithm.advantage=reinforce_pp", "--algorithm.dynamic_sampling=true",

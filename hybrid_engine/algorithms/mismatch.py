@@ -17,7 +17,7 @@ their mismatch metrics out).
 A healthy sync gives ~1e-6 in fp32 and ~1e-2 in bf16; a broken one (a
 layer not written, stale weights) gives values orders of magnitude larger.
 
-Under staleness (rollout.max_staleness, partial rollouts) the rollout's
+Under staleness (async_rollout.max_staleness, partial rollouts) the rollout's
 log-probs come from older weights, so the three metrics mix the policy's own
 drift with the engine/trainer numerics. When the batch carries the engine's
 log-probs under the trainer's current weights (`engine_logp_BT`, the
@@ -29,7 +29,7 @@ split:
                          change since sampling, numerics-free (one engine)
     mismatch_split_tokens  the loss tokens they are measured on
 
-The scorer re-scores a sample of the batch (`mismatch_split_sequences`); the
+The scorer re-scores a sample of the batch (`guards.mismatch_split_sequences`); the
 other sequences carry NaN engine log-probs and are left out of the split,
 whose means are weighted by mismatch_split_tokens when micro-batches, ranks
 and updates combine (`losses.metric_weight`). The mismatch alarm watches the

@@ -4,8 +4,9 @@ Job: everything about configs that does not depend on which sections exist.
 It converts values to a field's annotation (Literal, `X | None`, tuples, bool
 words), checks the numeric bounds kept in field metadata, walks dotted keys
 (`train.lr`), suggests the closest key for a typo, flattens and loads YAML,
-parses CLI argv, and implements describe / to_dict / from_dict for any root
-dataclass passed in. `hybrid_engine.config` declares the sections and
+parses CLI argv, maps renamed keys to their new names (with a one-line
+notice), and implements from_dict for any root dataclass passed in (listing.py
+describes one). `hybrid_engine.config` declares the sections and
 re-exports the public functions.
 
 Invariant: a value reaches a config only through `_convert` (typed per the
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
+import logging
 import math
 import operator
 import os
@@ -34,20 +35,18 @@ import yaml
 
 __all__ = [
     "apply_overrides",
-    "check_registered",
-    "describe",
+    "register_renamed",
     "doc_field",
     "flatten",
     "from_dict",
-    "help_text",
     "load_yaml",
     "parse_cli_overrides",
     "section_prefixes",
-    "to_dict",
     "validate_fields",
 ]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 BOUNDS = {
     "gt": (">", operator.gt),
@@ -264,76 +263,6 @@ def _leaf_types(cls: type) -> dict[str, Any]:
     return leaves
 
 
-def describe(cfg: Any) -> list[tuple[str, str, str]]:
-    """Lists every leaf field of a config as (dotted key, repr(value), doc).
-
-    Args:
-        cfg: a RunConfig (or any section); values shown are cfg's, so
-            describe(RunConfig()) gives the defaults and describe(recipe) the
-            recipe's settings.
-    """
-    rows: list[tuple[str, str, str]] = []
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if is_dataclass(value):
-            rows += [(f"{f.name}.{k}", v, d) for k, v, d in describe(value)]
-        else:
-            rows.append((f.name, repr(value), f.metadata.get("doc", "")))
-    return rows
-
-
-def _registry(spec: str) -> Any:
-    module, name = spec.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def _registry_fields(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
-    """(dotted key, value, registry spec) of every registry-named field of cfg."""
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if is_dataclass(value):
-            yield from _registry_fields(value, f"{prefix}{f.name}.")
-        elif "registry" in f.metadata:
-            yield prefix + f.name, value, f.metadata["registry"]
-
-
-def check_registered(cfg: Any) -> None:
-    """Every registry-named field of cfg names a registered entry (at build time:
-    entries a user registers before building the run count).
-
-    Raises:
-        ValueError: names the key, the registered names and the closest one.
-    """
-    for key, value, spec in _registry_fields(cfg):
-        try:
-            _registry(spec).get(value)
-        except ValueError as e:
-            raise ValueError(f"{key}: {e}") from None
-
-
-def help_text(cfg: Any) -> str:
-    """describe(cfg) as aligned `--key=value  doc` lines, for a CLI --help;
-    a registry-named field lists what is registered now."""
-    names = {key: _registry(spec).names() for key, _, spec in _registry_fields(cfg)}
-    rows = [(k, v, f"{d} Registered: {', '.join(names[k])}." if k in names else d)
-            for k, v, d in describe(cfg)]
-    width = max(len(k) + len(v) for k, v, _ in rows) + 4
-    return "\n".join(f"--{k}={v}".ljust(width) + f"  {d}" for k, v, d in rows)
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """Nested dict of plain values (tuples as lists), safe for yaml.safe_dump / json."""
-    out: dict[str, Any] = {}
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if is_dataclass(value):
-            value = to_dict(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[f.name] = value
-    return out
-
-
 def from_dict(root: type[T], d: Mapping[str, Any]) -> T:
     """Inverse of to_dict for a root config class; also accepts dotted keys.
 
@@ -372,6 +301,26 @@ def _unknown_key_error(key: str, leaves: Mapping[str, Any]) -> ValueError:
     return ValueError(f"unknown config key {key!r}; {hint}")
 
 
+_RENAMED: dict[type, dict[str, str]] = {}
+_NOTICED: set[str] = set()
+
+
+def register_renamed(root: type, renamed: Mapping[str, str]) -> None:
+    """Old dotted keys of root's configs that still work, {old: new}: each is
+    read as its new key, with a one-line deprecation notice (once per process)."""
+    _RENAMED[root] = dict(renamed)
+
+
+def _current_key(root: type, key: str) -> str:
+    new = _RENAMED.get(root, {}).get(key)
+    if new is None:
+        return key
+    if key not in _NOTICED:
+        _NOTICED.add(key)
+        log.warning("config key %r is deprecated: use %r", key, new)
+    return new
+
+
 def _split_assignment(item: str) -> tuple[str, str]:
     key, sep, value = item.removeprefix("--").partition("=")
     if not sep or not key:
@@ -402,6 +351,7 @@ def apply_overrides(cfg: T, overrides: Mapping[str, Any] | list[str]) -> T:
     leaves = _leaf_types(type(cfg))
     changes: dict[str, Any] = {}
     for key, raw in pairs:
+        key = _current_key(type(cfg), key)
         if key not in leaves:
             raise _unknown_key_error(key, leaves)
         node = changes

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from hybrid_engine.config import (
     AlgorithmConfig,
+    MemoryConfig,
     ModelConfig,
     RolloutConfig,
     RunConfig,
@@ -97,9 +98,9 @@ def tiny_grpo_debug() -> RunConfig:
             num_samples_per_prompt=4,
             max_tokens=16,
             max_model_len=128,
-            kv_cache_gib=0.25,
             enforce_eager=True,
         ),
+        memory=MemoryConfig(kv_cache_gib=0.25),
         train=TrainConfig(lr=1e-4, num_steps=3, prompts_per_step=4, micro_batch_size=4),
         # Tiny buckets so even a tiny model's sync goes through several of them.
         sync=SyncConfig(bucket_mb=0.25, verify=True),
@@ -151,9 +152,8 @@ def qwen05b_grpo() -> RunConfig:
     """
     return RunConfig(
         model=ModelConfig(path=""),
-        rollout=RolloutConfig(
-            num_samples_per_prompt=8, max_tokens=1024, max_model_len=2048, kv_cache_gib=16.0
-        ),
+        rollout=RolloutConfig(num_samples_per_prompt=8, max_tokens=1024, max_model_len=2048),
+        memory=MemoryConfig(kv_cache_gib=16.0),
         train=TrainConfig(
             lr=1e-6,
             weight_decay=0.01,

@@ -23,10 +23,10 @@ the ranks one copy is sharded over: M full/grad_op, 1 replicate):
                 checkpointing: tokens x L x h x c + one layer), plus a
                 logits chunk (tokens x vocab x 4 bytes x 3)
     resident    colocated: the engine's weights (P / T in the rollout dtype)
-                and, on CPU unless release_memory=true, its KV cache (on GPU
+                and, on CPU unless memory.release=true, its KV cache (on GPU
                 the engine sizes its KV cache from what the trainer leaves)
 
-The budget is `rollout.memory_budget` x RAM / ranks on this machine (GPU:
+The budget is `memory.budget` x RAM / ranks on this machine (GPU:
 x the device's memory), the smallest over the ranks (every rank decides
 the same). The estimate is a bound for choosing, not an accounting: the
 choice and its numbers are logged on rank 0.
@@ -106,9 +106,9 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
     act += min(t.logits_chunk_tokens, tokens) * dims.vocab * 4 * 3
     resident = 0
     if colocated:
-        release = cfg.rollout.release_memory == "true"
+        release = cfg.memory.release == "true"
         weights = p * _ITEMSIZE[cfg.model.rollout_dtype] // cfg.rollout.tensor_parallel_size
-        kv = 0 if cuda or release else int(cfg.rollout.kv_cache_gib * _GIB)
+        kv = 0 if cuda or release else int(cfg.memory.kv_cache_gib * _GIB)
         resident = (0 if cuda and release else weights) + kv
     return LayoutEstimate(sharding, size, 4 * p * m // size, gathered, whole, act, resident)
 
@@ -186,7 +186,7 @@ def resolve_train_config(cfg: RunConfig, dims: ModelDims, trainers: int, *, colo
     if budget is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()
                                    if dist.is_initialized() else 1))
-        budget = budget_bytes(cfg.rollout.memory_budget, device, local)
+        budget = budget_bytes(cfg.memory.budget, device, local)
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = torch.tensor([budget], dtype=torch.int64,
                                device=device if device.type == "cuda" else "cpu")

@@ -1,4 +1,4 @@
-"""Batches generated ahead of training (`rollout.max_staleness`): what `collect_async` returns.
+"""Batches generated ahead of training (`async_rollout.max_staleness`): what `collect_async` returns.
 
 Job: a policy's `collect_async(env, prompts, num_samples=, seed=)` starts the
 generation of a batch and returns a handle; `handle.result()` (collective)
@@ -28,7 +28,7 @@ generate on the main thread first drains the generation thread; a batch
 submitted after a sync began waits on the generation thread for that sync to
 be installed (`policy/separate.py`); a weight install waits for the batches
 submitted before its sync began (`SerialWorker.pending()`), so each batch is
-sampled with one version -- unless `rollout.inflight_updates` lets the
+sampled with one version -- unless `async_rollout.inflight_updates` lets the
 install land between two engine steps of the running batch
 (`policy/inflight.py`): its later tokens, and every token of a batch
 queued behind it (k >= 2), then carry the newer version.
@@ -148,7 +148,7 @@ class Inflight:
         return self._out
 
 
-# --- the controller's queue of batches ahead (rollout.ahead_schedule) --------------------
+# --- the controller's queue of batches ahead (async_rollout.schedule) --------------------
 
 
 def split_burst(trajs: list, seconds: float, batches: int, groups: int,
@@ -197,7 +197,7 @@ def resumable_batches(ahead: list[dict], step: int, k: int,
         return [(b["version"], Generated([trajectory_from_json(t) for t in b["trajs"]],
                                          b["generate_s"])) for b in ahead]
     _log.warning("the checkpoint holds %d batch(es) generated ahead that this run cannot train "
-                 "(rollout.max_staleness=%d, %d trajectories a batch): discarded; their prompts "
+                 "(async_rollout.max_staleness=%d, %d trajectories a batch): discarded; their prompts "
                  "are skipped and the next batches are sampled with the restored weights",
                  len(ahead), k, size)
     return []

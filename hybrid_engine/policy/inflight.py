@@ -1,4 +1,4 @@
-"""In-flight weight updates (`rollout.inflight_updates`): a sync's install handed to
+"""In-flight weight updates (`async_rollout.inflight_updates`): a sync's install handed to
 the generation thread's next engine-step boundary.
 
 Job: under placement=separate with generation ahead, the sync thread writes new

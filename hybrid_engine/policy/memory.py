@@ -1,6 +1,6 @@
 """Whether the colocated engine must release its memory for a training phase.
 
-Job: `rollout.release_memory=auto`. Releasing costs a regrow per step (CPU:
+Job: `memory.release=auto`. Releasing costs a regrow per step (CPU:
 the KV cache's pages faulted back in; GPU: a sleep/wake and a weight resync),
 so the engine releases only when the trainer would not fit beside it:
 
@@ -13,7 +13,7 @@ so the engine releases only when the trainer would not fit beside it:
   start) minus the RSS at its end; GPU: max_memory_allocated minus
   memory_allocated, the peak reset at the phase start. The largest seen so far.
 - free, read before each training phase with the engine resident:
-  CPU: `rollout.memory_budget` x RAM minus what the machine uses now, shared
+  CPU: `memory.budget` x RAM minus what the machine uses now, shared
   by this machine's ranks; GPU: `mem_get_info` plus the allocator's cached,
   unused bytes.
 
@@ -64,11 +64,11 @@ def _status_kib(field: str) -> int:
 
 
 class ReleasePolicy:
-    """rollout.release_memory as a decision per training phase.
+    """memory.release as a decision per training phase.
 
     Args:
         mode: "auto", "true" or "false".
-        budget: rollout.memory_budget (CPU: the fraction of RAM the job may use).
+        budget: memory.budget (CPU: the fraction of RAM the job may use).
         local_ranks: this machine's ranks (they share its RAM).
         device: the trainer's device (cuda: GPU accounting, else CPU).
         group: the ranks that decide together (None: the default group).
@@ -82,7 +82,7 @@ class ReleasePolicy:
                  device: torch.device | None = None, group: ProcessGroup | None = None) -> None:
         mode = str(mode).lower() if isinstance(mode, bool) else mode
         if mode not in ("auto", "true", "false"):
-            raise ValueError(f"release_memory must be 'auto', 'true' or 'false', got {mode!r}")
+            raise ValueError(f"memory.release must be 'auto', 'true' or 'false', got {mode!r}")
         self.mode, self.budget, self.local_ranks, self.group = mode, budget, local_ranks, group
         self.cuda = device is not None and device.type == "cuda"
         self.trainer_peak: int | None = None
@@ -104,7 +104,7 @@ class ReleasePolicy:
         if release != self.releasing:
             peak = "not measured yet" if self.trainer_peak is None else \
                 f"{self.trainer_peak / 2**20:.0f} MiB"
-            log.info("rollout.release_memory=auto: %s (trainer peak on this rank %s; %.0f MiB "
+            log.info("memory.release=auto: %s (trainer peak on this rank %s; %.0f MiB "
                      "free %s)", "the engine releases its memory for training" if release
                      else "the engine stays resident in training: the trainer fits beside it",
                      peak, free / 2**20, "on the GPU" if self.cuda else
@@ -124,7 +124,7 @@ class ReleasePolicy:
                     f.write("5")  # resets VmHWM to the current RSS
             self._measuring = True
         except OSError as e:  # no way to measure: stay with releasing
-            log.warning("rollout.release_memory=auto cannot measure the trainer's peak (%s): "
+            log.warning("memory.release=auto cannot measure the trainer's peak (%s): "
                         "the engine releases its memory in every training phase", e)
             self.mode = "true"
 

@@ -5,15 +5,15 @@ together and live here, changed only by the transitions below (each logged
 at DEBUG on the `hybrid_engine.policy.phases` logger):
 
     layout      "inference" (the engine holds its memory) or "training"
-                (the engine released it, when rollout.release_memory says so:
+                (the engine released it, when memory.release says so:
                 `true`, or `auto` when the trainer would not fit beside it,
                 policy/memory.py)
     weights     "valid"  vLLM holds the trainer's current weights
                 "stale"  the trainer changed them since (a train step, a load)
                 "lost"   a release discarded vLLM's weights (GPU sleep level 2,
-                         or rollout.emulate_gpu_sleep on CPU): the engine's own
+                         or memory.emulate_gpu_sleep on CPU): the engine's own
                          `weights_valid` says so, and it refuses to sample
-    optimizer   "device" or "host" (train.offload_optimizer parks it while the
+    optimizer   "device" or "host" (memory.offload_optimizer parks it while the
                 engine holds the device)
 
     to_train()    engine releases (weights -> lost where the platform drops
@@ -64,10 +64,10 @@ class Phases:
         rollout: the engine (release_memory / wake_weights / restore_memory,
             weights_valid).
         sync: writes the trainer's weights into the engine; returns metrics.
-        offload: the optimizer offload (train.offload_optimizer), or None.
-        release: rollout.release_memory: whether the engine releases its memory
+        offload: the optimizer offload (memory.offload_optimizer), or None.
+        release: memory.release: whether the engine releases its memory
             for a training phase (a bool, or a `ReleasePolicy` that decides per
-            phase: release_memory=auto).
+            phase: memory.release=auto).
 
     Attributes:
         layout: "inference" or "training".

@@ -9,12 +9,12 @@ its whole TP shard, cast to the rollout dtype in the pack kernel).
 
     generate / collect   rollout ranks sample; the trajectories are broadcast
                          from rank M, so every rank holds the same list
-    collect_async        rollout.max_staleness > 0: the rollout ranks' generation
+    collect_async        async_rollout.max_staleness > 0: the rollout ranks' generation
                          thread samples the batch while the main thread goes on
                          (trains, syncs: the overlap); `result()` broadcasts it
                          (`policy.ahead`). The sync lands in the engine's back
                          buffers while a generation runs and is installed
-                         between batches, or, with rollout.inflight_updates,
+                         between batches, or, with async_rollout.inflight_updates,
                          between two engine steps of the running batch
                          (`policy.inflight.InstallGate`, agreed by the TP group)
     train_step           trainer ranks step; metrics broadcast from rank 0
@@ -177,7 +177,7 @@ class SeparatePolicy:
         # it gets its own group (collectives of one group must not interleave
         # between threads). Not with the naive or verified sync: they gather full
         # tensors over the trainers' group, which the next step's training uses.
-        self._behind = (cfg.rollout.max_staleness > 0 and cfg.sync.method == "reshard"
+        self._behind = (cfg.async_rollout.max_staleness > 0 and cfg.sync.method == "reshard"
                         and not cfg.sync.verify)
         sync_group = dist.new_group(list(range(world))) if self._behind else None
         hf_config = self._build_side(train_cfg, trainer_group, rollout_ranks, rollout_group)
@@ -221,24 +221,25 @@ class SeparatePolicy:
 
         from hybrid_engine.rollout.engine import VLLMRollout
 
-        self.rollout = VLLMRollout(self.model_path, cfg.rollout, dtype=cfg.model.rollout_dtype,
+        self.rollout = VLLMRollout(self.model_path, cfg.rollout, memory=cfg.memory,
+                                   dtype=cfg.model.rollout_dtype,
                                    ranks=rollout_ranks, group=rollout_group)
         self.tokenizer = self.rollout.tokenizer
         return AutoConfig.from_pretrained(self.model_path)
 
     def _init_ahead(self, cfg: RunConfig) -> None:
-        """The state of generation ahead of training (rollout.max_staleness) and of
+        """The state of generation ahead of training (async_rollout.max_staleness) and of
         in-flight updates: the threads, the install gate, the sync behind the step."""
         # The rollout ranks' generation thread samples through _local (no
         # broadcast: result() shares).
         self._local = _SharedRollout(self.rollout, cfg.rollout, src=None)
         self._gen = SerialWorker("generation")
         if self.rollout is not None:
-            self.rollout.double_buffer = cfg.rollout.max_staleness > 0
-        # rollout.inflight_updates: the sync's install lands between two engine steps
+            self.rollout.double_buffer = cfg.async_rollout.max_staleness > 0
+        # async_rollout.inflight_updates: the sync's install lands between two engine steps
         # of the batch being sampled (agreed by the TP group), not after it.
         self._gate = (InstallGate(self.rollout.tp_all) if self.rollout is not None
-                      and cfg.rollout.inflight_updates else None)
+                      and cfg.async_rollout.inflight_updates else None)
         self._handed = 0  # syncs handed to the gate so far (main thread, in order)
         # The sync behind the next step (generation ahead): its thread, and the
         # metrics of the last one joined (reported by the next sync_weights).
@@ -300,7 +301,7 @@ class SeparatePolicy:
         from hybrid_engine.rollout.episodes import collect, is_multi_turn
 
         if self._gate is not None and is_multi_turn(env):
-            raise ValueError("rollout.inflight_updates=true needs a single-turn environment "
+            raise ValueError("async_rollout.inflight_updates=true needs a single-turn environment "
                              f"({type(env).__name__} is multi-turn)")
         if self._stale:
             self.sync_weights()
@@ -356,7 +357,7 @@ class SeparatePolicy:
         """Trainer ranks' weights into the rollout ranks' engines (collective);
         the metrics of the first rollout rank (bytes it received, re-pack time).
 
-        Generation ahead (rollout.max_staleness > 0, sync.method=reshard
+        Generation ahead (async_rollout.max_staleness > 0, sync.method=reshard
         without verify): the sync runs behind the next step on its own thread
         and group. It returns at once, with the metrics of the previous sync
         (sync_behind=1). Trainer ranks wait for it

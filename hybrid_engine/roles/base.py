@@ -92,7 +92,7 @@ class Policy(Protocol):
 
     def collect_async(self, env: Environment, prompts: Sequence[Sequence[int]], *,
                       num_samples: int, seed: int) -> Pending:
-        """`collect` started now and finished by `result()` (rollout.max_staleness > 0)."""
+        """`collect` started now and finished by `result()` (async_rollout.max_staleness > 0)."""
         ...
 
     def train_step(self, trajs: Sequence[Trajectory], loss_fn: LossFn) -> dict[str, float]:

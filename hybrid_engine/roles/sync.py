@@ -163,7 +163,7 @@ class WeightSync:
             lands in back buffers first, so it overlaps a running generation and
             only the install waits; sync.method='naive' loads into the live
             weights, so it waits before the transfer.
-        install: rollout.inflight_updates (reshard only): runs the engine's
+        install: async_rollout.inflight_updates (reshard only): runs the engine's
             commit_weights where it must land (`policy.inflight.InstallGate.
             hand_over`: between two engine steps of a running batch, or after
             the batches); returns (re-pack seconds, whether it landed inside a

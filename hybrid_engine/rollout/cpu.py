@@ -12,7 +12,7 @@ when the watchdog aborts the rank (its cleanup hooks).
 Two small helpers vLLM compiles with inductor run eagerly
 (`vllm_compat.eager_cpu_helpers`): ~1.8 s less start-up per process.
 
-With `rollout.emulate_gpu_sleep`, a release also loses the weights as GPU
+With `memory.emulate_gpu_sleep`, a release also loses the weights as GPU
 sleep level 2 does (`_discard_weights`): every torch-visible parameter turns
 NaN, so an ordering bug that would sample discarded weights on a GPU fails
 here too.
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from hybrid_engine.config import RolloutConfig
+from hybrid_engine.config import MemoryConfig
 from hybrid_engine.parallel import watchdog
 from hybrid_engine.rollout import cpu_shm, vllm_compat
 
@@ -43,9 +43,9 @@ class CpuBackend:
 
     name = "cpu"
 
-    def __init__(self, cfg: RolloutConfig) -> None:
-        self.cfg = cfg
-        self.emulate_sleep = cfg.emulate_gpu_sleep
+    def __init__(self, memory: MemoryConfig) -> None:
+        self.memory = memory
+        self.emulate_sleep = memory.emulate_gpu_sleep
         self._kv_sizes: list[int] = []
         self._kv_storage_list: list[torch.UntypedStorage] = []
         vllm_compat.isolate_cpu_shm_names()
@@ -57,7 +57,7 @@ class CpuBackend:
         """The KV cache size as vLLM's `kv_cache_memory_bytes`, exact to the byte
         (VLLM_CPU_KVCACHE_SPACE takes whole GiB only; if the user set it, vLLM
         applies it instead); sleep mode is rejected on CPU."""
-        return {"kv_cache_memory_bytes": int(self.cfg.kv_cache_gib * 2**30),
+        return {"kv_cache_memory_bytes": int(self.memory.kv_cache_gib * 2**30),
                 "enable_sleep_mode": False}
 
     # --- memory between phases ----------------------------------------------------
@@ -75,7 +75,7 @@ class CpuBackend:
         _log.info("rollout released %.1f MiB of KV cache; vLLM-CPU has no sleep mode, so its "
                   "weights (%.1f MiB) stay resident%s", freed / 2**20,
                   sum(p.nbytes for p in vllm_compat.model(llm).parameters()) / 2**20,
-                  " (overwritten with NaN: rollout.emulate_gpu_sleep)" if self.emulate_sleep else "")
+                  " (overwritten with NaN: memory.emulate_gpu_sleep)" if self.emulate_sleep else "")
         return freed, self.emulate_sleep
 
     def wake_weights(self, llm) -> None:  # noqa: ANN001

@@ -6,7 +6,7 @@ not know about.
   left. `gpu_memory_utilization` is derived from the memory free when the
   engine is built, less what the trainer will still allocate
   (`reserve_bytes`: AdamW's moments are created at the first step), times
-  `rollout.gpu_memory_fraction`. vLLM's cumem allocator (sleep mode) refuses
+  `memory.gpu_memory_fraction`. vLLM's cumem allocator (sleep mode) refuses
   `expandable_segments`, so that setting is a clear error here and in preflight.
 - Release: sleep level 2 drops the KV cache and the weights (weights lost).
   Wake: the weights first, once per step, before the sync writes them;
@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from hybrid_engine.config import RolloutConfig
+from hybrid_engine.config import MemoryConfig
 
 __all__ = ["CudaBackend", "check_allocator_conf", "engine_budget"]
 
@@ -54,7 +54,7 @@ def engine_budget(free: int, total: int, reserve: int, fraction: float) -> float
         free: bytes free on the device now (the trainer's parameters allocated).
         total: the device's bytes.
         reserve: bytes the trainer will still allocate while the engine is awake.
-        fraction: rollout.gpu_memory_fraction.
+        fraction: memory.gpu_memory_fraction.
 
     Returns:
         fraction * (free - reserve) / total, the share of the whole device vLLM
@@ -65,7 +65,7 @@ def engine_budget(free: int, total: int, reserve: int, fraction: float) -> float
         raise ValueError(
             f"no GPU memory left for the rollout engine: {free / 2**30:.2f} GiB free, the trainer "
             f"still needs {reserve / 2**30:.2f} GiB (optimizer state); use a smaller model, more "
-            "ranks (FSDP shards the state), or train.offload_optimizer=true")
+            "ranks (FSDP shards the state), or memory.offload_optimizer=true")
     return fraction * usable / total
 
 
@@ -73,22 +73,22 @@ class CudaBackend:
     """vLLM-CUDA sleep/wake and memory budget for one engine (see the module doc).
 
     Args:
-        cfg: the rollout settings (gpu_memory_fraction).
+        memory: the memory settings (gpu_memory_fraction).
         reserve_bytes: what the trainer will still allocate while the engine is
             awake (0 when the optimizer state is offloaded).
     """
 
     name = "cuda"
 
-    def __init__(self, cfg: RolloutConfig, *, reserve_bytes: int = 0) -> None:
+    def __init__(self, memory: MemoryConfig, *, reserve_bytes: int = 0) -> None:
         check_allocator_conf()
-        self.cfg = cfg
+        self.memory = memory
         self.reserve_bytes = reserve_bytes
         self._weights_asleep = False
 
     def engine_kwargs(self) -> dict:
         free, total = torch.cuda.mem_get_info()
-        util = engine_budget(free, total, self.reserve_bytes, self.cfg.gpu_memory_fraction)
+        util = engine_budget(free, total, self.reserve_bytes, self.memory.gpu_memory_fraction)
         _log.info("rollout engine budget: gpu_memory_utilization=%.3f (%.2f GiB of %.2f GiB free, "
                   "%.2f GiB kept for the trainer's optimizer state)", util, util * total / 2**30,
                   free / 2**30, self.reserve_bytes / 2**30)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybrid_engine.config import RolloutConfig
+from hybrid_engine.config import MemoryConfig, RolloutConfig
 from hybrid_engine.rollout import vllm_compat
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class Completions:
             sampling distribution (temperature applied).
         num_samples: K.
         installs: per completion, per token, how many weight installs happened
-            in this call before the token was sampled (rollout.inflight_updates;
+            in this call before the token was sampled (async_rollout.inflight_updates;
             None when the call ran without an install hook).
     """
 
@@ -132,15 +132,17 @@ class VLLMRollout:
     Args:
         model_path: HF model folder.
         cfg: sampling and engine settings.
+        memory: the KV cache size (CPU), the memory share (GPU) and the sleep
+            emulation; None = the defaults.
         dtype: dtype of vLLM's weights ("float32", "bfloat16").
         ranks: separate placement: the global ranks that build engines (this
             one among them, contiguous); None = every rank.
         group: a process group over `ranks` (gathers the replicas' completions).
     """
 
-    def __init__(self, model_path: str, cfg: RolloutConfig, *, dtype: str = "bfloat16",
-                 ranks: Sequence[int] | None = None, group: object = None,
-                 reserve_bytes: int = 0) -> None:
+    def __init__(self, model_path: str, cfg: RolloutConfig, *, memory: MemoryConfig | None = None,
+                 dtype: str = "bfloat16", ranks: Sequence[int] | None = None,
+                 group: object = None, reserve_bytes: int = 0) -> None:
         import torch.distributed as dist
 
         self.ranks = list(ranks) if ranks is not None else None
@@ -158,11 +160,11 @@ class VLLMRollout:
         if vllm_compat.is_cpu():
             from hybrid_engine.rollout.cpu import CpuBackend
 
-            self.backend = CpuBackend(cfg)
+            self.backend = CpuBackend(memory or MemoryConfig())
         else:
             from hybrid_engine.rollout.cuda import CudaBackend
 
-            self.backend = CudaBackend(cfg, reserve_bytes=reserve_bytes)
+            self.backend = CudaBackend(memory or MemoryConfig(), reserve_bytes=reserve_bytes)
         self.llm = self._start_engine(model_path, dtype)
         self.tokenizer = self.llm.get_tokenizer()
         self._staging: dict[str, torch.Tensor] = {}
@@ -176,7 +178,7 @@ class VLLMRollout:
         # back buffers (a second copy), installed only by commit_weights(), so a
         # generation running meanwhile never reads half-written weights.
         self.double_buffer = False
-        # rollout.inflight_updates: called after every engine step of a generation;
+        # async_rollout.inflight_updates: called after every engine step of a generation;
         # installs pending weights there and returns True (see _step_loop).
         self.between_steps: Callable[[], bool] | None = None
         self._back: dict[str, torch.Tensor] = {}
@@ -285,7 +287,7 @@ class VLLMRollout:
         if self._kv_released:
             raise RuntimeError("generate() after release_memory(): call restore_memory() first")
         if not self.weights_valid:
-            how = "GPU sleep level 2" if self.backend.name == "cuda" else "rollout.emulate_gpu_sleep"
+            how = "GPU sleep level 2" if self.backend.name == "cuda" else "memory.emulate_gpu_sleep"
             raise RuntimeError(
                 f"generate() with discarded weights: release_memory() dropped vLLM's weights "
                 f"({how}) and no sync has rewritten them since; sync the trainer's weights first")
@@ -383,7 +385,7 @@ class VLLMRollout:
 
     def _step_loop(self, requests: list, params: list,
                    ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
-        """`LLM.generate`'s loop run by hand (rollout.inflight_updates): after every
+        """`LLM.generate`'s loop run by hand (async_rollout.inflight_updates): after every
         engine step `between_steps()` may install new weights (it returns True when
         it did); the tokens sampled after an install count one more. Same requests,
         seeds and scheduling as `LLM.generate`, so the same tokens without installs."""
@@ -576,7 +578,7 @@ class VLLMRollout:
         re-packing during this sync.
 
         running: the install lands between two engine steps of a generation
-            (rollout.inflight_updates): the running requests are preempted too
+            (async_rollout.inflight_updates): the running requests are preempted too
             (vLLM's reset_prefix_cache(reset_running_requests=True)), so their
             KV, computed with the old weights, is recomputed with the new ones
             (prompt and tokens so far) when they are scheduled again."""
@@ -655,7 +657,7 @@ class VLLMRollout:
 
         GPU: vLLM sleep level 2 (KV cache and weights dropped). CPU, where vLLM
         has no sleep mode: the KV cache storage is resized to 0 (weights stay:
-        vLLM-CPU cannot drop them); with rollout.emulate_gpu_sleep the weights
+        vLLM-CPU cannot drop them); with memory.emulate_gpu_sleep the weights
         are lost as on a GPU. When the weights are lost, weights_valid turns
         False until a sync rewrites them. Returns the bytes actually released
         (0 if already released).

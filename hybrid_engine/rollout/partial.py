@@ -6,7 +6,7 @@ for step v, sampled with the current weights (version v) as far as they were
 sampled this step. It is the colocated answer to the long tail: instead of
 waiting for the few longest sequences (the device decoding a batch of one or
 two), generation stops as soon as the step has its groups, or has spent
-`rollout.step_token_budget` tokens with at least one group finished; the
+`async_rollout.step_token_budget` tokens with at least one group finished; the
 unfinished sequences are parked with their tokens, log-probs and per-token
 versions and continue next step, after the sync, as new requests (prompt +
 tokens so far) sampled with the new weights. Their prefix is the old
@@ -17,8 +17,8 @@ oldest token's.
 The pool: the parked groups (oldest first), then the new ones. Each call adds
 up to len(prompt_ids) new groups, keeping at most 2 x len(prompt_ids) in the
 pool (prompts beyond that are skipped: `partial/skipped_prompts`). A parked
-group whose oldest token is more than `rollout.max_staleness` versions old is
-restarted from its prompt (`rollout.stale_partial=regenerate`) or discarded
+group whose oldest token is more than `async_rollout.max_staleness` versions old is
+restarted from its prompt (`async_rollout.stale_partial=regenerate`) or discarded
 (`drop`) before generation, so no trained token is staler than the bound.
 Groups returned are taken in pool order among the finished ones; finished
 groups beyond what the step asked for stay parked (finished) for the next.
@@ -45,7 +45,7 @@ import torch
 from hybrid_engine.trajectory import Trajectory
 
 if TYPE_CHECKING:
-    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.config import AsyncConfig, RolloutConfig
     from hybrid_engine.rollout.engine import VLLMRollout
 
 __all__ = ["PartialRollouts"]
@@ -81,11 +81,11 @@ class _Group:
 
 class PartialRollouts:
     """The pool of partially generated groups of a colocated run (see the module
-    docstring). cfg: the rollout section (max_tokens, max_staleness,
-    step_token_budget, stale_partial, seed)."""
+    docstring). cfg: the rollout section (max_tokens, seed); ahead: the
+    async_rollout section (max_staleness, step_token_budget, stale_partial)."""
 
-    def __init__(self, cfg: RolloutConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RolloutConfig, ahead: AsyncConfig) -> None:
+        self.cfg, self.ahead = cfg, ahead
         self.pool: list[_Group] = []
         self._counts: Counter[str] = Counter()
 
@@ -107,7 +107,7 @@ class PartialRollouts:
         slices = [self._share(len(self.pool), r, replicas) for r in range(replicas)]
         lo, hi = slices[replica]
         wants = [self._share(want, r, replicas) for r in range(replicas)]
-        budget = self._share(self.cfg.step_token_budget, replica, replicas)
+        budget = self._share(self.ahead.step_token_budget, replica, replicas)
         local = self._sample(rollout, lo, hi, wants[replica][1] - wants[replica][0],
                              budget[1] - budget[0])
         results = self._gather(rollout, local, replicas) if replicas > 1 else [local]
@@ -133,9 +133,9 @@ class PartialRollouts:
         keep = []
         for g in self.pool:
             oldest = g.oldest()
-            if oldest is None or version - oldest <= self.cfg.max_staleness:
+            if oldest is None or version - oldest <= self.ahead.max_staleness:
                 keep.append(g)
-            elif self.cfg.stale_partial == "drop":
+            elif self.ahead.stale_partial == "drop":
                 self._counts["dropped_groups"] += 1
             else:
                 self._counts["regenerated_groups"] += 1

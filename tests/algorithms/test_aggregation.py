@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybrid_engine.algorithms import LOSS_AGG_MODES, aggregate_loss, loss_normalizer
-from hybrid_engine.config import LossAgg
+from hybrid_engine.config.sections import LossAgg
 
 # Row 0: three loss tokens (1, 2, 3); row 1: one (4); row 2: none (an empty
 # response / padding row). NaN and inf sit at masked positions on purpose.

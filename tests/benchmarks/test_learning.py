@@ -62,11 +62,11 @@ def test_config_summary_compares_seed_by_seed_with_the_baseline() -> None:
 
 
 def test_parse_config_and_bad_configs_fail_in_one_line() -> None:
-    c = bl.parse_config("k1:rollout.max_staleness=1+algorithm.behaviour_logp=rollout")
-    assert c.name == "k1" and c.overrides == ["rollout.max_staleness=1",
+    c = bl.parse_config("k1:async_rollout.max_staleness=1+algorithm.behaviour_logp=rollout")
+    assert c.name == "k1" and c.overrides == ["async_rollout.max_staleness=1",
                                               "algorithm.behaviour_logp=rollout"]
     assert bl.parse_config("k0").overrides == []
-    for bad in ("k1:rollout.max_staleness", ":a=1", "a=1"):
+    for bad in ("k1:async_rollout.max_staleness", ":a=1", "a=1"):
         with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
             bl.parse_config(bad)
     out = subprocess.run([sys.executable, "benchmarks/bench_learning.py", "--configs", "a", "a"],
@@ -84,8 +84,8 @@ def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) 
            f"--runs-dir={runs}", f"--cache-dir={tmp_path / 'cache'}",
            f"--out-dir={tmp_path / 'out'}", "--set", "eval_every=2",
            "--set", "env.num_eval_prompts=16", "--configs", "base",
-           "k1:rollout.max_staleness=1+algorithm.behaviour_logp=rollout",
-           "bad:rollout.max_staleness=-1"]
+           "k1:async_rollout.max_staleness=1+algorithm.behaviour_logp=rollout",
+           "bad:async_rollout.max_staleness=-1"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]  # 'bad' failed
     result = json.loads(out.stdout.strip().splitlines()[-1])

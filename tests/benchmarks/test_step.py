@@ -25,10 +25,10 @@ def test_configs_parse_with_jobs_and_reject_bad_input() -> None:
     args = bench_step._args(["--configs", "tiny:2:separate@2", "qwen2-180m:1", "--jobs", "3"])
     assert args.parsed == [("tiny", 2, "separate", 2, ()), ("qwen2-180m", 1, "colocated", 3, ())]
     assert [c[3] for c in bench_step._args([]).parsed] == [2, 3, 1]  # the budgeted default
-    args = bench_step._args(["--configs", "tiny:2@2+train.sharding=grad_op+rollout.release_memory=true",
+    args = bench_step._args(["--configs", "tiny:2@2+train.sharding=grad_op+memory.release=true",
                              "--set", "model.compute_dtype=bfloat16"])
     assert args.parsed == [("tiny", 2, "colocated", 2,
-                            ("train.sharding=grad_op", "rollout.release_memory=true"))]
+                            ("train.sharding=grad_op", "memory.release=true"))]
     assert args.set == ["model.compute_dtype=bfloat16"]
     for bad in ("tiny:x", "tiny:1:separate", "nope:2", "tiny:2@0", "tiny:2:sideways",
                 "tiny:2+sharding", "tiny:2+=1"):
@@ -64,7 +64,7 @@ def test_workload_sets_the_completion_length_and_its_room(monkeypatch, tmp_path)
         lens = [c for c in cmd if c.startswith("--rollout.max_model_len=")]
         assert lens == [*expect, "--rollout.max_model_len=400"]
         if workload == "gpu":  # a GPU job's engine: level-2 sleep, CUDA graphs
-            assert {"--rollout.release_memory=true", "--rollout.enforce_eager=false"} <= set(cmd)
+            assert {"--memory.release=true", "--rollout.enforce_eager=false"} <= set(cmd)
     assert bench_step.WORKLOADS["long"][2] + 16 <= 320  # room for the arithmetic prompts
     assert bench_step.WORKLOADS["gpu"][2] + 16 <= 320
     from hybrid_engine.config.recipes import build_config
@@ -135,17 +135,17 @@ def test_ahead_stats_bound_staleness_and_ratio_to_the_synchronous_config() -> No
     assert bench_step._ahead_stats(timed, 0) == {"max_staleness": 0}
     base = {"preset": "p", "world_size": 2, "placement": "separate", "max_staleness": 0,
             "overrides": ["x=1"], "step_s": 5.0, "step_s_jobs": [[5.0, 5.0, 5.0]]}
-    ahead = {**base, **st, "overrides": ["x=1", "rollout.max_staleness=1",
+    ahead = {**base, **st, "overrides": ["x=1", "async_rollout.max_staleness=1",
                                          "algorithm.behaviour_logp=rollout"],
              "step_s": 3.0, "step_s_iqr": 0.0, "step_s_jobs": [[3.0, 3.0, 3.0]], "train_s": 2.8,
-             "generate_s": 0.1, "config_name": "p:2:separate+rollout.max_staleness=1"}
+             "generate_s": 0.1, "config_name": "p:2:separate+async_rollout.max_staleness=1"}
     other = {**base, "overrides": ["x=2"], "step_s": 1.0}  # other settings: not its baseline
     table = bench_step._ahead_table([other, base, ahead])
     assert ahead["step_over_synchronous"] == pytest.approx(0.6)
-    assert "| p:2:separate+rollout.max_staleness=1 | 1 | 3.000 (0.000) | 3.000 (0.000) |" in table
+    assert "| p:2:separate+async_rollout.max_staleness=1 | 1 | 3.000 (0.000) | 3.000 (0.000) |" in table
     assert "0.60 (5.000 s)" in table
     assert bench_step._ahead_table([base]) == ""
-    # rollout.inflight_updates: token staleness and the share of syncs installed in flight;
+    # async_rollout.inflight_updates: token staleness and the share of syncs installed in flight;
     # its baseline is still the synchronous config
     inflight = [[first, {**step, "sync_inflight": 0.0},
                  {**step, "sync_inflight": 1.0, "staleness_token_mean": 0.5},
@@ -153,7 +153,7 @@ def test_ahead_stats_bound_staleness_and_ratio_to_the_synchronous_config() -> No
     st = bench_step._ahead_stats(inflight, 1)
     assert st["installs_inflight"] == pytest.approx(2 / 3)
     assert st["staleness_token_mean"] == pytest.approx((0 + 1 + 0.5 + 0.7) / 4)
-    fly = {**ahead, **st, "overrides": [*ahead["overrides"], "rollout.inflight_updates=true"],
+    fly = {**ahead, **st, "overrides": [*ahead["overrides"], "async_rollout.inflight_updates=true"],
            "config_name": "fly"}
     table = bench_step._ahead_table([base, ahead, fly])
     assert "| 0.55 (67%) | 0.60 (5.000 s)" in table and "| - | 0.60 (5.000 s)" in table
@@ -172,9 +172,9 @@ def test_colocated_burst_is_compared_over_windows_of_k_plus_1_steps() -> None:
             "overrides": [], "step_s": 5.0, "step_s_jobs": [[5.0, 5.2, 4.8, 5.0]] * 2}
     jobs = [[6.0, 2.0, 6.0, 2.0, 6.0], [2.0, 6.0, 2.0, 6.0, 2.0]]  # out of phase; 5th: no pair
     st = bench_step._ahead_stats([steps(j) for j in jobs], 1)
-    burst = {**base, **st, "overrides": ["rollout.max_staleness=1",
+    burst = {**base, **st, "overrides": ["async_rollout.max_staleness=1",
                                          "algorithm.behaviour_logp=rollout",
-                                         "rollout.ahead_schedule=burst"],
+                                         "async_rollout.schedule=burst"],
              "step_s": 2.0, "step_s_iqr": 4.0, "step_s_jobs": jobs, "train_s": 1.5,
              "generate_s": 1.0, "config_name": "burst"}
     table = bench_step._ahead_table([base, burst])
@@ -201,8 +201,8 @@ def test_partial_stats_and_table_compare_with_the_config_without_them() -> None:
             "step_s_jobs": [[4.0] * 3], "generate_s_jobs": [[2.0] * 3],
             "sampled_tok_s_jobs": [[600.0] * 3]}
     partial = {**base, **st, "partial_rollout": True, "config_name": "p:2+partial",
-               "overrides": ["x=1", "rollout.partial_rollout=true", "rollout.max_staleness=1",
-                             "algorithm.behaviour_logp=rollout", "rollout.step_token_budget=700"],
+               "overrides": ["x=1", "async_rollout.partial=true", "async_rollout.max_staleness=1",
+                             "algorithm.behaviour_logp=rollout", "async_rollout.step_token_budget=700"],
                "step_s": 2.0, "generate_s": 1.0, "train_samples": 48.0,
                "step_s_jobs": [[2.0] * 3], "generate_s_jobs": [[1.0] * 3],
                "sampled_tok_s_jobs": [[600.0] * 3]}

@@ -72,6 +72,63 @@ def test_every_field_is_documented_and_described():
     assert all(f"--{k}=" in text for k in leaves)
 
 
+def test_field_docs_fit_two_lines():
+    """A key's doc is a summary (two lines of `config --keys`); the details are in
+    docs/configuration.md."""
+    long = [(k, len(d)) for k, _, d in describe(RunConfig()) if len(d) > 180]
+    assert long == [], f"field docs over 180 characters: {long}"
+
+
+# An old key, a value other than its default, and the new keys its rules need.
+_OLD_KEYS = {
+    "rollout.max_staleness": (2, {"algorithm.behaviour_logp": "rollout"}),
+    "rollout.ahead_schedule": ("stream", {}),
+    "rollout.partial_rollout": (True, {"async_rollout.max_staleness": 1,
+                                       "algorithm.behaviour_logp": "rollout",
+                                       "async_rollout.step_token_budget": 100}),
+    "rollout.step_token_budget": (100, {"async_rollout.partial": True,
+                                        "async_rollout.max_staleness": 1,
+                                        "algorithm.behaviour_logp": "rollout"}),
+    "rollout.stale_partial": ("drop", {}),
+    "rollout.inflight_updates": (True, {"placement": "separate",
+                                        "async_rollout.max_staleness": 1,
+                                        "algorithm.behaviour_logp": "rollout"}),
+    "rollout.release_memory": ("true", {}),
+    "rollout.memory_budget": (0.5, {}),
+    "rollout.kv_cache_gib": (0.5, {}),
+    "rollout.gpu_memory_fraction": (0.5, {}),
+    "rollout.emulate_gpu_sleep": (True, {}),
+    "train.offload_optimizer": (True, {}),
+    "train.max_nonfinite_in_a_row": (7, {}),
+    "mismatch_alarm": (0.1, {}),
+    "mismatch_abort": (True, {}),
+    "mismatch_split_sequences": (4, {}),
+}
+
+
+def test_every_old_key_still_works_with_a_one_line_notice(monkeypatch, caplog):
+    """Each key that moved to async_rollout, memory or guards still sets its new
+    key (from a dict, a CLI string or nested YAML), and says once which to use."""
+    from hybrid_engine.config import RENAMED_KEYS
+    from hybrid_engine.config import overrides
+
+    assert set(_OLD_KEYS) == set(RENAMED_KEYS)
+    for old, (value, rules) in _OLD_KEYS.items():
+        new = RENAMED_KEYS[old]
+        monkeypatch.setattr(overrides, "_NOTICED", set())
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hybrid_engine.config.overrides"):
+            via_old = apply_overrides(RunConfig(), {**rules, old: value})
+            apply_overrides(RunConfig(), [f"{k}={v}" for k, v in {**rules, old: value}.items()])
+        assert via_old == apply_overrides(RunConfig(), {**rules, new: value}), old
+        assert {k: v for k, v, _ in describe(via_old)}[new] == repr(value), old
+        notices = [r.getMessage() for r in caplog.records]
+        assert notices == [f"config key {old!r} is deprecated: use {new!r}"], (old, notices)
+    section, leaf = "rollout", "max_staleness"  # nested, as an old YAML file has it
+    cfg = from_dict({section: {leaf: 1}, "algorithm": {"behaviour_logp": "rollout"}})
+    assert cfg.async_rollout.max_staleness == 1
+
+
 def test_describe_shows_the_given_configs_values():
     rows = dict((k, v) for k, v, _ in describe(get_recipe("tiny_grpo_debug")))
     assert rows["rollout.max_tokens"] == "16"
@@ -111,7 +168,7 @@ def test_no_required_field_defaults_to_none():
         ("rollout.top_k", 0, "rollout.top_k must be -1 (off) or >= 1"),
         ("rollout.max_tokens", 0, "rollout.max_tokens must be >= 1"),
         ("rollout.max_tokens", 5000, "rollout.max_model_len must be > rollout.max_tokens=5000"),
-        ("rollout.kv_cache_gib", 0.0, "rollout.kv_cache_gib must be > 0"),
+        ("memory.kv_cache_gib", 0.0, "memory.kv_cache_gib must be > 0"),
         ("rollout.prompt_too_long", "drop", "rollout.prompt_too_long must be one of"),
         ("rollout.seed", -1, "rollout.seed must be >= 0"),
         ("model.compute_dtype", "fp16", "model.compute_dtype must be one of 'bfloat16', 'float32'"),
@@ -290,7 +347,7 @@ def test_unknown_key_suggests_closest(key, suggestion):
 
 
 def test_unknown_key_without_match_lists_sections_and_section_key_is_explained():
-    with pytest.raises(ValueError, match="sections are algorithm, env, model"):
+    with pytest.raises(ValueError, match="sections are algorithm, async_rollout, env, guards, memory, model"):
         apply_overrides(RunConfig(), ["zzz=1"])
     with pytest.raises(ValueError, match="'train' is a section"):
         apply_overrides(RunConfig(), ["train=1"])

@@ -44,7 +44,7 @@ def test_the_estimate_counts_what_each_layout_holds() -> None:
     bf16 = estimate("replicate", DIMS, w1(**{"model.compute_dtype": "bfloat16"}), 2,
                     colocated=True, cuda=False)
     assert bf16.gathered == P * 2
-    released = estimate("replicate", DIMS, w1(**{"rollout.release_memory": "true"}), 2,
+    released = estimate("replicate", DIMS, w1(**{"memory.release": "true"}), 2,
                         colocated=True, cuda=False)
     assert released.resident == P * 2 // 2  # CPU: the KV cache goes, the weights stay
     assert estimate("replicate", DIMS, cfg, 2, colocated=False, cuda=False).resident == 0
@@ -54,7 +54,7 @@ def test_the_estimate_counts_what_each_layout_holds() -> None:
 
 
 def test_auto_picks_replicate_for_the_180m_model_on_two_ranks_with_24_gib() -> None:
-    budget = int(0.9 * 24 * GIB / 2)  # rollout.memory_budget x RAM / ranks
+    budget = int(0.9 * 24 * GIB / 2)  # memory.budget x RAM / ranks
     est, why = choose(DIMS, w1(), 2, budget, colocated=True)
     assert est.sharding == "replicate" and "fits the budget of 10.80 GiB" in why
 

@@ -23,7 +23,7 @@ def train(model: Path, reward: Path, out: Path, nproc: int, *extra: str):  # noq
          "--rollout.max_tokens=8", "--train.num_steps=3", "--eval_every=3",
          "--checkpoint_every=2", f"--env.reward_fn={reward}:reward",
          # Colocated twins release every step: emulate GPU sleep (weights lost) there too.
-         "--rollout.emulate_gpu_sleep=true", "--rollout.release_memory=true", *extra],
+         "--memory.emulate_gpu_sleep=true", "--memory.release=true", *extra],
         nproc, timeout=400)
 
 

@@ -1,4 +1,4 @@
-"""Generation ahead of training (`rollout.max_staleness`).
+"""Generation ahead of training (`async_rollout.max_staleness`).
 
 References: the colocated run with the same k, where the phases take turns in
 one thread (the separate run overlaps them in a generation thread and must
@@ -39,12 +39,12 @@ def test_staleness_metrics_count_each_samples_version() -> None:
 
 def test_max_staleness_needs_an_importance_correction() -> None:
     with pytest.raises(ValueError, match="behaviour_logp=rollout.*tis_cap"):
-        apply_overrides(RunConfig(), {"rollout.max_staleness": 1})
+        apply_overrides(RunConfig(), {"async_rollout.max_staleness": 1})
     for extra in ({"algorithm.behaviour_logp": "rollout"}, {"algorithm.tis_cap": 2.0}):
-        cfg = apply_overrides(RunConfig(), {"rollout.max_staleness": 1, **extra})
-        assert cfg.rollout.max_staleness == 1
+        cfg = apply_overrides(RunConfig(), {"async_rollout.max_staleness": 1, **extra})
+        assert cfg.async_rollout.max_staleness == 1
     with pytest.raises(ValueError, match="max_staleness"):
-        apply_overrides(RunConfig(), {"rollout.max_staleness": -1})
+        apply_overrides(RunConfig(), {"async_rollout.max_staleness": -1})
 
 
 def test_trajectory_json_round_trip_is_exact() -> None:
@@ -119,7 +119,7 @@ def _double_buffer(model_dir: str) -> dict:
     commit_weights(), then it samples the written weights."""
     import torch
 
-    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.config import MemoryConfig, RolloutConfig
     from transformers import AutoConfig
 
     from hybrid_engine.reshard.layouts import model_dims
@@ -127,8 +127,8 @@ def _double_buffer(model_dir: str) -> dict:
     from hybrid_engine.rollout.engine import VLLMRollout
 
     cfg = RolloutConfig(tensor_parallel_size=1, num_samples_per_prompt=2, max_tokens=8,
-                        max_model_len=64, kv_cache_gib=0.05)
-    rollout = VLLMRollout(model_dir, cfg, dtype="float32")
+                        max_model_len=64)
+    rollout = VLLMRollout(model_dir, cfg, memory=MemoryConfig(kv_cache_gib=0.05), dtype="float32")
     rollout.double_buffer = True
     first = rollout.generate(PROMPTS, seed=3)
     shapes = {t.name: t.shape for t in build_plan(model_dims(AutoConfig.from_pretrained(model_dir)), 1, 1)
@@ -182,13 +182,13 @@ def test_separate_ahead_equals_colocated_ahead_and_resumes(model_dir, reward_fil
     2's checkpoint restores the batch generated ahead and repeats step 3."""
     sep, col, sync = tmp_path / "separate", tmp_path / "colocated", tmp_path / "k0"
     verified = tmp_path / "verified"
-    separate = ("--placement=separate", "--rollout.num_ranks=1", "--rollout.max_staleness=1")
+    separate = ("--placement=separate", "--rollout.num_ranks=1", "--async_rollout.max_staleness=1")
     _train(model_dir, reward_file, sep, 2, *separate, "--sync.verify=false")
     _train(model_dir, reward_file, verified, 2, *separate, "--sync.verify=true")
     # 4 of the 16 sequences re-scored for the mismatch split (mismatch_split_sequences)
     # the colocated twin on the separate run's schedule (auto: colocated bursts)
-    _train(model_dir, reward_file, col, 1, "--rollout.max_staleness=1",
-           "--rollout.ahead_schedule=stream", "--mismatch_split_sequences=4")
+    _train(model_dir, reward_file, col, 1, "--async_rollout.max_staleness=1",
+           "--async_rollout.schedule=stream", "--guards.mismatch_split_sequences=4")
     _train(model_dir, reward_file, sync, 1)
     rows = _rows(sep)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -246,14 +246,14 @@ def test_max_staleness_2_runs_two_batches_ahead(model_dir, reward_file, tmp_path
     batch: none past the last step); a resume
     from step 2's checkpoint restores the burst's last batch and repeats steps 3-4."""
     stream, burst = tmp_path / "stream", tmp_path / "burst"
-    _train(model_dir, reward_file, stream, 1, "--rollout.max_staleness=2",
-           "--rollout.ahead_schedule=stream", "--train.num_steps=4")
+    _train(model_dir, reward_file, stream, 1, "--async_rollout.max_staleness=2",
+           "--async_rollout.schedule=stream", "--train.num_steps=4")
     rows = [r for r in _rows(stream) if "staleness_max" in r]  # training steps, not evals
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
     assert [r["staleness/2"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
     assert all(r["generate_busy_s"] > 0 for r in rows)  # a generation every step
-    burst_run = ("--rollout.max_staleness=2", "--train.num_steps=4", "--keep_checkpoints=2")
+    burst_run = ("--async_rollout.max_staleness=2", "--train.num_steps=4", "--keep_checkpoints=2")
     _train(model_dir, reward_file, burst, 1, *burst_run)
     rows = [r for r in _rows(burst) if "staleness_max" in r]
     assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 0.0]
@@ -288,7 +288,7 @@ def _controller(**overrides):  # noqa: ANN202
         def load_state_dict(self, d: dict) -> None:
             pass
 
-    cfg = apply_overrides(RunConfig(), {"rollout.max_staleness": 2,
+    cfg = apply_overrides(RunConfig(), {"async_rollout.max_staleness": 2,
                                         "algorithm.behaviour_logp": "rollout",
                                         "train.prompts_per_step": 1,
                                         "rollout.num_samples_per_prompt": 1, **overrides})
@@ -310,7 +310,7 @@ def test_a_resume_with_another_depth_discards_the_batches_ahead(caplog) -> None:
     that says their prompts are skipped. Nothing to restore: no warning."""
     import logging
 
-    c = _controller(**{"rollout.ahead_schedule": "stream"})
+    c = _controller(**{"async_rollout.schedule": "stream"})
     with caplog.at_level(logging.WARNING):
         c.load_state_dict(_saved())  # e.g. a k = 0 run's checkpoint
         assert not c._ahead and not caplog.text
@@ -320,7 +320,7 @@ def test_a_resume_with_another_depth_discards_the_batches_ahead(caplog) -> None:
         assert [v for v, _ in c._ahead] == [3, 4]
         c.load_state_dict(_saved(2, 2))  # step 5 would train the second at staleness 3
         assert not c._ahead and "discarded; their prompts are skipped" in caplog.text
-    bigger = _controller(**{"rollout.ahead_schedule": "stream", "train.prompts_per_step": 2})
+    bigger = _controller(**{"async_rollout.schedule": "stream", "train.prompts_per_step": 2})
     bigger.load_state_dict(_saved(3, 4))  # batches of 1 trajectory; this run's are 2
     assert not bigger._ahead
 
@@ -370,17 +370,17 @@ def test_split_burst_gives_each_batch_its_groups_and_its_share_of_the_seconds() 
 
 
 def test_ahead_schedule_auto_bursts_colocated_and_streams_separate() -> None:
-    base = {"rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout"}
+    base = {"async_rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout"}
     assert apply_overrides(RunConfig(), base).ahead_burst()
     assert not apply_overrides(RunConfig(), {**base, "placement": "separate"}).ahead_burst()
     assert apply_overrides(RunConfig(), {**base, "placement": "separate",
-                                         "rollout.ahead_schedule": "burst"}).ahead_burst()
-    assert not apply_overrides(RunConfig(), {**base, "rollout.ahead_schedule": "stream"}
+                                         "async_rollout.schedule": "burst"}).ahead_burst()
+    assert not apply_overrides(RunConfig(), {**base, "async_rollout.schedule": "stream"}
                                ).ahead_burst()
     with pytest.raises(ValueError, match="nothing runs ahead"):
-        apply_overrides(RunConfig(), {**base, "rollout.partial_rollout": True,
-                                      "rollout.step_token_budget": 64,
-                                      "rollout.ahead_schedule": "burst"})
+        apply_overrides(RunConfig(), {**base, "async_rollout.partial": True,
+                                      "async_rollout.step_token_budget": 64,
+                                      "async_rollout.schedule": "burst"})
 
 
 # --- the controller's schedules, with recording fakes (no engine) --------------------
@@ -400,8 +400,8 @@ def _fake_run(schedule: str, steps: int, state: dict | None = None,  # noqa: ANN
             raise _Stop  # as a killed run: the controller's state is step stop_after's
 
     cfg = apply_overrides(RunConfig(), {
-        "rollout.max_staleness": 2, "algorithm.behaviour_logp": "rollout",
-        "rollout.ahead_schedule": schedule, "rollout.num_samples_per_prompt": 2,
+        "async_rollout.max_staleness": 2, "algorithm.behaviour_logp": "rollout",
+        "async_rollout.schedule": schedule, "rollout.num_samples_per_prompt": 2,
         "train.prompts_per_step": 3, "train.num_steps": steps, "eval_every": 0,
         "checkpoint_every": 0})
     policy, rows = FakePolicy(), []

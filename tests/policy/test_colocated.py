@@ -1,4 +1,4 @@
-"""HybridActor on 2 real ranks, with GPU sleep emulated (rollout.emulate_gpu_sleep: a
+"""HybridActor on 2 real ranks, with GPU sleep emulated (memory.emulate_gpu_sleep: a
 release overwrites vLLM's weights with NaN, as level-2 sleep discards them): the two
 layouts agree, the memory switch happens (KV cache released, optimizer state parked in
 host memory while vLLM generates), every way into the training layout (`training()`,
@@ -53,10 +53,10 @@ def _actor_case(model_dir: str, ckpt: str) -> dict:
     host = collective_timeouts()  # the host's (run_ranks') default group
     actor = HybridActor.from_pretrained(model_dir, overrides={"collective_timeout_s": 123,
         "rollout.tensor_parallel_size": 2, "rollout.max_tokens": 6, "rollout.max_model_len": 64,
-        "rollout.kv_cache_gib": 0.25, "rollout.enforce_eager": True, "train.lr": 1e-2,
+        "memory.kv_cache_gib": 0.25, "rollout.enforce_eager": True, "train.lr": 1e-2,
         "model.compute_dtype": "float32", "model.rollout_dtype": "float32",
-        "train.offload_optimizer": True, "rollout.emulate_gpu_sleep": True,
-        "rollout.release_memory": "true"})
+        "memory.offload_optimizer": True, "memory.emulate_gpu_sleep": True,
+        "memory.release": "true"})
     try:
         timeouts = collective_timeouts()
         out = {"host_kept": all(timeouts[name] == t for name, t in host.items()),
@@ -167,9 +167,9 @@ def _discarded_weights_case(model_dir: str) -> dict:
 
     actor = HybridActor.from_pretrained(model_dir, overrides={
         "rollout.tensor_parallel_size": 2, "rollout.max_tokens": 4, "rollout.max_model_len": 64,
-        "rollout.kv_cache_gib": 0.25, "rollout.enforce_eager": True,
-        "model.rollout_dtype": "float32", "rollout.emulate_gpu_sleep": True,
-        "rollout.release_memory": "true"})
+        "memory.kv_cache_gib": 0.25, "rollout.enforce_eager": True,
+        "model.rollout_dtype": "float32", "memory.emulate_gpu_sleep": True,
+        "memory.release": "true"})
     out = {}
     try:
         actor.generate(PROMPTS, num_samples=1)
@@ -219,7 +219,7 @@ def _bf16_master_case(model_dir: str) -> dict:
     from hybrid_engine.policy.colocated import HybridActor
 
     actor = HybridActor.from_pretrained(model_dir, overrides={
-        "rollout.max_tokens": 4, "rollout.max_model_len": 64, "rollout.kv_cache_gib": 0.25,
+        "rollout.max_tokens": 4, "rollout.max_model_len": 64, "memory.kv_cache_gib": 0.25,
         "rollout.enforce_eager": True, "model.rollout_dtype": "float32",
         "model.master_dtype": "bfloat16", "model.compute_dtype": "bfloat16"})
     try:

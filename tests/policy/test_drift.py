@@ -82,17 +82,17 @@ def test_the_scorer_needs_a_sample() -> None:
 
 
 @pytest.mark.parametrize("overrides, scores", [
-    ({"rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout"}, 32),
-    ({"rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
-      "mismatch_split_sequences": 5}, 5),
-    ({"rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
-      "mismatch_split_sequences": 0}, None),  # 0 = no split
+    ({"async_rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout"}, 32),
+    ({"async_rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
+      "guards.mismatch_split_sequences": 5}, 5),
+    ({"async_rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
+      "guards.mismatch_split_sequences": 0}, None),  # 0 = no split
     # truncated sampling: its (processed) log-probs are not the prompt log-probs
-    ({"rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
+    ({"async_rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
       "rollout.top_k": 3}, None),
-    ({"rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
+    ({"async_rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
       "rollout.top_p": 0.5}, None),
-    ({"rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
+    ({"async_rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
       "rollout.temperature": 0.7}, None),
     ({}, None),  # synchronous: nothing is stale
 ])

@@ -1,4 +1,4 @@
-"""In-flight weight updates (`rollout.inflight_updates`): a sync's
+"""In-flight weight updates (`async_rollout.inflight_updates`): a sync's
 install taken between two engine steps of a running batch.
 
 References: the same batch sampled without an install (its tokens before the
@@ -155,14 +155,14 @@ def test_stamp_version_turns_install_counts_into_token_versions() -> None:
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["rollout.inflight_updates=true", "rollout.max_staleness=1",
+    (["async_rollout.inflight_updates=true", "async_rollout.max_staleness=1",
       "algorithm.behaviour_logp=rollout"], "placement=separate"),
-    (["rollout.inflight_updates=true", "placement=separate"], "max_staleness >= 1"),
-    (["rollout.inflight_updates=true", "placement=separate", "rollout.max_staleness=1",
-      "algorithm.behaviour_logp=rollout", "rollout.ahead_schedule=burst"], "stream or auto"),
-    (["rollout.inflight_updates=true", "placement=separate", "rollout.max_staleness=1",
+    (["async_rollout.inflight_updates=true", "placement=separate"], "max_staleness >= 1"),
+    (["async_rollout.inflight_updates=true", "placement=separate", "async_rollout.max_staleness=1",
+      "algorithm.behaviour_logp=rollout", "async_rollout.schedule=burst"], "stream or auto"),
+    (["async_rollout.inflight_updates=true", "placement=separate", "async_rollout.max_staleness=1",
       "algorithm.behaviour_logp=rollout", "sync.verify=true"], "sync.verify=false"),
-    (["rollout.inflight_updates=true", "placement=separate", "rollout.max_staleness=1",
+    (["async_rollout.inflight_updates=true", "placement=separate", "async_rollout.max_staleness=1",
       "algorithm.behaviour_logp=rollout", "sync.method=naive"], "sync.method=reshard"),
 ])
 def test_inflight_updates_settings_are_checked(overrides, match) -> None:
@@ -182,12 +182,12 @@ def _install_mid_batch(model_dir: str, other_dir: str) -> dict:
     few engine steps."""
     from safetensors.torch import load_file
 
-    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.config import MemoryConfig, RolloutConfig
     from hybrid_engine.rollout.engine import VLLMRollout
 
     cfg = RolloutConfig(num_samples_per_prompt=2, max_tokens=MAX_TOKENS, max_model_len=96,
-                        kv_cache_gib=0.05, enforce_eager=True, seed=5, max_staleness=1)
-    rollout = VLLMRollout(model_dir, cfg, dtype="float32")
+                        enforce_eager=True, seed=5)
+    rollout = VLLMRollout(model_dir, cfg, memory=MemoryConfig(kv_cache_gib=0.05), dtype="float32")
     plain = rollout.generate(PROMPTS, seed=1)
     gate, steps, fifth = InstallGate(rollout.tp_all), [], threading.Event()
 
@@ -254,12 +254,12 @@ def _tp_agreement(model_dir: str) -> dict:
     rank 1's after 10; returns the boundary where this rank installed."""
     import torch.distributed as dist
 
-    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.config import MemoryConfig, RolloutConfig
     from hybrid_engine.rollout.engine import VLLMRollout
 
     cfg = RolloutConfig(tensor_parallel_size=2, num_samples_per_prompt=2, max_tokens=MAX_TOKENS,
-                        max_model_len=96, kv_cache_gib=0.05, enforce_eager=True, seed=5)
-    rollout = VLLMRollout(model_dir, cfg, dtype="float32")
+                        max_model_len=96, enforce_eager=True, seed=5)
+    rollout = VLLMRollout(model_dir, cfg, memory=MemoryConfig(kv_cache_gib=0.05), dtype="float32")
     gate, steps, at = InstallGate(rollout.tp_all), [], []
     offer_after = 2 if dist.get_rank() == 0 else 10
     ready = threading.Event()  # this rank's sync may offer: offer_after steps in, or the batch over
@@ -330,8 +330,8 @@ def test_a_separate_run_installs_inside_batches_and_resumes(model_dir, reward_fi
 
     out = tmp_path / "run"
     args = ("--rollout.tensor_parallel_size=1", "--algorithm.behaviour_logp=rollout",
-            "--placement=separate", "--rollout.num_ranks=1", "--rollout.max_staleness=1",
-            "--sync.verify=false", "--rollout.inflight_updates=true",
+            "--placement=separate", "--rollout.num_ranks=1", "--async_rollout.max_staleness=1",
+            "--sync.verify=false", "--async_rollout.inflight_updates=true",
             "--rollout.max_tokens=64", "--rollout.max_model_len=128", "--train.num_steps=5",
             "--checkpoint_every=3")
     train(model_dir, reward_file, out, 2, *args)

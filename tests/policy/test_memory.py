@@ -1,7 +1,7 @@
-"""rollout.release_memory=auto (policy/memory.py): the trainer's transient peak is
+"""memory.release=auto (policy/memory.py): the trainer's transient peak is
 measured for real (a CPU allocation shows up in it), the rule releases only when that
 peak does not fit, and a real 2-rank job releases the KV cache in its first training
-phase only when there is room, in every phase when rollout.memory_budget is too small;
+phase only when there is room, in every phase when memory.budget is too small;
 the same budget makes train.sharding=auto pick `replicate` or `full`."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _released_per_step(model_dir: str, out_dir: str, budget: float) -> list[floa
         "model.path": model_dir, "output_dir": out_dir, "env.name": "test_digits",
         "rollout.num_samples_per_prompt": 4, "rollout.max_tokens": 8, "train.num_steps": 4,
         "train.prompts_per_step": 4, "checkpoint_every": 0, "eval_every": 0,
-        "rollout.release_memory": "auto", "rollout.memory_budget": budget,
+        "memory.release": "auto", "memory.budget": budget,
         "train.sharding": "auto"})
     job = Job(cfg, progress=False)
     rank = dist.get_rank()

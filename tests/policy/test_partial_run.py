@@ -1,4 +1,4 @@
-"""Partial rollouts in whole colocated runs (`rollout.partial_rollout`): 2
+"""Partial rollouts in whole colocated runs (`async_rollout.partial`): 2
 ranks, 2 engine replicas (TP 1), a few long sequences parked at the
 token budget and finished the next step; the checkpoint holds the parked pool
 and a resume repeats the uninterrupted run."""
@@ -13,9 +13,9 @@ from tests.policy.runs import rows, stable, train
 
 # 60 of the tiny model's 1000 ids end a completion: lengths ~ geometric, mean ~16, cap 24.
 PARTIAL = ("--rollout.tensor_parallel_size=1", "--algorithm.behaviour_logp=rollout",
-           "--rollout.max_tokens=24", "--rollout.max_staleness=1",
+           "--rollout.max_tokens=24", "--async_rollout.max_staleness=1",
            "--rollout.stop_token_ids=" + ",".join(str(i) for i in range(200, 260)),
-           "--rollout.partial_rollout=true")
+           "--async_rollout.partial=true")
 
 
 def _no_partial(row: dict) -> dict:
@@ -35,9 +35,9 @@ def _no_partial(row: dict) -> dict:
 @pytest.mark.slow
 def test_partial_rollouts_park_continue_and_resume(model_dir, reward_file, tmp_path) -> None:
     out, roomy = tmp_path / "partial", tmp_path / "roomy"
-    train(model_dir, reward_file, out, 2, *PARTIAL, "--rollout.step_token_budget=120")
+    train(model_dir, reward_file, out, 2, *PARTIAL, "--async_rollout.step_token_budget=120")
     # The budget acts: a budget no step reaches parks nothing (every step waits for all).
-    train(model_dir, reward_file, roomy, 2, *PARTIAL, "--rollout.step_token_budget=100000")
+    train(model_dir, reward_file, roomy, 2, *PARTIAL, "--async_rollout.step_token_budget=100000")
     steps = [r for r in rows(out) if "staleness_max" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert steps[0]["partial/parked_groups"] >= 1  # step 1 stopped at its budget
@@ -58,7 +58,7 @@ def test_partial_rollouts_park_continue_and_resume(model_dir, reward_file, tmp_p
     assert len(pool) == steps[1]["partial/parked_groups"]
     assert any(s["tokens"] and not s["finished"] for g in pool for s in g["samples"])
     before = rows(out)
-    train(model_dir, reward_file, out, 2, *PARTIAL, "--rollout.step_token_budget=120", "--resume")
+    train(model_dir, reward_file, out, 2, *PARTIAL, "--async_rollout.step_token_budget=120", "--resume")
     resumed = rows(out)
     assert [r["step"] for r in resumed] == [r["step"] for r in before]
     assert stable(resumed[-1]) == stable(before[-1])

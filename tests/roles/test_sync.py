@@ -90,12 +90,12 @@ def _sharded_model(model_dir: str, master: str = "float32", shard: int = 0):  # 
 
 def _engine(model_dir: str, tp: int, dtype: str):  # noqa: ANN202
     """A colocated vLLM engine of the folder (TP = tp, the given dtype)."""
-    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.config import MemoryConfig, RolloutConfig
     from hybrid_engine.rollout.engine import VLLMRollout
 
     return VLLMRollout(model_dir, RolloutConfig(
-        tensor_parallel_size=tp, max_model_len=64, max_tokens=8, kv_cache_gib=1.0,
-        enforce_eager=True), dtype=dtype)
+        tensor_parallel_size=tp, max_model_len=64, max_tokens=8, enforce_eager=True),
+        memory=MemoryConfig(kv_cache_gib=1.0), dtype=dtype)
 
 
 def _sharded_model_and_engine(model_dir: str, tp: int, dtype: str,  # noqa: ANN202

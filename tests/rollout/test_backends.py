@@ -1,5 +1,5 @@
 """The CUDA backend's pure parts, on any machine: the engine's memory budget
-(rollout.gpu_memory_fraction) and the allocator check (expandable_segments
+(memory.gpu_memory_fraction) and the allocator check (expandable_segments
 cannot work beside vLLM's sleep-mode allocator). The backend's sleep/wake runs
 only where vLLM's CUDA build is (tests/rollout/test_engine.py, gpu marker). The
 CPU backend's patch of two compiled vLLM helpers, in-process."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_engine.config import RolloutConfig
+from hybrid_engine.config import MemoryConfig
 from hybrid_engine.preflight import check_gpu
 from hybrid_engine.rollout.cuda import CudaBackend, check_allocator_conf, engine_budget
 
@@ -30,7 +30,7 @@ def test_gpu_memory_fraction_reaches_the_engine(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60 * GIB, 80 * GIB))
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    got = {f: CudaBackend(RolloutConfig(gpu_memory_fraction=f), reserve_bytes=20 * GIB)
+    got = {f: CudaBackend(MemoryConfig(gpu_memory_fraction=f), reserve_bytes=20 * GIB)
            .engine_kwargs() for f in (0.9, 0.45)}
     assert got[0.9] == {"gpu_memory_utilization": pytest.approx(0.45), "enable_sleep_mode": True}
     assert got[0.45]["gpu_memory_utilization"] == pytest.approx(0.225)

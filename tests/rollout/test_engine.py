@@ -15,13 +15,12 @@ TEMPERATURE = 0.7
 def _sample(model_dir: str, tp: int, max_tokens: int) -> dict:
     import torch.distributed as dist
 
-    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.config import MemoryConfig, RolloutConfig
     from hybrid_engine.rollout.engine import VLLMRollout
 
     cfg = RolloutConfig(tensor_parallel_size=tp, num_samples_per_prompt=2, max_tokens=max_tokens,
-                        max_model_len=64, kv_cache_gib=1.0, temperature=TEMPERATURE,
-                        enforce_eager=True, seed=3)
-    rollout = VLLMRollout(model_dir, cfg, dtype="float32")
+                        max_model_len=64, temperature=TEMPERATURE, enforce_eager=True, seed=3)
+    rollout = VLLMRollout(model_dir, cfg, memory=MemoryConfig(kv_cache_gib=1.0), dtype="float32")
     stopped = _stop_check(rollout)
     first = rollout.generate(PROMPTS, seed=11)
     again = rollout.generate(PROMPTS, seed=11)
@@ -102,12 +101,12 @@ def test_spmd_sampling_matches_transformers(tmp_path, world_size, tp):
 def _release_regrow(model_dir: str) -> dict:
     import psutil
 
-    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.config import MemoryConfig, RolloutConfig
     from hybrid_engine.rollout.engine import VLLMRollout
 
     cfg = RolloutConfig(tensor_parallel_size=1, num_samples_per_prompt=2, max_tokens=12,
-                        max_model_len=64, kv_cache_gib=1.0, enforce_eager=True)
-    rollout = VLLMRollout(model_dir, cfg, dtype="float32")
+                        max_model_len=64, enforce_eager=True)
+    rollout = VLLMRollout(model_dir, cfg, memory=MemoryConfig(kv_cache_gib=1.0), dtype="float32")
     first = rollout.generate(PROMPTS, seed=4)
     rss0 = psutil.Process().memory_info().rss
     released = rollout.release_memory()
@@ -129,7 +128,7 @@ def _release_regrow(model_dir: str) -> dict:
 
 
 def _emulated_sleep_cycle(rollout, model_dir: str, first) -> dict:  # noqa: ANN001
-    """The same engine with GPU sleep emulated (the knob rollout.emulate_gpu_sleep sets
+    """The same engine with GPU sleep emulated (the knob memory.emulate_gpu_sleep sets
     at build time, switched on here to reuse the engine): a release loses the weights,
     restore_memory brings back only the KV cache, the engine refuses to sample until
     the weights are rewritten, and then samples exactly as before."""
@@ -172,13 +171,14 @@ def _gpu_sleep_cycle(model_dir: str) -> dict:
     reload rewrites the weights and sampling repeats exactly."""
     from safetensors.torch import load_file
 
-    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.config import MemoryConfig, RolloutConfig
     from hybrid_engine.metrics import _memory_bytes
     from hybrid_engine.rollout.engine import VLLMRollout
 
     cfg = RolloutConfig(tensor_parallel_size=1, num_samples_per_prompt=2, max_tokens=12,
-                        max_model_len=64, gpu_memory_fraction=0.3, enforce_eager=True)
-    rollout = VLLMRollout(model_dir, cfg, dtype="float32")
+                        max_model_len=64, enforce_eager=True)
+    rollout = VLLMRollout(model_dir, cfg, memory=MemoryConfig(gpu_memory_fraction=0.3),
+                          dtype="float32")
     first = rollout.generate(PROMPTS, seed=4)
     awake = _memory_bytes()
     released = rollout.release_memory()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from hybrid_engine.config import RolloutConfig
+from hybrid_engine.config import MemoryConfig, RolloutConfig
 from hybrid_engine.envs.arithmetic import ArithmeticEnv
 from hybrid_engine.envs.base import decode, encode
 from hybrid_engine.envs.tool import ToolEnv
@@ -244,9 +244,9 @@ def _plain(trajs) -> list[tuple]:
 def _rollout(model_dir: str):
     from hybrid_engine.rollout.engine import VLLMRollout
 
-    cfg = RolloutConfig(max_model_len=128, max_tokens=8, kv_cache_gib=0.25, enforce_eager=True,
-                        seed=2, temperature=1.0)
-    return VLLMRollout(model_dir, cfg, dtype="float32")
+    cfg = RolloutConfig(max_model_len=128, max_tokens=8, enforce_eager=True, seed=2,
+                        temperature=1.0)
+    return VLLMRollout(model_dir, cfg, memory=MemoryConfig(kv_cache_gib=0.25), dtype="float32")
 
 
 def _vllm_episodes(model_dir: str) -> dict:

@@ -17,12 +17,17 @@ STOP_IDS = tuple(range(200, 260))
 MAX_TOKENS = 40
 
 
-def _cfg(**kw):
+def _cfg():
     from hybrid_engine.config import RolloutConfig
 
     return RolloutConfig(num_samples_per_prompt=2, max_tokens=MAX_TOKENS, max_model_len=96,
-                         kv_cache_gib=0.05, enforce_eager=True, seed=5, stop_token_ids=STOP_IDS,
-                         max_staleness=1, partial_rollout=True, step_token_budget=60, **kw)
+                         enforce_eager=True, seed=5, stop_token_ids=STOP_IDS)
+
+
+def _ahead(**kw):
+    from hybrid_engine.config import AsyncConfig
+
+    return AsyncConfig(max_staleness=1, partial=True, step_token_budget=60, **kw)
 
 
 def _score(rollout, seq: list[int]) -> list[float]:
@@ -38,10 +43,12 @@ def _parked_then_continued(model_dir: str, other_dir: str) -> dict:
     from safetensors.torch import load_file
 
     from hybrid_engine.rollout.engine import VLLMRollout
+    from hybrid_engine.config import MemoryConfig
     from hybrid_engine.rollout.partial import PartialRollouts
 
-    rollout = VLLMRollout(model_dir, _cfg(), dtype="float32")
-    pool = PartialRollouts(rollout.cfg)
+    rollout = VLLMRollout(model_dir, _cfg(), memory=MemoryConfig(kv_cache_gib=0.05),
+                          dtype="float32")
+    pool = PartialRollouts(rollout.cfg, _ahead())
     first = pool.collect(rollout, PROMPTS[:3], num_samples=2, seed=1, version=0)
     parked = {(tuple(g.prompt_ids), s.seed): (list(s.tokens), list(s.logp))
               for g in pool.pool for s in g.samples if s.tokens and not s.finished}
@@ -66,7 +73,7 @@ def _parked_then_continued(model_dir: str, other_dir: str) -> dict:
                 "cont_vs_new": max(abs(a - b) for a, b in zip(t.rollout_logp[n0:], new_scores[n0:])),
                 "prefix_vs_new": max(abs(a - b) for a, b in zip(t.rollout_logp[:n0], new_scores[:n0])),
             })
-    reloaded = PartialRollouts(rollout.cfg)
+    reloaded = PartialRollouts(rollout.cfg, _ahead())
     reloaded.load_state_dict(saved)
     out = {
         "first_groups": len(first) // 2, "second_groups": len(second) // 2,
@@ -107,7 +114,7 @@ def test_parked_sequences_continue_with_the_new_weights(two_models):
 def _pool(stale: str):
     from hybrid_engine.rollout.partial import PartialRollouts, _Group, _Sample
 
-    pool = PartialRollouts(_cfg(stale_partial=stale))
+    pool = PartialRollouts(_cfg(), _ahead(stale_partial=stale))
     old = _Group([1, 2], [1, 2], [_Sample(7, [5, 6], [-0.1, -0.2], [0, 0]), _Sample(8, [9], [-1.0], [1],
                                                                                    finished=True)])
     fresh = _Group([3, 4], [3, 4], [_Sample(9, [5], [-0.3], [1]), _Sample(10)])
@@ -140,7 +147,7 @@ def test_pool_state_round_trips_through_json():
 
     pool = _pool("drop")
     state = json.loads(json.dumps(pool.state_dict()))
-    other = PartialRollouts(pool.cfg)
+    other = PartialRollouts(pool.cfg, pool.ahead)
     other.load_state_dict(state)
     assert other.pool == pool.pool
 
@@ -157,12 +164,12 @@ def test_a_continued_sample_draws_from_a_seed_of_its_prefix_length():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"rollout.step_token_budget": 100}, "bounds partial rollouts"),
-    ({"rollout.partial_rollout": True, "rollout.step_token_budget": 100}, "max_staleness >= 1"),
-    ({"rollout.partial_rollout": True, "rollout.max_staleness": 1,
+    ({"async_rollout.step_token_budget": 100}, "bounds partial rollouts"),
+    ({"async_rollout.partial": True, "async_rollout.step_token_budget": 100}, "max_staleness >= 1"),
+    ({"async_rollout.partial": True, "async_rollout.max_staleness": 1,
       "algorithm.behaviour_logp": "rollout"}, "step_token_budget > 0"),
-    ({"rollout.partial_rollout": True, "rollout.max_staleness": 1, "placement": "separate",
-      "rollout.step_token_budget": 100, "algorithm.behaviour_logp": "rollout"},
+    ({"async_rollout.partial": True, "async_rollout.max_staleness": 1, "placement": "separate",
+      "async_rollout.step_token_budget": 100, "algorithm.behaviour_logp": "rollout"},
      "placement=colocated"),
 ])
 def test_partial_rollout_settings_are_checked(overrides, match):

@@ -1,0 +1,412 @@
+"""The config sections: one frozen dataclass per concern, nested in `RunConfig`.
+
+Job: declare every knob (type, default, a doc of at most two lines, bounds)
+and the rules within a section; `hybrid_engine.config.RunConfig` nests them
+and holds the rules across sections. Details of what the knobs do are in
+docs/configuration.md.
+
+Adding a field is one line: `name: type = _field(default, "doc", ge=0)`.
+Its doc and default then show up in `describe()`, its annotation drives
+parsing of override strings, and its bounds are checked generically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hybrid_engine.config.overrides import doc_field as _field
+from hybrid_engine.config.overrides import validate_fields
+
+__all__ = ["AlgorithmConfig", "AsyncConfig", "EnvConfig", "GuardsConfig", "MemoryConfig",
+           "ModelConfig", "PREFIXES", "RolloutConfig", "SyncConfig", "TrainConfig"]
+
+# Section class -> its dotted prefix in RunConfig ("train."), for messages; filled
+# by hybrid_engine.config once RunConfig exists.
+PREFIXES: dict[type, str] = {}
+
+Dtype = Literal["bfloat16", "float32"]
+# The reductions are arithmetic of their own (aggregation.py), not plug-ins.
+LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"]
+# Fields naming a registry entry are open str, checked at build time
+# (`check_registered`, from preflight and the Algorithm/make_env builders).
+_ADVANTAGES = "hybrid_engine.algorithms.advantages:ADVANTAGES"
+_POLICY_LOSSES = "hybrid_engine.algorithms.losses:POLICY_LOSSES"
+_KL_ESTIMATORS = "hybrid_engine.algorithms.kl:KL_ESTIMATORS"
+_ENVS = "hybrid_engine.envs:ENVS"
+
+
+# --------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """The policy model and the dtypes of its two layouts."""
+
+    path: str = _field(
+        "",
+        "HF model id or local directory of the policy. Required to run "
+        "(checked by RunConfig.validate_for_run); empty in recipes that leave it to the user.",
+    )
+    master_dtype: Dtype = _field(
+        "float32", "dtype of the master weights (FSDP2 shards, or replicated) and optimizer state."
+    )
+    compute_dtype: Dtype = _field(
+        "bfloat16",
+        "dtype of training forward/backward (FSDP2 MixedPrecisionPolicy param_dtype; "
+        "train.sharding=replicate: torch.autocast); gradients are reduced in master_dtype.",
+    )
+    rollout_dtype: Dtype = _field(
+        "bfloat16", "dtype of the vLLM weights; weight sync casts master -> this."
+    )
+    trust_remote_code: bool = _field(
+        False, "Allow custom modeling code from the model repo (HF and vLLM)."
+    )
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    """vLLM sampling: how many completions per prompt and how they are drawn."""
+
+    tensor_parallel_size: int = _field(
+        1, "vLLM tensor-parallel size T; must divide the world size (N/T replicas).", ge=1
+    )
+    num_samples_per_prompt: int = _field(
+        8, "K: completions sampled per prompt (the group of group-based advantages).", ge=1
+    )
+    temperature: float = _field(1.0, "Sampling temperature.", gt=0)
+    top_p: float = _field(1.0, "Nucleus sampling mass; 1.0 disables it.", gt=0, le=1)
+    top_k: int = _field(-1, "Top-k sampling; -1 disables it.")
+    max_tokens: int = _field(256, "Maximum new tokens per completion.", ge=1)
+    max_model_len: int = _field(
+        1024, "Maximum prompt + completion length in tokens (vLLM max_model_len).", ge=2
+    )
+    seed: int = _field(0, "Base seed of vLLM sampling (per-request seeds derive from it).", ge=0)
+    prompt_too_long: Literal["reject", "truncate"] = _field(
+        "reject",
+        "What to do with a prompt longer than max_model_len - max_tokens: "
+        "'reject' raises, 'truncate' keeps its last tokens.",
+    )
+    stop: tuple[str, ...] = _field(
+        (), "Strings that end a completion (not included in it); comma-separated on the CLI."
+    )
+    stop_token_ids: tuple[int, ...] = _field(
+        (), "Token ids that end a completion, besides the tokenizer's EOS."
+    )
+    enforce_eager: bool = _field(False, "Disable CUDA graphs / compilation in vLLM.")
+    num_ranks: int = _field(
+        0,
+        "placement=separate: how many ranks only roll out (the last ones; the others only "
+        "train); 0 = half the world (rounded down to a multiple of tensor_parallel_size).",
+        ge=0,
+    )
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        p = _prefix(self)
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"{p}top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_model_len <= self.max_tokens:
+            raise ValueError(
+                f"{p}max_model_len must be > {p}max_tokens={self.max_tokens} "
+                f"(room for at least one prompt token), got {self.max_model_len}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Optimizer, schedule and batch shape of the FSDP2 trainer."""
+
+    lr: float = _field(1e-6, "Peak AdamW learning rate.", gt=0)
+    weight_decay: float = _field(0.0, "AdamW decoupled weight decay.", ge=0)
+    betas: tuple[float, float] = _field((0.9, 0.999), "AdamW (beta1, beta2), each in [0, 1).")
+    warmup_steps: int = _field(0, "Linear warmup steps from 0 to lr.", ge=0)
+    lr_schedule: Literal["constant", "cosine"] = _field(
+        "constant", "Learning-rate shape after warmup (cosine decays to 0 at num_steps)."
+    )
+    grad_clip: float = _field(1.0, "Max global gradient norm.", gt=0)
+    micro_batch_size: int = _field(
+        4, "Sequences per forward/backward on one rank; with any sharding but 'full' prefer few "
+        "large micro-batches (each adds a pass over the gradient).", ge=1)
+    max_tokens_per_micro_batch: int | None = _field(
+        None,
+        "If set, micro-batches are cut by padded tokens instead of micro_batch_size "
+        "(length-sorted, so padding stays bounded).",
+        ge=1,
+    )
+    logits_chunk_tokens: int = _field(
+        1024,
+        "Token positions per chunk of the vocab projection in logprob computation "
+        "(full-vocab fp32 logits exist for one chunk at a time).",
+        ge=1,
+    )
+    activation_checkpointing: bool = _field(
+        False, "Recompute decoder-layer activations in backward to save memory."
+    )
+    sharding: Literal["full", "grad_op", "replicate", "hybrid", "auto"] = _field(
+        "full", "Training layout over the data-parallel ranks: FSDP2 'full' / 'grad_op', DDP "
+        "'replicate', HSDP 'hybrid', or 'auto' (the first that fits memory.budget).")
+    cpu_shm_allreduce: bool = _field(
+        True, "sharding='replicate' on one CPU host: average gradients through vLLM-CPU's "
+        "shared-memory all-reduce instead of gloo's TCP loopback.")
+    shard_group_size: int = _field(
+        0,
+        "sharding='hybrid' (and 'auto'): ranks per shard group; must divide the trainer "
+        "ranks and lie strictly between 1 and their number. 0 = unset.",
+        ge=0,
+    )
+    replica_check_every: int = _field(
+        10, "sharding='replicate'/'hybrid': every this many optimizer steps, stop the run if "
+        "any replica's parameters differ bitwise; 0 = never.", ge=0)
+    num_steps: int = _field(100, "RL steps (generate -> train -> sync) in the run.", ge=1)
+    prompts_per_step: int = _field(
+        32, "Prompts per RL step over all ranks; sequences = this * K.", ge=1
+    )
+    ppo_epochs: int = _field(
+        1, "Passes over one RL step's trajectories, each of mini_batches_per_rollout "
+        "optimizer steps (with more than one update the clip acts).", ge=1)
+    mini_batches_per_rollout: int = _field(
+        1,
+        "Optimizer steps per pass: the step's trajectories are shuffled (seeded, the same "
+        "on every rank) and cut into this many mini-batches (at most one per trajectory).",
+        ge=1,
+    )
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"{_prefix(self)}betas must each be in [0, 1), got {self.betas}")
+        if self.sharding == "hybrid" and self.shard_group_size < 2:
+            raise ValueError(f"{_prefix(self)}sharding=hybrid needs {_prefix(self)}"
+                             f"shard_group_size >= 2 (ranks per shard group), got "
+                             f"{self.shard_group_size}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AlgorithmConfig:
+    """Advantage estimator and policy loss."""
+
+    advantage: str = _field("grpo", "Advantage estimator (registry name; register_advantage "
+                            "adds one).", registry=_ADVANTAGES)
+    loss_agg: LossAgg = _field(
+        "token_mean",
+        "How per-token losses reduce to a scalar: mean over all tokens, per-sequence "
+        "sum or mean then mean over sequences, or sum / a constant (Dr.GRPO).",
+    )
+    clip_low: float = _field(0.2, "PPO ratio clip below: ratio >= 1 - clip_low.", ge=0)
+    clip_high: float = _field(
+        0.2, "PPO ratio clip above: ratio <= 1 + clip_high (DAPO clip-higher > clip_low).", ge=0
+    )
+    dual_clip: float | None = _field(
+        None, "Dual-clip bound c on negative advantages; None disables it.", gt=1
+    )
+    kl_coef: float = _field(0.0, "Weight of the KL penalty to the reference policy; 0 = off.", ge=0)
+    kl_estimator: str = _field(
+        "k3", "KL estimator of logp - ref_logp (registry name; Schulman's k1/k2/k3).",
+        registry=_KL_ESTIMATORS,
+    )
+    kl_in_reward: bool = _field(
+        False, "Subtract kl_coef * KL from the reward instead of adding it to the loss (with a "
+        "group estimator: before the group normalisation, as verl).")
+    entropy_coef: float = _field(0.0, "Weight of the entropy bonus in the loss; 0 = off.")
+    tis_cap: float | None = _field(
+        None,
+        "Truncated importance sampling cap on pi_train / pi_rollout per token "
+        "(corrects vLLM vs trainer logprob mismatch); None disables it.",
+        gt=0,
+    )
+    gamma: float = _field(1.0, "Discount factor (GAE only; REINFORCE++ here is the "
+                          "outcome-reward form, undiscounted).", ge=0, le=1)
+    lam: float = _field(1.0, "GAE lambda.", ge=0, le=1)
+    policy_loss: str = _field(
+        "ppo", "Policy loss (registry name): token-level PPO clip, or GSPO's sequence-level "
+        "ratio.", registry=_POLICY_LOSSES
+    )
+    loss_agg_constant: float | None = _field(
+        None,
+        "Normaliser of loss_agg='constant' (Dr.GRPO); None uses rollout.max_tokens.",
+        gt=0,
+    )
+    value_coef: float = _field(0.5, "Weight of the critic's value loss (PPO with GAE).", ge=0)
+    value_clip: float | None = _field(
+        0.2, "Clip range of the value loss around the old values; None disables it.", gt=0
+    )
+    dynamic_sampling: bool = _field(
+        False, "DAPO: drop groups with equal rewards and draw more until train.prompts_per_step "
+        "groups carry signal (at most max_sampling_rounds rounds).")
+    max_sampling_rounds: int = _field(
+        4,
+        "dynamic_sampling: most generate rounds per step; then the step trains on the "
+        "groups with signal it has.",
+        ge=1,
+    )
+    behaviour_logp: Literal["trainer", "rollout"] = _field(
+        "trainer", "Old log-probs of the PPO ratio: 'trainer' recomputes them (when more than "
+        "one update follows); 'rollout' takes the engine's sampled ones.")
+    overlong_buffer: int = _field(
+        0, "DAPO overlong shaping: penalty ramp length in tokens before max_tokens; 0 = off.", ge=0
+    )
+    overlong_penalty_factor: float = _field(
+        1.0, "DAPO overlong shaping: penalty at max_tokens (reward -= factor at the limit).", ge=0
+    )
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if self.behaviour_logp == "rollout" and self.tis_cap is not None:
+            raise ValueError(
+                f"{_prefix(self)}tis_cap would never act with {_prefix(self)}behaviour_logp="
+                "'rollout' (its weight exp(old - rollout) is then 1): the ratio to the "
+                "rollout's log-probs is already the importance ratio; unset one of them")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncConfig:
+    """Weight sync from the training layout into the inference layout."""
+
+    method: Literal["reshard", "naive", "naive_bucketed"] = _field(
+        "reshard", "'reshard' moves only the blocks each rank lacks; 'naive' gathers full "
+        "tensors (the oracle); 'naive_bucketed' gathers cast buckets (colocated).")
+    bucket_mb: float = _field(
+        256.0, "Max MiB per exchange bucket: per all_to_all ('reshard') or per gathered "
+        "bucket of full tensors ('naive_bucketed'); bounds sync peak memory.", gt=0
+    )
+    verify: bool = _field(
+        False, "After each sync, check bit-equality with the naive path (slow; for tests)."
+    )
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EnvConfig:
+    """The task: where prompts come from and how completions are rewarded."""
+
+    name: str = _field("arithmetic", "Environment (registry name; register_env adds one).",
+                       registry=_ENVS)
+    dataset_path: str = _field("", "Dataset file for the environment; '' = generated prompts.")
+    seed: int = _field(0, "Seed of prompt generation / dataset shuffling.", ge=0)
+    reward_model_path: str = _field(
+        "",
+        "HF sequence-classification model folder whose score (logit 0) replaces the "
+        "environment's reward function; '' = the environment's own reward.",
+    )
+    reward_fn: str = _field(
+        "", "Custom reward 'file.py:function' or 'module:function', called as f(prompt, "
+        "completion, answer) -> float or {name: float}; '' = the env's own.")
+    reward_timeout_s: float = _field(
+        60.0,
+        "reward_fn: seconds one call may take; a call that has not returned by then stops "
+        "the run with an error naming the sample (0 = no limit).",
+        ge=0,
+    )
+    num_eval_prompts: int = _field(
+        64, "Held-out prompts per evaluation (greedy, one sample each).", ge=1
+    )
+    min_digits: int = _field(1, "arithmetic: fewest digits of a generated operand.", ge=1)
+    max_digits: int = _field(
+        3, "arithmetic: most digits of a generated operand (at most 4000: Python converts "
+        "ints of up to 4300 digits to text).", ge=1, le=4000)
+    operators: tuple[str, ...] = _field(
+        ("+", "-"), "arithmetic: operators of generated problems (subset of + and -)."
+    )
+    allow_negative: bool = _field(
+        True, "arithmetic: False orders the operands of '-' so results are >= 0."
+    )
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if not self.name.strip():
+            raise ValueError(f"{_prefix(self)}name must be non-empty")
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"{_prefix(self)}min_digits={self.min_digits} must be <= "
+                             f"{_prefix(self)}max_digits={self.max_digits}")
+        if self.reward_fn and self.reward_model_path:
+            raise ValueError(f"set at most one of {_prefix(self)}reward_fn and "
+                             f"{_prefix(self)}reward_model_path (each replaces the reward)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AsyncConfig:
+    """Generation ahead of training and partial rollouts (docs: configuration.md#asynchronous-rollout)."""
+
+    max_staleness: int = _field(
+        0, "k: generation runs up to k steps ahead of training; 0 = synchronous. k > 0 needs "
+        "algorithm.behaviour_logp=rollout or algorithm.tis_cap.", ge=0)
+    schedule: Literal["auto", "stream", "burst"] = _field(
+        "auto", "How generation runs ahead: 'stream' one batch per step, 'burst' k + 1 steps' "
+        "batches per pass; 'auto': burst colocated, stream separate.")
+    partial: bool = _field(
+        False, "Colocated: stop a step's generation at step_token_budget and park the "
+        "unfinished sequences for the next step (needs max_staleness >= 1).")
+    step_token_budget: int = _field(
+        0, "partial: tokens a step's generation may sample before it parks the rest; "
+        "0 = no budget (only with partial=false).", ge=0)
+    stale_partial: Literal["regenerate", "drop"] = _field(
+        "regenerate", "partial: a parked group older than max_staleness is restarted from its "
+        "prompt ('regenerate') or discarded ('drop').")
+    inflight_updates: bool = _field(
+        False, "Separate placement, max_staleness >= 1: install a sync's weights between two "
+        "engine steps of the running batch (needs sync.method=reshard, no verify).")
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryConfig:
+    """What each layout holds while the other runs (docs: configuration.md#memory)."""
+
+    release: Literal["auto", "true", "false"] = _field(
+        "auto", "Release the engine's memory while the trainer runs: 'true' always, 'auto' "
+        "when the trainer's measured peak would not fit beside it, 'false' never.")
+    budget: float = _field(
+        0.9, "Fraction of RAM (GPU: device memory) the job may use; decides release=auto and "
+        "train.sharding=auto.", gt=0, le=1)
+    kv_cache_gib: float = _field(
+        4.0, "CPU: the KV cache per rank in GiB (exact). GPU: unused (gpu_memory_fraction).",
+        gt=0)
+    gpu_memory_fraction: float = _field(
+        0.9, "GPU: share of the memory free after the trainer that vLLM may use. CPU: unused.",
+        gt=0, le=1)
+    offload_optimizer: bool = _field(
+        False, "Colocated: park the AdamW state in host memory from the sync until the next "
+        "optimizer step, so vLLM wakes into its memory.")
+    emulate_gpu_sleep: bool = _field(
+        False, "CPU (tests): a release loses the engine's torch-visible weights (NaN) as GPU "
+        "sleep level 2 does, so ordering bugs fail on CPU too.")
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GuardsConfig:
+    """Checks that stop a run going wrong (docs: configuration.md#guards)."""
+
+    mismatch_alarm: float | None = _field(
+        0.5, "Warn when a step's mean |logp_trainer - logp_rollout| exceeds this (healthy: "
+        "~1e-6 fp32, ~1e-2 bf16); None = off.", gt=0)
+    mismatch_abort: bool = _field(False, "Stop the run with an error when guards.mismatch_alarm trips.")
+    mismatch_split_sequences: int = _field(
+        32, "Colocated with stale samples: sequences per round the engine re-scores to split "
+        "the mismatch into drift and numerics; 0 = no split.", ge=0)
+    max_nonfinite_in_a_row: int = _field(
+        3, "Abort after this many steps in a row skipped for a NaN/inf loss or gradient norm "
+        "(0 = never).", ge=0)
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+
+
+def _prefix(obj: Any) -> str:
+    """Dotted prefix of obj's section in RunConfig ('train.'), for error messages."""
+    return PREFIXES.get(type(obj), "")
+
+
+def _validate_fields(obj: Any) -> None:
+    """Generic type and bound checks of a section, with its dotted prefix."""
+    validate_fields(obj, _prefix(obj))
