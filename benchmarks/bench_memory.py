@@ -198,7 +198,7 @@ def _tp(args: argparse.Namespace, mode: str) -> int:
 
 
 def _rank_job(args: argparse.Namespace) -> None:
-    from hybrid_engine.policy.colocated import completions_to_trajectories
+    from hybrid_engine.policy.training import completions_to_trajectories
     from hybrid_engine.config import RunConfig, apply_overrides
     from hybrid_engine.job import make_policy
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from hybrid_engine.policy.ahead import Inflight, SerialWorker, timed
 from hybrid_engine.policy.inflight import InstallGate
-from hybrid_engine.policy.colocated import greedy_sampling, policy_train, train_batch
+from hybrid_engine.policy.training import greedy_sampling, policy_train, train_batch
 from hybrid_engine.algorithms.losses import LossFn
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
 from hybrid_engine.config import RolloutConfig, RunConfig

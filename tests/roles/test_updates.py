@@ -96,7 +96,7 @@ def test_training_on_trajectories_without_advantages_is_an_error():
     """The embedding API: trajectories straight from generate() have none; training
     them would move nothing but the LR schedule."""
     from hybrid_engine.config.recipes import get_recipe
-    from hybrid_engine.policy.colocated import policy_train
+    from hybrid_engine.policy.training import policy_train
 
     trajs = make_trajs(NUM, 50)
     trajs[3].advantages = None
@@ -131,7 +131,7 @@ def _config(path: str, **kw):
 def _policy_run(path: str, vocab: int, **kw) -> dict:
     """One RL step's updates through `actor.policy_train` on a fresh trainer; counts
     the no-grad log-prob passes (old log-probs) the trainer is asked for."""
-    from hybrid_engine.policy.colocated import policy_train
+    from hybrid_engine.policy.training import policy_train
     from hybrid_engine.roles.trainer import Trainer
 
     cfg = _config(path, **kw)

@@ -1,0 +1,239 @@
+"""The engine's weight side: where a weight sync writes and how it is installed.
+
+Job: `WeightStaging`, the half of `VLLMRollout` that weights go through.
+vLLM's CPU build packs linear weights into oneDNN / sgl handles after loading:
+those parameters become empty tensors and writes into them are lost. A sync
+therefore writes such weights into staging tensors (`weight_targets`), and
+`install_staged` / `commit_weights` install them (the backend re-packs).
+Every other parameter (and all of them on GPU) is plain and written in
+place. With `double_buffer` (separate placement, generation ahead) every
+target is a persistent back buffer, installed only by `commit_weights`, so a
+generation running meanwhile never reads half-written weights. The naive
+paths load full HF tensors through vLLM's own loading
+(`load_full_weights`); verify mode asks vLLM's loaders what they make of
+them (`reference_weights`).
+
+Invariant: after a release that discarded the weights, `weights_valid` stays
+False until the sync calls `mark_weights_written`, and the engine refuses to
+sample meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hybrid_engine.rollout import vllm_compat
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+__all__ = ["WeightStaging"]
+
+
+_FUSED = {
+    "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+    "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+}
+
+
+def _hf_sources(vllm_name: str) -> list[tuple[str, str | int | None]]:
+    """HF tensors (and vLLM shard ids) that a vLLM parameter is loaded from."""
+    parts = vllm_name.rsplit(".", 2)
+    if len(parts) == 3 and parts[1] in _FUSED:
+        prefix, module, suffix = parts
+        return [(f"{prefix}.{hf}.{suffix}", sid) for hf, sid in _FUSED[module]]
+    return [(vllm_name, None)]
+
+
+class WeightStaging:
+    """VLLMRollout's weight side (see the module docstring); the engine (`llm`) and
+    its platform `backend` are the engine's.
+
+    Attributes:
+        weights_valid: False from a release that discards the weights (GPU sleep
+            level 2, or its CPU emulation) until a sync has rewritten them all.
+        double_buffer: write every weight into back buffers, installed by
+            commit_weights() only.
+        staging_bytes: size of the staging arena (largest group staged), or of
+            the back buffers.
+    """
+
+    llm: LLM
+    backend: Any
+
+    def _init_weights(self) -> None:
+        self.weights_valid = True
+        self.double_buffer = False
+        self.staging_bytes = 0
+        self._staging: dict[str, torch.Tensor] = {}
+        self._arena: torch.Tensor | None = None
+        self._back: dict[str, torch.Tensor] = {}
+        self._repack_s = 0.0
+
+    def _model(self) -> torch.nn.Module:
+        return vllm_compat.model(self.llm)
+
+    def weight_targets(self, shapes: Mapping[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """The tensors a sync writes this rank's TP-local weights into.
+
+        Args:
+            shapes: vLLM parameter name -> TP-local 2-D shape (the plan's
+                targets; 1-D parameters as [n, 1]).
+
+        Returns:
+            name -> contiguous tensor of that shape in the model dtype: the
+            vLLM parameter itself when it is a plain tensor of that dtype, else
+            a staging view into a reused arena, installed by install_staged()
+            (so every weight is rounded to the model dtype exactly once, as in
+            vLLM's own loading). Call install_staged() before asking for the
+            next names: the arena is reused. With double_buffer every target
+            is a persistent back buffer instead, and only commit_weights()
+            installs them (a generation meanwhile sees the old weights).
+        """
+        params = dict(self._model().named_parameters())
+        dtype = vllm_compat.model_dtype(self.llm)
+        if self.double_buffer:
+            return self._back_targets(shapes, params, dtype)
+        assert not self._staging, "install_staged() the previous targets first"
+        out, staged = {}, []
+        for name, (rows, cols) in shapes.items():
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"vLLM model has no parameter {name!r}")
+            if p.numel() == rows * cols and p.dtype == dtype:
+                out[name] = p.data.view(rows, cols)
+            else:  # packed away by the CPU GEMM dispatch, or kept in another dtype
+                staged.append((name, rows, cols, p.device))
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        need = sum(r * c for _, r, c, _ in staged) * itemsize
+        if staged and (self._arena is None or self._arena.numel() < need):
+            self._arena = torch.empty(need, dtype=torch.uint8, device=staged[0][3])
+        offset = 0
+        for name, rows, cols, _ in staged:
+            n = rows * cols * itemsize
+            self._staging[name] = self._arena[offset : offset + n].view(dtype).view(rows, cols)
+            out[name] = self._staging[name]
+            offset += n
+        self.staging_bytes = max(self.staging_bytes, need)
+        return out
+
+    def _back_targets(self, shapes: Mapping[str, tuple[int, int]], params: dict,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """double_buffer: every target is a persistent back buffer (allocated on
+        first use, reused by every later sync), installed by commit_weights()."""
+        out = {}
+        for name, (rows, cols) in shapes.items():
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"vLLM model has no parameter {name!r}")
+            buf = self._back.get(name)
+            if buf is None or tuple(buf.shape) != (rows, cols):
+                buf = self._back[name] = torch.empty(rows, cols, dtype=dtype, device=p.device)
+            self._staging[name] = out[name] = buf
+        self.staging_bytes = sum(b.numel() * b.element_size() for b in self._back.values())
+        return out
+
+    def install_staged(self, *, final: bool = False) -> float:
+        """Installs the staged weights (CPU: the backend re-packs them); frees the
+        arena for reuse. Returns the seconds spent. With double_buffer only the
+        final call (commit_weights) installs: the back buffers hold the whole
+        model until then."""
+        if not self._staging or (self.double_buffer and not final):
+            return 0.0
+        t0 = time.perf_counter()
+        modules = dict(self._model().named_modules())
+        params = dict(self._model().named_parameters())
+        for name, staged in self._staging.items():
+            p = params[name]
+            if p.numel() == staged.numel():  # e.g. a bias vLLM-CPU keeps in fp32
+                p.data.copy_(staged.view(p.shape))
+            else:
+                self.backend.install(modules[name.rsplit(".", 1)[0]], staged)
+        self._staging = {}
+        dt = time.perf_counter() - t0
+        self._repack_s += dt
+        return dt
+
+    def commit_weights(self, *, running: bool = False) -> float:
+        """Finishes a sync: installs anything still staged, refreshes the packed
+        copies the backend keeps (CPU: vocab-parallel lm_head, and embed_tokens
+        when tied), resets the prefix cache. Returns the seconds spent
+        re-packing during this sync.
+
+        running: the install lands between two engine steps of a generation
+            (async_rollout.inflight_updates): the running requests are preempted too
+            (vLLM's reset_prefix_cache(reset_running_requests=True)), so their
+            KV, computed with the old weights, is recomputed with the new ones
+            (prompt and tokens so far) when they are scheduled again."""
+        self.install_staged(final=True)
+        self._repack_s += self.backend.refresh_packed(self._model())
+        # cached KV was computed with the old weights
+        if not self.llm.reset_prefix_cache(reset_running_requests=running):
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight install: "
+                               "requests still hold KV blocks computed with the old weights, "
+                               "which the next tokens would attend to")
+        repack_s, self._repack_s = self._repack_s, 0.0
+        return repack_s
+
+    def mark_weights_written(self) -> None:
+        """Called by the weight sync once every weight has been rewritten: the
+        engine may sample again after a release that discarded them."""
+        self.weights_valid = True
+
+    def load_full_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                          partial: bool = False) -> None:
+        """The naive paths: full HF tensors through vLLM's own loading (what
+        TRL and verl do). Re-packs on CPU; resets the prefix cache.
+
+        partial: the weights are one bucket of a sync (every vLLM module they
+        touch complete, others absent): vLLM keeps the absent modules as they
+        are, and its per-module "not loaded" warnings are silenced.
+        """
+        quiet = [logging.getLogger(n) for n in vllm_compat.RELOAD_LOGGERS] if partial else []
+        levels = [lg.level for lg in quiet]
+        for lg in quiet:
+            lg.setLevel(logging.ERROR)
+        try:
+            vllm_compat.reload_weights(self.llm, weights)
+        finally:
+            for lg, level in zip(quiet, levels):
+                lg.setLevel(level)
+        self.llm.reset_prefix_cache()
+
+    def reference_weights(
+        self, full: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, int]],
+    ) -> dict[str, torch.Tensor]:
+        """What vLLM's own weight loaders make of full HF tensors on this rank.
+
+        The oracle of the verify mode: each layer's `weight_loader` fills a
+        fresh tensor of the TP-local shape in the model dtype, as at load time
+        (vLLM's packed parameters cannot be read back on CPU). Compare with
+        what weight_targets received, which is in the model dtype too.
+        Returns vLLM name -> 2-D tensor.
+        """
+        modules = dict(self._model().named_modules())
+        device = next(self._model().parameters()).device  # beside the targets (CUDA)
+        out: dict[str, torch.Tensor] = {}
+        for name, (rows, cols) in shapes.items():
+            layer = modules[name.rsplit(".", 1)[0]]
+            shape = (rows,) if cols == 1 else (rows, cols)
+            shadow = torch.nn.Parameter(torch.zeros(shape, dtype=vllm_compat.model_dtype(self.llm),
+                                                    device=device), requires_grad=False)
+            sharded = cols > 1 or name.endswith(".bias")  # norms are replicated
+            if sharded:
+                vllm_compat.set_weight_attrs(shadow, {"output_dim": 0, **({"input_dim": 1} if cols > 1 else {})})
+            for hf_name, shard_id in _hf_sources(name):
+                t = full[hf_name].to(device)
+                if not sharded:
+                    shadow.data.copy_(t.view(shape))
+                elif shard_id is None:
+                    layer.weight_loader(shadow, t)
+                else:
+                    layer.weight_loader(shadow, t, shard_id)
+            out[name] = shadow.data.view(rows, cols)
+        return out
