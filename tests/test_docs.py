@@ -50,7 +50,7 @@ BACKTICK = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 PATHLIKE = re.compile(r"[\w.\-/]+")
 DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
-TAGS = re.compile(r"issue [0-9]+|\bG[0-9]{1,2}\b|found in review")
+TAGS = re.compile(r"issue [0-9]+|\bG[0-9]{1,2}\b|found in[ ]review")
 HISTORY = re.compile(r"until this change|since then|the run before it|used to be|no longer"
                      r"|\bshared/|DESIGN\.md", re.I)
 
