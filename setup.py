@@ -54,6 +54,7 @@ setup(
         "safetensors>=0.6.2",
         "tokenizers>=0.23",
         "accelerate>=1.0",
+        "datasets>=4.0",  # dataset files of every format, memory-mapped (env.dataset_path)
         "pyyaml>=6",
         "tqdm>=4.66",
         "psutil>=5.9",  # memory budgets, the launcher, RSS in metrics (vLLM needs it too)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoints
-from hybrid_engine.config import RunConfig, check_registered
+from hybrid_engine.config import EnvConfig, RunConfig, check_registered
 
 __all__ = ["check_gpu", "check_head_size", "check_kv_cache", "check_model_folder",
            "check_model_for_run", "check_output_dir", "check_reward_model_folder",
@@ -67,11 +67,7 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
 
     Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,  # e.g. group sizes
               max_tokens=cfg.rollout.max_tokens, prompts_per_step=cfg.train.prompts_per_step)
-    examples = None
-    if cfg.env.dataset_path:
-        from hybrid_engine.envs.dataset import load_jsonl
-
-        examples = load_jsonl(cfg.env.dataset_path)
+    examples = check_dataset(cfg.env)
     if cfg.env.reward_fn:
         from hybrid_engine.envs.custom_reward import load_reward_fn
 
@@ -81,6 +77,26 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     if int(os.environ.get("RANK", "0")) == 0:
         for warning in warnings_for(cfg, examples):
             log.warning(warning)
+
+
+def check_dataset(env: EnvConfig) -> list | None:
+    """Opens env.dataset_path (and env.eval_dataset_path): every file readable, of
+    one known format, with rows; the first row of each has its prompt and answer
+    (through env.preprocess when set). Returns the first rows of the training
+    data (up to 1000), for `warnings_for`; None without a dataset."""
+    from hybrid_engine.envs import dataset_spec
+    from hybrid_engine.envs.dataset import Records
+    from hybrid_engine.envs.user_code import load_function
+
+    spec = dataset_spec(env)
+    if spec is None:
+        return None
+    fn = load_function(spec.preprocess, "env.preprocess") if spec.preprocess else None
+    keys = {"prompt_key": spec.prompt_key, "answer_key": spec.answer_key, "preprocess": fn}
+    if spec.eval_path:
+        Records(spec.eval_path, key="env.eval_dataset_path", **keys)
+    train = Records(spec.path, **keys)
+    return [train[i] for i in range(min(len(train), 1000))]
 
 
 def warnings_for(cfg: RunConfig, examples: list | None) -> list[str]:
@@ -95,7 +111,9 @@ def warnings_for(cfg: RunConfig, examples: list | None) -> list[str]:
                    "(or of auto's choice of hybrid)")
     custom = cfg.env.reward_fn or cfg.env.reward_model_path
     if examples and not any(e.answer for e in examples) and not custom:
-        out.append(f"env.dataset_path={cfg.env.dataset_path!r}: all {len(examples)} answers are "
+        n = len(examples)
+        which = f"all {n}" if n < 1000 else f"the first {n}"
+        out.append(f"env.dataset_path={cfg.env.dataset_path!r}: {which} answers are "
                    "empty, so the environment's answer check scores every sample 0 and no step "
                    "has a learning signal: fill in the answers, or score with env.reward_fn")
     return out

@@ -217,11 +217,11 @@ def test_bad_yaml_file(model_dir, tmp_path, content, expected) -> None:
 
 @pytest.mark.parametrize(("lines", "expected"), [
     (None, "does not exist"),
-    ([], "dataset is empty"),
+    ([], "the dataset has no rows"),
     (['{"prompt": "1+1=", "answer": "2"}', "", '{"prompt": "2+2=" "answer": "4"}'],
-     ["data.jsonl:3: malformed JSON"]),
-    (['{"prompt": "1+1=", "answer": "2"}', '{"prompt": "2+2="}'],
-     ["data.jsonl:2: missing key(s) 'answer'"]),
+     ["data.jsonl'", "cannot read json data"]),
+    (['{"question": "1+1=", "answer": "2"}'],
+     ["data.jsonl', row 0: no column 'prompt'; the columns are question, answer"]),
 ])
 def test_bad_dataset(model_dir, tmp_path, lines, expected) -> None:
     path = tmp_path / "data.jsonl"

@@ -18,6 +18,7 @@ launch (model.path set, dataset file present).
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -175,12 +176,16 @@ class RunConfig:
         """Checks that only hold right before launch (not for recipes or tests).
 
         Raises:
-            ValueError: model.path is empty, or env.dataset_path names no file.
+            ValueError: model.path is empty, or env.dataset_path / env.eval_dataset_path
+                names no dataset file.
         """
         if not self.model.path:
             raise ValueError("model.path is required to run: pass --model.path=<HF id or dir>")
-        if self.env.dataset_path and not os.path.exists(self.env.dataset_path):
-            raise ValueError(f"env.dataset_path={self.env.dataset_path!r} does not exist")
+        for key in ("dataset_path", "eval_dataset_path"):
+            path = getattr(self.env, key)
+            if path and not (os.path.exists(path) or glob.glob(path)):
+                raise ValueError(f"env.{key}={path!r} does not exist (a file, a glob or a "
+                                 "folder)")
 
 
 # Keys that moved when the sections were grouped by concern: they still work,

@@ -287,7 +287,19 @@ class EnvConfig:
 
     name: str = _field("arithmetic", "Environment (registry name; register_env adds one).",
                        registry=_ENVS)
-    dataset_path: str = _field("", "Dataset file for the environment; '' = generated prompts.")
+    dataset_path: str = _field(
+        "", "Problems: a file, glob or folder of jsonl/json/parquet/arrow/csv (by extension); "
+        "'' = generated prompts.")
+    eval_dataset_path: str = _field(
+        "", "Evaluation problems, the same way; '' = a held-out 1/16 of dataset_path.")
+    prompt_key: str = _field(
+        "prompt", "Column of the prompt (text, or [{role, content}] chat messages); dotted keys "
+        "reach nested fields.")
+    answer_key: str = _field("answer", "Column of the reference answer; dotted keys reach "
+                             "nested fields.")
+    preprocess: str = _field(
+        "", "'file.py:function' or 'module:function' mapping a row to {prompt, answer, ...} "
+        "(e.g. hybrid_engine.envs.preprocess:gsm8k); '' = the keys.")
     seed: int = _field(0, "Seed of prompt generation / dataset shuffling.", ge=0)
     reward_model_path: str = _field(
         "",
@@ -324,6 +336,10 @@ class EnvConfig:
         if self.min_digits > self.max_digits:
             raise ValueError(f"{_prefix(self)}min_digits={self.min_digits} must be <= "
                              f"{_prefix(self)}max_digits={self.max_digits}")
+        for key in ("eval_dataset_path", "preprocess"):
+            if getattr(self, key) and not self.dataset_path:
+                raise ValueError(f"{_prefix(self)}{key} needs {_prefix(self)}dataset_path (the "
+                                 "training problems); without it prompts are generated")
         if self.reward_fn and self.reward_model_path:
             raise ValueError(f"set at most one of {_prefix(self)}reward_fn and "
                              f"{_prefix(self)}reward_model_path (each replaces the reward)")

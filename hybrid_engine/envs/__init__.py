@@ -22,13 +22,15 @@ from typing import TYPE_CHECKING, Any
 from hybrid_engine.algorithms.registry import Registry
 from hybrid_engine.envs.arithmetic import ArithmeticEnv
 from hybrid_engine.envs.base import RewardError
+from hybrid_engine.envs.dataset import DatasetSpec
 from hybrid_engine.envs.tool import ToolEnv
 
 if TYPE_CHECKING:
     from hybrid_engine.config import EnvConfig
     from hybrid_engine.roles.base import Environment
 
-__all__ = ["ENVS", "ArithmeticEnv", "RewardError", "ToolEnv", "make_env", "register_env"]
+__all__ = ["ENVS", "ArithmeticEnv", "RewardError", "ToolEnv", "dataset_spec", "make_env",
+           "register_env"]
 
 EnvFactory = Callable[["EnvConfig", Any], "Environment"]
 
@@ -75,13 +77,22 @@ def make_env(cfg: EnvConfig, tokenizer: Any) -> Environment:
     return env
 
 
+def dataset_spec(cfg: EnvConfig) -> DatasetSpec | None:
+    """Where cfg's problems come from (None: generated)."""
+    if not cfg.dataset_path:
+        return None
+    return DatasetSpec(cfg.dataset_path, eval_path=cfg.eval_dataset_path,
+                       prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+                       preprocess=cfg.preprocess)
+
+
 @register_env("arithmetic")
 def _arithmetic(cfg: EnvConfig, tokenizer: Any) -> Environment:
-    return ArithmeticEnv(tokenizer, seed=cfg.seed, dataset_path=cfg.dataset_path,
+    return ArithmeticEnv(tokenizer, seed=cfg.seed, dataset=dataset_spec(cfg),
                          min_digits=cfg.min_digits, max_digits=cfg.max_digits,
                          operators=cfg.operators, allow_negative=cfg.allow_negative)
 
 
 @register_env("tool")
 def _tool(cfg: EnvConfig, tokenizer: Any) -> Environment:
-    return ToolEnv(tokenizer, seed=cfg.seed, dataset_path=cfg.dataset_path)
+    return ToolEnv(tokenizer, seed=cfg.seed, dataset=dataset_spec(cfg))

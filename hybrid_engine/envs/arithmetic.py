@@ -1,6 +1,6 @@
 """Verifiable multi-digit addition / subtraction: prompts like "12+345=".
 
-Job: generate problems from a seed (or read them from a JSONL dataset), hold
+Job: generate problems from a seed (or read them from dataset files), hold
 out an evaluation set disjoint from training, and reward completions.
 
 Reward (`arithmetic_reward`), on the response cut at the first EOS token and
@@ -15,7 +15,8 @@ then at the first newline, with surrounding whitespace stripped:
 
 Invariant: the answer of a generated prompt is recomputed from its text, so
 scoring needs no state and works on any rank or after a restart; a dataset
-prompt's answer is looked up in the file's records.
+prompt's answer is the row's, remembered when the prompt was handed out
+(`envs/bank.py`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from hybrid_engine.envs.base import ProblemBank, ProblemEnv, decode, eos_token_id
-from hybrid_engine.envs.dataset import Example
+from hybrid_engine.envs.base import ProblemEnv, decode, eos_token_id
+from hybrid_engine.envs.bank import ProblemBank
+from hybrid_engine.envs.dataset import DatasetSpec, Example
 from hybrid_engine.trajectory import Trajectory
 
 __all__ = ["ArithmeticEnv", "arithmetic_reward", "parse_completion"]
@@ -73,7 +75,8 @@ class ArithmeticEnv(ProblemEnv):
     Args:
         tokenizer: `tokenizers.Tokenizer` or a transformers tokenizer.
         seed: generation / shuffle seed.
-        dataset_path: JSONL file of {"prompt", "answer"}; '' = generated.
+        dataset: where the problems come from (`envs.dataset.DatasetSpec`, or a
+            path); None = generated.
         min_digits: fewest digits of an operand (>= 1).
         max_digits: most digits of an operand (>= min_digits).
         operators: subset of "+" and "-".
@@ -83,8 +86,9 @@ class ArithmeticEnv(ProblemEnv):
     name = "arithmetic"
 
     def __init__(
-        self, tokenizer: Any, *, seed: int = 0, dataset_path: str = "", min_digits: int = 1,
-        max_digits: int = 3, operators: Sequence[str] = ("+", "-"), allow_negative: bool = True,
+        self, tokenizer: Any, *, seed: int = 0, dataset: DatasetSpec | str | None = None,
+        min_digits: int = 1, max_digits: int = 3, operators: Sequence[str] = ("+", "-"),
+        allow_negative: bool = True,
     ) -> None:
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
@@ -94,9 +98,9 @@ class ArithmeticEnv(ProblemEnv):
         self.eos_id = eos_token_id(tokenizer)
         self.min_digits, self.max_digits = min_digits, max_digits
         self.operators, self.allow_negative = tuple(operators), allow_negative
-        self.bank = ProblemBank(
-            self._generate, dataset_path=dataset_path, seed=seed, name=self.name
-        )
+        if isinstance(dataset, str):
+            dataset = DatasetSpec(dataset) if dataset else None
+        self.bank = ProblemBank(self._generate, dataset=dataset, seed=seed, name=self.name)
 
     def _generate(self, rng: random.Random) -> Example:
         a = _operand(rng, self.min_digits, self.max_digits)

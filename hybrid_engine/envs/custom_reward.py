@@ -3,10 +3,12 @@
 Job: load `function` from 'path/to/file.py:function' or
 'package.module:function', and wrap an environment so its `score` calls
 
-    function(prompt: str, completion: str, answer: str | None) -> float | {name: float}
+    function(prompt: str, completion: str, answer: str | None, **columns)
+        -> float | {name: float}
 
 on every sample (completion = the response text up to the first EOS; answer =
-the environment's reference answer when it has one). Everything else --
+the environment's reference answer when it has one; columns = the dataset
+row's other columns, those the function names, or all with **kwargs). Everything else --
 prompts, evaluation prompts, checkpoint state, multi-turn hooks -- comes from
 the wrapped environment.
 
@@ -20,16 +22,14 @@ runs in a daemon thread: one that has not returned after `timeout_s` is a
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import inspect
 import numbers
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from hybrid_engine.envs.base import decode, eos_token_id, score_trajectories
+from hybrid_engine.envs.user_code import load_function
 
 __all__ = ["CustomRewardEnv", "load_reward_fn"]
 
@@ -37,37 +37,13 @@ UserRewardFn = Callable[[str, str, "str | None"], "float | Mapping[str, float]"]
 
 
 def load_reward_fn(spec: str) -> UserRewardFn:
-    """The callable named by 'file.py:function' or 'module:function'.
+    """The callable env.reward_fn names (`user_code.load_function`).
 
     Raises:
         ValueError: malformed spec, missing file or module, a module that
-            fails to import (its error is quoted), or no callable of that name.
+            fails to import, or no callable of that name.
     """
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name.isidentifier():
-        raise ValueError(f"env.reward_fn={spec!r} must look like 'path/to/file.py:function' "
-                         "or 'package.module:function'")
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise ValueError(f"env.reward_fn={spec!r}: file {where!r} does not exist")
-            mod_name = f"_hybrid_engine_reward_{abs(hash(str(path.resolve())))}"
-            module_spec = importlib.util.spec_from_file_location(mod_name, path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[mod_name] = module
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ValueError:
-        raise
-    except Exception as exc:  # the user's module: say what broke, not a traceback
-        raise ValueError(f"env.reward_fn={spec!r}: importing {where!r} failed: "
-                         f"{type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"env.reward_fn={spec!r}: {where!r} has no function {name!r}")
-    return fn
+    return load_function(spec, "env.reward_fn")
 
 
 class CustomRewardEnv:
@@ -85,6 +61,11 @@ class CustomRewardEnv:
                  timeout_s: float = 0.0) -> None:
         self.base_env, self.fn, self.tokenizer = base_env, fn, tokenizer
         self.timeout_s = timeout_s
+        # The dataset row's other columns it receives: those it names, or all with **kwargs.
+        params = inspect.signature(fn).parameters.values()
+        self._takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
+        self._takes = {p.name for p in list(params)[3:]
+                       if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         self.eos_id = eos_token_id(tokenizer)
         self.name = f"{getattr(base_env, 'name', type(base_env).__name__)} (reward_fn {fn_name})"
 
@@ -103,7 +84,12 @@ class CustomRewardEnv:
             answer = answer_for(prompt_text) if answer_for is not None else None
         except ValueError:
             answer = None
-        out = _call(self.fn, self.timeout_s, prompt_text, decode(self.tokenizer, ids), answer)
+        example_for = getattr(self.base_env, "example_for", None)
+        ex = example_for(prompt_text) if example_for is not None else None
+        extras = {k: v for k, v in (ex.extras if ex is not None else {}).items()
+                  if self._takes_all or k in self._takes}
+        out = _call(self.fn, self.timeout_s, prompt_text, decode(self.tokenizer, ids), answer,
+                    **extras)
         if isinstance(out, numbers.Real) and not isinstance(out, bool):
             return {"reward": out}
         return out  # a mapping, or something checked_reward rejects with the value shown
@@ -113,17 +99,17 @@ class CustomRewardEnv:
         score_trajectories(self.name, self.tokenizer, trajs, self._reward)
 
 
-def _call(fn: UserRewardFn, timeout_s: float, *args: Any) -> Any:
-    """fn(*args); with timeout_s > 0 in a daemon thread, raising TimeoutError
-    if it has not returned by then. What fn raises is re-raised here."""
+def _call(fn: UserRewardFn, timeout_s: float, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs); with timeout_s > 0 in a daemon thread, raising
+    TimeoutError if it has not returned by then. What fn raises is re-raised here."""
     if not timeout_s:
-        return fn(*args)
+        return fn(*args, **kwargs)
     result: list[Any] = []
     error: list[BaseException] = []
 
     def run() -> None:
         try:
-            result.append(fn(*args))
+            result.append(fn(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 -- re-raised in the caller's thread
             error.append(e)
 

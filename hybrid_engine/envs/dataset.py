@@ -1,88 +1,247 @@
-"""Prompt/answer datasets in JSONL and a resumable, seeded cursor over them.
+"""Prompt/answer datasets through HF `datasets`, and a resumable, seeded cursor over them.
 
-Job: read `{"prompt": str, "answer": str | int}` records, one JSON object per
-line, into `Example`s; and hand out item indices epoch after epoch in a
-seeded order (`EpochCursor`) whose position can be checkpointed.
+Job: open a file, a glob or a folder of jsonl / json / parquet / arrow / csv
+files (the format chosen by the extension) as one Arrow-backed
+`datasets.Dataset`, memory-mapped from `datasets`' cache, never a Python list
+of every row; read row i as an `Example` -- a prompt (text, or chat messages
+`[{"role", "content"}, ...]`), its reference answer and the row's other
+columns -- through `prompt_key` / `answer_key` (dotted keys reach nested
+fields) or a user's `preprocess(row) -> {"prompt", "answer", ...}`; and hand
+out row indices epoch after epoch in a seeded order (`EpochCursor`) whose
+position can be checkpointed.
 
 Invariant: the order is a pure function of (seed, epoch), and the cursor's
 state is just (epoch, position): a cursor restored from `state_dict()` yields
-exactly the indices the saved one would have yielded next. A malformed file
-is a `ValueError` naming the file and the 1-based line number.
+exactly the indices the saved one would have yielded next. A bad file, a
+missing column or a malformed row is a `ValueError` naming the file (and the
+row, and the columns that exist).
 """
 
 from __future__ import annotations
 
+import glob
 import json
-import os
 import random
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["EpochCursor", "Example", "load_jsonl"]
+if TYPE_CHECKING:
+    import datasets
+
+__all__ = ["FORMATS", "DatasetSpec", "EpochCursor", "Example", "Records", "prompt_text"]
+
+# File extension -> the `datasets` builder that reads it.
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow",
+           ".csv": "csv"}
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True, slots=True)
 class Example:
-    """One problem: the prompt text and its reference answer (as text)."""
+    """One problem: the prompt (text, or chat messages), its reference answer (as
+    text), the row's other columns (for reward functions) and, for a dataset
+    row, where it is: (table, row index)."""
 
-    prompt: str
+    prompt: str | tuple[Mapping[str, str], ...]
     answer: str
+    extras: Mapping[str, Any] = field(default_factory=dict)
+    source: tuple[str, int] | None = None
 
 
-def _parse_line(line: str, where: str) -> Example:
-    """One JSONL line -> Example; `where` is "file:line" for error messages."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    missing = [k for k in ("prompt", "answer") if k not in obj]
-    if missing:
-        raise ValueError(f"{where}: missing key(s) {', '.join(map(repr, missing))}")
-    prompt, answer = obj["prompt"], obj["answer"]
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
-    # bool is an int subclass; an answer of `true` is almost surely a mistake.
-    if isinstance(answer, bool) or not isinstance(answer, (str, int)):
-        raise ValueError(
-            f"{where}: 'answer' must be a string or an integer, got {type(answer).__name__}"
-        )
-    return Example(prompt=prompt, answer=str(answer).strip())
+def prompt_text(prompt: str | tuple[Mapping[str, str], ...]) -> str:
+    """A prompt as one string: itself, or its messages as JSON (for hashing)."""
+    return prompt if isinstance(prompt, str) else json.dumps(list(prompt), sort_keys=True)
 
 
-def load_jsonl(path: str | os.PathLike) -> list[Example]:
-    """Reads a JSONL file of `{"prompt": ..., "answer": ...}` objects.
+@dataclass(frozen=True, slots=True)
+class DatasetSpec:
+    """Where a task's problems come from and how a row reads (`EnvConfig`'s keys).
 
-    Blank lines are skipped; other keys in an object are ignored.
+    Attributes:
+        path: file, glob or folder of training problems.
+        eval_path: file, glob or folder of evaluation problems; '' = a held-out
+            share of `path`.
+        prompt_key, answer_key: the columns (dotted: nested fields).
+        preprocess: 'file.py:function' or 'module:function' mapping a row to
+            {"prompt", "answer", ...}; '' = the keys.
+    """
 
-    Args:
-        path: the file.
+    path: str
+    eval_path: str = ""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    preprocess: str = ""
 
-    Returns:
-        The examples, in file order.
+
+def data_files(path: str, key: str = "env.dataset_path") -> list[str]:
+    """The files a path names (a file, a glob or a folder), all of one format.
 
     Raises:
-        ValueError: missing file, malformed JSON, a missing key, a wrong type,
-            or no record at all; the message names the file (and the line).
+        ValueError: nothing there, an unknown extension, or mixed formats.
     """
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"{file}: dataset file not found")
-    examples = []
-    with file.open("rb") as f:  # bytes: a bad line is reported with its number
-        for line_no, raw in enumerate(f, start=1):
-            try:  # utf-8-sig: a byte-order mark (editors on Windows) is accepted
-                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{file}:{line_no}: not valid UTF-8 ({e.reason} at byte "
-                                 f"{e.start})") from None
-            if line.strip():
-                examples.append(_parse_line(line, f"{file}:{line_no}"))
-    if not examples:
-        raise ValueError(f"{file}: dataset is empty (no JSON record)")
-    return examples
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(str(f) for f in p.iterdir() if f.is_file() and f.suffix in FORMATS)
+    elif any(c in path for c in "*?["):
+        files = sorted(f for f in glob.glob(path) if Path(f).is_file())
+    else:
+        files = [path] if p.is_file() else []
+    if not files:
+        raise ValueError(f"{key}={path!r}: no dataset file there (a file, a glob or a folder "
+                         f"of {', '.join(FORMATS)})")
+    kinds = {Path(f).suffix for f in files}
+    unknown = sorted(kinds - set(FORMATS))
+    if unknown:
+        raise ValueError(f"{key}={path!r}: unknown file type {unknown[0]!r}; the formats are "
+                         f"{', '.join(FORMATS)}")
+    if len({FORMATS[k] for k in kinds}) > 1:
+        raise ValueError(f"{key}={path!r}: files of several formats ({', '.join(sorted(kinds))}); "
+                         "one format per dataset")
+    return files
+
+
+def open_table(path: str, key: str = "env.dataset_path") -> datasets.Dataset:
+    """The rows of path as one memory-mapped `datasets.Dataset`."""
+    import datasets
+
+    files = data_files(path, key)
+    builder = FORMATS[Path(files[0]).suffix]
+    if builder == "parquet":  # its footer counts the rows; datasets fails on none
+        import pyarrow.parquet as pq
+
+        try:
+            rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+        except Exception as exc:  # not a parquet file
+            raise ValueError(f"{key}={path!r}: cannot read parquet data: "
+                             f"{type(exc).__name__}: {str(exc)[:500]}") from None
+        if rows == 0:
+            raise ValueError(f"{key}={path!r}: the dataset has no rows")
+    bars = not datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # one per rank and file would flood the console
+    try:
+        table = datasets.load_dataset(builder, data_files=files, split="train")
+    except Exception as exc:  # a malformed file: the library says where
+        if all(_blank(f) for f in files):
+            raise ValueError(f"{key}={path!r}: the dataset has no rows") from None
+        raise ValueError(f"{key}={path!r}: cannot read {builder} data: "
+                         f"{type(exc).__name__}: {str(exc)[:500]}") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    if len(table) == 0:
+        raise ValueError(f"{key}={path!r}: the dataset has no rows")
+    return table
+
+
+def _blank(file: str) -> bool:
+    """Whether a file holds nothing but whitespace (read only when it is small)."""
+    size = Path(file).stat().st_size
+    return size == 0 or (size < 1 << 16 and not Path(file).read_bytes().strip())
+
+
+def _get(row: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            raise KeyError(dotted)
+        value = value[part]
+    return value
+
+
+def _columns(row: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Every key of a row, nested ones dotted."""
+    out = []
+    for k, v in row.items():
+        out.append(prefix + k)
+        if isinstance(v, Mapping):
+            out += _columns(v, f"{prefix}{k}.")
+    return out
+
+
+class Records:
+    """A dataset's rows as `Example`s (see the module docstring).
+
+    Args:
+        path: file, glob or folder.
+        prompt_key, answer_key: the columns, dotted for nested fields.
+        preprocess: a function row -> {"prompt", "answer", ...}, or None.
+        key: the config key naming path, for messages.
+        source: the table's name in each Example's `source`.
+    """
+
+    def __init__(self, path: str, *, prompt_key: str = "prompt", answer_key: str = "answer",
+                 preprocess: Callable[[dict], Mapping[str, Any]] | None = None,
+                 key: str = "env.dataset_path", source: str = "train") -> None:
+        self.path, self.key, self.source = path, key, source
+        self.prompt_key, self.answer_key, self.preprocess = prompt_key, answer_key, preprocess
+        self.table = open_table(path, key)
+        self[0]  # a missing column is found now, naming the columns that exist
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i: int) -> Example:
+        return self._example(self.table[int(i)], int(i))
+
+    def __iter__(self) -> Iterator[Example]:
+        for i, row in enumerate(self.table):
+            yield self._example(row, i)
+
+    def prompt_texts(self) -> Iterator[str]:
+        """Every row's `prompt_text`, in order (without a preprocess function only
+        the prompt's column is read)."""
+        if self.preprocess is not None:
+            yield from (prompt_text(ex.prompt) for ex in self)
+            return
+        top = self.prompt_key.split(".")[0]
+        i = 0
+        for batch in self.table.select_columns([top]).iter(batch_size=4096):
+            for value in batch[top]:
+                yield prompt_text(self._prompt(_get({top: value}, self.prompt_key), i))
+                i += 1
+
+    def _where(self, i: int) -> str:
+        return f"{self.key}={self.path!r}, row {i}"
+
+    def _example(self, row: dict, i: int) -> Example:
+        prompt_key, answer_key = self.prompt_key, self.answer_key
+        if self.preprocess is not None:
+            try:
+                row = dict(self.preprocess(dict(row)))
+            except Exception as exc:  # the user's function: name it and the row
+                raise ValueError(f"{self._where(i)}: env.preprocess raised "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            prompt_key, answer_key = "prompt", "answer"
+        try:
+            prompt, answer = _get(row, prompt_key), _get(row, answer_key)
+        except KeyError as missing:
+            raise ValueError(f"{self._where(i)}: no column {missing.args[0]!r}; the columns "
+                             f"are {', '.join(_columns(row))}") from None
+        extras = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+        return Example(self._prompt(prompt, i), self._answer(answer, i), extras,
+                       (self.source, i))
+
+    def _prompt(self, prompt: Any, i: int) -> str | tuple[Mapping[str, str], ...]:
+        if isinstance(prompt, str) and prompt:
+            return prompt
+        if isinstance(prompt, list) and prompt:
+            for m in prompt:
+                if not (isinstance(m, Mapping) and isinstance(m.get("content"), str)
+                        and m.get("role") in ROLES):
+                    raise ValueError(f"{self._where(i)}: a chat message must be {{'role': one of "
+                                     f"{', '.join(ROLES)}, 'content': str}}, got {m!r}")
+            return tuple({"role": m["role"], "content": m["content"]} for m in prompt)
+        raise ValueError(f"{self._where(i)}: the prompt must be a non-empty string or a list of "
+                         f"chat messages, got {prompt!r:.200}")
+
+    def _answer(self, answer: Any, i: int) -> str:
+        # bool is an int subclass; an answer of `true` is almost surely a mistake.
+        if answer is None or isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise ValueError(f"{self._where(i)}: the answer must be a string or a number, got "
+                             f"{answer!r:.200}")
+        return str(answer).strip()
 
 
 class EpochCursor:
@@ -117,6 +276,7 @@ class EpochCursor:
         for _ in range(num):
             if self.position == self.num_items:
                 self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
                 self._order = self._epoch_order(self.epoch)
             out.append(self._order[self.position])
             self.position += 1

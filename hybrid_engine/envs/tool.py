@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from hybrid_engine.envs.base import ProblemBank, ProblemEnv, decode, encode, eos_token_id
-from hybrid_engine.envs.dataset import Example
+from hybrid_engine.envs.base import ProblemEnv, decode, encode, eos_token_id
+from hybrid_engine.envs.bank import ProblemBank
+from hybrid_engine.envs.dataset import DatasetSpec, Example
 from hybrid_engine.trajectory import Trajectory
 
 __all__ = ["CalcError", "ToolEnv", "ToolEpisode", "calculate"]
@@ -169,7 +170,8 @@ class ToolEnv(ProblemEnv):
     Args:
         tokenizer: `tokenizers.Tokenizer` or a transformers tokenizer.
         seed: generation / shuffle seed.
-        dataset_path: JSONL file of {"prompt", "answer"}; '' = generated.
+        dataset: where the problems come from (`envs.dataset.DatasetSpec`, or a
+            path); None = generated.
         max_turns: most tool calls per episode (>= 1).
         num_operands: most operands of a generated problem (>= 2).
         max_operand: largest operand of a generated problem.
@@ -179,8 +181,8 @@ class ToolEnv(ProblemEnv):
     turn_stop = ("</calc>",)  # a generation segment ends at a tool call (episodes.collect)
 
     def __init__(
-        self, tokenizer: Any, *, seed: int = 0, dataset_path: str = "", max_turns: int = 4,
-        num_operands: int = 3, max_operand: int = 99,
+        self, tokenizer: Any, *, seed: int = 0, dataset: DatasetSpec | str | None = None,
+        max_turns: int = 4, num_operands: int = 3, max_operand: int = 99,
     ) -> None:
         if max_turns < 1 or num_operands < 2 or max_operand < 1:
             raise ValueError(
@@ -189,9 +191,9 @@ class ToolEnv(ProblemEnv):
             )
         self.tokenizer, self.eos_id = tokenizer, eos_token_id(tokenizer)
         self.max_turns, self.num_operands, self.max_operand = max_turns, num_operands, max_operand
-        self.bank = ProblemBank(
-            self._generate, dataset_path=dataset_path, seed=seed, name=self.name
-        )
+        if isinstance(dataset, str):
+            dataset = DatasetSpec(dataset) if dataset else None
+        self.bank = ProblemBank(self._generate, dataset=dataset, seed=seed, name=self.name)
 
     def _generate(self, rng: random.Random) -> Example:
         expr = str(rng.randint(0, self.max_operand))

@@ -8,7 +8,8 @@ import re
 import pytest
 
 from hybrid_engine.envs.arithmetic import ArithmeticEnv, arithmetic_reward, parse_completion
-from hybrid_engine.envs.base import RewardError, checked_reward, is_held_out
+from hybrid_engine.envs.bank import is_held_out
+from hybrid_engine.envs.base import RewardError, checked_reward
 from hybrid_engine.models.tokenizer import EOS_TOKEN_ID, build_tokenizer
 from hybrid_engine.trajectory import Trajectory
 
@@ -89,7 +90,7 @@ def test_tokens_after_eos_are_ignored_and_negative_answers_parse():
 def test_dataset_prompts_and_answers(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(f'{{"prompt": "Q{i}:", "answer": "a{i}"}}\n' for i in range(40)))
-    env = ArithmeticEnv(TOK, dataset_path=str(path), seed=5)
+    env = ArithmeticEnv(TOK, dataset=str(path), seed=5)
     everything = {f"Q{i}:" for i in range(40)}
     held_out = {p for p in everything if is_held_out(p)}
     assert held_out and {_text(p) for p in env.eval_prompts(len(held_out))} == held_out

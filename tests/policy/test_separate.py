@@ -16,8 +16,8 @@ from tests.policy.runs import train as _train
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+# Plain GRPO with FSDP2 trainers is the TP=2 test's run below; these two add to it.
 ALGORITHMS = {
-    "grpo": (),
     # A reference and a critic: built on the trainer ranks, mirrored to the rollout ranks.
     "ppo-kl": ("--algorithm.advantage=gae", "--algorithm.kl_coef=0.05"),
     # The replicated layout (DDP, plain parameters) on the trainer ranks: verified syncs
