@@ -30,7 +30,8 @@ from hybrid_engine.config import EnvConfig, RunConfig, check_registered
 
 __all__ = ["check_gpu", "check_head_size", "check_kv_cache", "check_model_folder",
            "check_model_for_run", "check_output_dir", "check_reward_model_folder",
-           "check_rollout_limits", "check_safetensors", "preflight", "warnings_for"]
+           "check_prompts", "check_rollout_limits", "check_safetensors", "preflight",
+           "warnings_for"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,  # e.g. group sizes
               max_tokens=cfg.rollout.max_tokens, prompts_per_step=cfg.train.prompts_per_step)
     examples = check_dataset(cfg.env)
+    check_prompts(cfg.env, resolve_model_path(cfg.model.path), examples)
     if cfg.env.reward_fn:
         from hybrid_engine.envs.custom_reward import load_reward_fn
 
@@ -97,6 +99,24 @@ def check_dataset(env: EnvConfig) -> list | None:
         Records(spec.eval_path, key="env.eval_dataset_path", **keys)
     train = Records(spec.path, **keys)
     return [train[i] for i in range(min(len(train), 1000))]
+
+
+def check_prompts(env: EnvConfig, folder: Path, examples: list | None) -> None:
+    """The chat template settings with the model's tokenizer: the template file
+    exists, nothing set is ignored, and it renders the first dataset rows (a
+    generated task's prompts are text, which `PromptFormat.check` renders)."""
+    from transformers import AutoTokenizer
+
+    from hybrid_engine.envs import prompt_format
+
+    fmt = prompt_format(env)
+    tok = AutoTokenizer.from_pretrained(folder)
+    fmt.check(tok)
+    for i, ex in enumerate(examples[:8] if examples else ()):
+        try:
+            fmt.ids(tok, ex.prompt)
+        except ValueError as e:
+            raise ValueError(f"env.dataset_path={env.dataset_path!r}, row {i}: {e}") from None
 
 
 def warnings_for(cfg: RunConfig, examples: list | None) -> list[str]:

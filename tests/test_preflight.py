@@ -11,6 +11,7 @@ under torchrun to prove that wiring)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,29 @@ def test_bad_dataset(model_dir, tmp_path, lines, expected) -> None:
     if lines is not None:
         path.write_text("\n".join(lines))
     _has(_refusal(model_dir, tmp_path / "run", f"--env.dataset_path={path}"), expected)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--env.chat_template={tmp}/missing.jinja"], "missing.jinja': no such file"),
+    (["--env.chat_template={tmp}/bad.jinja"], "chat template ({tmp}/bad.jinja) failed to render"),
+    (["--env.chat_template=none", "--env.system_prompt=Be brief."],
+     "env.system_prompt and env.chat_template_kwargs need a chat template"),
+    (["--env.chat_template=auto", "--env.chat_template_kwargs=enable_thinking"],
+     "'enable_thinking' is not name=value"),
+    (["--env.dataset_path={tmp}/chat.jsonl", "--env.chat_template={tmp}/bad_role.jinja"],
+     ["chat.jsonl', row 0:", "failed to render", "no tool turns"]),
+])
+def test_bad_chat_template_settings(model_dir, tmp_path, args, expected) -> None:
+    (tmp_path / "bad.jinja").write_text("{{ messages[0]['content'] | no_such_filter }}")
+    (tmp_path / "bad_role.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}")
+    (tmp_path / "chat.jsonl").write_text(json.dumps(
+        {"prompt": [{"role": "tool", "content": "4"}], "answer": "4"}) + "\n")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    expected = [e.replace("{tmp}", str(tmp_path)) for e in
+                ([expected] if isinstance(expected, str) else expected)]
+    _has(_refusal(model_dir, tmp_path / "run", *args), expected)
 
 
 @pytest.mark.parametrize(("source", "spec", "expected"), [

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from hybrid_engine.config import (
     AlgorithmConfig,
+    EnvConfig,
     MemoryConfig,
     ModelConfig,
     RolloutConfig,
@@ -89,6 +90,7 @@ def tiny_grpo_debug() -> RunConfig:
 
     TP 2 over 2 ranks exercises the cross-rank reshard path; fp32 everywhere
     keeps vLLM and trainer logprobs within ~1e-6 so tests can be strict.
+    Prompts are raw text: a completion task for a base-style model.
     Launch with `torchrun --standalone --nproc-per-node=2`.
     """
     return RunConfig(
@@ -104,6 +106,7 @@ def tiny_grpo_debug() -> RunConfig:
         train=TrainConfig(lr=1e-4, num_steps=3, prompts_per_step=4, micro_batch_size=4),
         # Tiny buckets so even a tiny model's sync goes through several of them.
         sync=SyncConfig(bucket_mb=0.25, verify=True),
+        env=EnvConfig(chat_template="none"),
         output_dir="runs/tiny_grpo_debug",
         checkpoint_every=2,
         keep_checkpoints=1,

@@ -300,6 +300,14 @@ class EnvConfig:
     preprocess: str = _field(
         "", "'file.py:function' or 'module:function' mapping a row to {prompt, answer, ...} "
         "(e.g. hybrid_engine.envs.preprocess:gsm8k); '' = the keys.")
+    chat_template: str = _field(
+        "auto", "'auto': every prompt (text = one user message) through the tokenizer's chat "
+        "template if it has one; 'none': raw text; or a .jinja file.")
+    system_prompt: str = _field(
+        "", "System message put first in every prompt without one (needs a chat template).")
+    chat_template_kwargs: tuple[str, ...] = _field(
+        (), "name=value pairs passed to the chat template, values as YAML scalars (e.g. "
+        "enable_thinking=false for Qwen3).")
     seed: int = _field(0, "Seed of prompt generation / dataset shuffling.", ge=0)
     reward_model_path: str = _field(
         "",
@@ -340,9 +348,32 @@ class EnvConfig:
             if getattr(self, key) and not self.dataset_path:
                 raise ValueError(f"{_prefix(self)}{key} needs {_prefix(self)}dataset_path (the "
                                  "training problems); without it prompts are generated")
+        if self.chat_template == "none" and (self.system_prompt or self.chat_template_kwargs):
+            pre = _prefix(self)
+            raise ValueError(f"{pre}system_prompt and {pre}chat_template_kwargs need a chat "
+                             f"template ({pre}chat_template=none)")
+        self.template_kwargs()
         if self.reward_fn and self.reward_model_path:
             raise ValueError(f"set at most one of {_prefix(self)}reward_fn and "
                              f"{_prefix(self)}reward_model_path (each replaces the reward)")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs as {name: value}, each value read as a YAML scalar
+        ('false' -> False, '3' -> 3).
+
+        Raises:
+            ValueError: an item that is not name=value with an identifier name.
+        """
+        import yaml
+
+        out = {}
+        for item in self.chat_template_kwargs:
+            name, eq, value = item.partition("=")
+            if not eq or not name.strip().isidentifier():
+                raise ValueError(f"{_prefix(self)}chat_template_kwargs: {item!r} is not "
+                                 "name=value (e.g. enable_thinking=false)")
+            out[name.strip()] = yaml.safe_load(value) if value.strip() else ""
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

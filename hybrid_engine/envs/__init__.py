@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from hybrid_engine.algorithms.registry import Registry
 from hybrid_engine.envs.arithmetic import ArithmeticEnv
 from hybrid_engine.envs.base import RewardError
+from hybrid_engine.envs.chat import PromptFormat
 from hybrid_engine.envs.dataset import DatasetSpec
 from hybrid_engine.envs.tool import ToolEnv
 
@@ -29,8 +30,8 @@ if TYPE_CHECKING:
     from hybrid_engine.config import EnvConfig
     from hybrid_engine.roles.base import Environment
 
-__all__ = ["ENVS", "ArithmeticEnv", "RewardError", "ToolEnv", "dataset_spec", "make_env",
-           "register_env"]
+__all__ = ["ENVS", "ArithmeticEnv", "PromptFormat", "RewardError", "ToolEnv", "dataset_spec",
+           "make_env", "prompt_format", "register_env"]
 
 EnvFactory = Callable[["EnvConfig", Any], "Environment"]
 
@@ -86,13 +87,20 @@ def dataset_spec(cfg: EnvConfig) -> DatasetSpec | None:
                        preprocess=cfg.preprocess)
 
 
+def prompt_format(cfg: EnvConfig) -> PromptFormat:
+    """How cfg's prompts become token ids (chat template, system prompt, template kwargs)."""
+    return PromptFormat(cfg.chat_template, cfg.system_prompt, cfg.template_kwargs())
+
+
 @register_env("arithmetic")
 def _arithmetic(cfg: EnvConfig, tokenizer: Any) -> Environment:
     return ArithmeticEnv(tokenizer, seed=cfg.seed, dataset=dataset_spec(cfg),
+                         prompt_format=prompt_format(cfg),
                          min_digits=cfg.min_digits, max_digits=cfg.max_digits,
                          operators=cfg.operators, allow_negative=cfg.allow_negative)
 
 
 @register_env("tool")
 def _tool(cfg: EnvConfig, tokenizer: Any) -> Environment:
-    return ToolEnv(tokenizer, seed=cfg.seed, dataset=dataset_spec(cfg))
+    return ToolEnv(tokenizer, seed=cfg.seed, dataset=dataset_spec(cfg),
+                   prompt_format=prompt_format(cfg))

@@ -28,6 +28,7 @@ from typing import Any
 
 from hybrid_engine.envs.base import ProblemEnv, decode, eos_token_id
 from hybrid_engine.envs.bank import ProblemBank
+from hybrid_engine.envs.chat import PromptFormat
 from hybrid_engine.envs.dataset import DatasetSpec, Example
 from hybrid_engine.trajectory import Trajectory
 
@@ -37,7 +38,7 @@ CORRECT_REWARD = 1.0
 FORMAT_REWARD = 0.1
 
 _INT = re.compile(r"[+-]?[0-9]+")
-_PROBLEM = re.compile(r"([0-9]+)([+-])([0-9]+)=")
+_PROBLEM = re.compile(r"^([0-9]+)([+-])([0-9]+)=$", re.MULTILINE)  # its own line if templated
 
 
 def parse_completion(text: str) -> tuple[str, bool]:
@@ -81,6 +82,8 @@ class ArithmeticEnv(ProblemEnv):
         max_digits: most digits of an operand (>= min_digits).
         operators: subset of "+" and "-".
         allow_negative: False orders the operands of "-" so results are >= 0.
+        prompt_format: how prompts become token ids (`envs.chat.PromptFormat`;
+            None = the tokenizer's chat template if it has one).
     """
 
     name = "arithmetic"
@@ -88,13 +91,15 @@ class ArithmeticEnv(ProblemEnv):
     def __init__(
         self, tokenizer: Any, *, seed: int = 0, dataset: DatasetSpec | str | None = None,
         min_digits: int = 1, max_digits: int = 3, operators: Sequence[str] = ("+", "-"),
-        allow_negative: bool = True,
+        allow_negative: bool = True, prompt_format: PromptFormat | None = None,
     ) -> None:
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
         if not operators or set(operators) - {"+", "-"}:
             raise ValueError(f"operators must be a non-empty subset of '+', '-', got {operators}")
         self.tokenizer = tokenizer
+        self.prompt_format = prompt_format or PromptFormat()
+        self.prompt_format.check(tokenizer)
         self.eos_id = eos_token_id(tokenizer)
         self.min_digits, self.max_digits = min_digits, max_digits
         self.operators, self.allow_negative = tuple(operators), allow_negative
@@ -111,7 +116,7 @@ class ArithmeticEnv(ProblemEnv):
         return Example(prompt=f"{a}{op}{b}=", answer=str(a + b if op == "+" else a - b))
 
     def _answer_from_prompt(self, prompt_text: str) -> str | None:
-        m = _PROBLEM.fullmatch(prompt_text)
+        m = _PROBLEM.search(prompt_text)
         if m is None:
             return None
         a, op, b = int(m[1]), m[2], int(m[3])

@@ -1,12 +1,11 @@
 """What every environment shares: tokenizer access, guarded rewards, problem environments.
 
 Job: (1) `encode` / `decode` / `eos_token_id` accept both a raw
-`tokenizers.Tokenizer` and a transformers tokenizer, and `prompt_ids` turns a
-prompt -- text, or chat messages through the tokenizer's chat template --
-into token ids once; (2) `score_trajectories` runs an environment's reward
-function on each trajectory through `checked_reward`; (3) `ProblemEnv` is
-the shared part of environments whose problems come from a `ProblemBank`
-(`envs/bank.py`).
+`tokenizers.Tokenizer` and a transformers tokenizer; (2) `score_trajectories`
+runs an environment's reward function on each trajectory through
+`checked_reward`; (3) `ProblemEnv` is the shared part of environments whose
+problems come from a `ProblemBank` (`envs/bank.py`), templated through a
+`PromptFormat` (`envs/chat.py`).
 
 Invariants: a reward that raises, or returns anything but a mapping of finite
 real numbers, is a `RewardError` naming the environment and the sample's
@@ -23,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hybrid_engine.envs.bank import ProblemBank
+from hybrid_engine.envs.chat import PromptFormat
 from hybrid_engine.envs.dataset import Example
 from hybrid_engine.models.tokenizer import EOS_TOKEN
 
@@ -37,7 +37,6 @@ __all__ = [
     "decode",
     "encode",
     "eos_token_id",
-    "prompt_ids",
     "score_trajectories",
 ]
 
@@ -48,22 +47,6 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of text, without special tokens added."""
     out = tokenizer.encode(text, add_special_tokens=False)
     return list(getattr(out, "ids", out))
-
-
-def prompt_ids(tokenizer: Any, prompt: str | Sequence[Mapping[str, str]]) -> list[int]:
-    """A prompt's token ids: text as it is, chat messages through the tokenizer's
-    chat template with the generation prompt (`apply_chat_template`).
-
-    Raises:
-        ValueError: messages, and a tokenizer without a chat template.
-    """
-    if isinstance(prompt, str):
-        return encode(tokenizer, prompt)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("a prompt given as chat messages needs a tokenizer with a chat "
-                         "template; this one has none")
-    out = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-    return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
 
 def decode(tokenizer: Any, ids: Sequence[int]) -> str:
@@ -133,7 +116,8 @@ def score_trajectories(
 class ProblemEnv(abc.ABC):
     """Shared part of environments built on a ProblemBank.
 
-    Subclasses set `name`, `tokenizer`, `bank` and implement
+    Subclasses set `name`, `tokenizer`, `bank` (and `prompt_format`, how
+    prompts become ids: `envs/chat.py`) and implement
     `_reward(traj, prompt_text) -> dict[str, float]` and
     `_answer_from_prompt(prompt_text) -> str | None` (None: not a prompt of
     this environment).
@@ -142,6 +126,7 @@ class ProblemEnv(abc.ABC):
     name: str
     tokenizer: Any
     bank: ProblemBank
+    prompt_format: PromptFormat = PromptFormat()
 
     def example_for(self, prompt_text: str) -> Example | None:
         """The problem this environment handed out with that prompt (as the rewards
@@ -163,10 +148,11 @@ class ProblemEnv(abc.ABC):
         return answer
 
     def _hand_out(self, examples: Sequence[Example]) -> list[list[int]]:
-        """The problems' prompts as token ids, each remembered for its answer."""
+        """The problems' prompts as token ids (templated once), each remembered for
+        its answer."""
         out = []
         for ex in examples:
-            ids = prompt_ids(self.tokenizer, ex.prompt)
+            ids = self.prompt_format.ids(self.tokenizer, ex.prompt)
             self.bank.remember(decode(self.tokenizer, ids), ex)
             out.append(ids)
         return out

@@ -42,6 +42,7 @@ from typing import Any
 
 from hybrid_engine.envs.base import ProblemEnv, decode, encode, eos_token_id
 from hybrid_engine.envs.bank import ProblemBank
+from hybrid_engine.envs.chat import PromptFormat
 from hybrid_engine.envs.dataset import DatasetSpec, Example
 from hybrid_engine.trajectory import Trajectory
 
@@ -53,7 +54,7 @@ MAX_DEPTH = 32  # parentheses nesting; bounds the parser's recursion
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 _LEXEME = re.compile(r"\s*(?:([0-9]+)|([-+*/()]))")
 _INT = re.compile(r"[+-]?[0-9]+")
-_PROMPT_EXPR = re.compile(r"Compute (.+?)\.")
+_PROMPT_EXPR = re.compile(r"^Compute (.+?)\.", re.MULTILINE)  # its own line if templated
 
 
 class CalcError(ValueError):
@@ -175,6 +176,8 @@ class ToolEnv(ProblemEnv):
         max_turns: most tool calls per episode (>= 1).
         num_operands: most operands of a generated problem (>= 2).
         max_operand: largest operand of a generated problem.
+        prompt_format: how prompts become token ids (`envs.chat.PromptFormat`;
+            None = the tokenizer's chat template if it has one).
     """
 
     name = "tool"
@@ -183,6 +186,7 @@ class ToolEnv(ProblemEnv):
     def __init__(
         self, tokenizer: Any, *, seed: int = 0, dataset: DatasetSpec | str | None = None,
         max_turns: int = 4, num_operands: int = 3, max_operand: int = 99,
+        prompt_format: PromptFormat | None = None,
     ) -> None:
         if max_turns < 1 or num_operands < 2 or max_operand < 1:
             raise ValueError(
@@ -190,6 +194,8 @@ class ToolEnv(ProblemEnv):
                 f"got {max_turns}, {num_operands}, {max_operand}"
             )
         self.tokenizer, self.eos_id = tokenizer, eos_token_id(tokenizer)
+        self.prompt_format = prompt_format or PromptFormat()
+        self.prompt_format.check(tokenizer)
         self.max_turns, self.num_operands, self.max_operand = max_turns, num_operands, max_operand
         if isinstance(dataset, str):
             dataset = DatasetSpec(dataset) if dataset else None
@@ -206,7 +212,7 @@ class ToolEnv(ProblemEnv):
         return Example(prompt=prompt, answer=calculate(expr))
 
     def _answer_from_prompt(self, prompt_text: str) -> str | None:
-        m = _PROMPT_EXPR.match(prompt_text)
+        m = _PROMPT_EXPR.search(prompt_text)
         return None if m is None else calculate(m[1])
 
     def reset(self, prompt_ids: Sequence[int]) -> ToolEpisode:

@@ -1,6 +1,8 @@
 """Environments on dataset files: the config's keys, an evaluation file, chat-message
 prompts through the tokenizer's own chat template, answers and extra columns for
-rewards, and a resume that still scores what was handed out before it. In-process."""
+rewards, and a resume that still scores what was handed out before it. In-process.
+Text prompts are raw here (env.chat_template=none) unless a test is about templates
+(the knobs themselves: tests/envs/test_chat.py)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def test_every_key_reaches_the_environment(tmp_path, tokenizer):
     evals = _jsonl(tmp_path / "eval.jsonl", [{"q": f"{i}+2=", "sol": {"n": str(i + 2)}}
                                              for i in range(50, 53)])
     cfg = EnvConfig(dataset_path=train, eval_dataset_path=evals, prompt_key="q",
-                    answer_key="sol.n", num_eval_prompts=3)
+                    answer_key="sol.n", num_eval_prompts=3, chat_template="none")
     env = make_env(cfg, tokenizer)
     train_texts = {decode(tokenizer, p) for p in env.sample_prompts(40)}
     assert train_texts == {f"{i}+1=" for i in range(20)}  # every row, no held-out share
@@ -56,7 +58,7 @@ def test_every_key_reaches_the_environment(tmp_path, tokenizer):
     assert traj.reward_components["correct"] == 1.0  # the answer came from sol.n
     (tmp_path / "pre.py").write_text(
         "def pre(row):\n    return {'prompt': row['q'] + ' ', 'answer': row['sol']['n']}\n")
-    env = make_env(EnvConfig(dataset_path=train, eval_dataset_path=evals,
+    env = make_env(EnvConfig(dataset_path=train, eval_dataset_path=evals, chat_template="none",
                              preprocess=f"{tmp_path / 'pre.py'}:pre"), tokenizer)
     assert all(decode(tokenizer, p).endswith("= ") for p in env.sample_prompts(5))
 
@@ -66,7 +68,7 @@ def test_without_an_eval_file_a_hashed_share_is_held_out_and_never_trained(tmp_p
 
     rows = [{"prompt": f"Q{i}:", "answer": str(i)} for i in range(64)]
     env = make_env(EnvConfig(dataset_path=_jsonl(tmp_path / "d.jsonl", rows),
-                             num_eval_prompts=2), tokenizer)
+                             num_eval_prompts=2, chat_template="none"), tokenizer)
     held = {r["prompt"] for r in rows if is_held_out(r["prompt"])}
     trained = {decode(tokenizer, p) for p in env.sample_prompts(300)}
     assert held and not held & trained and len(trained) == 64 - len(held)
@@ -98,7 +100,7 @@ def test_a_chat_prompt_without_a_chat_template_is_refused(tmp_path):
     _jsonl(path, [{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}] * 20)
     env = make_env(EnvConfig(dataset_path=str(path), eval_dataset_path=str(path)),
                    build_tokenizer())
-    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+    with pytest.raises(ValueError, match="needs a chat template; the tokenizer has none"):
         env.sample_prompts(1)
 
 
@@ -129,7 +131,7 @@ def test_reward_functions_receive_the_rows_other_columns(tmp_path, tokenizer):
         "def plain(prompt, completion, answer):\n    return 1.0\n")
     for fn, expected in (("named", lambda i: float(i % 3)), ("everything", lambda i: 2.0),
                          ("plain", lambda i: 1.0)):
-        env = make_env(EnvConfig(dataset_path=data, eval_dataset_path=data,
+        env = make_env(EnvConfig(dataset_path=data, eval_dataset_path=data, chat_template="none",
                                  reward_fn=f"{tmp_path / 'r.py'}:{fn}"), tokenizer)
         ids = env.sample_prompts(5)
         trajs = [_answer_traj(tokenizer, p, "0") for p in ids]
