@@ -138,6 +138,7 @@ class Job:
         try:
             self._build(cfg, resume, progress, overwrite)
         except BaseException:
+            self._close_env()
             self.actor.shutdown()  # the engine goes before the error does
             self.output_dir.unlock(remove_if_unused=True)
             raise
@@ -242,8 +243,15 @@ class Job:
         return summary
 
     def shutdown(self) -> None:
+        self._close_env()
         self.actor.shutdown()
         self.output_dir.unlock()
+
+    def _close_env(self) -> None:
+        """Stops what the environment started (its reward workers), if it has any."""
+        close = getattr(getattr(self, "env", None), "close", None)
+        if close is not None:
+            close()
 
 
 def check_env_fits_algorithm(cfg: RunConfig, env: Any) -> None:

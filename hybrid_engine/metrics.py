@@ -90,7 +90,8 @@ class PhaseTimer:
 
 def trajectory_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     """Reward mean/std, accuracy (mean of the "correct" component when the
-    environment gives one), response length, each reward component's mean, and
+    environment gives one), response length, each reward component's mean,
+    reward/timeouts (reward calls killed at their timeout, a count) and
     prompts_truncated (prompts the rollout cut to fit max_model_len)."""
     n = max(len(trajs), 1)
     rewards = [t.reward for t in trajs]
@@ -106,6 +107,8 @@ def trajectory_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     keys = sorted({k for t in trajs for k in t.reward_components})
     for k in keys:
         out[f"reward/{k}"] = sum(t.reward_components.get(k, 0.0) for t in trajs) / n
+    if any("reward_timeouts" in t.info for t in trajs):
+        out["reward/timeouts"] = float(sum(t.info.get("reward_timeouts", 0) for t in trajs))
     # A reward-model environment keeps the task's correctness in info (not in the reward).
     correct = [t.info.get("correct", t.reward_components.get("correct")) for t in trajs]
     if trajs and all(c is not None for c in correct):

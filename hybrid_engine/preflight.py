@@ -70,10 +70,9 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
               max_tokens=cfg.rollout.max_tokens, prompts_per_step=cfg.train.prompts_per_step)
     examples = check_dataset(cfg.env)
     check_prompts(cfg.env, resolve_model_path(cfg.model.path), examples)
-    if cfg.env.reward_fn:
-        from hybrid_engine.envs.custom_reward import load_reward_fn
+    from hybrid_engine.envs import reward_terms
 
-        load_reward_fn(cfg.env.reward_fn)
+    reward_terms(cfg.env)  # names, weights, and that each function loads
     if cfg.env.reward_model_path:
         check_reward_model_folder(Path(cfg.env.reward_model_path))
     if int(os.environ.get("RANK", "0")) == 0:

@@ -95,22 +95,18 @@ def test_verbose_shows_torchruns_report(model_dir, tmp_path) -> None:
 _REWARDS = {
     "raises": "def reward(prompt, completion, answer):\n"
               "    if len(completion) > 2:\n        return 1 / 0\n    return 0.0\n",
-    "exits": "import sys\n\ndef reward(prompt, completion, answer):\n    sys.exit(3)\n",
-    "hangs": "import time\n\ndef reward(prompt, completion, answer):\n    time.sleep(3600)\n",
 }
 
 
 @pytest.mark.parametrize(("kind", "expected"), [
-    ("raises", ["reward function raised ZeroDivisionError", "reward.py:reward",
+    ("raises", ["env.rewards term 'reward'", "raised ZeroDivisionError", "reward.py:reward",
                 "sample with prompt '"]),
-    ("exits", ["reward function raised SystemExit: 3", "sample with prompt '"]),
-    ("hangs", ["no result within env.reward_timeout_s=2 s", "reward.py:reward",
-               "sample with prompt '"]),
 ])
 def test_bad_reward(model_dir, tmp_path, kind, expected) -> None:
-    """A raising, exiting or hanging reward inside a job: one error line naming the
-    sample, no checkpoint. Non-finite and non-numeric values are the same RewardError
-    (their messages: tests/envs/test_custom_reward.py)."""
+    """A raising reward inside a job, scored on one rank's share: one error line
+    naming the sample (from rank 0, whichever rank scored it), no checkpoint. Exits,
+    non-finite and non-numeric values are the same RewardError and a hanging call is
+    killed at its timeout (tests/envs/test_rewards.py, tests/envs/test_real_task.py)."""
     (tmp_path / "reward.py").write_text(_REWARDS[kind])
     out = tmp_path / "run"
     proc = _train(model_dir, out, f"--env.reward_fn={tmp_path / 'reward.py'}:reward",

@@ -12,6 +12,7 @@ parsing of override strings, and its bounds are checked generically.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -314,15 +315,23 @@ class EnvConfig:
         "HF sequence-classification model folder whose score (logit 0) replaces the "
         "environment's reward function; '' = the environment's own reward.",
     )
+    rewards: str = _field(
+        "", "Weighted reward terms 'NAME[:WEIGHT],...': math, format, task (the env's own), "
+        "reward_model, or file.py:function; '' = the env's own.")
     reward_fn: str = _field(
-        "", "Custom reward 'file.py:function' or 'module:function', called as f(prompt, "
-        "completion, answer) -> float or {name: float}; '' = the env's own.")
+        "", "A user reward 'file.py:function' or 'module:function' as the whole reward "
+        "(env.rewards=SPEC:1.0); '' = the env's own.")
+    format_pattern: str = _field(
+        "", "The format reward's regex, matched against the whole completion; '' = "
+        "<think>...</think> then an answer.")
+    reward_workers: int = _field(
+        1, "Worker processes per rank for reward functions (0 = in the rank's own process, "
+        "no timeouts).", ge=0)
     reward_timeout_s: float = _field(
-        60.0,
-        "reward_fn: seconds one call may take; a call that has not returned by then stops "
-        "the run with an error naming the sample (0 = no limit).",
-        ge=0,
-    )
+        60.0, "Seconds one reward function call may run; past it, its worker is killed and it "
+        "scores env.reward_on_timeout (0 = no limit).", ge=0)
+    reward_on_timeout: float = _field(
+        0.0, "The value of a reward function call that timed out (counted in reward/timeouts).")
     num_eval_prompts: int = _field(
         64, "Held-out prompts per evaluation (greedy, one sample each).", ge=1
     )
@@ -353,9 +362,27 @@ class EnvConfig:
             raise ValueError(f"{pre}system_prompt and {pre}chat_template_kwargs need a chat "
                              f"template ({pre}chat_template=none)")
         self.template_kwargs()
-        if self.reward_fn and self.reward_model_path:
-            raise ValueError(f"set at most one of {_prefix(self)}reward_fn and "
-                             f"{_prefix(self)}reward_model_path (each replaces the reward)")
+        self._check_rewards()
+
+    def _check_rewards(self) -> None:
+        pre = _prefix(self)
+        if self.reward_fn and (self.reward_model_path or self.rewards):
+            raise ValueError(f"set at most one of {pre}reward_fn, {pre}rewards and "
+                             f"{pre}reward_model_path (each replaces the reward; "
+                             f"{pre}rewards composes them)")
+        terms = {item.split(":", 1)[0].strip() for item in self.rewards.split(",")}
+        if self.rewards and ("reward_model" in terms) != bool(self.reward_model_path):
+            raise ValueError(f"{pre}rewards names reward_model if and only if "
+                             f"{pre}reward_model_path is set (the model it scores with)")
+        if self.reward_timeout_s and not self.reward_workers and (self.rewards or self.reward_fn):
+            raise ValueError(f"{pre}reward_timeout_s={self.reward_timeout_s:g} needs "
+                             f"{pre}reward_workers >= 1 (in the rank's own process a stuck call "
+                             f"cannot be stopped): raise it or set {pre}reward_timeout_s=0")
+        try:
+            re.compile(self.format_pattern)
+        except re.error as e:
+            raise ValueError(f"{pre}format_pattern={self.format_pattern!r} is not a regex: "
+                             f"{e}") from None
 
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs as {name: value}, each value read as a YAML scalar

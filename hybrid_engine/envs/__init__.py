@@ -4,11 +4,12 @@ Job: map `EnvConfig.name` to a constructor `(cfg, tokenizer) -> Environment`
 (`roles.base.Environment`: `sample_prompts`, `score`), so a recipe picks the
 task by name and the controller never imports a task module.
 
-With `EnvConfig.reward_model_path` set, the named environment is wrapped in
-`reward_model.RewardModelEnv`: prompts come from the task, the reward from
-the reward model (imported lazily, so importing this package stays light).
-With `EnvConfig.reward_fn` set, it is wrapped in `custom_reward.CustomRewardEnv`:
-the reward comes from the user's function.
+With `EnvConfig.rewards` (or `reward_fn`, one user function) set, the named
+environment is wrapped in `composed.RewardsEnv`: prompts come from the task,
+the reward is the weighted sum of the terms, scored once across the ranks.
+With only `EnvConfig.reward_model_path` set, it is wrapped in
+`reward_model.RewardModelEnv`: the reward model's score is the reward
+(imported lazily, so importing this package stays light).
 
 Invariant: a name is registered once; an unknown name is a `ValueError`
 listing the registered names and the closest one, never a silent default.
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from hybrid_engine.roles.base import Environment
 
 __all__ = ["ENVS", "ArithmeticEnv", "PromptFormat", "RewardError", "ToolEnv", "dataset_spec",
-           "make_env", "prompt_format", "register_env"]
+           "make_env", "prompt_format", "register_env", "reward_terms"]
 
 EnvFactory = Callable[["EnvConfig", Any], "Environment"]
 
@@ -52,9 +53,10 @@ def make_env(cfg: EnvConfig, tokenizer: Any) -> Environment:
     """Builds the environment cfg.name names.
 
     Args:
-        cfg: name, dataset_path ('' = generated problems), seed, and
-            reward_model_path ('' = the task's reward; else the reward model's
-            score replaces it: see `envs.reward_model.RewardModelEnv`).
+        cfg: name, dataset_path ('' = generated problems), seed, the chat
+            template, rewards / reward_fn (the weighted terms) and
+            reward_model_path (without rewards, the reward model's score
+            replaces the task's: see `envs.reward_model.RewardModelEnv`).
         tokenizer: the policy's tokenizer (`tokenizers.Tokenizer` or transformers).
 
     Collective when cfg.reward_model_path is set under a process group (the
@@ -63,19 +65,39 @@ def make_env(cfg: EnvConfig, tokenizer: Any) -> Environment:
     Raises:
         ValueError: unknown name (lists the registered ones and the closest),
             a bad dataset file, a reward model that is not num_labels=1, or a
-            reward_fn that cannot be loaded.
+            reward term that cannot be loaded.
     """
     env = ENVS.get(cfg.name)(cfg, tokenizer)
-    if cfg.reward_fn:
-        from hybrid_engine.envs.custom_reward import CustomRewardEnv, load_reward_fn
-
-        env = CustomRewardEnv(env, load_reward_fn(cfg.reward_fn), tokenizer, fn_name=cfg.reward_fn,
-                              timeout_s=cfg.reward_timeout_s)
+    rm = None
     if cfg.reward_model_path:
         from hybrid_engine.envs.reward_model import RewardModel, RewardModelEnv
 
-        env = RewardModelEnv(env, RewardModel(cfg.reward_model_path), tokenizer)
-    return env
+        rm = RewardModelEnv(env, RewardModel(cfg.reward_model_path), tokenizer,
+                            task_metrics=not cfg.rewards)
+    terms = reward_terms(cfg)
+    if not terms:
+        return rm or env
+    from hybrid_engine.envs.composed import RewardsEnv
+    from hybrid_engine.envs.reward_pool import RewardPool
+
+    pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s,
+                      preload=[t.spec for t in terms if t.spec])
+    return RewardsEnv(env, terms, tokenizer, pool=pool, on_timeout=cfg.reward_on_timeout,
+                      reward_model=rm)
+
+
+def reward_terms(cfg: EnvConfig) -> list:
+    """The weighted terms of cfg.rewards, or cfg.reward_fn's one ([] = the
+    environment's own reward, or the reward model's score).
+
+    Raises:
+        ValueError: a bad spec (`envs.rewards.parse_rewards`).
+    """
+    from hybrid_engine.envs.rewards import function_term, parse_rewards
+
+    if cfg.reward_fn:
+        return [function_term(cfg.reward_fn, key="env.reward_fn")]
+    return parse_rewards(cfg.rewards, format_pattern=cfg.format_pattern) if cfg.rewards else []
 
 
 def dataset_spec(cfg: EnvConfig) -> DatasetSpec | None:

@@ -132,7 +132,8 @@ def test_reward_functions_receive_the_rows_other_columns(tmp_path, tokenizer):
     for fn, expected in (("named", lambda i: float(i % 3)), ("everything", lambda i: 2.0),
                          ("plain", lambda i: 1.0)):
         env = make_env(EnvConfig(dataset_path=data, eval_dataset_path=data, chat_template="none",
-                                 reward_fn=f"{tmp_path / 'r.py'}:{fn}"), tokenizer)
+                                 reward_fn=f"{tmp_path / 'r.py'}:{fn}", reward_workers=0,
+                                 reward_timeout_s=0), tokenizer)
         ids = env.sample_prompts(5)
         trajs = [_answer_traj(tokenizer, p, "0") for p in ids]
         env.score(trajs)

@@ -170,6 +170,28 @@ def test_make_env_wraps_the_named_env(rm_path):
     assert env.answer_for("1+2=") == "3"  # other attributes delegate to the task
 
 
+def test_a_reward_model_term_is_weighted_beside_the_task_and_a_function(rm_path):
+    """env.rewards=reward_model:0.5,task: the sum of both, each part logged, and the
+    env scores in the training layout (a model forward)."""
+    from hybrid_engine.roles.base import layout_of
+
+    tok = build_tokenizer()
+    env = make_env(EnvConfig(name="arithmetic", seed=5, reward_model_path=rm_path,
+                             rewards="reward_model:0.5,task", reward_workers=0,
+                             reward_timeout_s=0), tok)
+    assert layout_of(env) == "training"
+    trajs = _arith_trajs(tok, env.base_env, 4)
+    env.score(trajs)
+    expected = hf_scores(rm_path, [t.prompt_ids + t.response_ids for t in trajs]).tolist()
+    for i, (t, s) in enumerate(zip(trajs, expected)):
+        c = t.reward_components
+        assert set(c) == {"reward_model", "correct", "format"}
+        assert c["reward_model"] == pytest.approx(s, abs=1e-5)
+        assert c["correct"] == (1.0 if i % 2 == 0 else 0.0)
+        assert t.reward == pytest.approx(0.5 * s + c["correct"] + c["format"], abs=1e-5)
+    assert layout_of(make_env(EnvConfig(name="arithmetic", rewards="task"), tok)) is None
+
+
 def test_reward_model_needs_one_label(tmp_path):
     path = write_tiny_reward_model(tmp_path / "rm2")
     cfg = json.loads((path / "config.json").read_text())
