@@ -25,7 +25,8 @@ import os, time
 
 def record(prompt, completion, answer, solution):
     with open(os.environ["HE_TEST_LOG"], "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "rank": os.environ["RANK"], "prompt": prompt, "gold": solution}) + "\\n")
+        f.write(json.dumps({"pid": os.getpid(), "rank": os.environ["RANK"], "prompt": prompt,
+                            "gold": solution}) + "\\n")
     return 0.0
 
 def hangs_once(prompt, completion, answer):
