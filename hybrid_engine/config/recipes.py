@@ -176,6 +176,48 @@ def qwen05b_grpo() -> RunConfig:
     )
 
 
+_REASON_THEN_ANSWER = ("Think step by step inside <think> </think>, then give only the final "
+                      "answer after the closing tag.")
+
+
+@recipe
+def gsm8k_grpo() -> RunConfig:
+    """GRPO on GSM8K with an instruct model, one GPU per rank: the public parquet
+    files (openai/gsm8k, main/) under data/gsm8k, the chat template, the math
+    reward with a small format bonus, evaluation on the test file.
+
+    model.path is left to the user (e.g. --model.path=Qwen/Qwen2.5-1.5B-Instruct).
+    """
+    return apply_overrides(qwen05b_grpo(), {
+        "env.dataset_path": "data/gsm8k/main/train-*.parquet",
+        "env.eval_dataset_path": "data/gsm8k/main/test-*.parquet",
+        "env.preprocess": "hybrid_engine.envs.preprocess:gsm8k",
+        "env.chat_template": "auto",
+        "env.system_prompt": _REASON_THEN_ANSWER,
+        "env.rewards": "math:1.0,format:0.1",
+        "env.num_eval_prompts": 256,
+        "rollout.max_tokens": 1024,
+        "output_dir": "runs/gsm8k_grpo",
+    })
+
+
+@recipe
+def math_grpo() -> RunConfig:
+    """gsm8k_grpo on MATH: the parquet files of a MATH copy with problem and
+    solution columns (e.g. DigitalLearningGmbH/MATH-lighteval, data/) under
+    data/math, answers in the solution's last \\boxed{}, longer completions."""
+    return apply_overrides(gsm8k_grpo(), {
+        "env.dataset_path": "data/math/data/train-*.parquet",
+        "env.eval_dataset_path": "data/math/data/test-*.parquet",
+        "env.preprocess": "hybrid_engine.envs.preprocess:math",
+        "env.system_prompt": _REASON_THEN_ANSWER.replace("only the final answer",
+                                                         "only the final answer in \\boxed{}"),
+        "rollout.max_tokens": 2048,
+        "rollout.max_model_len": 3072,
+        "output_dir": "runs/math_grpo",
+    })
+
+
 @recipe
 def qwen05b_grpo_debug() -> RunConfig:
     """qwen05b_grpo for a few steps with sync verification, to smoke-test a GPU setup."""

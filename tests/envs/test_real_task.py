@@ -118,3 +118,41 @@ def test_a_math_jsonl_through_the_same_environment_and_reward(tmp_path) -> None:
         trajs.append(Trajectory(prompt_ids=prompt, response_ids=ids, rollout_logp=[0.0] * len(ids)))
     env.score(trajs)
     assert [t.reward for t in trajs] == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("recipe", ["gsm8k_grpo", "math_grpo"])
+def test_the_task_recipes_read_the_public_files_layout(recipe, model_dir, tmp_path,
+                                                       monkeypatch) -> None:
+    """gsm8k_grpo and math_grpo on files shaped and placed like the public ones: the
+    preflight's dataset, template and reward checks pass, and the prompts carry the
+    recipe's system prompt through the model's chat template."""
+    import pandas as pd
+
+    from hybrid_engine.config.recipes import get_recipe
+    from hybrid_engine.envs import make_env, reward_terms
+    from hybrid_engine.preflight import check_dataset, check_prompts
+
+    monkeypatch.chdir(tmp_path)
+    if recipe == "gsm8k_grpo":
+        folder = tmp_path / "data/gsm8k/main"
+        folder.mkdir(parents=True)
+        for split in ("train", "test"):
+            _gsm8k(folder / f"{split}-00000-of-00001.parquet", 0 if split == "train" else 50, 20)
+    else:
+        folder = tmp_path / "data/math/data"
+        folder.mkdir(parents=True)
+        for split in ("train", "test"):
+            pd.DataFrame({"problem": [f"What is ${i}/2$?" for i in range(20)],
+                          "solution": [f"It is $\\boxed{{\\frac{{{i}}}{{2}}}}$." for i in range(20)],
+                          "level": ["Level 1"] * 20, "type": ["Algebra"] * 20}).to_parquet(
+                folder / f"{split}-00000-of-00001.parquet")
+    cfg = get_recipe(recipe).env
+    check_prompts(cfg, Path(model_dir), check_dataset(cfg))
+    assert [t.name for t in reward_terms(cfg)] == ["math", "format"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    env = make_env(cfg, tok)
+    text = tok.decode(env.sample_prompts(1)[0], skip_special_tokens=True)
+    assert text.startswith(f"system\n{cfg.system_prompt}\nuser\n") and text.endswith("assistant\n")
+    env.close()
