@@ -254,6 +254,37 @@ def test_bad_chat_template_settings(model_dir, tmp_path, args, expected) -> None
     _has(_refusal(model_dir, tmp_path / "run", *args), expected)
 
 
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--env.dataset_path={tmp}/empty.parquet"], ["empty.parquet", "the dataset has no rows"]),
+    (["--env.dataset_path={tmp}/roles.jsonl"], ["roles.jsonl', row 0", "'robot'"]),
+    (["--env.dataset_path={tmp}/q.jsonl", "--env.eval_dataset_path={tmp}/none.jsonl"],
+     ["env.eval_dataset_path", "does not exist"]),
+    (["--env.dataset_path={tmp}/q.jsonl", "--env.preprocess={tmp}/pre.py:boom"],
+     ["row 0", "KeyError", "'solution'"]),
+    (["--env.rewards=maths:1.0"], "unknown reward 'maths'; the built-in ones are math, format"),
+    (["--env.rewards=math:one"], "the weight of 'math' must be a number, got 'one'"),
+    (["--env.rewards=math,format", "--env.format_pattern=(unclosed"],
+     "env.format_pattern='(unclosed' is not a regex"),
+    (["--env.rewards=reward_model:0.5"], "names reward_model if and only if "
+                                         "env.reward_model_path is set"),
+    (["--env.rewards=math", "--env.reward_workers=0"],
+     "env.reward_timeout_s=60 needs env.reward_workers >= 1"),
+    (["--env.rewards=math", "--env.reward_fn={tmp}/pre.py:boom"],
+     "set at most one of env.reward_fn, env.rewards and env.reward_model_path"),
+])
+def test_bad_task_data_and_rewards(model_dir, tmp_path, args, expected) -> None:
+    import pandas as pd
+
+    pd.DataFrame({"prompt": pd.Series([], dtype=str), "answer": pd.Series([], dtype=str)}
+                 ).to_parquet(tmp_path / "empty.parquet")
+    (tmp_path / "roles.jsonl").write_text(json.dumps(
+        {"prompt": [{"role": "robot", "content": "beep"}], "answer": "1"}) + "\n")
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    (tmp_path / "pre.py").write_text("def boom(row):\n    return {'prompt': row['solution']}\n")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    _has(_refusal(model_dir, tmp_path / "run", *args), expected)
+
+
 @pytest.mark.parametrize(("source", "spec", "expected"), [
     ("def other(p, c, a):\n    return 0.0\n", "reward.py:reward", "has no function 'reward'"),
     ("import no_such_module\n", "reward.py:reward",
