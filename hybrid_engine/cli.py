@@ -114,17 +114,16 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     because a peer died is the watchdog's one line (`watchdog.settle`); anything
     else is a bug and keeps its traceback.
     """
-    from hybrid_engine.parallel.dist import is_launched, set_collective_timeout
-    from hybrid_engine.checkpoint import CheckpointWriteError
-    from hybrid_engine.parallel import signals, watchdog
-    from hybrid_engine.job import Job, RunAborted, configure_logging
-
-    if args.nproc is not None:
-        if is_launched():
+    if args.nproc is not None:  # this process only starts the ranks: it imports no torch
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # dist.is_launched()
             print("error: --nproc starts ranks from a shell; this process is already one of "
                   "a launched world (drop --nproc under torchrun)", file=sys.stderr)
             return 2
         return _relaunch_train(args, overrides)
+    from hybrid_engine.checkpoint import CheckpointWriteError
+    from hybrid_engine.job import Job, RunAborted, configure_logging
+    from hybrid_engine.parallel import signals, watchdog
+    from hybrid_engine.parallel.dist import set_collective_timeout
     configure_logging()
     # From here to the end, SIGINT/SIGTERM (to torchrun or to any one rank) is a
     # request to stop after the current step, on every rank (parallel/signals.py).
