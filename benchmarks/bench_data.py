@@ -10,7 +10,8 @@ from the call to the prompts, the peak RSS (`ru_maxrss`, which counts the
 memory-mapped file pages it touched: shared, in the page cache once for all
 ranks), and its private (anonymous) memory at the end (`RssAnon`), both
 above what the process held after its imports. The first launch builds
-`datasets`' Arrow cache (cold); the later ones reuse it (warm).
+`datasets`' Arrow cache (cold); the later ones reuse it (warm), --jobs
+times each, interleaved with the baseline: the median with the range.
 
 Baseline, written with ordinary care: each rank reads the whole file with
 `pyarrow.parquet.read_table` into memory and takes its prompt column as
@@ -21,8 +22,8 @@ measured in the same run), the time to touch every byte once.
 Prints a table; the last stdout line is JSON. Results go to
 benchmarks/results/data_cpu_<yyyymm>[_quick].md.
 
-    python benchmarks/bench_data.py                 # 1M rows, 1 and 2 ranks
-    python benchmarks/bench_data.py --quick         # 20k rows, seconds
+    python benchmarks/bench_data.py                 # 1M rows, 1 and 2 ranks, 3 jobs
+    python benchmarks/bench_data.py --quick         # 20k rows, 1 job: seconds
 """
 
 from __future__ import annotations
@@ -73,10 +74,13 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=None, help="rows of the file (default 1M; "
                    "20k with --quick)")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--quick", action="store_true", help="20k rows: seconds")
+    p.add_argument("--jobs", type=int, default=None, help="launches of each warm / baseline "
+                   "configuration, interleaved (default 3; 1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="20k rows, 1 job: seconds")
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
     args.rows = args.rows or (20_000 if args.quick else 1_000_000)
+    args.jobs = args.jobs or (1 if args.quick else 3)
     return args
 
 
@@ -89,11 +93,12 @@ def write_file(path: Path, rows: int) -> int:
     writer = None
     for start in range(0, rows, chunk):
         ids = range(start, min(rows, start + chunk))
-        words = [hashlib.sha512(str(i).encode()).hexdigest() for i in ids]  # incompressible
+        words = [hashlib.sha512(str(i).encode()).hexdigest()  # incompressible
+                 + hashlib.sha256(str(i).encode()).hexdigest() for i in ids]
         table = pa.table({
-            "question": [f"Problem {i} ({w[:64]}): a shop sells {i % 97} apples a day for "
+            "question": [f"Problem {i} ({w[:96]}): a shop sells {i % 97} apples a day for "
                          f"{i % 13} days; how many?" for i, w in zip(ids, words)],
-            "answer": [f"{w[64:]}: it sells {i % 97} a day for {i % 13} days, so "
+            "answer": [f"{w[96:]}: it sells {i % 97} a day for {i % 13} days, so "
                        f"{(i % 97) * (i % 13)}.\n#### {(i % 97) * (i % 13)}"
                        for i, w in zip(ids, words)]})
         writer = writer or pq.ParquetWriter(path, table.schema)
@@ -130,6 +135,19 @@ def launch(path: Path, ranks: int, mode: str, env: dict) -> list[dict]:
     return out
 
 
+def _summary(ranks: int, mode: str, cache: str, jobs: list[list[dict]]) -> dict:
+    """One configuration over its jobs: per job the max over ranks, then the
+    median (and the range of seconds) over the jobs."""
+    import statistics
+
+    seconds = [max(r["seconds"] for r in reports) for reports in jobs]
+    return {"ranks": ranks, "mode": mode, "cache": cache, "jobs": len(jobs),
+            "seconds_max": statistics.median(seconds), "seconds_min_job": min(seconds),
+            "seconds_max_job": max(seconds),
+            "peak_mib_max": statistics.median(max(r["peak_mib"] for r in j) for j in jobs),
+            "private_mib_max": statistics.median(max(r["private_mib"] for r in j) for j in jobs)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from _common import result_header, result_path
@@ -140,23 +158,22 @@ def main(argv: list[str] | None = None) -> dict:
     size = write_file(path, args.rows)
     env = {**os.environ, "HF_DATASETS_CACHE": str(work / "cache"), "OMP_NUM_THREADS": "1"}
     bandwidth = copy_bandwidth()
-    rows = []
     runs = [(1, "ours", "cold")] + [(n, mode, "warm" if mode == "ours" else "-")
-                                    for n in args.ranks for mode in ("ours", "baseline")]
+                                    for _ in range(args.jobs) for n in args.ranks
+                                    for mode in ("ours", "baseline")]
     try:
         reports_of = [(n, mode, label, launch(path, n, mode, env)) for n, mode, label in runs]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for n, mode, label, reports in reports_of:
-        rows.append({"ranks": n, "mode": mode, "cache": label,
-                     "seconds_max": max(r["seconds"] for r in reports),
-                     "peak_mib_max": max(r["peak_mib"] for r in reports),
-                     "private_mib_max": max(r["private_mib"] for r in reports)})
+    rows = [_summary(n, mode, label, [r for m, md, lb, r in reports_of
+                                      if (m, md, lb) == (n, mode, label)])
+            for n, mode, label in dict.fromkeys(runs)]
     result = {"rows": args.rows, "file_mib": size / 2**20, "copy_gb_s": bandwidth / 1e9,
               "floor_s": size / bandwidth, "runs": rows}
-    table = ["| ranks | loader | cache | seconds (max over ranks) | peak RSS MiB | private MiB |",
-             "|---|---|---|---|---|---|"]
-    table += [f"| {r['ranks']} | {r['mode']} | {r['cache']} | {r['seconds_max']:.2f} | "
+    table = ["| ranks | loader | cache | jobs | seconds, max over ranks: median [min, max] | "
+             "peak RSS MiB | private MiB |", "|---|---|---|---|---|---|---|"]
+    table += [f"| {r['ranks']} | {r['mode']} | {r['cache']} | {r['jobs']} | "
+              f"{r['seconds_max']:.2f} [{r['seconds_min_job']:.2f}, {r['seconds_max_job']:.2f}] | "
               f"{r['peak_mib_max']:.0f} | {r['private_mib_max']:.0f} |" for r in rows]
     print("\n".join(table))
     print(f"\n{args.rows} rows, {size / 2**20:.0f} MiB parquet; floor {result['floor_s']:.3f} s "
