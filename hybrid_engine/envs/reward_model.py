@@ -58,7 +58,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -305,9 +305,14 @@ class RewardModelEnv:
 
     Token ids: when the reward model's tokenizer has the policy tokenizer's
     vocabulary (or the folder has none), prompt + response ids are scored as
-    they are; otherwise the prompt and the response are decoded with the
-    policy tokenizer and their concatenated text encoded with the reward
-    model's tokenizer (its own special-token conventions, e.g. a BOS).
+    they are (the prompt already in the policy's chat template). Otherwise,
+    when the reward model's tokenizer has a chat template and the prompt's
+    problem is known, the conversation -- the prompt's messages as the policy
+    saw them (system prompt included), then the response as the assistant's
+    turn -- goes through the reward model's own template; else the prompt and
+    the response are decoded with the policy tokenizer and their concatenated
+    text encoded with the reward model's tokenizer (its own special-token
+    conventions, e.g. a BOS).
 
     Args:
         base_env: the task environment (prompts, task reward).
@@ -357,8 +362,18 @@ class RewardModelEnv:
     def _rm_ids(self, traj: Trajectory) -> list[int]:
         if self.same_tokens:
             return list(traj.prompt_ids) + list(traj.response_ids)
-        text = decode(self.tokenizer, traj.prompt_ids) + decode(self.tokenizer, traj.response_ids)
-        return list(self.reward_model.tokenizer(text)["input_ids"])
+        rm_tok = self.reward_model.tokenizer
+        prompt = decode(self.tokenizer, traj.prompt_ids)
+        example_for = getattr(self.base_env, "example_for", None)
+        ex = example_for(prompt) if example_for is not None else None
+        fmt = getattr(self.base_env, "prompt_format", None)
+        if ex is not None and fmt is not None and getattr(rm_tok, "chat_template", None):
+            response = decode(self.tokenizer, traj.response_ids)
+            msgs = [*fmt.messages(ex.prompt), {"role": "assistant", "content": response}]
+            out = rm_tok.apply_chat_template(msgs, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, Mapping) else out)
+        text = prompt + decode(self.tokenizer, traj.response_ids)
+        return list(rm_tok(text)["input_ids"])
 
     def score(self, trajs: Sequence[Trajectory]) -> None:
         """Fills reward = reward_components["rm"] = the reward model's score.

@@ -158,6 +158,39 @@ def test_other_tokenizer_rescoring_uses_text():
     assert stub.seen == [[300] + list(text.encode())]
 
 
+def test_another_tokenizer_with_a_chat_template_scores_the_conversation():
+    """The reward model's own template over the prompt's messages as the policy saw
+    them (its system prompt too), then the response as the assistant's turn."""
+    from hybrid_engine.envs.chat import PromptFormat
+
+    class ChatTok:
+        chat_template = "stub"
+
+        def __init__(self):
+            self.seen = []
+
+        def get_vocab(self):
+            return {"x": 0}
+
+        def apply_chat_template(self, msgs, tokenize):
+            self.seen.append(msgs)
+            return [7] * len(msgs)
+
+    tok, rm_tok = build_tokenizer(), ChatTok()
+    base = ArithmeticEnv(tok, seed=2, prompt_format=PromptFormat("none"))
+    base.prompt_format = PromptFormat("none", system_prompt="Add.")  # as the policy saw it
+    stub = _StubRM([1.0], tokenizer=rm_tok)
+    env = RewardModelEnv(base, stub, tok, task_metrics=False)
+    traj = _arith_trajs(tok, base, 1)[0]
+    env.score([traj])
+    prompt = tok.decode(traj.prompt_ids)
+    assert rm_tok.seen == [[{"role": "system", "content": "Add."},
+                            {"role": "user", "content": prompt},
+                            {"role": "assistant",
+                             "content": tok.decode(traj.response_ids, skip_special_tokens=True)}]]
+    assert stub.seen == [[7, 7, 7]]
+
+
 def test_make_env_wraps_the_named_env(rm_path):
     tok = build_tokenizer()
     env = make_env(EnvConfig(name="arithmetic", seed=4, reward_model_path=rm_path), tok)
