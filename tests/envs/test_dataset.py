@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hybrid_engine.envs.dataset import EpochCursor, Example, Records
+from hybrid_engine.envs.dataset import EpochCursor, Records
 
 ROWS = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)]
 
@@ -138,10 +138,6 @@ def test_prompt_texts_match_the_examples_without_reading_other_columns(tmp_path)
     assert list(records.prompt_texts()) == ["a", "b"]
     chat = Records(str(_write(tmp_path / "c.parquet", [{"prompt": msgs, "answer": "1"}])))
     assert list(chat.prompt_texts()) == [json.dumps(msgs, sort_keys=True)]
-
-
-def test_example_defaults():
-    assert Example("p", "a") == Example("p", "a", {}, None)
 
 
 def test_cursor_covers_each_epoch_and_is_seeded():
