@@ -269,10 +269,12 @@ def _wait_turn(args: argparse.Namespace, rank: int, i: int) -> None:
 
 
 def _prompts(tokenizer, args: argparse.Namespace) -> list[list[int]]:
-    """Fixed arithmetic-environment prompts (token ids): the same in every job."""
+    """Fixed arithmetic-environment prompts (token ids, raw text): the same in every job."""
     from hybrid_engine.envs.arithmetic import ArithmeticEnv
+    from hybrid_engine.envs.chat import PromptFormat
 
-    return ArithmeticEnv(tokenizer, seed=1234).sample_prompts(args.num_prompts)
+    return ArithmeticEnv(tokenizer, seed=1234, prompt_format=PromptFormat("none")).sample_prompts(
+        args.num_prompts)
 
 
 # --- driver: the memory plan ----------------------------------------------------

@@ -138,7 +138,9 @@ def test_nonfinite_steps_are_skipped_then_abort(model_dir, tmp_path) -> None:
     so accepted; Dr.GRPO does not divide by their std), which makes the
     gradient norm overflow: each such step is skipped and counted, the second
     in a row aborts, before its checkpoint."""
-    per_step = 4 * 4  # prompts_per_step x K of tiny_grpo_debug; no eval
+    # prompts_per_step x K of tiny_grpo_debug (no eval), scored once over the 2 ranks:
+    # each rank's one reward worker sees half of a step's samples.
+    per_step = 4 * 4 // 2
     (tmp_path / "reward.py").write_text(
         "import zlib\ncalls = 0\n\n"
         "def reward(prompt, completion, answer):\n"

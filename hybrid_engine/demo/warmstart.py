@@ -135,12 +135,15 @@ class WarmStartConfig:
                 f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
 
     def make_env(self, tokenizer: Any) -> ArithmeticEnv:
-        """The task this config trains on (same seed -> same problem stream)."""
+        """The task this config trains on (same seed -> same problem stream), its
+        prompts raw text as in the demo's RL recipe."""
         from hybrid_engine.envs.arithmetic import ArithmeticEnv
+        from hybrid_engine.envs.chat import PromptFormat
 
         return ArithmeticEnv(
             tokenizer, seed=self.seed, min_digits=self.min_digits, max_digits=self.max_digits,
             operators=self.operators, allow_negative=self.allow_negative,
+            prompt_format=PromptFormat("none"),
         )
 
     def key_fields(self) -> dict[str, Any]:
