@@ -1,128 +1,21 @@
-"""Environments (tasks): a name registry and `make_env`.
+"""Environments (tasks): prompts, answers and rewards.
 
-Job: map `EnvConfig.name` to a constructor `(cfg, tokenizer) -> Environment`
-(`roles.base.Environment`: `sample_prompts`, `score`), so a recipe picks the
-task by name and the controller never imports a task module.
-
-With `EnvConfig.rewards` (or `reward_fn`, one user function) set, the named
-environment is wrapped in `composed.RewardsEnv`: prompts come from the task,
-the reward is the weighted sum of the terms, scored once across the ranks.
-With only `EnvConfig.reward_model_path` set, it is wrapped in
-`reward_model.RewardModelEnv`: the reward model's score is the reward
-(imported lazily, so importing this package stays light).
-
-Invariant: a name is registered once; an unknown name is a `ValueError`
-listing the registered names and the closest one, never a silent default.
+The registry and `make_env` live in `envs/registry.py` and load on first use
+of a name below: importing `hybrid_engine.envs.<module>` alone stays light (no
+torch), so a reward worker process starts in a fraction of a second.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-from hybrid_engine.algorithms.registry import Registry
-from hybrid_engine.envs.arithmetic import ArithmeticEnv
-from hybrid_engine.envs.base import RewardError
-from hybrid_engine.envs.chat import PromptFormat
-from hybrid_engine.envs.dataset import DatasetSpec
-from hybrid_engine.envs.tool import ToolEnv
-
-if TYPE_CHECKING:
-    from hybrid_engine.config import EnvConfig
-    from hybrid_engine.roles.base import Environment
+from typing import Any
 
 __all__ = ["ENVS", "ArithmeticEnv", "PromptFormat", "RewardError", "ToolEnv", "dataset_spec",
            "make_env", "prompt_format", "register_env", "reward_terms"]
 
-EnvFactory = Callable[["EnvConfig", Any], "Environment"]
 
-ENVS: Registry[EnvFactory] = Registry("environment")
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from hybrid_engine.envs import registry
 
-
-def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
-    """Decorator: registers `factory(cfg, tokenizer) -> Environment` under name."""
-
-    def deco(factory: EnvFactory) -> EnvFactory:
-        ENVS.add(name, factory)
-        return factory
-
-    return deco
-
-
-def make_env(cfg: EnvConfig, tokenizer: Any) -> Environment:
-    """Builds the environment cfg.name names.
-
-    Args:
-        cfg: name, dataset_path ('' = generated problems), seed, the chat
-            template, rewards / reward_fn (the weighted terms) and
-            reward_model_path (without rewards, the reward model's score
-            replaces the task's: see `envs.reward_model.RewardModelEnv`).
-        tokenizer: the policy's tokenizer (`tokenizers.Tokenizer` or transformers).
-
-    Collective when cfg.reward_model_path is set under a process group (the
-    reward model is FSDP2-sharded over the whole default group).
-
-    Raises:
-        ValueError: unknown name (lists the registered ones and the closest),
-            a bad dataset file, a reward model that is not num_labels=1, or a
-            reward term that cannot be loaded.
-    """
-    env = ENVS.get(cfg.name)(cfg, tokenizer)
-    rm = None
-    if cfg.reward_model_path:
-        from hybrid_engine.envs.reward_model import RewardModel, RewardModelEnv
-
-        rm = RewardModelEnv(env, RewardModel(cfg.reward_model_path), tokenizer,
-                            task_metrics=not cfg.rewards)
-    terms = reward_terms(cfg)
-    if not terms:
-        return rm or env
-    from hybrid_engine.envs.composed import RewardsEnv
-    from hybrid_engine.envs.reward_pool import RewardPool
-
-    pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s,
-                      preload=[t.spec for t in terms if t.spec])
-    return RewardsEnv(env, terms, tokenizer, pool=pool, on_timeout=cfg.reward_on_timeout,
-                      reward_model=rm)
-
-
-def reward_terms(cfg: EnvConfig) -> list:
-    """The weighted terms of cfg.rewards, or cfg.reward_fn's one ([] = the
-    environment's own reward, or the reward model's score).
-
-    Raises:
-        ValueError: a bad spec (`envs.rewards.parse_rewards`).
-    """
-    from hybrid_engine.envs.rewards import function_term, parse_rewards
-
-    if cfg.reward_fn:
-        return [function_term(cfg.reward_fn, key="env.reward_fn")]
-    return parse_rewards(cfg.rewards, format_pattern=cfg.format_pattern) if cfg.rewards else []
-
-
-def dataset_spec(cfg: EnvConfig) -> DatasetSpec | None:
-    """Where cfg's problems come from (None: generated)."""
-    if not cfg.dataset_path:
-        return None
-    return DatasetSpec(cfg.dataset_path, eval_path=cfg.eval_dataset_path,
-                       prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
-                       preprocess=cfg.preprocess)
-
-
-def prompt_format(cfg: EnvConfig) -> PromptFormat:
-    """How cfg's prompts become token ids (chat template, system prompt, template kwargs)."""
-    return PromptFormat(cfg.chat_template, cfg.system_prompt, cfg.template_kwargs())
-
-
-@register_env("arithmetic")
-def _arithmetic(cfg: EnvConfig, tokenizer: Any) -> Environment:
-    return ArithmeticEnv(tokenizer, seed=cfg.seed, dataset=dataset_spec(cfg),
-                         prompt_format=prompt_format(cfg),
-                         min_digits=cfg.min_digits, max_digits=cfg.max_digits,
-                         operators=cfg.operators, allow_negative=cfg.allow_negative)
-
-
-@register_env("tool")
-def _tool(cfg: EnvConfig, tokenizer: Any) -> Environment:
-    return ToolEnv(tokenizer, seed=cfg.seed, dataset=dataset_spec(cfg),
-                   prompt_format=prompt_format(cfg))
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
