@@ -56,9 +56,12 @@ class CpuBackend:
     def engine_kwargs(self) -> dict:
         """The KV cache size as vLLM's `kv_cache_memory_bytes`, exact to the byte
         (VLLM_CPU_KVCACHE_SPACE takes whole GiB only; if the user set it, vLLM
-        applies it instead); sleep mode is rejected on CPU."""
+        applies it instead); sleep mode is rejected on CPU. No chunked prefill: a
+        prompt cut at the step's token budget makes vLLM rewind its seeded
+        generator's offset, which a CPU generator does not have (RuntimeError
+        "CPU Generator does not use offset"), so prompts are scheduled whole."""
         return {"kv_cache_memory_bytes": int(self.memory.kv_cache_gib * 2**30),
-                "enable_sleep_mode": False}
+                "enable_sleep_mode": False, "enable_chunked_prefill": False}
 
     # --- memory between phases ----------------------------------------------------
 

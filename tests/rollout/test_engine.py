@@ -25,6 +25,11 @@ def _sample(model_dir: str, tp: int, max_tokens: int) -> dict:
     first = rollout.generate(PROMPTS, seed=11)
     again = rollout.generate(PROMPTS, seed=11)
     other = rollout.generate(PROMPTS, seed=12)
+    # 300 prompts of 44 tokens: more than one engine step's token budget (4096 per
+    # TP rank), so prompts wait for a later step; each keeps its own seeded draws.
+    many = [f"{i:03d}" + "+1" * 20 + "=" for i in range(300)]
+    big_batch_same = (rollout.generate(many, seed=11).token_ids[:6]
+                      == rollout.generate(many[:3], seed=11).token_ids)
     errors = {}
     try:
         rollout.generate(["1" * 70])
@@ -35,6 +40,7 @@ def _sample(model_dir: str, tp: int, max_tokens: int) -> dict:
         "prompt_ids": first.prompt_ids, "token_ids": first.token_ids, "logprobs": first.logprobs,
         "repeat_equal": again.token_ids == first.token_ids and again.logprobs == first.logprobs,
         "other_seed_differs": other.token_ids != first.token_ids, "errors": errors,
+        "big_batch_same": big_batch_same,
         "stopped": stopped,
     }
     rollout.shutdown()
@@ -92,6 +98,7 @@ def test_spmd_sampling_matches_transformers(tmp_path, world_size, tp):
     for o in outs:
         assert len(o["token_ids"]) == len(PROMPTS) * 2
         assert o["repeat_equal"] and o["other_seed_differs"] and o["stopped"]
+        assert o["big_batch_same"]
         assert "more than rollout.max_model_len" in o["errors"]["reject"]
         diff = _reference_logprobs(model_dir, o["prompt_ids"],
                                    list(zip(o["token_ids"], o["logprobs"])), 2)
