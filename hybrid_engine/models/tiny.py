@@ -29,8 +29,8 @@ from safetensors.torch import save_file
 
 from hybrid_engine.models.tokenizer import (
     EOS_TOKEN_ID,
-    TOKENIZER_VOCAB_SIZE,
     build_tokenizer,
+    tokenizer_vocab_size,
     write_tokenizer_files,
 )
 
@@ -74,7 +74,7 @@ class TinyModelSpec:
     intermediate_size: int = 256
     """Width of the SwiGLU MLP."""
     vocab_size: int = 1000
-    """Model vocabulary (embedding rows); >= the tokenizer's TOKENIZER_VOCAB_SIZE,
+    """Model vocabulary (embedding rows); >= the tokenizer's id count,
     need not be a multiple of 64. Ids past the tokenizer's are never produced
     by encoding but may be sampled."""
     tie_word_embeddings: bool = False
@@ -97,6 +97,9 @@ class TinyModelSpec:
     """RMSNorm epsilon."""
     attention_bias: bool = False
     """llama only: q/k/v and o_proj biases (config.attention_bias)."""
+    words: tuple[str, ...] = ()
+    """Texts the tokenizer encodes as one token each (`models.tokenizer.build_tokenizer`);
+    () = a byte-level tokenizer only."""
     dtype: str = "float32"
     """Storage dtype of the safetensors file: "float32" or "bfloat16" (drawn in
     fp32 then rounded, so a bf16 file is the rounded fp32 one)."""
@@ -110,8 +113,8 @@ class TinyModelSpec:
             raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}")
         if self.arch == "qwen2" and self.head_dim not in (None, self.hidden_size // self.num_heads):
             raise ValueError("qwen2 needs head_dim == hidden_size // num_heads (vLLM derives it so)")
-        if self.vocab_size < TOKENIZER_VOCAB_SIZE:
-            raise ValueError(f"vocab_size={self.vocab_size} < tokenizer size {TOKENIZER_VOCAB_SIZE}")
+        if self.vocab_size < (ids := tokenizer_vocab_size(self.words)):
+            raise ValueError(f"vocab_size={self.vocab_size} < tokenizer size {ids}")
         if self.attention_bias and self.arch != "llama":
             raise ValueError("attention_bias is a llama option (qwen2 always has q/k/v biases; "
                              "vLLM's qwen3 has no o_proj bias)")
@@ -295,7 +298,7 @@ def write_tiny_model(path: str | os.PathLike, spec: TinyModelSpec = TinyModelSpe
     GenerationConfig(
         bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID
     ).save_pretrained(folder)
-    write_tokenizer_files(folder, model_max_length=spec.max_position_embeddings)
+    write_tokenizer_files(folder, model_max_length=spec.max_position_embeddings, words=spec.words)
     spec_json = json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True)
     (folder / "tiny_spec.json").write_text(spec_json + "\n")
     return folder

@@ -10,7 +10,10 @@ a file that already is that pipeline, the raw ``tokenizers`` object,
 ``AutoTokenizer`` and vLLM (which calls ``AutoTokenizer``) give identical ids.
 
 Vocabulary: the 256 byte symbols (id == byte value), then the special tokens,
-no merges: every UTF-8 byte is one token, so any text round-trips.
+then (only when `words` are given) one token per prefix of each word, with
+the merges that build a word left to right, so a word of a known corpus is
+one token (what a BPE vocabulary trained on that corpus gives its frequent
+words). Any text round-trips either way: what no merge covers stays bytes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "TOKENIZER_VOCAB_SIZE",
     "build_tokenizer",
+    "tokenizer_vocab_size",
     "write_tokenizer_files",
 ]
 
@@ -73,22 +77,49 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(chars[b]) for b in range(256)]
 
 
-def build_tokenizer() -> Tokenizer:
+def _word_merges(words: tuple[str, ...], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Adds every prefix of each word (in byte-level symbols) to vocab, and returns
+    the merges that build each word one symbol at a time."""
+    symbols = _bytes_to_unicode()
+    merges: list[tuple[str, str]] = []
+    for word in words:
+        u = "".join(symbols[b] for b in word.encode())
+        for i in range(1, len(u)):
+            if u[: i + 1] not in vocab:
+                vocab[u[: i + 1]] = len(vocab)
+                merges.append((u[:i], u[i]))
+    return merges
+
+
+def tokenizer_vocab_size(words: tuple[str, ...] = ()) -> int:
+    """Ids `build_tokenizer(words)` can produce (a model's vocab_size must be >= it)."""
+    vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode())}
+    vocab.update({t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)})
+    return len(vocab) + len(_word_merges(words, vocab))
+
+
+def build_tokenizer(words: tuple[str, ...] = ()) -> Tokenizer:
     """Builds the byte-level tokenizer (no training, no download).
 
+    Args:
+        words: texts to encode as one token each (e.g. " apples": the split
+            regex keeps a word's leading space with it), in the order their
+            prefixes get ids; () = bytes only.
+
     Returns:
-        A ``tokenizers.Tokenizer`` with ``TOKENIZER_VOCAB_SIZE`` ids: id ``b``
-        is byte ``b`` for ``b < 256``, then ``SPECIAL_TOKENS``. No BOS/EOS is
-        added on encode.
+        A ``tokenizers.Tokenizer``: id ``b`` is byte ``b`` for ``b < 256``, then
+        ``SPECIAL_TOKENS``, then the words' prefixes (``tokenizer_vocab_size(words)``
+        ids in all). No BOS/EOS is added on encode.
     """
     vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode())}
     for i, token in enumerate(SPECIAL_TOKENS):
         vocab[token] = 256 + i
+    merges = _word_merges(tuple(words), vocab)
     # Same BPE options as the model Qwen2Tokenizer.__init__ builds.
     tok = Tokenizer(
         BPE(
             vocab=vocab,
-            merges=[],
+            merges=merges,
             dropout=None,
             unk_token=None,
             continuing_subword_prefix="",
@@ -106,7 +137,7 @@ def build_tokenizer() -> Tokenizer:
     )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    assert tok.get_vocab_size(with_added_tokens=True) == TOKENIZER_VOCAB_SIZE
+    assert tok.get_vocab_size(with_added_tokens=True) == len(vocab)
     return tok
 
 
@@ -140,15 +171,17 @@ def _tokenizer_config(model_max_length: int) -> dict:
     }
 
 
-def write_tokenizer_files(path: str | os.PathLike, *, model_max_length: int = 512) -> None:
+def write_tokenizer_files(path: str | os.PathLike, *, model_max_length: int = 512,
+                          words: tuple[str, ...] = ()) -> None:
     """Writes ``tokenizer.json`` and ``tokenizer_config.json`` into ``path``.
 
     Args:
         path: an existing folder.
         model_max_length: stored in tokenizer_config.json (the model's
             max_position_embeddings).
+        words: texts encoded as one token each (`build_tokenizer`).
     """
     folder = Path(path)
-    build_tokenizer().save(str(folder / "tokenizer.json"))
+    build_tokenizer(words).save(str(folder / "tokenizer.json"))
     config = _tokenizer_config(model_max_length)
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -20,7 +20,11 @@ from hybrid_engine.models.tiny import (
     random_state_dict,
     write_tiny_model,
 )
-from hybrid_engine.models.tokenizer import EOS_TOKEN_ID, TOKENIZER_VOCAB_SIZE
+from hybrid_engine.models.tokenizer import (
+    EOS_TOKEN_ID,
+    TOKENIZER_VOCAB_SIZE,
+    tokenizer_vocab_size,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -132,6 +136,30 @@ def test_auto_tokenizer_matches_raw_tokenizer(name: str, folders: dict[str, Path
     assert config["eos_token_id"] == generation["eos_token_id"] == EOS_TOKEN_ID
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_words_are_one_token_each_and_any_text_still_round_trips(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from hybrid_engine.envs.chat import PromptFormat
+
+    words = (" Tom", "Tom", " apples", "assistant")  # a word's tail first (the docs' rule)
+    assert tokenizer_vocab_size(words) == TOKENIZER_VOCAB_SIZE + 3 + 2 + 6 + 8
+    spec = TinyModelSpec(vocab_size=tokenizer_vocab_size(words), words=words)
+    tok = AutoTokenizer.from_pretrained(write_tiny_model(tmp_path / "w", spec))
+    raw = build_tokenizer(words)
+    text = "Tom has 3 apples. Ask Tom."
+    ids = tok(text)["input_ids"]
+    assert ids == raw.encode(text).ids
+    assert [tok.decode([i]) for i in ids] == [  # "as": a prefix of "assistant"
+        "Tom", " ", "h", "as", " ", "3", " apples", ".", " ", "A", "s", "k", " Tom", "."]
+    chat = PromptFormat("auto").ids(tok, "hi")
+    assert "assistant" in [tok.decode([i]) for i in chat]
+    for t in TEXTS:
+        assert tok.decode(tok(t)["input_ids"]) == t
+    assert len(tok) == tokenizer_vocab_size(words)
+    with pytest.raises(ValueError, match="tokenizer size"):
+        TinyModelSpec(vocab_size=tokenizer_vocab_size(words) - 1, words=words)
 
 
 # vLLM cases: one engine each, all in one fresh process.
