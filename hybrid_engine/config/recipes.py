@@ -117,7 +117,9 @@ def tiny_grpo_debug() -> RunConfig:
 @recipe
 def tiny_grpo_demo() -> RunConfig:
     """The CPU demo's RL phase: a warm-started 4M-parameter Qwen2 on 2 ranks
-    learning 1-2 digit additions (model.path and env task set by `hybrid-engine demo`)."""
+    learning GSM8K-shaped word problems (1-2 digit additions), 200 steps, through the chat
+    template and the math + format rewards (model.path and the data files set
+    by `hybrid-engine demo`)."""
     return apply_overrides(
         tiny_grpo_debug(),
         {
@@ -126,14 +128,14 @@ def tiny_grpo_demo() -> RunConfig:
             "rollout.max_model_len": 64,
             "train.lr": 5e-5,
             "train.lr_schedule": "cosine",
-            "train.num_steps": 450,
+            "train.num_steps": 200,
             "train.prompts_per_step": 32,
             "train.micro_batch_size": 128,
             "sync.bucket_mb": 64.0,
             "sync.verify": False,
-            "env.max_digits": 2,
-            "env.operators": ("+",),
-            "env.allow_negative": False,
+            "env.chat_template": "auto",
+            "env.rewards": "math:1.0,format:0.1",
+            "env.format_pattern": "[0-9]+",
             "env.num_eval_prompts": 400,
             "output_dir": "runs/tiny_grpo_demo",
             "eval_every": 10,

@@ -1,13 +1,17 @@
-"""`hybrid-engine demo` (`make demo`): a tiny model learns arithmetic with RL on the local CPU cores.
+"""`hybrid-engine demo` (`make demo`): a tiny model learns word problems with RL on the local CPU cores.
 
 What it does, on 2 ranks by default (it re-launches itself under torchrun):
-1. writes a random-init tiny Qwen2 folder (weights + byte-level tokenizer),
-2. a short supervised warm start on the task (`demo/warmstart.py`), cached under
-   --cache-dir so a second run skips it,
+1. writes the task as GSM8K-shaped parquet files, a training file and a
+   separate test file (`demo/task.py`), and a random-init tiny Qwen2 folder
+   (weights + a tokenizer with a ChatML chat template),
+2. a short supervised warm start on the training file (`demo/warmstart.py`),
+   cached under --cache-dir so a second run skips it,
 3. GRPO through the hybrid engine (`job.Job`: vLLM rollout with tensor
-   parallelism over the ranks, FSDP2 training, resharded weight sync), with
-   held-out greedy accuracy measured at step 0 and every few steps, for at most
-   --minutes of wall time.
+   parallelism over the ranks, FSDP2 training, resharded weight sync) the way
+   a user's GSM8K run goes: the parquet files through `datasets`, the gsm8k
+   preprocessor, the chat template, and the `math` reward with a small `format`
+   bonus; held-out greedy accuracy on the test file at step 0 and every few
+   steps, for at most --minutes of wall time.
 
 Outputs under --output-dir: metrics.jsonl, tb/ (TensorBoard), metrics.png
 (reward and accuracy over steps), final/ (the trained policy as a HF folder),
@@ -36,14 +40,16 @@ def demo_spec():  # noqa: ANN201 - a TinyModelSpec (imported lazily: fast --help
     return DEMO_MODEL_SPEC
 
 
-def _task(warm_start_steps: int | None = None):  # noqa: ANN202
-    """The warm start's config; its task (1-2 digit additions) is the RL task too."""
-    import dataclasses
+_PREPROCESS = "hybrid_engine.envs.preprocess:gsm8k"
 
+
+def _warm_start_config(train_file: str, warm_start_steps: int | None = None):  # noqa: ANN202
+    """The warm start's config: the RL phase's training file, preprocessor and template."""
     from hybrid_engine.demo.warmstart import WarmStartConfig
 
-    cfg = WarmStartConfig()
-    return cfg if warm_start_steps is None else dataclasses.replace(cfg, steps=warm_start_steps)
+    steps = {} if warm_start_steps is None else {"steps": warm_start_steps}
+    return WarmStartConfig(dataset=train_file, preprocess=_PREPROCESS, chat_template="auto",
+                           **steps)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,10 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the base model and the warm start are cached (default .cache/demo)")
     p.add_argument("--minutes", type=float, default=9.0,
                    help="wall-time limit of the RL phase (default 9)")
-    p.add_argument("--steps", type=int, default=450,
-                   help="RL steps (default 450; the cosine LR schedule ends there)")
+    p.add_argument("--steps", type=int, default=200,
+                   help="RL steps (default 200; the cosine LR schedule ends there)")
     p.add_argument("--warm-start-steps", type=int, default=None,
-                   help="supervised warm-start steps (default: WarmStartConfig's, 600)")
+                   help="supervised warm-start steps (default: WarmStartConfig's, 300)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override on top of the demo's recipe, repeatable, e.g. "
                         "--set train.ppo_epochs=2 (keys as `hybrid-engine config` lists them)")
@@ -64,12 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Re-launches itself under torchrun unless already launched, then runs."""
+    from hybrid_engine.demo.task import task_paths
     from hybrid_engine.parallel.dist import is_launched
 
     if not is_launched():
         try:  # bad --set items fail here, in one line, before any rank starts
+            data = tuple(str(p) for p in task_paths(args.cache_dir))
             demo_config("model", args.output_dir, world=args.nproc, minutes=args.minutes,
-                        steps=args.steps, overrides=args.overrides)
+                        steps=args.steps, data=data, overrides=args.overrides)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -90,41 +98,42 @@ def _relaunch(args: argparse.Namespace) -> int:
 
 
 def demo_config(model_path: str, output_dir: str, *, world: int, minutes: float, steps: int,  # noqa: ANN201
-                overrides: list[str] | tuple[str, ...] = ()):
+                data: tuple[str, str] = ("", ""), overrides: list[str] | tuple[str, ...] = ()):
     """The RL phase's RunConfig (recipe tiny_grpo_demo + this run's paths and limits,
-    then the user's KEY=VALUE overrides)."""
+    then the user's KEY=VALUE overrides); data: the (train, test) files."""
     from hybrid_engine.config import apply_overrides
     from hybrid_engine.config.recipes import get_recipe
 
-    task = _task()
-    return apply_overrides(get_recipe("tiny_grpo_demo"), {
+    cfg = apply_overrides(get_recipe("tiny_grpo_demo"), {
         "model.path": model_path, "output_dir": output_dir,
         "rollout.tensor_parallel_size": world, "max_wall_s": minutes * 60,
-        "train.num_steps": steps, "env.min_digits": task.min_digits,
-        "env.max_digits": task.max_digits, "env.operators": task.operators,
-        "env.allow_negative": task.allow_negative, "env.seed": task.seed,
-    }) if not overrides else apply_overrides(
-        demo_config(model_path, output_dir, world=world, minutes=minutes, steps=steps),
-        list(overrides))
+        "train.num_steps": steps, "env.dataset_path": data[0],
+        "env.eval_dataset_path": data[1], "env.preprocess": _PREPROCESS,
+    })
+    return apply_overrides(cfg, list(overrides)) if overrides else cfg
 
 
-def _base_model(cache: Path, rank: int) -> Path:
-    """The random-init model folder, written once (by rank 0) per spec."""
+def _base_model_and_task(cache: Path, rank: int) -> tuple[Path, tuple[str, str]]:
+    """The random-init model folder (one per spec) and the task's (train, test)
+    files, written once by rank 0."""
     import dataclasses
 
     import torch.distributed as dist
 
+    from hybrid_engine.demo.task import task_files, task_paths
     from hybrid_engine.models.tiny import write_tiny_model
 
     spec = demo_spec()
     key = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode()).hexdigest()
     path = cache / f"base-{key[:12]}"
-    if rank == 0 and not (path / "model.safetensors").is_file():
-        tmp = cache / f".base-{key[:12]}.tmp-{os.getpid()}"
-        write_tiny_model(tmp, spec)
-        os.replace(tmp, path)
+    if rank == 0:
+        if not (path / "model.safetensors").is_file():
+            tmp = cache / f".base-{key[:12]}.tmp-{os.getpid()}"
+            write_tiny_model(tmp, spec)
+            os.replace(tmp, path)
+        task_files(cache)
     dist.barrier()
-    return path
+    return path, tuple(str(p) for p in task_paths(cache))
 
 
 def _step_s_median(history: list[dict]) -> float | None:
@@ -154,11 +163,12 @@ def _rank_main(args: argparse.Namespace) -> int:
     if rank == 0:
         cache.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    warm = warm_start(_base_model(cache, rank), cache, _task(args.warm_start_steps))
+    base, data = _base_model_and_task(cache, rank)
+    warm = warm_start(base, cache, _warm_start_config(data[0], args.warm_start_steps))
     warm_s = time.perf_counter() - t0
     log.info("warm-started policy: %s (%.1f s)", warm, warm_s)
     cfg = demo_config(str(warm), args.output_dir, world=world, minutes=args.minutes,
-                      steps=args.steps, overrides=args.overrides)
+                      steps=args.steps, data=data, overrides=args.overrides)
     job = Job(cfg, overwrite=True)  # a repeated `make demo` starts over
     try:
         summary = job.run()

@@ -1,7 +1,9 @@
-"""Supervised warm start: a short SFT on the arithmetic task before RL.
+"""Supervised warm start: a short SFT on the RL task before RL.
 
 Job: take a (random-init) HF model folder, train it with token-level
-cross-entropy on "a+b=" -> "<answer><EOS>" examples through the package's
+cross-entropy on prompt -> "<answer><EOS>" examples (the demo's word problems
+from its training file, templated as the RL phase templates them, or generated
+"a+b=" problems) through the package's
 FSDP2 trainer (`roles.trainer.Trainer`) on whatever `torch.distributed` world
 is initialised (one process, or N ranks under torchrun / gloo), export it as a
 HF folder (`checkpoint.export_hf`), and cache that folder so a second run
@@ -11,7 +13,7 @@ often enough that RL has room to improve (see
 `benchmarks/results/warmstart_tuning.md` for the tuned defaults).
 
 Data: every rank builds the same `ArithmeticEnv` (task fields of
-`WarmStartConfig`) and draws the same global batch of `batch_size` training
+`WarmStartConfig`: its dataset file, or the generator's settings) and draws the same global batch of `batch_size` training
 problems per step; rank r trains on rows r, r + N, ... of it. The trainer
 normalises the loss by the token count of the whole step over all ranks, so
 the update does not depend on the rank count (up to float rounding).
@@ -19,8 +21,9 @@ Held-out prompts (`ProblemBank.eval_problems`) are never trained on.
 
 Invariants:
 - Cache key: the folder is `<cache_root>/warmstart-<key>`, key = a hash of the
-  base folder's weights and config bytes, every field of `WarmStartConfig`
-  that changes the result, and `CACHE_VERSION`. A folder counts only if it
+  base folder's weights, config and tokenizer bytes, the dataset file's bytes,
+  every other field of `WarmStartConfig` that changes the result, and
+  `CACHE_VERSION`. A folder counts only if it
   has export_hf's COMPLETE marker (export_hf writes to a temporary folder and
   renames it, so a crash never leaves a folder that counts).
 - Collective agreement: rank 0 alone decides hit or miss and broadcasts it,
@@ -49,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hybrid_engine.demo.task import WORDS
 from hybrid_engine.models.tiny import TinyModelSpec
 
 if TYPE_CHECKING:
@@ -67,20 +71,21 @@ __all__ = [
     "warm_start_path",
 ]
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Bump when the training procedure changes, so old cached folders stop matching."""
 
 log = logging.getLogger("hybrid_engine.demo.warmstart")
 
-_NOT_IN_KEY = ("log_every",)  # WarmStartConfig fields that do not change the weights
+_NOT_IN_KEY = ("log_every", "dataset")  # not in the key as given (the dataset: by its bytes)
 
 DEMO_MODEL_SPEC = TinyModelSpec(
     arch="qwen2", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-    intermediate_size=1024, vocab_size=320, max_position_embeddings=512,
+    intermediate_size=1024, vocab_size=384, max_position_embeddings=512, words=WORDS,
 )
 """The RL demo's model (~4.1M parameters, head_dim 64, a vLLM-CPU head size):
 the smallest tried that learns 1-2 digit addition to ~30% in ~1-2 minutes of
-SFT on 2 cores (2 layers, or width 128, stay near 10% for as long)."""
+SFT on 2 cores (2 layers, or width 128, stay near 10% for as long). Its
+tokenizer has the demo task's words as single tokens (`demo.task.WORDS`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,7 +93,7 @@ class WarmStartConfig:
     """What the warm start trains on and how. Defaults: tuned for the RL demo on
     `DEMO_MODEL_SPEC`, 2 CPU cores (see benchmarks/results/warmstart_tuning.md)."""
 
-    steps: int = 600
+    steps: int = 300
     """Optimizer steps."""
     lr: float = 1e-3
     """Peak AdamW learning rate."""
@@ -109,6 +114,13 @@ class WarmStartConfig:
     seed: int = 0
     """Seed of the training problem stream (and of nothing else: the model's
     init is the base folder's)."""
+    dataset: str = ""
+    """Training data file (`env.dataset_path`); "" = generated "a+b=" problems. Its
+    bytes, not its path, are part of the cache key."""
+    preprocess: str = ""
+    """`env.preprocess` for the dataset's rows (e.g. hybrid_engine.envs.preprocess:gsm8k)."""
+    chat_template: str = "none"
+    """`env.chat_template`: how a prompt becomes ids, as in the RL phase."""
     min_digits: int = 1
     """Fewest digits of an operand (ArithmeticEnv)."""
     max_digits: int = 2
@@ -134,16 +146,19 @@ class WarmStartConfig:
             raise ValueError(
                 f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
 
-    def make_env(self, tokenizer: Any) -> ArithmeticEnv:
+    def make_env(self, tokenizer: Any, eval_dataset: str = "") -> ArithmeticEnv:
         """The task this config trains on (same seed -> same problem stream), its
-        prompts raw text as in the demo's RL recipe."""
+        prompts formatted as in the RL phase; eval_dataset: the held-out file."""
         from hybrid_engine.envs.arithmetic import ArithmeticEnv
         from hybrid_engine.envs.chat import PromptFormat
+        from hybrid_engine.envs.dataset import DatasetSpec
 
+        data = (DatasetSpec(self.dataset, eval_path=eval_dataset, preprocess=self.preprocess)
+                if self.dataset else None)
         return ArithmeticEnv(
-            tokenizer, seed=self.seed, min_digits=self.min_digits, max_digits=self.max_digits,
-            operators=self.operators, allow_negative=self.allow_negative,
-            prompt_format=PromptFormat("none"),
+            tokenizer, seed=self.seed, dataset=data, min_digits=self.min_digits,
+            max_digits=self.max_digits, operators=self.operators,
+            allow_negative=self.allow_negative, prompt_format=PromptFormat(self.chat_template),
         )
 
     def key_fields(self) -> dict[str, Any]:
@@ -167,12 +182,12 @@ def _hash_file(h: Any, path: Path) -> None:
 def cache_key(base_model_dir: str | Path, cfg: WarmStartConfig) -> str:
     """Hex digest of (base weights + config bytes, cfg.key_fields(), CACHE_VERSION).
 
-    The tokenizer files are not hashed: the task's prompts are plain bytes,
-    and a tokenizer change that matters changes config.json's vocab too.
+    The base folder's tokenizer files and the training data file are hashed too.
     """
     base = Path(base_model_dir)
-    files = sorted(base.glob("*.safetensors")) + [base / "config.json"]
-    if not files[:-1]:
+    files = (sorted(base.glob("*.safetensors")) + [base / "config.json"]
+             + sorted(base.glob("tokenizer*.json")) + ([Path(cfg.dataset)] if cfg.dataset else []))
+    if not list(base.glob("*.safetensors")):
         raise FileNotFoundError(f"{base}: no *.safetensors weights to warm-start from")
     h = hashlib.sha256()
     for path in files:
@@ -222,8 +237,9 @@ def _process_group() -> Iterator[None]:
 
 
 def sft_trajectories(env: ArithmeticEnv, num: int, *, stop: str = "eos") -> list:
-    """The next num training problems as trajectories: prompt ids, response =
-    answer ids then EOS (stop="eos") or "\\n" (stop="newline")."""
+    """The next num training problems as trajectories: prompt ids (the env's
+    prompt format), response = answer ids then EOS (stop="eos") or "\\n"
+    (stop="newline")."""
     from hybrid_engine.envs.base import encode
     from hybrid_engine.trajectory import Trajectory
 
@@ -233,7 +249,7 @@ def sft_trajectories(env: ArithmeticEnv, num: int, *, stop: str = "eos") -> list
             response = encode(env.tokenizer, ex.answer) + [env.eos_id]
         else:
             response = encode(env.tokenizer, ex.answer + "\n")
-        out.append(Trajectory(prompt_ids=encode(env.tokenizer, ex.prompt),
+        out.append(Trajectory(prompt_ids=env.prompt_format.ids(env.tokenizer, ex.prompt),
                               response_ids=response, rollout_logp=[0.0] * len(response)))
     return out
 

@@ -96,6 +96,7 @@ def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) 
     assert "step_over_baseline_ci" in k1  # --window 2: two whole windows of 4 steps (10: none)
     assert k1["reached_threshold"] == 1  # --threshold 0: reached at the first eval
     assert "warm start: 5 steps" in (runs / "base-s3.log").read_text()  # --warm-start-steps
+    assert "warm start: cache hit" in (runs / "k1-s3.log").read_text()  # the demo's cache
     assert k1["step_over_baseline_per_seed"][0] == pytest.approx(
         k1["step_s_mean"] / base["step_s_mean"])
     for name in ("base", "k1"):
