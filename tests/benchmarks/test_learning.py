@@ -1,5 +1,8 @@
 """benchmarks/bench_learning.py: its figures on hand-written metrics rows, and one short
-real run (two configs and a failing one, one seed, one rank) with --resume."""
+real run (two configs and a failing one, one seed, two ranks) with --resume. Its
+demo runs are also the test of `hybrid-engine demo`'s outputs: the task's parquet
+files, the math and format rewards, metrics, TensorBoard, the plot, the final
+policy and the last JSON line."""
 
 from __future__ import annotations
 
@@ -76,10 +79,24 @@ def test_parse_config_and_bad_configs_fail_in_one_line() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def _check_demo_outputs(out: Path, summary: dict, cache: Path) -> None:
+    assert summary["steps"] == 4 and summary["world_size"] == 2
+    assert 0 < summary["step_s_median"] < summary["wall_s"]
+    assert summary["acc_start"] is not None and summary["acc_end"] is not None
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]
+    assert {"reward/math", "reward/format"} <= rows[1].keys()  # the math + format rewards
+    assert len(list(cache.glob("task-*/t*.parquet"))) == 2  # the train and test files
+    assert "eval/accuracy" in rows[-1] and rows[-1]["step"] == 4  # the final policy is evaluated
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert (out / "metrics.png").stat().st_size > 0
+    assert (out / "final" / "COMPLETE").is_file()
+
+
 def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) -> None:
     runs = tmp_path / "runs"
     cmd = [sys.executable, "benchmarks/bench_learning.py", "--seeds", "3", "--steps", "4",
-           "--warm-start-steps", "5", "--nproc", "1", "--window", "2", "--minutes", "3",
+           "--warm-start-steps", "5", "--nproc", "2", "--window", "2", "--minutes", "3",
            "--threshold", "0", "--tag", "_t", "--note", "a note",
            f"--runs-dir={runs}", f"--cache-dir={tmp_path / 'cache'}",
            f"--out-dir={tmp_path / 'out'}", "--set", "eval_every=2",
@@ -103,8 +120,10 @@ def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) 
         cfg = yaml.safe_load((runs / f"{name}-s3" / "config.yaml").read_text())
         assert cfg["seed"] == 3 and cfg["rollout"]["seed"] == 3  # the seed, for every run
         assert cfg["eval_every"] == 2 and cfg["train"]["num_steps"] == 4  # --set, --steps
-        assert cfg["rollout"]["tensor_parallel_size"] == 1  # --nproc
+        assert cfg["rollout"]["tensor_parallel_size"] == 2  # --nproc
         assert cfg["max_wall_s"] == 180  # --minutes
+    _check_demo_outputs(runs / "base-s3", json.loads((runs / "base-s3.json").read_text()),
+                        tmp_path / "cache")
     report = Path(result["report"])
     assert report.name.startswith("learning_cpu_t_") and report.with_suffix(".png").is_file()
     assert "| k1 | 3 | 4 |" in report.read_text() and "a note" in report.read_text()
