@@ -13,10 +13,11 @@ often enough that RL has room to improve (see
 `benchmarks/results/warmstart_tuning.md` for the tuned defaults).
 
 Data: every rank builds the same `ArithmeticEnv` (task fields of
-`WarmStartConfig`: its dataset file, or the generator's settings) and draws the same global batch of `batch_size` training
-problems per step; rank r trains on rows r, r + N, ... of it. The trainer
-normalises the loss by the token count of the whole step over all ranks, so
-the update does not depend on the rank count (up to float rounding).
+`WarmStartConfig`: its dataset file, or the generator's settings) and draws
+the same global batch of `batch_size` training problems per step; rank r
+trains on rows r, r + N, ... of it. The trainer normalises the loss by the
+token count of the whole step over all ranks, so the update does not depend
+on the rank count (up to float rounding).
 Held-out prompts (`ProblemBank.eval_problems`) are never trained on.
 
 Invariants:
@@ -91,7 +92,9 @@ tokenizer has the demo task's words as single tokens (`demo.task.WORDS`)."""
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WarmStartConfig:
     """What the warm start trains on and how. Defaults: tuned for the RL demo on
-    `DEMO_MODEL_SPEC`, 2 CPU cores (see benchmarks/results/warmstart_tuning.md)."""
+    `DEMO_MODEL_SPEC`, 2 CPU cores (see benchmarks/results/warmstart_tuning.md;
+    on the word-problem file 300 steps give 30% held-out accuracy and 600 gave
+    89%: benchmarks/results/demo_word_problems_zen4_cpu_202611.md)."""
 
     steps: int = 300
     """Optimizer steps."""
@@ -146,15 +149,14 @@ class WarmStartConfig:
             raise ValueError(
                 f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
 
-    def make_env(self, tokenizer: Any, eval_dataset: str = "") -> ArithmeticEnv:
+    def make_env(self, tokenizer: Any) -> ArithmeticEnv:
         """The task this config trains on (same seed -> same problem stream), its
-        prompts formatted as in the RL phase; eval_dataset: the held-out file."""
+        prompts formatted as in the RL phase."""
         from hybrid_engine.envs.arithmetic import ArithmeticEnv
         from hybrid_engine.envs.chat import PromptFormat
         from hybrid_engine.envs.dataset import DatasetSpec
 
-        data = (DatasetSpec(self.dataset, eval_path=eval_dataset, preprocess=self.preprocess)
-                if self.dataset else None)
+        data = DatasetSpec(self.dataset, preprocess=self.preprocess) if self.dataset else None
         return ArithmeticEnv(
             tokenizer, seed=self.seed, dataset=data, min_digits=self.min_digits,
             max_digits=self.max_digits, operators=self.operators,

@@ -66,3 +66,37 @@ def test_a_templated_prompt_is_short_with_the_demo_tokenizer() -> None:
     ids = PromptFormat("auto").ids(tok, question)
     assert len(ids) <= 32 < len(question.encode())
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_the_warm_start_trains_on_the_files_templated_rows_and_keys_its_cache_by_their_bytes(
+        tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    from hybrid_engine.demo.warmstart import WarmStartConfig, cache_key, sft_trajectories
+    from hybrid_engine.envs.chat import PromptFormat
+    from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
+    from hybrid_engine.models.tokenizer import tokenizer_vocab_size
+
+    spec = TinyModelSpec(vocab_size=tokenizer_vocab_size(WORDS), words=WORDS)
+    base = write_tiny_model(tmp_path / "base", spec)
+    tok = AutoTokenizer.from_pretrained(base)
+    train, _ = task_files(tmp_path / "a", SMALL)
+    cfg = WarmStartConfig(dataset=str(train), preprocess="hybrid_engine.envs.preprocess:gsm8k",
+                          chat_template="auto")
+    trajs = sft_trajectories(cfg.make_env(tok), 8)
+    train_ids = {tuple(PromptFormat("auto").ids(tok, q)) for q in SMALL.rows()[0]["question"]}
+    assert all(tuple(t.prompt_ids) in train_ids for t in trajs)  # the file's rows, templated
+    for t in trajs:  # the response is the preprocessed answer, the sum, then EOS
+        a, b = _pairs([tok.decode(t.prompt_ids)])[0]
+        assert tok.decode(t.response_ids[:-1]) == str(a + b)
+        assert t.response_ids[-1] == tok.eos_token_id
+    raw = sft_trajectories(WarmStartConfig(dataset=str(train), preprocess=cfg.preprocess)
+                           .make_env(tok), 1)[0]  # chat_template="none": the question alone
+    assert tok.decode(raw.prompt_ids) in SMALL.rows()[0]["question"]
+    # The cache key follows the data file's bytes, not its path.
+    other_path, _ = task_files(tmp_path / "b", SMALL)
+    changed, _ = task_files(tmp_path / "c", dataclasses.replace(SMALL, seed=1))
+    key = cache_key(base, cfg)
+    assert cache_key(base, dataclasses.replace(cfg, dataset=str(other_path))) == key
+    assert cache_key(base, dataclasses.replace(cfg, dataset=str(changed))) != key
+    assert cache_key(base, dataclasses.replace(cfg, chat_template="none")) != key
