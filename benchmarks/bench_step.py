@@ -397,7 +397,7 @@ def _run_job(args: argparse.Namespace, preset: str, nproc: int, placement: str,
         "--sync.verify=false", f"--rollout.tensor_parallel_size={_tp(nproc, placement)}",
         f"--rollout.num_samples_per_prompt={k}", f"--rollout.max_tokens={max_tokens}",
         f"--train.prompts_per_step={prompts}", f"--train.num_steps={num_steps}",
-        "--checkpoint_every=0", "--eval_every=0", "--max_wall_s=3000",
+        "--checkpoint_every=0", "--eval.at_start=false", "--eval.at_end=false", "--max_wall_s=3000",
         f"--env.reward_fn={work / 'reward.py'}:reward",
         *(f"--{kv}" for kv in (*WORKLOAD_SETS.get(args.workload, ()), *args.set, *sets)),
     ]

@@ -3,6 +3,7 @@
 Subcommands:
     env          versions, device, world size, and which native kernels loaded
     train        RL-train a HF model folder (recipe + YAML + --section.key=value)
+    eval         evaluate a HF model folder or a training checkpoint on held-out prompts
     demo         the main job on the local CPU cores (see hybrid_engine.demo)
     tiny-model   write a random-init HF model folder (Qwen2 / Llama / Qwen3)
     config       print the resolved config of a recipe + YAML + overrides
@@ -106,53 +107,89 @@ def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Builds the config, runs the job on this world (torchrun or one process).
-
-    Bad input (a ValueError: config, files, model, rewards, checkpoints), a
-    run that aborts itself and a checkpoint that could not be written (full
-    disk) are one `error: ...` line and exit code 2. A collective that failed
-    because a peer died is the watchdog's one line (`watchdog.settle`); anything
-    else is a bug and keeps its traceback.
-    """
+    """Builds the config, runs the job on this world (torchrun or one process);
+    rank 0 prints the summary as one JSON line. Errors: `_run_on_world` (exit
+    code 2)."""
     if args.nproc is not None:  # this process only starts the ranks: it imports no torch
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # dist.is_launched()
             print("error: --nproc starts ranks from a shell; this process is already one of "
                   "a launched world (drop --nproc under torchrun)", file=sys.stderr)
             return 2
-        return _relaunch_train(args, overrides)
-    from hybrid_engine.checkpoint import CheckpointWriteError
-    from hybrid_engine.job import Job, RunAborted, configure_logging
-    from hybrid_engine.parallel import signals, watchdog
-    from hybrid_engine.parallel.dist import set_collective_timeout
-    configure_logging()
+        return _relaunch(args, overrides)
+    from hybrid_engine.job import Job
+    from hybrid_engine.parallel import signals
+
+    def train(cfg: RunConfig, cleanup: list) -> dict:
+        job = Job(cfg, resume=args.resume, progress=not args.no_progress,
+                  overwrite=args.overwrite)
+        cleanup.append(job.shutdown)  # vLLM's teardown; ends the process group too
+        return job.run()
+
     # From here to the end, SIGINT/SIGTERM (to torchrun or to any one rank) is a
     # request to stop after the current step, on every rank (parallel/signals.py).
     with signals.stop_on_signals():
-        store = _default_store()
-        try:
-            cfg = train_config(args, overrides)
-            set_collective_timeout(cfg.collective_timeout_s)
-            job = None
-            try:
-                job = Job(cfg, resume=args.resume, progress=not args.no_progress,
-                          overwrite=args.overwrite)
-                summary = job.run()
-            except Exception as e:
-                if isinstance(e, (ValueError, RunAborted, CheckpointWriteError)):
-                    watchdog.left_with_error(str(e))  # once gone, not reported as a death
-                else:
-                    watchdog.settle()  # a dead peer's collective error: its verdict first
-                raise
-            finally:
-                if job is not None:
-                    job.shutdown()  # vLLM's teardown; ends the process group too
-        except (ValueError, RunAborted, CheckpointWriteError) as e:
-            _say_once(str(e), store)
-            return 2
+        summary = _run_on_world(args, overrides, train)
+    if summary is None:
+        return 2
     summary.pop("history")
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Evaluates a model folder or checkpoint on this world (see `_cmd_train` for
+    errors); rank 0 prints a table, then the metrics as one JSON line."""
+    if args.nproc is not None:
+        return _relaunch(args, overrides)
+    from hybrid_engine.job import evaluate_model
+
+    out = _run_on_world(args, overrides, lambda cfg, cleanup: evaluate_model(
+        cfg, checkpoint=args.checkpoint, cleanup=cleanup))
+    if out is None:
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        width = max(len(k) for k in out)
+        for k, v in out.items():
+            print(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+        print(json.dumps(out), flush=True)
+    return 0
+
+
+def _run_on_world(args: argparse.Namespace, overrides: list[str], job) -> dict | None:  # noqa: ANN001
+    """job(config, cleanup) on every rank of this world, for train and eval; the
+    shutdowns job appends to cleanup run last, after the watchdog had its say.
+    Bad input (a ValueError: config, files, model, rewards, checkpoints), a run
+    that aborts itself and a checkpoint that could not be written (full disk)
+    are one `error: ...` line and None. A collective that failed because a peer
+    died is the watchdog's one line (`watchdog.settle`); anything else is a bug
+    and keeps its traceback."""
+    from hybrid_engine.checkpoint import CheckpointWriteError
+    from hybrid_engine.console import configure_logging
+    from hybrid_engine.job import RunAborted
+    from hybrid_engine.parallel import watchdog
+    from hybrid_engine.parallel.dist import set_collective_timeout
+
+    configure_logging()
+    store = _default_store()
+    try:
+        cfg = train_config(args, overrides)
+        set_collective_timeout(cfg.collective_timeout_s)
+        cleanup: list = []
+        try:
+            return job(cfg, cleanup)
+        except Exception as e:
+            if isinstance(e, (ValueError, RunAborted, CheckpointWriteError)):
+                watchdog.left_with_error(str(e))  # once gone, not reported as a death
+            else:
+                watchdog.settle()  # a dead peer's collective error: its verdict first
+            raise
+        finally:
+            for close in reversed(cleanup):
+                close()
+    except (ValueError, RunAborted, CheckpointWriteError) as e:
+        _say_once(str(e), store)
+        return None
 
 
 def train_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
@@ -170,8 +207,8 @@ def train_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
     return cfg
 
 
-def _relaunch_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    """`train --nproc N`: this command again on N local ranks under
+def _relaunch(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`train --nproc N` (or eval): this command again on N local ranks under
     `hybrid_engine.launch` (torchrun whose SIGINT/SIGTERM go to the ranks: a
     clean stop exits 0). A bad config fails here, before any rank starts."""
     from hybrid_engine.config import parse_cli_overrides
@@ -186,11 +223,37 @@ def _relaunch_train(args: argparse.Namespace, overrides: list[str]) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    argv = ["-m", "hybrid_engine.cli", "train", f"--recipe={args.recipe}"]
+    argv = ["-m", "hybrid_engine.cli", args.cmd, f"--recipe={args.recipe}"]
     argv += [f"--config={args.config}"] if args.config else []
-    argv += [flag for flag, on in (("--resume", args.resume), ("--overwrite", args.overwrite),
-                                   ("--no-progress", args.no_progress)) if on]
+    argv += [f"--checkpoint={args.checkpoint}"] if getattr(args, "checkpoint", None) else []
+    argv += [flag for flag, key in (("--resume", "resume"), ("--overwrite", "overwrite"),
+                                    ("--no-progress", "no_progress")) if getattr(args, key, False)]
     return launch_local(args.nproc, [*argv, *overrides], verbose=args.verbose)
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    """The eval subcommand's flags (the config keys come as --section.key=value)."""
+    ev = sub.add_parser(
+        "eval", help="evaluate a HF model folder or a training checkpoint on held-out prompts",
+        description="Generates completions of the eval section's prompts with vLLM on this "
+                    "world and scores them with the env's rewards, as a training run's "
+                    "evaluation does: greedy accuracy, and with --eval.num_samples=N mean@N, "
+                    "pass@k and maj@k (docs/configuration.md, Evaluation). Writes nothing.",
+        epilog="--model.path=DIR takes a run's final/ folder or any HF folder; --checkpoint "
+               "takes a run's checkpoints/step_<n> (with --model.path the run's base model). "
+               "Any --section.key=value overrides config fields, e.g. --eval.num_samples=8 "
+               "--env.eval_dataset_path=test.parquet. Rank 0 prints a table, then the same "
+               "as one JSON line.")
+    ev.add_argument("--recipe", default="tiny_grpo_debug",
+                    help="named recipe (see hybrid_engine/config/recipes.py)")
+    ev.add_argument("--config", help="YAML file of overrides (a run's config.yaml works)")
+    ev.add_argument("--checkpoint", metavar="DIR",
+                    help="a run's checkpoints/step_<n>: its weights, and its step seeds the "
+                         "sampled pass as in the run")
+    ev.add_argument("--nproc", type=int, metavar="N", help="start N ranks on this machine")
+    ev.add_argument("--verbose", action="store_true",
+                    help="every library's log on every rank, and with --nproc torchrun's own "
+                         "log and failure report on stderr")
 
 
 def _default_store():  # noqa: ANN202
@@ -268,9 +331,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                          "Ctrl-C or SIGTERM stops them after the current step, with a checkpoint, "
                          "and exits 0); without it, run on the world that launched this process")
     tr.add_argument("--verbose", action="store_true",
-                    help="with --nproc: torchrun's own log and failure report on stderr (by "
-                         "default they go to a file, named when the run fails, so a rank's "
-                         "one error line is not followed by torchrun's traceback)")
+                    help="every library's log on every rank (by default vLLM logs errors only "
+                         "and torch's notices are hidden), and with --nproc torchrun's own log "
+                         "and failure report on stderr (by default they go to a file, named "
+                         "when the run fails, so a rank's one error line is not followed by "
+                         "torchrun's traceback)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -281,6 +346,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="one JSON line instead of a table")
 
     _add_train(sub)
+    _add_eval(sub)
 
     from hybrid_engine import demo
 
@@ -331,6 +397,10 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hybrid-engine` console script."""
+    from hybrid_engine import console
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    console.quiet_libraries("--verbose" in argv)  # before torch or vLLM is imported
     from hybrid_engine.parallel import watchdog
 
     watchdog.watch_launcher()  # a rank whose torchrun dies leaves, even before the rendezvous
@@ -339,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_config(args, rest)
     if args.cmd == "train":
         return _cmd_train(args, rest)
+    if args.cmd == "eval":
+        return _cmd_eval(args, rest)
     if args.cmd == "bench":
         return _cmd_bench(args, rest)
     if rest:

@@ -28,8 +28,9 @@ step as the weights' version and the policy stamps each trajectory with its
 oldest token's.
 
 plus exit conditions (steps, wall time, reward EMA, the guards' aborts), evaluation on held-out
-prompts (at step 0, every eval_every steps and after the last step), periodic
-checkpoints and a clean stop on SIGINT/SIGTERM.
+prompts (`evaluation.Evaluator`: before the first step, every eval.every steps and
+after the last, as the eval section says), periodic checkpoints and a clean
+stop on SIGINT/SIGTERM.
 
 It never learns the placement (the policy object hides its layouts and how
 weights move), the algorithm (advantages, sample selection and the loss come
@@ -55,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_engine.config import RunConfig
+from hybrid_engine.evaluation import Evaluator
 from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.metrics import PhaseTimer, staleness_metrics, trajectory_metrics
 from hybrid_engine.parallel import signals
@@ -109,6 +111,7 @@ class Controller:
         self.checkpointer, self.on_metrics = checkpointer, on_metrics or (lambda s, m: None)
         self.guards = guards or Guards(cfg)
         self.state = _State()
+        self.evaluator = Evaluator(policy, env, cfg, lambda trajs: self._score(trajs, [env]))
         # async_rollout.max_staleness: (version, handle) of the batches of steps s, s+1, ...
         self._ahead: deque[tuple[int, Pending]] = deque()
 
@@ -225,16 +228,8 @@ class Controller:
         return m
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy completions of the held-out prompts (one each): accuracy and reward."""
-        timer = PhaseTimer()
-        with timer.phase("eval"):
-            self.policy.switch_to("inference")
-            prompts = self.env.eval_prompts(self.cfg.env.num_eval_prompts)
-            trajs = self.policy.collect(self.env, prompts, num_samples=1, seed=0, greedy=True)
-            self._score(trajs, [self.env])
-        tm = trajectory_metrics(trajs)
-        out = {f"eval/{key}": v for key, v in tm.items() if key in ("reward_mean", "accuracy")}
-        return {**out, "eval_s": timer.metrics["eval_s"]}
+        """The held-out metrics of the current weights (`evaluation.Evaluator`)."""
+        return self.evaluator(self.state.step)
 
     def _switch(self, layout: Layout, timer: PhaseTimer | None) -> None:
         """Gives the device to `layout` (a no-op where the placement has nothing to
@@ -278,7 +273,8 @@ class Controller:
         s, cfg = self.state, self.cfg
         t_start = time.monotonic()
         with signals.stop_on_signals() if handle_signals else contextlib.nullcontext():
-            if cfg.eval_every and s.step == 0 and not s.history:
+            every = cfg.eval.every
+            if cfg.eval.at_start and s.step == 0 and not s.history:
                 self._record(0, self.evaluate())
             while (reason := self._done(t_start)) is None:
                 m = self.step()
@@ -287,13 +283,14 @@ class Controller:
                 s.reward_ema = r if s.reward_ema is None else 0.9 * s.reward_ema + 0.1 * r
                 m["reward_ema"] = s.reward_ema
                 m["elapsed_s"] = s.wall_s + time.monotonic() - t_start  # wall clock, step end
-                if cfg.eval_every and s.step % cfg.eval_every == 0:
+                if every and s.step % every == 0:
                     m.update(self.evaluate())
                 self._record(s.step, m)
                 if cfg.checkpoint_every and s.step % cfg.checkpoint_every == 0:
                     self._save(t_start)
-            if reason != "signal" and cfg.eval_every and s.step % cfg.eval_every:
-                self._record(s.step, self.evaluate())  # the final policy is always evaluated
+            if reason != "signal" and cfg.eval.at_end and not (every and s.step % every == 0) \
+                    and s.step:  # the final weights, unless just evaluated
+                self._record(s.step, self.evaluate())
             if reason == "signal" and cfg.checkpoint_every and s.step % cfg.checkpoint_every:
                 self._save(t_start)  # the finished steps are not lost
         s.wall_s += time.monotonic() - t_start

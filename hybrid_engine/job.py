@@ -35,9 +35,11 @@ import torch.distributed as dist
 from hybrid_engine.policy.colocated import HybridActor
 from hybrid_engine.algorithms.algorithm import Algorithm
 from hybrid_engine.checkpoint import (
-    checkpoint_problem, latest_checkpoint, prune_checkpoints, step_checkpoint_path, step_checkpoints)
+    COMPLETE_MARKER, checkpoint_problem, latest_checkpoint, prune_checkpoints,
+    step_checkpoint_path, step_checkpoints)
 from hybrid_engine.config import RunConfig, to_dict
 from hybrid_engine.controller import Controller
+from hybrid_engine.evaluation import Evaluator
 from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.parallel.dist import set_collective_timeout
 from hybrid_engine.envs import make_env
@@ -47,7 +49,7 @@ from hybrid_engine.rollout.episodes import is_multi_turn
 from hybrid_engine.preflight import preflight
 from hybrid_engine.policy.separate import SeparatePolicy
 
-__all__ = ["Job", "JobCheckpointer", "RunAborted", "check_env_fits_algorithm", "configure_logging",
+__all__ = ["Job", "JobCheckpointer", "RunAborted", "check_env_fits_algorithm",
            "make_policy"]
 
 log = logging.getLogger("hybrid_engine.train")
@@ -235,7 +237,7 @@ class Job:
         final = self.out / "final"
         self.actor.export_hf(final)
         if self.rank0 and self.sink.path.exists():
-            plot_metrics(self.sink.path, self.out / "metrics.png")
+            plot_metrics(self.sink.path, self.out / "metrics.png", title=self.out.name)
         evals = [h for h in summary["history"] if "eval/accuracy" in h]
         summary.update(final_model=str(final.resolve()), output_dir=str(self.out.resolve()))
         if evals:
@@ -254,6 +256,55 @@ class Job:
             close()
 
 
+def evaluate_model(cfg: RunConfig, *, checkpoint: str | None = None,
+                   cleanup: list | None = None) -> dict[str, Any]:
+    """`hybrid-engine eval`: the eval section's metrics of cfg.model.path, or of a
+    training checkpoint of it, on this world (collective; writes nothing).
+    Returns {"model", "checkpoint", "step", metrics...}; a checkpoint's step seeds
+    the sampled pass as in the run, so its evaluation there repeats exactly.
+    cleanup: a list to append the shutdown (engine, reward workers) to, for the
+    caller to run after its own error handling; None = shut down before returning.
+
+    Raises:
+        ValueError: bad input (see `preflight`), or a checkpoint that does not load.
+    """
+    preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+              local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+              resume=False, overwrite=False, writes_output=False)
+    if checkpoint and not (Path(checkpoint) / COMPLETE_MARKER).is_file():
+        raise ValueError(f"--checkpoint={checkpoint!r} is not a complete checkpoint folder "
+                         "(a run's checkpoints/step_<n>)")
+    actor, env, step = make_policy(cfg), None, 0
+
+    def shutdown() -> None:
+        close = getattr(env, "close", None)
+        if close is not None:
+            close()
+        actor.shutdown()
+
+    if cleanup is not None:
+        cleanup.append(shutdown)
+    try:
+        env = make_env(cfg.env, actor.tokenizer)
+        if checkpoint:
+            problem = checkpoint_problem(Path(checkpoint), group=dist.group.WORLD)
+            if problem is not None:
+                raise ValueError(f"--checkpoint={checkpoint!r} (a run's checkpoints/step_<n>) "
+                                 f"does not load: {problem}")
+            step = int(actor.load(checkpoint)["step"])
+
+        def score(trajs: list) -> None:
+            if (layout := getattr(env, "layout", None)) is not None:
+                actor.switch_to(layout)
+            env.score(trajs)
+
+        metrics = Evaluator(actor, env, cfg, score)(step)
+    finally:
+        if cleanup is None:
+            shutdown()
+    return {"model": cfg.model.path, "checkpoint": checkpoint, "step": step, **metrics}
+
+
 def check_env_fits_algorithm(cfg: RunConfig, env: Any) -> None:
     """Refuses an algorithm setting the environment cannot honour (found once the
     environment is built, so after the engine started).
@@ -267,10 +318,3 @@ def check_env_fits_algorithm(cfg: RunConfig, env: Any) -> None:
             "length with rollout.max_tokens, which limits each segment of a multi-turn "
             f"episode, not the episode (env {cfg.env.name!r} is multi-turn): set "
             "algorithm.overlong_buffer=0")
-
-
-def configure_logging() -> None:
-    """INFO on rank 0, warnings elsewhere (the CLI's choice; HybridActor never does this)."""
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")

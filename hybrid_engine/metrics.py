@@ -4,7 +4,7 @@ Job: `PhaseTimer` measures seconds (wall, and the rank's user and system CPU
 time) and memory of each phase of a step (generate, score, train, sync, eval); `trajectory_metrics` summarises a
 step's samples (reward, accuracy, lengths); `MetricsSink` writes each step to
 `metrics.jsonl`, TensorBoard and one log line (rank 0 only), and
-`plot_metrics` draws reward and accuracy over steps to a PNG.
+`plot_metrics` draws reward, accuracy and the evaluation's curves over steps to a PNG.
 
 Memory per phase: what the machine sees in use at the end of the phase. On
 CPU the process RSS (vLLM's KV cache and weights included); on CUDA the
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from hybrid_engine.parallel import watchdog
 
-__all__ = ["MetricsSink", "PhaseTimer", "plot_metrics", "staleness_metrics", "trajectory_metrics"]
+__all__ = ["MetricsSink", "PhaseTimer", "plot_curves", "plot_metrics", "staleness_metrics", "trajectory_metrics"]
 
 log = logging.getLogger("hybrid_engine.train")
 
@@ -238,8 +238,26 @@ def format_line(step: int, m: Mapping[str, float]) -> str:
     return " | ".join(line + (["mem GiB " + " ".join(mem)] if mem else []))
 
 
-def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> None:
-    """Training reward and accuracy, and eval accuracy, over steps, as a PNG."""
+def plot_curves(rows: list[dict]) -> list[tuple[str, str, list[tuple[int, float]]]]:
+    """(label, line style, [(step, value)]) of each curve `plot_metrics` draws
+    that has points."""
+    sampled = sorted({k for r in rows for k in r
+                      if k.startswith(("eval/mean@", "eval/pass@", "eval/maj@"))},
+                     key=lambda k: (k.split("@")[0], int(k.split("@")[1])))
+    curves = [("reward_mean", "train reward", "-"), ("accuracy", "train accuracy", "-"),
+              ("eval/accuracy", "held-out accuracy (greedy)", "o-"),
+              *((k, f"held-out {k.removeprefix('eval/')}", "s--") for k in sampled)]
+    out = []
+    for key, label, style in curves:
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            out.append((label, style, pts))
+    return out
+
+
+def plot_metrics(metrics_path: str | Path, png_path: str | Path, title: str = "") -> None:
+    """Training reward and accuracy, and the held-out evaluation's greedy accuracy,
+    mean@n, pass@k and maj@k (every k logged), over steps, as a PNG titled `title`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,12 +265,10 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> None:
 
     rows = [json.loads(ln) for ln in _rows(Path(metrics_path))]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label, style in (("reward_mean", "train reward", "-"),
-                              ("accuracy", "train accuracy", "-"),
-                              ("eval/accuracy", "held-out accuracy (greedy)", "o-")):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), style, label=label)
+    for label, style, pts in plot_curves(rows):
+        ax.plot(*zip(*pts), style, label=label)
+    if title:
+        ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)

@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 
 
 def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume: bool,
-              overwrite: bool) -> None:
-    """Runs every check below; the first failure raises.
+              overwrite: bool, writes_output: bool = True) -> None:
+    """Runs every check below (the output folder's only when the job writes one);
+    the first failure raises.
 
     Raises:
         ValueError: what is wrong and which key or file to fix.
@@ -46,7 +47,8 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     from hybrid_engine.parallel.fsdp import resolve_model_path
 
     cfg.validate_for_run()
-    check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
+    if writes_output:
+        check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
     hf = check_model_folder(resolve_model_path(cfg.model.path))
     trainers = world_size
     if cfg.placement == "separate":

@@ -48,7 +48,7 @@ class FakePolicy:
                  for p in prompts for _ in range(num_samples)]
         return Generated(trajs, 0.5)
 
-    def collect(self, env, prompts, *, num_samples, seed, greedy=False):  # noqa: ANN001, ANN201, ARG002
+    def collect(self, env, prompts, *, num_samples, seed, sampling=None):  # noqa: ANN001, ANN201, ARG002
         return self.collect_async(env, prompts, num_samples=num_samples, seed=seed).result()[0]
 
     def train_step(self, trajs, loss_fn=None) -> dict:  # noqa: ANN001

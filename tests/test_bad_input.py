@@ -26,7 +26,7 @@ _REPORT_LINE = re.compile(r"^\(torchrun: rank \d exited with code 2; its report:
 
 def _train(model: Path | str, out: Path, *extra: str, recipe: str = "tiny_grpo_debug"):  # noqa: ANN202
     return run_cli(["train", "--nproc", "2", f"--recipe={recipe}", "--no-progress",
-                    f"--model.path={model}", f"--output_dir={out}", "--env.num_eval_prompts=4",
+                    f"--model.path={model}", f"--output_dir={out}", "--eval.num_prompts=4",
                     "--rollout.max_tokens=8", "--sync.verify=false", *extra], timeout=300)
 
 

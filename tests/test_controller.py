@@ -44,8 +44,8 @@ def _fakes(log: _Logged, *, flat_steps=(), train_metrics=None, clock=None):  # n
     training, 0.5 s to inference)."""
 
     class Policy(FakePolicy):
-        def collect(self, env, prompts, *, num_samples, seed, greedy=False):  # noqa: ANN001, ANN201
-            log.calls.append("policy.eval" if greedy else "policy.collect")
+        def collect(self, env, prompts, *, num_samples, seed, sampling=None):  # noqa: ANN001, ANN201
+            log.calls.append("policy.eval" if sampling else "policy.collect")
             return super().collect(env, prompts, num_samples=num_samples, seed=seed)
 
         def train_step(self, trajs, loss_fn=None) -> dict:  # noqa: ANN001
@@ -104,8 +104,8 @@ def _fast_run(overrides: dict, *, flat_steps=(), train_metrics=None,  # noqa: AN
 
     cfg = apply_overrides(RunConfig(), {
         "rollout.num_samples_per_prompt": 2, "train.prompts_per_step": 2,
-        "train.num_steps": 3, "eval_every": 0, "checkpoint_every": 0,
-        "env.num_eval_prompts": 3, **overrides})
+        "train.num_steps": 3, "eval.at_start": False, "eval.at_end": False, "checkpoint_every": 0,
+        "eval.num_prompts": 3, **overrides})
     log, rows = _Logged(), []
     policy, env, role, algorithm = _fakes(log, flat_steps=flat_steps, train_metrics=train_metrics,
                                           clock=clock)
@@ -163,11 +163,21 @@ def test_a_step_with_nothing_to_train_skips_train_and_sync() -> None:
     assert "train_s" not in rows[1] and "sync_s" not in rows[1]
 
 
+@pytest.mark.parametrize(("every", "at_start", "at_end", "steps"), [
+    (2, False, False, [2, 4]), (0, True, False, [0]), (0, False, True, [5]), (5, False, True, [5])])
+def test_eval_cadence_knobs(every, at_start, at_end, steps) -> None:
+    """eval.every, eval.at_start and eval.at_end each decide evaluations (the end's
+    is skipped when the last step just evaluated)."""
+    _, _, rows = _fast_run({"train.num_steps": 5, "eval.every": every,
+                            "eval.at_start": at_start, "eval.at_end": at_end})
+    assert [r["step"] for r in rows if "eval/reward_mean" in r] == steps
+
+
 def test_eval_and_checkpoint_cadence() -> None:
-    """eval_every=2 over 5 steps: at step 0, 2, 4 and after the last; a checkpoint
+    """eval.every=2 over 5 steps: at step 0, 2, 4 and after the last; a checkpoint
     every 2 steps, none for the unfinished period (a signal saves it instead)."""
-    log, summary, rows = _fast_run({"train.num_steps": 5, "eval_every": 2,
-                                    "checkpoint_every": 2})
+    log, summary, rows = _fast_run({"train.num_steps": 5, "eval.every": 2, "eval.at_start": True,
+                                    "eval.at_end": True, "checkpoint_every": 2})
     events = [c for c in log.calls if c.startswith(("policy.eval", "save", "metrics"))]
     assert events == ["policy.eval", "metrics 0", "metrics 1", "policy.eval", "metrics 2",
                       "save 2", "metrics 3", "policy.eval", "metrics 4", "save 4", "metrics 5",
@@ -283,8 +293,8 @@ def _config(model_dir: str, out_dir: str, overrides: dict):
     base = {
         "model.path": model_dir, "output_dir": out_dir, "env.name": "test_digits",
         "rollout.num_samples_per_prompt": 4, "rollout.max_tokens": 8, "train.num_steps": 2,
-        "train.prompts_per_step": 4, "train.lr": 1e-3, "checkpoint_every": 0, "eval_every": 0,
-        "env.num_eval_prompts": 4, "memory.emulate_gpu_sleep": True,
+        "train.prompts_per_step": 4, "train.lr": 1e-3, "checkpoint_every": 0,
+        "eval.num_prompts": 4, "memory.emulate_gpu_sleep": True,
         "memory.release": "true",  # every phase: the emulation acts every step
     }
     return apply_overrides(get_recipe("tiny_grpo_debug"), {**base, **overrides})
@@ -336,7 +346,8 @@ def _check_trained(summary: dict, steps: int) -> None:
 # Optimizer state parked between steps (memory.offload_optimizer): eval, checkpoints
 # and a resume around a parked state must not change a single metric.
 _STRAIGHT = {"rollout.tensor_parallel_size": 2, "checkpoint_every": 2, "keep_checkpoints": 2,
-             "eval_every": 2, "train.num_steps": 4, "memory.offload_optimizer": True}
+             "eval.every": 2, "eval.at_start": True, "train.num_steps": 4,
+             "memory.offload_optimizer": True}
 
 
 def _resume_from_step(run_dir, step: int, tmp_path):  # noqa: ANN001, ANN202
@@ -524,7 +535,8 @@ def _reward_model_job(model_dir: str, out_dir: str, rm_path: str) -> dict:
 
     _register_digits()
     job = Job(_config(model_dir, out_dir, {"env.reward_model_path": rm_path,
-                                           "train.num_steps": 1, "eval_every": 1,
+                                           "train.num_steps": 1, "eval.at_start": True,
+                                           "eval.at_end": True,
                                            "rollout.tensor_parallel_size": 1}),
               progress=False)
     layouts = []

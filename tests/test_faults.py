@@ -2,7 +2,9 @@
 sync or a checkpoint save takes the job down within 10 s with one line naming
 it and its phase, leaving nothing in /dev/shm; the newest complete
 checkpoint loads, and resuming from it reproduces the uninterrupted run's
-per-step metrics (also with generation ahead, separate placement: the rollout
+per-step metrics, its final evaluation's included (exactly the eval file's
+prompts, greedy and k samples each: mean@k, pass@k, maj@k), also with
+generation ahead (separate placement: the rollout
 rank killed in its generation thread or mid-sync); fixed seeds give identical
 runs; resuming refuses another model's checkpoint and --overwrite starts over
 in an earlier run's folder (a fresh run's refusal of it: tests/test_preflight.py)."""
@@ -26,6 +28,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 STEPS = 4
 HERE = Path(__file__).resolve().parent
+# The problems: training rows with small operands, evaluation rows with operands
+# >= 500, which the reward records, to show evaluation reads exactly that file.
+EVAL_ROWS = [f"{500 + 37 * i}+{i}=" for i in range(6)]
+EVAL_K = 4
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +40,22 @@ def model_dir(tmp_path_factory) -> Path:
 
     folder = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", PRESETS["tiny"])
     # A random-init model never solves arithmetic: reward a coin flip hashed from
-    # the completion instead, so every group carries signal and every step trains.
+    # the completion instead, so every group carries signal and every step trains,
+    # and call a third of the completions "correct" (by another hash), so the
+    # evaluation's estimators see both kinds.
     (folder.parent / "reward.py").write_text(
         "import zlib\n\n"
         "def reward(prompt, completion, answer):\n"
-        "    return float(zlib.crc32(completion.encode()) % 2)\n")
+        "    if int(prompt.split('+')[0]) >= 500:\n"
+        f"        with open({str(folder.parent / 'eval_seen.txt')!r}, 'a') as f:\n"
+        "            f.write(prompt + '\\n')\n"
+        "    h = zlib.crc32(completion.encode())\n"
+        "    return {'coin': float(h % 2), 'correct': float(h % 3 == 0)}\n")
+    for name, prompts in (("train", [f"{i}+{j}=" for i in range(8) for j in range(8)]),
+                          ("eval", EVAL_ROWS)):
+        (folder.parent / f"{name}.jsonl").write_text("".join(
+            json.dumps({"prompt": p, "answer": str(sum(map(int, p[:-1].split("+"))))}) + "\n"
+            for p in prompts))
     return folder
 
 
@@ -51,15 +68,22 @@ def _train(model: Path, out: Path, *extra: str, fault: str | None = None,
          f"--model.path={model}", f"--output_dir={out}", "--rollout.max_tokens=8",
          "--sync.verify=false", f"--train.num_steps={STEPS}", "--checkpoint_every=1",
          "--keep_checkpoints=2", "--train.lr=1e-3",
-         f"--env.reward_fn={model.parent / 'reward.py'}:reward", *extra],
+         f"--env.reward_fn={model.parent / 'reward.py'}:reward",
+         f"--env.dataset_path={model.parent / 'train.jsonl'}",
+         f"--env.eval_dataset_path={model.parent / 'eval.jsonl'}",
+         # Evaluated after the last step only: a fault in steps 1-3 meets no evaluation.
+         "--eval.at_end=true", "--eval.num_prompts=0", f"--eval.num_samples={EVAL_K}", *extra],
         2, timeout=300, env=env, check=False, master_port=master_port, launcher=launcher)
 
 
 def _steps(out: Path) -> dict[int, dict]:
-    """Per-step metrics without wall times and memory (which vary run to run)."""
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if not (k.endswith("_s") or k.startswith("mem_"))}
-            for r in rows}
+    """Per-step metrics (a step's and its evaluation's rows merged) without wall
+    times and memory (which vary run to run)."""
+    steps: dict[int, dict] = {}
+    for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
+        steps.setdefault(r["step"], {}).update(
+            {k: v for k, v in r.items() if not (k.endswith("_s") or k.startswith("mem_"))})
+    return steps
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +94,22 @@ def reference(model_dir, tmp_path_factory) -> Path:
     return out
 
 
-def test_the_reference_run_trains_every_step(reference) -> None:
+def test_the_reference_run_trains_every_step(model_dir, reference) -> None:
     """The straight run every resume is held to. Fixed seeds give identical runs:
     each killed run's steps before the kill are its own, and must equal these."""
     ref = _steps(reference)
     assert sorted(ref) == list(range(1, STEPS + 1))
     assert all(r["skipped_degenerate"] == 0.0 for r in ref.values())  # every step trained
     assert len({r["reward_mean"] for r in ref.values()}) > 1
+    # The final weights' evaluation: exactly the eval file's prompts, k samples each.
+    last = ref[STEPS]
+    assert last["eval/prompts"] == len(EVAL_ROWS)
+    seen = model_dir.parent / "eval_seen.txt"
+    assert set(seen.read_text().split()) == set(EVAL_ROWS)
+    metrics = [f"eval/{m}@{EVAL_K}" for m in ("mean", "pass", "maj")]
+    assert all(0.0 <= last[m] <= 1.0 for m in metrics), last
+    assert 0.0 < last[f"eval/pass@{EVAL_K}"] and "eval/accuracy" in last
+    assert not any(k.startswith("eval/") for s in range(1, STEPS) for k in ref[s])
 
 
 KILL_PHASES = ("rollout", "train", "sync", "save")
@@ -412,7 +445,8 @@ def test_a_second_job_on_the_same_output_dir_is_refused(model_dir, tmp_path) -> 
     assert first[0].returncode == 0, first[0].stdout[-3000:]
     rows = _steps(out)
     assert sorted(rows) == list(range(0, 9)) or sorted(rows) == list(range(1, 9)), sorted(rows)
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == len(rows)  # no step twice
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "eval_s" not in r] == sorted(rows)  # no step twice
     assert latest_checkpoint(out / "checkpoints") == step_checkpoint_path(out / "checkpoints", 8)
 
 
@@ -437,6 +471,26 @@ def test_a_failed_save_stops_with_one_error_and_resume_continues(model_dir, refe
     proc = _train(model_dir, out, "--resume")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert _steps(out) == _steps(reference)
+
+
+def test_eval_on_the_final_model_reproduces_the_runs_last_greedy_evaluation(
+        model_dir, reference) -> None:
+    """`hybrid-engine eval` on the run's final/ export, 2 ranks, the run's eval keys:
+    the same prompts and greedy metrics as the run's last evaluation, exactly."""
+    proc = run_torchrun(
+        ["-m", "hybrid_engine.cli", "eval", "--recipe=tiny_grpo_debug",
+         f"--model.path={reference / 'final'}", "--rollout.max_tokens=8",
+         f"--env.reward_fn={model_dir.parent / 'reward.py'}:reward",
+         f"--env.dataset_path={model_dir.parent / 'train.jsonl'}",
+         f"--env.eval_dataset_path={model_dir.parent / 'eval.jsonl'}",
+         "--eval.num_prompts=0", "--eval.num_samples=2"], 2, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    got = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith('{"model"')][-1])
+    assert re.search(rf"^eval/accuracy +{got['eval/accuracy']:.4f}$", proc.stdout, re.M)  # table
+    last = _steps(reference)[STEPS]
+    for key in ("eval/prompts", "eval/accuracy", "eval/reward_mean", "eval/response_len_mean"):
+        assert got[key] == last[key], key
+    assert got["step"] == 0 and "eval/pass@2" in got and "eval/pass@4" not in got
 
 
 def test_a_damaged_newest_checkpoint_yields_to_the_one_before(model_dir, reference,
@@ -470,7 +524,8 @@ def test_resume_refuses_another_models_checkpoint(model_dir, reference, tmp_path
 
     spec = dataclasses.replace(PRESETS["tiny"], intermediate_size=PRESETS["tiny"].intermediate_size * 2)
     other = write_tiny_model(tmp_path / "wider", spec)
-    shutil.copy(model_dir.parent / "reward.py", tmp_path / "reward.py")
+    for name in ("reward.py", "train.jsonl", "eval.jsonl"):
+        shutil.copy(model_dir.parent / name, tmp_path / name)
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     proc = _train(other, out, "--resume")

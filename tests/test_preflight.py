@@ -118,7 +118,7 @@ def _refusal(model: Path | str, out: Path, *extra: str, recipe: str = "tiny_grpo
     existed = out.exists()
     args, rest = cli._parser().parse_known_args(
         ["train", f"--recipe={recipe}", "--no-progress", f"--model.path={model}",
-         f"--output_dir={out}", "--env.num_eval_prompts=4", "--rollout.max_tokens=8",
+         f"--output_dir={out}", "--eval.num_prompts=4", "--rollout.max_tokens=8",
          "--sync.verify=false", *extra])
     with pytest.raises(ValueError) as e:
         cfg = cli.train_config(args, rest)

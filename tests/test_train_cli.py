@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def _args(model_dir: str, out: Path, *extra: str) -> list[str]:
     return ["-m", "hybrid_engine.cli", "train", "--recipe=tiny_grpo_debug", "--no-progress",
-            f"--model.path={model_dir}", f"--output_dir={out}", "--env.num_eval_prompts=4",
+            f"--model.path={model_dir}", f"--output_dir={out}", "--eval.num_prompts=4",
             "--rollout.max_tokens=8", *extra]
 
 
@@ -32,10 +33,18 @@ def _summary(stdout: str) -> dict:
     return json.loads(lines[0])
 
 
+# What the libraries print unless --verbose: vLLM's INFO and WARNING lines, its
+# weight-loading bar, torch's C++ and Python notices, deprecation warnings.
+NOISE = re.compile(r"^\(MainProcess|^(INFO|WARNING) \d\d-\d\d |Loading safetensors|"
+                   r"^\[rank\d\]:\[?W|Warning:|FutureWarning|DeprecationWarning|"
+                   r"^\d\d:\d\d:\d\d vllm\.", re.MULTILINE)
+
+
 def test_train_writes_every_output(model_dir, tmp_path) -> None:
     out = tmp_path / "run"
-    proc = run_torchrun(_args(model_dir, out, "--train.num_steps=2", "--eval_every=2"), 2,
+    proc = run_torchrun(_args(model_dir, out, "--train.num_steps=2", "--eval.every=2"), 2,
                         timeout=300)
+    assert not NOISE.findall(proc.stdout), proc.stdout[-3000:]  # a quiet console by default
     summary = _summary(proc.stdout)
     assert summary["steps"] == 2 and summary["stop_reason"] == "num_steps"
     assert {"acc_start", "acc_end", "wall_s", "output_dir"} <= summary.keys()
@@ -108,12 +117,14 @@ def test_train_nproc_stops_on_ctrl_c_with_exit_0(model_dir, tmp_path) -> None:
     assert (out / "final" / "COMPLETE").is_file()
 
 
-def test_single_process_without_torchrun(model_dir, tmp_path) -> None:
+def test_single_process_without_torchrun_and_verbose(model_dir, tmp_path) -> None:
+    """One process, no torchrun; --verbose brings back every library's log."""
     out = tmp_path / "run"
-    cmd = [sys.executable, *_args(model_dir, out, "--train.num_steps=1",
+    cmd = [sys.executable, *_args(model_dir, out, "--train.num_steps=1", "--verbose",
                                   "--rollout.tensor_parallel_size=1", "--checkpoint_every=0")]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert re.search(r"INFO \d\d-\d\d .*Initializing a V1 LLM engine", proc.stdout + proc.stderr)
     summary = _summary(proc.stdout)
     assert summary["steps"] == 1 and (out / "final" / "COMPLETE").is_file()

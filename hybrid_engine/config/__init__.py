@@ -41,6 +41,7 @@ from hybrid_engine.config.sections import (
     AlgorithmConfig,
     AsyncConfig,
     EnvConfig,
+    EvalConfig,
     GuardsConfig,
     MemoryConfig,
     ModelConfig,
@@ -53,6 +54,7 @@ __all__ = [
     "AlgorithmConfig",
     "AsyncConfig",
     "EnvConfig",
+    "EvalConfig",
     "GuardsConfig",
     "MemoryConfig",
     "ModelConfig",
@@ -86,6 +88,7 @@ class RunConfig:
     async_rollout: AsyncConfig = _field(AsyncConfig, "Generation ahead of training.")
     memory: MemoryConfig = _field(MemoryConfig, "What each layout holds while the other runs.")
     guards: GuardsConfig = _field(GuardsConfig, "Checks that stop a run going wrong.")
+    eval: EvalConfig = _field(EvalConfig, "Held-out evaluation.")
     placement: Literal["colocated", "separate"] = _field(
         "colocated",
         "'colocated': every rank trains (FSDP2) and rolls out (vLLM), taking turns; "
@@ -94,7 +97,6 @@ class RunConfig:
     output_dir: str = _field("runs/default", "Directory for logs, metrics and checkpoints.")
     seed: int = _field(0, "Global seed (model init, prompt order).", ge=0)
     log_every: int = _field(1, "Log metrics every this many steps.", ge=1)
-    eval_every: int = _field(0, "Evaluate every this many steps; 0 = never.", ge=0)
     checkpoint_every: int = _field(
         0, "Save a checkpoint every this many steps; 0 = no periodic checkpoints.", ge=0
     )
@@ -127,6 +129,10 @@ class RunConfig:
                 "either the loss would treat stale samples as on-policy")
         self._check_partial()
         self._check_inflight()
+        e = self.eval.max_tokens
+        if e is not None and e >= self.rollout.max_model_len:
+            raise ValueError(f"eval.max_tokens={e} must be < rollout.max_model_len="
+                             f"{self.rollout.max_model_len} (the prompt needs room too)")
 
     def _check_partial(self) -> None:
         r = self.async_rollout
@@ -207,6 +213,8 @@ RENAMED_KEYS = {
     "mismatch_alarm": "guards.mismatch_alarm",
     "mismatch_abort": "guards.mismatch_abort",
     "mismatch_split_sequences": "guards.mismatch_split_sequences",
+    "eval_every": "eval.every",
+    "env.num_eval_prompts": "eval.num_prompts",
 }
 register_renamed(RunConfig, RENAMED_KEYS)
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from hybrid_engine.config import (
     AlgorithmConfig,
     EnvConfig,
+    EvalConfig,
     MemoryConfig,
     ModelConfig,
     RolloutConfig,
@@ -107,6 +108,7 @@ def tiny_grpo_debug() -> RunConfig:
         # Tiny buckets so even a tiny model's sync goes through several of them.
         sync=SyncConfig(bucket_mb=0.25, verify=True),
         env=EnvConfig(chat_template="none"),
+        eval=EvalConfig(at_start=False, at_end=False),
         output_dir="runs/tiny_grpo_debug",
         checkpoint_every=2,
         keep_checkpoints=1,
@@ -136,9 +138,11 @@ def tiny_grpo_demo() -> RunConfig:
             "env.chat_template": "auto",
             "env.rewards": "math:1.0,format:0.1",
             "env.format_pattern": "[0-9]+",
-            "env.num_eval_prompts": 400,
+            "eval.num_prompts": 0,
+            "eval.every": 10,
+            "eval.at_start": True,
+            "eval.at_end": True,
             "output_dir": "runs/tiny_grpo_demo",
-            "eval_every": 10,
             "checkpoint_every": 50,
             "keep_checkpoints": 2,
             "max_wall_s": 540.0,
@@ -172,7 +176,7 @@ def qwen05b_grpo() -> RunConfig:
         algorithm=AlgorithmConfig(clip_high=0.28, tis_cap=2.0),
         sync=SyncConfig(bucket_mb=512.0),
         output_dir="runs/qwen05b_grpo",
-        eval_every=25,
+        eval=EvalConfig(every=25),
         checkpoint_every=50,
         keep_checkpoints=3,
     )
@@ -197,7 +201,7 @@ def gsm8k_grpo() -> RunConfig:
         "env.chat_template": "auto",
         "env.system_prompt": _REASON_THEN_ANSWER,
         "env.rewards": "math:1.0,format:0.1",
-        "env.num_eval_prompts": 256,
+        "eval.num_prompts": 256,
         "rollout.max_tokens": 1024,
         "output_dir": "runs/gsm8k_grpo",
     })

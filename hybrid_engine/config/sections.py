@@ -19,7 +19,7 @@ from typing import Any, Literal
 from hybrid_engine.config.overrides import doc_field as _field
 from hybrid_engine.config.overrides import validate_fields
 
-__all__ = ["AlgorithmConfig", "AsyncConfig", "EnvConfig", "GuardsConfig", "MemoryConfig",
+__all__ = ["AlgorithmConfig", "AsyncConfig", "EnvConfig", "EvalConfig", "GuardsConfig", "MemoryConfig",
            "ModelConfig", "PREFIXES", "RolloutConfig", "SyncConfig", "TrainConfig"]
 
 # Section class -> its dotted prefix in RunConfig ("train."), for messages; filled
@@ -332,9 +332,6 @@ class EnvConfig:
         "scores env.reward_on_timeout (0 = no limit).", ge=0)
     reward_on_timeout: float = _field(
         0.0, "The value of a reward function call that timed out (counted in reward/timeouts).")
-    num_eval_prompts: int = _field(
-        64, "Held-out prompts per evaluation (greedy, one sample each).", ge=1
-    )
     min_digits: int = _field(1, "arithmetic: fewest digits of a generated operand.", ge=1)
     max_digits: int = _field(
         3, "arithmetic: most digits of a generated operand (at most 4000: Python converts "
@@ -401,6 +398,52 @@ class EnvConfig:
                                  "name=value (e.g. enable_thinking=false)")
             out[name.strip()] = yaml.safe_load(value) if value.strip() else ""
         return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalConfig:
+    """Held-out evaluation: when, on which prompts, how sampled (docs:
+    configuration.md#evaluation)."""
+
+    every: int = _field(0, "Evaluate every this many steps; 0 = only at eval.at_start and "
+                        "eval.at_end.", ge=0)
+    at_start: bool = _field(True, "Evaluate the starting weights before the first step.")
+    at_end: bool = _field(True, "Evaluate the final weights after the last step.")
+    num_prompts: int = _field(
+        64, "Distinct held-out prompts per evaluation, the first ones of the eval file (or "
+        "held-out split); 0 = all of them (needs a dataset).", ge=0)
+    greedy: bool = _field(True, "One greedy completion per prompt: eval/accuracy and "
+                          "eval/reward_mean.")
+    num_samples: int = _field(
+        0, "n sampled completions per prompt: eval/mean@n, pass@k and maj@k (see eval.pass_k); "
+        "0 = no sampled pass.", ge=0)
+    pass_k: tuple[int, ...] = _field(
+        (), "The k of eval/pass@k and eval/maj@k, each 1..eval.num_samples; () = "
+        "eval.num_samples alone.")
+    temperature: float = _field(1.0, "Sampling temperature of the sampled pass.", gt=0)
+    top_p: float = _field(1.0, "Nucleus sampling of the sampled pass.", gt=0, le=1)
+    max_tokens: int | None = _field(
+        None, "New-token limit of both passes; None = rollout.max_tokens.", ge=1)
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if not self.greedy and not self.num_samples:
+            raise ValueError("eval.greedy=false with eval.num_samples=0 leaves nothing to "
+                             "evaluate: set eval.num_samples (or eval.every=0 with "
+                             "eval.at_start=false and eval.at_end=false for no evaluation)")
+        for k in self.pass_k:
+            if not 1 <= k <= self.num_samples:
+                raise ValueError(
+                    f"eval.pass_k has k={k}: each k must be 1..eval.num_samples="
+                    f"{self.num_samples} (the samples drawn per prompt)")
+
+    def ks(self) -> tuple[int, ...]:
+        """The k of pass@k and maj@k: eval.pass_k, else (num_samples,), else ()."""
+        return self.pass_k or ((self.num_samples,) if self.num_samples else ())
+
+    def enabled(self) -> bool:
+        """Whether any evaluation runs."""
+        return bool(self.every or self.at_start or self.at_end)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

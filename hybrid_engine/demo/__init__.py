@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override on top of the demo's recipe, repeatable, e.g. "
                         "--set train.ppo_epochs=2 (keys as `hybrid-engine config` lists them)")
+    p.add_argument("--verbose", action="store_true",
+                   help="every library's log on every rank, and torchrun's own log on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,7 +96,7 @@ def _relaunch(args: argparse.Namespace) -> int:
     if args.warm_start_steps is not None:
         argv.append(f"--warm-start-steps={args.warm_start_steps}")
     argv += [f"--set={item}" for item in args.overrides]
-    return launch_local(args.nproc, argv)
+    return launch_local(args.nproc, argv, verbose=args.verbose)
 
 
 def demo_config(model_path: str, output_dir: str, *, world: int, minutes: float, steps: int,  # noqa: ANN201
@@ -152,7 +154,8 @@ def _rank_main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from hybrid_engine.parallel.dist import init_distributed
-    from hybrid_engine.job import Job, configure_logging
+    from hybrid_engine.console import configure_logging
+    from hybrid_engine.job import Job
     from hybrid_engine.demo.warmstart import warm_start
 
     configure_logging()

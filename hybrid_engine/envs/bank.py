@@ -106,17 +106,23 @@ class ProblemBank:
         return out
 
     def eval_problems(self, num: int) -> list[Example]:
-        """The first num distinct evaluation problems (the same list every call).
+        """The first num distinct evaluation problems (the same list every call);
+        num 0 = all of them (a dataset's).
 
         Raises:
-            ValueError: fewer than num evaluation problems exist.
+            ValueError: fewer than num evaluation problems exist, or num is 0
+                without a dataset.
         """
-        found = list(self._eval_iter(num))
+        if num == 0 and self.cursor is None:
+            raise ValueError(f"environment {self.name!r}: eval.num_prompts=0 (all) needs a "
+                             "dataset (env.dataset_path); generated problems never run out: "
+                             "give a number")
+        found = list(self._eval_iter(num or len(self._rows["eval"])))
         if len(found) < num:
             raise ValueError(
                 f"environment {self.name!r}: asked for {num} evaluation problems, "
                 f"found only {len(found)} (problem space or dataset too small; see "
-                "env.num_eval_prompts)"
+                "eval.num_prompts)"
             )
         return found
 

@@ -170,8 +170,14 @@ class ProblemEnv(abc.ABC):
         return self._hand_out(self.bank.next_train(num_prompts))
 
     def eval_prompts(self, num_prompts: int) -> list[list[int]]:
-        """The evaluation prompts (same list every call, disjoint from training)."""
+        """The evaluation prompts (same list every call, disjoint from training);
+        0 = all of a dataset's."""
         return self._hand_out(self.bank.eval_problems(num_prompts))
+
+    def eval_sources(self, num_prompts: int) -> list[str | None]:
+        """The data_source column of each of `eval_prompts(num_prompts)` (None
+        where a row has none)."""
+        return [ex.extras.get("data_source") for ex in self.bank.eval_problems(num_prompts)]
 
     def score(self, trajs: Sequence[Any]) -> None:
         """Fills reward and reward_components of every trajectory."""

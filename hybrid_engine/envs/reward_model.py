@@ -351,6 +351,10 @@ class RewardModelEnv:
         """The base environment's held-out prompts."""
         return self.base_env.eval_prompts(num_prompts)
 
+    def eval_sources(self, num_prompts: int) -> list[str | None]:
+        """The base environment's held-out prompts' data sources."""
+        return self.base_env.eval_sources(num_prompts)
+
     def state_dict(self) -> dict[str, Any]:
         """The base environment's prompt-stream state."""
         return self.base_env.state_dict()

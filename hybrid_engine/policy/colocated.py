@@ -74,7 +74,7 @@ from hybrid_engine.parallel.batch_slices import gather_response_field
 from hybrid_engine.policy.ahead import Generated, timed
 from hybrid_engine.policy.memory import ReleasePolicy
 from hybrid_engine.policy.phases import Phases
-from hybrid_engine.policy.training import (completions_to_trajectories, greedy_sampling,
+from hybrid_engine.policy.training import (completions_to_trajectories, sampling_overrides,
                                            policy_train, train_batch)
 from hybrid_engine.roles.base import Layout
 from hybrid_engine.preflight import check_model_for_run
@@ -173,9 +173,13 @@ class HybridActor:
         world = dist.get_world_size()
         train_cfg = resolve_train_config(cfg, model_dims_at(self.model_path), world, colocated=True,
                                          device=default_device())
+        layout = ("replicated, DDP-style" if train_cfg.sharding == "replicate"
+                  else f"FSDP2, {train_cfg.sharding}")
+        log.info("loading %s into the trainer (%s)", self.model_path, layout)
         self.trainer = Trainer(self.model_path, train_cfg, cfg.model,
                                logits_chunk_tokens=cfg.train.logits_chunk_tokens,
                                temperature=cfg.rollout.temperature)
+        log.info("starting the vLLM engine (TP=%d)", cfg.rollout.tensor_parallel_size)
         # GPU: the engine's budget leaves room for the optimizer state the first step creates.
         reserve = 0 if cfg.memory.offload_optimizer else self.trainer.optimizer_state_bytes()
         self.rollout = VLLMRollout(self.model_path, cfg.rollout, memory=cfg.memory,
@@ -208,9 +212,8 @@ class HybridActor:
             # (An fp32 master holds every checkpoint value exactly: vLLM's own cast of
             # the file and the sync's are the same rounding.)
             self.phases.trainer_weights_changed()
-        log.info("hybrid actor ready in %.1f s: FSDP2 (%s) over %d rank(s), vLLM TP=%d",
-                 time.perf_counter() - t0, train_cfg.sharding, world,
-                 cfg.rollout.tensor_parallel_size)
+        log.info("hybrid actor ready in %.1f s: trainer %s over %d rank(s), vLLM TP=%d",
+                 time.perf_counter() - t0, layout, world, cfg.rollout.tensor_parallel_size)
 
     @classmethod
     def from_pretrained(
@@ -263,27 +266,34 @@ class HybridActor:
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
-        seed: int = 0, greedy: bool = False, **kwargs: Any,
+        seed: int = 0, sampling: Mapping[str, Any] | None = None, **kwargs: Any,
     ) -> Completions:
         """K completions per prompt with sampled-token log-probs (collective).
 
-        greedy=True samples with top_k=1 (deterministic; its log-probs are 0).
+        sampling: RolloutConfig fields replaced for this call ({"top_k": 1}:
+        greedy, deterministic, its log-probs 0).
         Other keyword arguments go to `VLLMRollout.generate`. Switches to the
         inference layout first, syncing if the weights changed or were discarded.
         """
         self.phases.to_rollout()
         self.phases.check_rollout()
-        with self._sampling(greedy):
+        with self._sampling(sampling):
             return self.rollout.generate(prompts, num_samples=num_samples, seed=seed, **kwargs)
 
-    def _sampling(self, greedy: bool) -> contextlib.AbstractContextManager[None]:
-        return greedy_sampling(self.rollout, greedy)
+    def _sampling(self, sampling: Mapping[str, Any] | None
+                  ) -> contextlib.AbstractContextManager[None]:
+        return sampling_overrides(self.rollout, sampling)
 
     def collect(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
-                seed: int, greedy: bool = False, version: int | None = None) -> list[Trajectory]:
+                seed: int, sampling: Mapping[str, Any] | None = None,
+                version: int | None = None) -> list[Trajectory]:
         """Trajectories of env for prompts, single- or multi-turn, unscored (collective).
 
-        With async_rollout.partial (and not greedy) the step's generation may
+        sampling: RolloutConfig fields replaced for this call (evaluation's);
+        such trajectories are not the step's samples (the mismatch monitor
+        and partial rollouts leave them alone).
+
+        With async_rollout.partial (and no sampling) the step's generation may
         stop early (`rollout.partial.PartialRollouts`): version is then the
         current weights' version (the controller's step), recorded per token,
         and up to len(prompts) finished groups come back, parked ones first.
@@ -292,7 +302,7 @@ class HybridActor:
 
         self.phases.to_rollout()
         self.phases.check_rollout()
-        if self.partial is not None and not greedy:
+        if self.partial is not None and not sampling:
             if is_multi_turn(env):
                 raise ValueError("async_rollout.partial supports single-turn environments only")
             if version is None:
@@ -300,10 +310,10 @@ class HybridActor:
             return self._sampled_now(self.partial.collect(
                 self.rollout, [list(p) for p in prompts], num_samples=num_samples, seed=seed,
                 version=version), version)
-        with self._sampling(greedy):
+        with self._sampling(sampling):
             trajs = collect(self.rollout, env, [list(p) for p in prompts],
                             num_samples=num_samples, seed=seed)
-        return trajs if greedy else self._sampled_now(trajs, None)
+        return trajs if sampling else self._sampled_now(trajs, None)
 
     def _install_weights(self) -> dict[str, float]:
         """The trainer's weights into the engine (the phases' sync)."""

@@ -41,7 +41,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import wait
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from hybrid_engine.policy.ahead import Inflight, SerialWorker, timed
 from hybrid_engine.policy.inflight import InstallGate
-from hybrid_engine.policy.training import greedy_sampling, policy_train, train_batch
+from hybrid_engine.policy.training import policy_train, sampling_overrides, train_batch
 from hybrid_engine.algorithms.losses import LossFn
 from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
 from hybrid_engine.config import RolloutConfig, RunConfig
@@ -104,7 +104,7 @@ class _SharedRollout:
     def generate(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> Completions:
         out = None
         if self.engine is not None:
-            self.engine.cfg = self.cfg  # greedy evaluation swaps the sampling config
+            self.engine.cfg = self.cfg  # evaluation swaps the sampling config
             out = self.engine.generate(prompts, **kwargs)
         return out if self.src is None else _from_rank(self.src, out)
 
@@ -262,24 +262,26 @@ class SeparatePolicy:
             raise ValueError("this checkpoint holds parked partial rollouts, which only "
                              "placement=colocated keeps: resume it colocated")
 
-    def _sampling(self, greedy: bool) -> contextlib.AbstractContextManager[None]:
-        return greedy_sampling(self._shared, greedy)
+    def _sampling(self, sampling: Mapping[str, Any] | None
+                  ) -> contextlib.AbstractContextManager[None]:
+        return sampling_overrides(self._shared, sampling)
 
     # --- inference ---------------------------------------------------------------
 
     def generate(self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
-                 seed: int = 0, greedy: bool = False, **kwargs: Any) -> Completions:
+                 seed: int = 0, sampling: Mapping[str, Any] | None = None,
+                 **kwargs: Any) -> Completions:
         """K completions per prompt, the same on every rank (collective)."""
         self._join_sync()
         self._gen.drain()  # the engine serves one thread at a time
         if self._stale:
             self.sync_weights()
             self._join_sync()
-        with self._sampling(greedy):
+        with self._sampling(sampling):
             return self._shared.generate(prompts, num_samples=num_samples, seed=seed, **kwargs)
 
     def collect(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
-                seed: int, greedy: bool = False) -> list[Trajectory]:
+                seed: int, sampling: Mapping[str, Any] | None = None) -> list[Trajectory]:
         """Trajectories of env for prompts, unscored, the same on every rank (collective)."""
         from hybrid_engine.rollout.episodes import collect
 
@@ -288,7 +290,7 @@ class SeparatePolicy:
         if self._stale:
             self.sync_weights()
             self._join_sync()
-        with self._sampling(greedy):
+        with self._sampling(sampling):
             return collect(self._shared, env, [list(p) for p in prompts],
                            num_samples=num_samples, seed=seed)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hybrid_engine.algorithms.losses import LossFn, policy_loss_fn
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from hybrid_engine.roles.trainer import Trainer
     from hybrid_engine.rollout.engine import Completions
 
-__all__ = ["completions_to_trajectories", "greedy_sampling", "policy_step", "policy_train",
+__all__ = ["completions_to_trajectories", "sampling_overrides", "policy_step", "policy_train",
            "train_batch"]
 
 
@@ -39,12 +39,12 @@ def completions_to_trajectories(out: Completions) -> list[Trajectory]:
 
 
 @contextlib.contextmanager
-def greedy_sampling(rollout: Any, greedy: bool) -> Iterator[None]:
-    """Inside: rollout (anything with a RolloutConfig `cfg`) samples greedily
-    (top_k=1) if greedy, else as configured."""
+def sampling_overrides(rollout: Any, sampling: Mapping[str, Any] | None) -> Iterator[None]:
+    """Inside: rollout (anything with a RolloutConfig `cfg`) samples with those
+    RolloutConfig fields replaced (e.g. {"top_k": 1}: greedy), else as configured."""
     cfg = rollout.cfg
-    if greedy:
-        rollout.cfg = dataclasses.replace(cfg, top_k=1)
+    if sampling:
+        rollout.cfg = dataclasses.replace(cfg, **sampling)
     try:
         yield
     finally:

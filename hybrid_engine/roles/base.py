@@ -15,8 +15,8 @@ called by every rank, in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -86,7 +86,7 @@ class Policy(Protocol):
     controller calls. All collective."""
 
     def collect(self, env: Environment, prompts: Sequence[Sequence[int]], *, num_samples: int,
-                seed: int, greedy: bool = False) -> list[Trajectory]:
+                seed: int, sampling: Mapping[str, Any] | None = None) -> list[Trajectory]:
         """Unscored trajectories, K per prompt (single- or multi-turn)."""
         ...
 

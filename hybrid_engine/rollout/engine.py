@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybrid_engine import console
 from hybrid_engine.config import MemoryConfig, RolloutConfig
 from hybrid_engine.rollout import vllm_compat
 from hybrid_engine.rollout.engine_run import EngineRun
@@ -118,7 +119,6 @@ class VLLMRollout(WeightStaging):
         # async_rollout.inflight_updates: called after every engine step of a generation;
         # installs pending weights there and returns True (see _step_loop).
         self.between_steps: Callable[[], bool] | None = None
-        self._max_prompt_len = cfg.max_model_len - cfg.max_tokens
         self.num_truncated = 0
         self._request_serial = 0  # hand-driven request ids are unique per engine
 
@@ -128,7 +128,7 @@ class VLLMRollout(WeightStaging):
         from vllm import LLM
 
         cfg = self.cfg
-        kwargs = self.backend.engine_kwargs()
+        kwargs = {**self.backend.engine_kwargs(), "use_tqdm_on_load": console.show_progress()}
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
         undo = vllm_compat.restrict_world(self.ranks) if self.ranks is not None else (lambda: None)
@@ -151,7 +151,7 @@ class VLLMRollout(WeightStaging):
         out = []
         for i, p in enumerate(prompts):
             ids = self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
-            limit = self._max_prompt_len
+            limit = self.cfg.max_model_len - self.cfg.max_tokens  # cfg as swapped now
             what = "rollout.max_tokens"
             if max_tokens is not None:
                 limit, what = self.cfg.max_model_len - max_tokens[i], f"max_tokens={max_tokens[i]}"

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.test_train_cli import NOISE
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 try:
@@ -99,8 +101,8 @@ def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) 
            "--warm-start-steps", "5", "--nproc", "2", "--window", "2", "--minutes", "3",
            "--threshold", "0", "--tag", "_t", "--note", "a note",
            f"--runs-dir={runs}", f"--cache-dir={tmp_path / 'cache'}",
-           f"--out-dir={tmp_path / 'out'}", "--set", "eval_every=2",
-           "--set", "env.num_eval_prompts=16", "--configs", "base",
+           f"--out-dir={tmp_path / 'out'}", "--set", "eval.every=2",
+           "--set", "eval.num_prompts=16", "--configs", "base",
            "k1:async_rollout.max_staleness=1+algorithm.behaviour_logp=rollout",
            "bad:async_rollout.max_staleness=-1"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -119,11 +121,13 @@ def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) 
     for name in ("base", "k1"):
         cfg = yaml.safe_load((runs / f"{name}-s3" / "config.yaml").read_text())
         assert cfg["seed"] == 3 and cfg["rollout"]["seed"] == 3  # the seed, for every run
-        assert cfg["eval_every"] == 2 and cfg["train"]["num_steps"] == 4  # --set, --steps
+        assert cfg["eval"]["every"] == 2 and cfg["train"]["num_steps"] == 4  # --set, --steps
         assert cfg["rollout"]["tensor_parallel_size"] == 2  # --nproc
         assert cfg["max_wall_s"] == 180  # --minutes
     _check_demo_outputs(runs / "base-s3", json.loads((runs / "base-s3.json").read_text()),
                         tmp_path / "cache")
+    log = (runs / "base-s3.log").read_text()  # the demo's console, warm start included
+    assert not NOISE.findall(log), log[-3000:]
     report = Path(result["report"])
     assert report.name.startswith("learning_cpu_t_") and report.with_suffix(".png").is_file()
     assert "| k1 | 3 | 4 |" in report.read_text() and "a note" in report.read_text()

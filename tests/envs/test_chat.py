@@ -43,7 +43,7 @@ def data(tmp_path):
 def _env(data, tokenizer, **kw):  # noqa: ANN001, ANN003, ANN202
     path, _ = data
     return make_env(EnvConfig(dataset_path=path, eval_dataset_path=path, prompt_key="question",
-                              num_eval_prompts=6, **kw), tokenizer)
+                              **kw), tokenizer)
 
 
 def _templated(tokenizer, messages, **kw):  # noqa: ANN001, ANN003, ANN202

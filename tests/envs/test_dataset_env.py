@@ -47,7 +47,7 @@ def test_every_key_reaches_the_environment(tmp_path, tokenizer):
     evals = _jsonl(tmp_path / "eval.jsonl", [{"q": f"{i}+2=", "sol": {"n": str(i + 2)}}
                                              for i in range(50, 53)])
     cfg = EnvConfig(dataset_path=train, eval_dataset_path=evals, prompt_key="q",
-                    answer_key="sol.n", num_eval_prompts=3, chat_template="none")
+                    answer_key="sol.n", chat_template="none")
     env = make_env(cfg, tokenizer)
     train_texts = {decode(tokenizer, p) for p in env.sample_prompts(40)}
     assert train_texts == {f"{i}+1=" for i in range(20)}  # every row, no held-out share
@@ -68,7 +68,7 @@ def test_without_an_eval_file_a_hashed_share_is_held_out_and_never_trained(tmp_p
 
     rows = [{"prompt": f"Q{i}:", "answer": str(i)} for i in range(64)]
     env = make_env(EnvConfig(dataset_path=_jsonl(tmp_path / "d.jsonl", rows),
-                             num_eval_prompts=2, chat_template="none"), tokenizer)
+                             chat_template="none"), tokenizer)
     held = {r["prompt"] for r in rows if is_held_out(r["prompt"])}
     trained = {decode(tokenizer, p) for p in env.sample_prompts(300)}
     assert held and not held & trained and len(trained) == 64 - len(held)
@@ -82,8 +82,7 @@ def test_chat_messages_are_templated_once_exactly_as_apply_chat_template(tmp_pat
     import pandas as pd
 
     pd.DataFrame({"prompt": msgs, "answer": [str(2 * i) for i in range(8)]}).to_parquet(path)
-    env = make_env(EnvConfig(dataset_path=str(path), eval_dataset_path=str(path),
-                             num_eval_prompts=8), tokenizer)
+    env = make_env(EnvConfig(dataset_path=str(path), eval_dataset_path=str(path)), tokenizer)
     got = env.eval_prompts(8)
     want = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
                                           return_dict=False) for m in msgs]

@@ -69,7 +69,7 @@ def test_gsm8k_parquet_with_a_chat_template_and_composed_rewards(model_dir, tmp_
          "--env.preprocess=hybrid_engine.envs.preprocess:gsm8k", "--env.chat_template=auto",
          "--env.system_prompt=Answer after ####.",
          f"--env.rewards=math:1.0,format:0.1,{rw}:record:0,{rw}:hangs_once:0",
-         "--env.reward_timeout_s=3", "--env.reward_on_timeout=0", "--eval_every=0",
+         "--env.reward_timeout_s=3", "--env.reward_on_timeout=0", 
          f"--train.num_steps={STEPS}", f"--train.prompts_per_step={PROMPTS}",
          f"--rollout.num_samples_per_prompt={K}", "--rollout.max_tokens=8", "--checkpoint_every=0"],
         env={"HE_TEST_LOG": str(log)}, timeout=300)
@@ -109,7 +109,7 @@ def test_a_math_jsonl_through_the_same_environment_and_reward(tmp_path) -> None:
             for i in range(1, 9)]
     (tmp_path / "math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = str(tmp_path / "math.jsonl")
-    env = make_env(EnvConfig(dataset_path=data, eval_dataset_path=data, num_eval_prompts=3,
+    env = make_env(EnvConfig(dataset_path=data, eval_dataset_path=data,
                              preprocess="hybrid_engine.envs.preprocess:math", rewards="math",
                              reward_workers=0, reward_timeout_s=0), tok)
     trajs = []

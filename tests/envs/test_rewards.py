@@ -82,7 +82,7 @@ def _env(files, rewards: str, **kw):  # noqa: ANN001, ANN003, ANN202
     kw = {"reward_workers": 0, "reward_timeout_s": 0, **kw}
     data = str(files / "d.jsonl")
     return make_env(EnvConfig(dataset_path=data, eval_dataset_path=data, chat_template="none",
-                              num_eval_prompts=10, rewards=spec, **kw), TOK)
+                              rewards=spec, **kw), TOK)
 
 
 def _trajs(env, completions):  # noqa: ANN001, ANN202

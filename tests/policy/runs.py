@@ -19,8 +19,8 @@ def train(model: Path, reward: Path, out: Path, nproc: int, *extra: str):  # noq
     the engine released every step with GPU sleep emulated, plus extra."""
     return run_torchrun(
         ["-m", "hybrid_engine.cli", "train", "--recipe=tiny_grpo_debug", "--no-progress",
-         f"--model.path={model}", f"--output_dir={out}", "--env.num_eval_prompts=4",
-         "--rollout.max_tokens=8", "--train.num_steps=3", "--eval_every=3",
+         f"--model.path={model}", f"--output_dir={out}", "--eval.num_prompts=4",
+         "--rollout.max_tokens=8", "--train.num_steps=3", "--eval.every=3",
          "--checkpoint_every=2", f"--env.reward_fn={reward}:reward",
          # Colocated twins release every step: emulate GPU sleep (weights lost) there too.
          "--memory.emulate_gpu_sleep=true", "--memory.release=true", *extra],

@@ -402,7 +402,7 @@ def _fake_run(schedule: str, steps: int, state: dict | None = None,  # noqa: ANN
     cfg = apply_overrides(RunConfig(), {
         "async_rollout.max_staleness": 2, "algorithm.behaviour_logp": "rollout",
         "async_rollout.schedule": schedule, "rollout.num_samples_per_prompt": 2,
-        "train.prompts_per_step": 3, "train.num_steps": steps, "eval_every": 0,
+        "train.prompts_per_step": 3, "train.num_steps": steps, "eval.at_start": False, "eval.at_end": False,
         "checkpoint_every": 0})
     policy, rows = FakePolicy(), []
     c = Controller(policy, FakeEnv(), FakeAlgorithm(), cfg, on_metrics=record)
@@ -466,7 +466,7 @@ def test_the_generations_metrics_are_read_every_step_trained_or_not() -> None:
 
     cfg = apply_overrides(RunConfig(), {"rollout.num_samples_per_prompt": 2,
                                         "train.prompts_per_step": 3, "train.num_steps": 2,
-                                        "eval_every": 0, "checkpoint_every": 0})
+                                        "eval.at_start": False, "eval.at_end": False, "checkpoint_every": 0})
     rows = []
     c = Controller(Policy(), FakeEnv(), NothingToTrain(), cfg,
                    on_metrics=lambda s, m: rows.append(m))

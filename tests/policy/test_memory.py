@@ -80,7 +80,7 @@ def _released_per_step(model_dir: str, out_dir: str, budget: float) -> list[floa
     cfg = apply_overrides(get_recipe("tiny_grpo_debug"), {
         "model.path": model_dir, "output_dir": out_dir, "env.name": "test_digits",
         "rollout.num_samples_per_prompt": 4, "rollout.max_tokens": 8, "train.num_steps": 4,
-        "train.prompts_per_step": 4, "checkpoint_every": 0, "eval_every": 0,
+        "train.prompts_per_step": 4, "checkpoint_every": 0, "eval.at_start": False, "eval.at_end": False,
         "memory.release": "auto", "memory.budget": budget,
         "train.sharding": "auto"})
     job = Job(cfg, progress=False)

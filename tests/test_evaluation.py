@@ -1,0 +1,203 @@
+"""Held-out evaluation: the pass@k and maj@k estimators against hand computations
+and brute force, the metrics per data source, and the Evaluator's prompts,
+sampling settings and seeds (a recording policy; the 2-rank runs with the real
+engine are in tests/test_faults.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from fractions import Fraction
+
+import pytest
+
+from hybrid_engine.config import RunConfig, apply_overrides
+from hybrid_engine.evaluation import (Evaluator, answer_key, majority_correct, pass_at_k,
+                                      sampled_metrics)
+from hybrid_engine.trajectory import Trajectory
+
+
+@pytest.mark.parametrize(("n", "c", "k", "want"), [
+    (4, 0, 1, 0.0), (4, 4, 4, 1.0), (4, 1, 1, 0.25), (4, 1, 2, 0.5), (4, 2, 2, 5 / 6),
+    (5, 2, 3, 0.9), (10, 3, 1, 0.3), (8, 1, 8, 1.0), (16, 0, 16, 0.0)])
+def test_pass_at_k_equals_hand_computations(n, c, k, want) -> None:
+    # e.g. n=4, c=2, k=2: 1 - C(2,2)/C(4,2) = 1 - 1/6; n=5, c=2, k=3: 1 - C(3,3)/C(5,3) = 0.9
+    assert pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12)
+
+
+def test_pass_at_k_equals_the_share_of_k_subsets_holding_a_correct_sample() -> None:
+    for n in range(1, 8):
+        for c in range(n + 1):
+            samples = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                want = Fraction(sum(any(s) for s in subsets), len(subsets))
+                assert pass_at_k(n, c, k) == pytest.approx(float(want), abs=1e-12), (n, c, k)
+
+
+@pytest.mark.parametrize(("n", "c", "k"), [(4, 1, 0), (4, 1, 5), (4, 5, 2), (4, -1, 2)])
+def test_pass_at_k_refuses_impossible_counts(n, c, k) -> None:
+    with pytest.raises(ValueError, match="pass@k needs"):
+        pass_at_k(n, c, k)
+
+
+@pytest.mark.parametrize(("answers", "correct", "want"), [
+    (["3", "4", "3"], [True, False, True], True),           # 3 wins 2:1
+    (["4", "3", "3"], [False, True, True], True),
+    (["4", "3", "4", "3"], [False, True, False, True], False),  # 2:2 tie: 4 came first
+    (["3", "4", "4", "3"], [True, False, False, True], True),   # 2:2 tie: 3 came first
+    ([None, None, "4", "3"], [False, False, False, True], False),  # Nones never vote
+    ([None, None], [False, False], False),                   # no answer at all: wrong
+    (["5"], [True], True)])
+def test_majority_ties_go_to_the_answer_reached_first(answers, correct, want) -> None:
+    assert majority_correct(answers, correct) is want
+
+
+def test_answers_compare_by_their_parsed_value() -> None:
+    assert answer_key("12 books") == answer_key("The answer is \\boxed{12}") == answer_key("12")
+    assert answer_key("12") != answer_key("13")
+    assert answer_key("no number here") is None
+
+
+def _traj(group: int, correct: bool, reward: float | None = None) -> Trajectory:
+    t = Trajectory(prompt_ids=[1], response_ids=[2, 3], rollout_logp=[0.0, 0.0], group_id=group)
+    t.reward = float(correct) if reward is None else reward
+    t.reward_components = {"correct": float(correct)}
+    return t
+
+
+def test_sampled_metrics_per_prompt_and_per_source() -> None:
+    """Two prompts x 4 samples: prompt 0 (source a) has 2 correct, prompt 1
+    (source b) 3; maj@4: prompt 0's answers tie 2:2 and the first (right) wins;
+    prompt 1's majority is right."""
+    oks = [[True, False, False, True], [True, True, False, True]]
+    answers = ["7", "8", "8", "7", "5", "5", "6", "5"]  # prompt 0: "7" (right) ties "8"
+    trajs = [_traj(p, ok) for p in range(2) for ok in oks[p]]
+    m = sampled_metrics(trajs, ["a", "b"], 4, (1, 4), answers)
+    want_pass1 = (2 / 4 + 3 / 4) / 2
+    assert m["eval/mean@4"] == pytest.approx(want_pass1)
+    assert m["eval/pass@1"] == pytest.approx(want_pass1)  # pass@1 is mean@n
+    assert m["eval/pass@4"] == 1.0
+    assert m["eval/maj@4"] == 1.0  # prompt 0: "7" (first of the 2:2 tie) is right
+    assert m["eval/maj@1"] == pytest.approx((1 + 1) / 2)  # each prompt's first sample
+    assert m["eval/a/mean@4"] == 0.5 and m["eval/b/mean@4"] == 0.75
+    assert m["eval/b/pass@1"] == 0.75 and "eval/c/pass@1" not in m
+
+
+class _RecordingPolicy:
+    """Answers prompt p with completion token p (correct when p is even)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def switch_to(self, layout: str) -> None:
+        pass
+
+    def collect(self, env, prompts, *, num_samples, seed, sampling=None):  # noqa: ANN001, ANN201
+        self.calls.append({"prompts": [list(p) for p in prompts], "n": num_samples,
+                           "seed": seed, "sampling": dict(sampling or {})})
+        return [Trajectory(prompt_ids=list(p), response_ids=[5 + j], rollout_logp=[0.0],
+                           group_id=i) for i, p in enumerate(prompts) for j in range(num_samples)]
+
+
+def _evaluate(tmp_path, overrides: dict, steps=(3,)):  # noqa: ANN202
+    """An Evaluator over a 5-row eval file (rows 1 and 3 from source "b"), scored
+    as correct when the sample index is even; (policy calls, metrics per step)."""
+    from hybrid_engine.envs import make_env
+    from hybrid_engine.models.tokenizer import build_tokenizer
+
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "data_source": "ab"[i % 2]}
+            for i in range(5)]
+    path = tmp_path / "eval.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = apply_overrides(RunConfig(), {"env.dataset_path": str(path),
+                                        "env.eval_dataset_path": str(path),
+                                        "env.chat_template": "none", **overrides})
+    env, policy = make_env(cfg.env, build_tokenizer()), _RecordingPolicy()
+
+    def score(trajs: list) -> None:
+        for t in trajs:
+            t.reward_components = {"correct": float(t.response_ids[0] % 2 == 1)}
+            t.reward = t.reward_components["correct"]
+
+    ev = Evaluator(policy, env, cfg, score)
+    return policy.calls, [ev(s) for s in steps], env
+
+
+def test_the_evaluator_uses_every_eval_knob(tmp_path) -> None:
+    calls, (m,), env = _evaluate(tmp_path, {
+        "eval.num_prompts": 0, "eval.num_samples": 4, "eval.pass_k": (1, 2),
+        "eval.temperature": 0.7, "eval.top_p": 0.9, "eval.max_tokens": 5})
+    greedy, sampled = calls
+    want = [list(p) for p in env.eval_prompts(5)]
+    assert greedy["prompts"] == sampled["prompts"] == want  # num_prompts=0: the whole file
+    assert greedy["n"] == 1 and greedy["sampling"] == {"top_k": 1, "max_tokens": 5}
+    assert sampled["n"] == 4
+    assert sampled["sampling"] == {"temperature": 0.7, "top_p": 0.9, "max_tokens": 5}
+    assert m["eval/prompts"] == 5.0
+    # greedy: sample 0 of each prompt (token 5, correct); sampled: tokens 5..8, 2 correct
+    assert m["eval/accuracy"] == 1.0 and m["eval/mean@4"] == 0.5
+    assert m["eval/pass@1"] == 0.5 and m["eval/pass@2"] == pytest.approx(5 / 6)
+    assert "eval/pass@4" not in m and "eval/maj@2" in m
+    assert m["eval/a/mean@4"] == m["eval/b/mean@4"] == 0.5  # rows carry a data_source
+
+
+def test_the_evaluator_greedy_off_num_prompts_and_seeds(tmp_path) -> None:
+    calls, metrics, _ = _evaluate(tmp_path, {"eval.num_prompts": 2, "eval.greedy": False,
+                                             "eval.num_samples": 2}, steps=(3, 4, 3))
+    assert [c["n"] for c in calls] == [2, 2, 2]  # no greedy pass
+    assert all(len(c["prompts"]) == 2 for c in calls)
+    assert "eval/accuracy" not in metrics[0] and "eval/pass@2" in metrics[0]
+    seeds = [c["seed"] for c in calls]
+    assert seeds[0] == seeds[2] != seeds[1]  # a step's evaluation repeats exactly
+
+
+@pytest.mark.parametrize(("overrides", "error"), [
+    ({"eval.num_samples": 4, "eval.pass_k": (0,)}, "each k must be 1..eval.num_samples=4"),
+    ({"eval.num_samples": 4, "eval.pass_k": (8,)}, "k=8: each k must be 1..eval.num_samples=4"),
+    ({"eval.pass_k": (1,)}, "eval.num_samples=0"),
+    ({"eval.greedy": False}, "leaves nothing to evaluate"),
+    ({"eval.max_tokens": 4096}, "eval.max_tokens=4096 must be < rollout.max_model_len"),
+])
+def test_impossible_eval_settings_are_refused(overrides, error) -> None:
+    with pytest.raises(ValueError, match=error.replace("(", r"\(").replace(".", r"\.")):
+        apply_overrides(RunConfig(), overrides)
+
+
+def test_all_prompts_needs_a_dataset() -> None:
+    from hybrid_engine.config import EnvConfig
+    from hybrid_engine.envs import make_env
+    from hybrid_engine.models.tokenizer import build_tokenizer
+
+    env = make_env(EnvConfig(chat_template="none"), build_tokenizer())
+    with pytest.raises(ValueError, match="eval.num_prompts=0 \\(all\\) needs a dataset"):
+        env.eval_prompts(0)
+
+
+def test_eval_refuses_a_folder_that_is_no_checkpoint_before_any_engine(model_dir, tmp_path) -> None:
+    from hybrid_engine.config.recipes import get_recipe
+    from hybrid_engine.job import evaluate_model
+
+    cfg = apply_overrides(get_recipe("tiny_grpo_debug"), {"model.path": model_dir,
+                                                          "rollout.tensor_parallel_size": 1})
+    (tmp_path / "step_00000004").mkdir()  # no COMPLETE marker: a save that never finished
+    with pytest.raises(ValueError, match="is not a complete checkpoint folder"):
+        evaluate_model(cfg, checkpoint=str(tmp_path / "step_00000004"))
+
+
+def test_the_plot_draws_every_evaluation_curve_under_the_run_name(tmp_path) -> None:
+    from hybrid_engine.metrics import plot_curves, plot_metrics
+
+    rows = [{"step": 0, "eval/accuracy": 0.2, "eval/mean@4": 0.1, "eval/pass@4": 0.3,
+             "eval/pass@1": 0.1, "eval/maj@4": 0.2, "eval/a/pass@4": 0.9},
+            {"step": 1, "reward_mean": 0.5},
+            {"step": 2, "reward_mean": 0.6, "eval/accuracy": 0.4, "eval/mean@4": 0.2,
+             "eval/pass@4": 0.5, "eval/pass@1": 0.2, "eval/maj@4": 0.3}]
+    curves = {label: pts for label, _, pts in plot_curves(rows)}
+    assert list(curves) == ["train reward", "held-out accuracy (greedy)", "held-out maj@4",
+                            "held-out mean@4", "held-out pass@1", "held-out pass@4"]
+    assert curves["held-out pass@4"] == [(0, 0.3), (2, 0.5)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot_metrics(path, tmp_path / "metrics.png", title="my-run")
+    assert (tmp_path / "metrics.png").stat().st_size > 1000
