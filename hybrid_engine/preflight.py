@@ -71,7 +71,9 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,  # e.g. group sizes
               max_tokens=cfg.rollout.max_tokens, prompts_per_step=cfg.train.prompts_per_step)
     examples = check_dataset(cfg.env)
-    check_prompts(cfg.env, resolve_model_path(cfg.model.path), examples)
+    r = cfg.rollout
+    check_prompts(cfg.env, resolve_model_path(cfg.model.path), examples,
+                  r.max_model_len - r.max_tokens if r.prompt_too_long == "reject" else None)
     from hybrid_engine.envs import reward_terms
 
     reward_terms(cfg.env)  # names, weights, and that each function loads
@@ -102,10 +104,13 @@ def check_dataset(env: EnvConfig) -> list | None:
     return [train[i] for i in range(min(len(train), 1000))]
 
 
-def check_prompts(env: EnvConfig, folder: Path, examples: list | None) -> None:
+def check_prompts(env: EnvConfig, folder: Path, examples: list | None,
+                  max_prompt_len: int | None = None) -> None:
     """The chat template settings with the model's tokenizer: the template file
     exists, nothing set is ignored, and it renders the first dataset rows (a
-    generated task's prompts are text, which `PromptFormat.check` renders)."""
+    generated task's prompts are text, which `PromptFormat.check` renders);
+    with max_prompt_len (rollout.prompt_too_long=reject), no row of `examples`
+    is longer, templated (the engine checks every prompt again as it samples)."""
     from transformers import AutoTokenizer
 
     from hybrid_engine.envs import prompt_format
@@ -113,11 +118,17 @@ def check_prompts(env: EnvConfig, folder: Path, examples: list | None) -> None:
     fmt = prompt_format(env)
     tok = AutoTokenizer.from_pretrained(folder)
     fmt.check(tok)
-    for i, ex in enumerate(examples[:8] if examples else ()):
+    rows = examples if max_prompt_len is not None else (examples or [])[:8]
+    for i, ex in enumerate(rows or ()):
         try:
-            fmt.ids(tok, ex.prompt)
+            n = len(fmt.ids(tok, ex.prompt))
         except ValueError as e:
             raise ValueError(f"env.dataset_path={env.dataset_path!r}, row {i}: {e}") from None
+        if max_prompt_len is not None and n > max_prompt_len:
+            raise ValueError(
+                f"env.dataset_path={env.dataset_path!r}, row {i}: its prompt has {n} tokens, "
+                f"more than rollout.max_model_len - rollout.max_tokens = {max_prompt_len} (set "
+                "rollout.prompt_too_long=truncate to keep its last tokens)")
 
 
 def warnings_for(cfg: RunConfig, examples: list | None) -> list[str]:

@@ -115,19 +115,18 @@ def test_bad_reward(model_dir, tmp_path, kind, expected) -> None:
     assert not (out / "checkpoints").exists()  # failed in step 1, before any save
 
 
-def test_prompt_too_long_rejected_or_truncated_and_counted(model_dir, tmp_path) -> None:
+def test_a_prompt_too_long_is_truncated_and_counted(model_dir, tmp_path) -> None:
+    """With rollout.prompt_too_long=truncate (reject's refusals: tests/test_preflight.py
+    before any engine, tests/rollout/test_engine.py as it samples)."""
     long_prompt = "+".join(["1"] * 80) + "="  # 161 tokens > max_model_len 128 - max_tokens 8
     rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
     rows.append({"prompt": long_prompt, "answer": "80"})
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    args = (f"--env.dataset_path={data}", "--train.prompts_per_step=41", "--train.num_steps=1",
-            "--checkpoint_every=0")
-    out = tmp_path / "reject"
-    _assert_one_error(_train(model_dir, out, *args), out,
-                      ["tokens, more than rollout.max_model_len", "rollout.prompt_too_long=truncate"])
     out = tmp_path / "truncate"
-    proc = _train(model_dir, out, *args, "--rollout.prompt_too_long=truncate")
+    proc = _train(model_dir, out, f"--env.dataset_path={data}", "--train.prompts_per_step=41",
+                  "--train.num_steps=1", "--checkpoint_every=0",
+                  "--rollout.prompt_too_long=truncate")
     assert proc.returncode == 0, proc.stdout[-3000:]
     step = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()][-1]
     assert step["prompts_truncated"] == 1.0

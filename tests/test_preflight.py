@@ -231,6 +231,26 @@ def test_bad_dataset(model_dir, tmp_path, lines, expected) -> None:
     _has(_refusal(model_dir, tmp_path / "run", f"--env.dataset_path={path}"), expected)
 
 
+def test_a_prompt_too_long_is_refused_before_any_engine(model_dir, tmp_path) -> None:
+    """rollout.prompt_too_long=reject (the default) looks at the first 1000 rows,
+    templated; with truncate (tests/test_bad_input.py) nothing is refused."""
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
+    rows.insert(30, {"prompt": "+".join(["1"] * 61) + "=", "answer": "61"})  # 122 tokens
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    _has(_refusal(model_dir, tmp_path / "run", f"--env.dataset_path={path}"),
+         ["data.jsonl', row 30: its prompt has 122 tokens, more than rollout.max_model_len - "
+          "rollout.max_tokens = 120", "rollout.prompt_too_long=truncate"])
+    from hybrid_engine import cli
+
+    args, rest = cli._parser().parse_known_args(
+        ["train", f"--model.path={model_dir}", f"--env.dataset_path={path}",
+         "--rollout.max_tokens=8", "--rollout.prompt_too_long=truncate",
+         f"--output_dir={tmp_path / 'run2'}"])
+    preflight(cli.train_config(args, rest), world_size=2, local_world_size=2, resume=False,
+              overwrite=False)  # truncate: accepted
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["--env.chat_template={tmp}/missing.jinja"], "missing.jinja': no such file"),
     (["--env.chat_template={tmp}/bad.jinja"], "chat template ({tmp}/bad.jinja) failed to render"),

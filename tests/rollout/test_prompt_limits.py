@@ -1,0 +1,47 @@
+"""`VLLMRollout.prompt_ids`: a prompt longer than max_model_len minus its new-token
+limit is refused (rollout.prompt_too_long=reject) or cut to its last tokens and
+counted (truncate), against the config in force for the call (evaluation swaps
+in its own max_tokens). No engine is started: the check runs before sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hybrid_engine.config import RolloutConfig
+from hybrid_engine.models.tokenizer import build_tokenizer
+from hybrid_engine.rollout.engine import VLLMRollout
+
+TOK = build_tokenizer()
+
+
+def _rollout(**cfg) -> VLLMRollout:  # noqa: ANN003
+    r = object.__new__(VLLMRollout)  # the check needs only the config and the tokenizer
+    r.cfg, r.tokenizer, r.num_truncated = RolloutConfig(max_model_len=64, **cfg), TOK, 0
+    return r
+
+
+def test_a_long_prompt_is_refused_naming_the_limit_and_the_fix() -> None:
+    r = _rollout(max_tokens=8)
+    assert len(r.prompt_ids([list(range(56))])[0]) == 56  # exactly the limit: accepted
+    with pytest.raises(ValueError, match=r"prompt 1 has 57 tokens, more than "
+                       r"rollout.max_model_len - rollout.max_tokens = 56 \(set "
+                       r"rollout.prompt_too_long=truncate"):
+        r.prompt_ids([[1, 2], list(range(57))])
+    with pytest.raises(ValueError, match="max_tokens=20 = 44"):
+        r.prompt_ids([list(range(50))], max_tokens=[20])
+
+
+def test_truncate_keeps_the_last_tokens_and_counts() -> None:
+    r = _rollout(max_tokens=8, prompt_too_long="truncate")
+    assert r.prompt_ids([list(range(60)), [7]]) == [list(range(4, 60)), [7]]
+    assert r.num_truncated == 1
+
+
+def test_the_limit_follows_the_config_swapped_in_for_a_call() -> None:
+    r = _rollout(max_tokens=8)
+    r.prompt_ids([list(range(50))])
+    r.cfg = dataclasses.replace(r.cfg, max_tokens=20)  # as evaluation's eval.max_tokens does
+    with pytest.raises(ValueError, match="= 44"):
+        r.prompt_ids([list(range(50))])
