@@ -244,16 +244,31 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                "Any --section.key=value overrides config fields, e.g. --eval.num_samples=8 "
                "--env.eval_dataset_path=test.parquet. Rank 0 prints a table, then the same "
                "as one JSON line.")
-    ev.add_argument("--recipe", default="tiny_grpo_debug",
-                    help="named recipe (see hybrid_engine/config/recipes.py)")
-    ev.add_argument("--config", help="YAML file of overrides (a run's config.yaml works)")
+    _add_config_flags(ev)
     ev.add_argument("--checkpoint", metavar="DIR",
                     help="a run's checkpoints/step_<n>: its weights, and its step seeds the "
                          "sampled pass as in the run")
-    ev.add_argument("--nproc", type=int, metavar="N", help="start N ranks on this machine")
-    ev.add_argument("--verbose", action="store_true",
-                    help="every library's log on every rank, and with --nproc torchrun's own "
-                         "log and failure report on stderr")
+    _add_launch_flags(ev)
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", default="tiny_grpo_debug",
+                   help="named recipe (see hybrid_engine/config/recipes.py)")
+    p.add_argument("--config", help="YAML file of overrides (a run's config.yaml works)")
+
+
+def _add_launch_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="start N ranks on this machine (torchrun through hybrid_engine.launch; "
+                        "for train, Ctrl-C or SIGTERM stops them after the current step, with a "
+                        "checkpoint, and exits 0); without it, run on the world that launched "
+                        "this process")
+    p.add_argument("--verbose", action="store_true",
+                   help="every library's log on every rank (by default vLLM logs errors only "
+                        "and torch's notices are hidden), and with --nproc torchrun's own log "
+                        "and failure report on stderr (by default they go to a file, named "
+                        "when the run fails, so a rank's one error line is not followed by "
+                        "torchrun's traceback)")
 
 
 def _default_store():  # noqa: ANN202
@@ -318,24 +333,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                "--model.path=DIR --train.num_steps=50; `hybrid-engine config --keys` lists them. "
                "Writes metrics.jsonl, tb/, checkpoints/, final/ and metrics.png under output_dir; "
                "the last stdout line is a JSON summary.")
-    tr.add_argument("--recipe", default="tiny_grpo_debug", help="named recipe (see hybrid_engine/config/recipes.py)")
-    tr.add_argument("--config", help="YAML file of overrides")
+    _add_config_flags(tr)
     tr.add_argument("--resume", action="store_true",
                     help="continue from the newest complete checkpoint in output_dir/checkpoints")
     tr.add_argument("--overwrite", action="store_true",
                     help="start over in an output_dir holding an earlier run's checkpoints "
                          "(deletes them, its metrics and its final model)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
-    tr.add_argument("--nproc", type=int, metavar="N",
-                    help="start N ranks on this machine (torchrun through hybrid_engine.launch: "
-                         "Ctrl-C or SIGTERM stops them after the current step, with a checkpoint, "
-                         "and exits 0); without it, run on the world that launched this process")
-    tr.add_argument("--verbose", action="store_true",
-                    help="every library's log on every rank (by default vLLM logs errors only "
-                         "and torch's notices are hidden), and with --nproc torchrun's own log "
-                         "and failure report on stderr (by default they go to a file, named "
-                         "when the run fails, so a rank's one error line is not followed by "
-                         "torchrun's traceback)")
+    _add_launch_flags(tr)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -42,7 +42,8 @@ NOISE = re.compile(r"^\(MainProcess|^(INFO|WARNING) \d\d-\d\d |Loading safetenso
 
 def test_train_writes_every_output(model_dir, tmp_path) -> None:
     out = tmp_path / "run"
-    proc = run_torchrun(_args(model_dir, out, "--train.num_steps=2", "--eval.every=2"), 2,
+    proc = run_torchrun(_args(model_dir, out, "--train.num_steps=2", "--eval.every=2",
+                                          "--eval.at_start=true"), 2,
                         timeout=300)
     assert not NOISE.findall(proc.stdout), proc.stdout[-3000:]  # a quiet console by default
     summary = _summary(proc.stdout)
