@@ -126,8 +126,6 @@ def _faulty_runs(model_dir: Path, root: Path, faults: dict[str, str], *extra: st
     resume's proc)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hybrid_engine.rollout import cpu_shm
-
     def run(name: str) -> SimpleNamespace:
         out, stamp = root / name / "run", root / name / "fault_at"
         stamp.parent.mkdir()
@@ -135,7 +133,7 @@ def _faulty_runs(model_dir: Path, root: Path, faults: dict[str, str], *extra: st
         proc = _train(model_dir, out, *extra, fault=faults[name], stamp=stamp)
         exited = time.time()
         ckpts = out / "checkpoints"
-        r = SimpleNamespace(proc=proc, out=out, resumed=None, shm_left=cpu_shm.leftovers(started),
+        r = SimpleNamespace(proc=proc, out=out, resumed=None, shm_left=_shm_left(started),
                             down_after=exited - float(stamp.read_text()) if stamp.exists() else None,
                             latest=latest_checkpoint(ckpts), tmp_left=bool(list(ckpts.glob("*.tmp-*"))))
         if name in resume:
@@ -144,6 +142,18 @@ def _faulty_runs(model_dir: Path, root: Path, faults: dict[str, str], *extra: st
 
     with ThreadPoolExecutor(2) as pool:
         return dict(zip(faults, pool.map(run, faults)))
+
+
+def _shm_left(since: float, settle_s: float = 10.0) -> list[str]:
+    """The /dev/shm segments made since `since` that no process maps, once a dead
+    rank's semaphores had settle_s to go: its reward workers' (multiprocessing,
+    spawn) are unlinked by its resource tracker a moment after its exit."""
+    from hybrid_engine.rollout import cpu_shm
+
+    deadline = time.monotonic() + settle_s
+    while (left := cpu_shm.leftovers(since)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
 
 
 # Whatever phase of step 3 a kill lands in, the resume starts from step 2's

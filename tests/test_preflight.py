@@ -279,6 +279,8 @@ def test_bad_chat_template_settings(model_dir, tmp_path, args, expected) -> None
     (["--env.dataset_path={tmp}/roles.jsonl"], ["roles.jsonl', row 0", "'robot'"]),
     (["--env.dataset_path={tmp}/q.jsonl", "--env.eval_dataset_path={tmp}/none.jsonl"],
      ["env.eval_dataset_path", "does not exist"]),
+    (["--env.dataset_path={tmp}/good.jsonl", "--env.eval_dataset_path={tmp}/q.jsonl"],
+     ["env.eval_dataset_path", "q.jsonl', row 0: no column 'prompt'"]),
     (["--env.dataset_path={tmp}/q.jsonl", "--env.preprocess={tmp}/pre.py:boom"],
      ["row 0", "KeyError", "'solution'"]),
     (["--env.rewards=maths:1.0"], "unknown reward 'maths'; the built-in ones are math, format"),
@@ -300,6 +302,7 @@ def test_bad_task_data_and_rewards(model_dir, tmp_path, args, expected) -> None:
     (tmp_path / "roles.jsonl").write_text(json.dumps(
         {"prompt": [{"role": "robot", "content": "beep"}], "answer": "1"}) + "\n")
     (tmp_path / "q.jsonl").write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    (tmp_path / "good.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     (tmp_path / "pre.py").write_text("def boom(row):\n    return {'prompt': row['solution']}\n")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     _has(_refusal(model_dir, tmp_path / "run", *args), expected)

@@ -176,6 +176,7 @@ def run_ranks(
     backend: str | None = "gloo",
     env: Mapping[str, str] | None = None,
     log_dir: str | os.PathLike | None = None,
+    preload: bool = True,
 ) -> list[Any]:
     """Runs fn(*args) on world_size fresh ranks and returns their results by rank.
 
@@ -189,6 +190,8 @@ def run_ranks(
             MASTER_ADDR, MASTER_PORT and OMP_NUM_THREADS are set here unless given).
         log_dir: where each rank's stdout+stderr goes (rank{r}.log); a
             temporary folder when None.
+        preload: fork the ranks from the server that imported `_PRELOAD`;
+            False spawns bare interpreters (for a check of what fn imports).
 
     Raises:
         RankError: a rank raised (its traceback is in the message), exited
@@ -197,8 +200,9 @@ def run_ranks(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     fn_ref = _fn_ref(fn)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx = mp.get_context("forkserver" if preload else "spawn")
+    if preload:
+        ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -283,10 +287,11 @@ def _collect(procs, results, world_size: int, timeout: float, logs: Path) -> lis
 
 def run_in_subprocess(
     fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None, preload: bool = True,
 ) -> Any:
-    """Runs fn(*args) in one fresh process without a process group; returns its result."""
-    return run_ranks(fn, 1, *args, timeout=timeout, backend=None, env=env)[0]
+    """Runs fn(*args) in one fresh process without a process group; returns its
+    result (preload: as in `run_ranks`)."""
+    return run_ranks(fn, 1, *args, timeout=timeout, backend=None, env=env, preload=preload)[0]
 
 
 def run_torchrun(
