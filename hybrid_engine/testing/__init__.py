@@ -200,28 +200,19 @@ def run_ranks(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     fn_ref = _fn_ref(fn)
-    ctx = mp.get_context("forkserver" if preload else "spawn")
-    if preload:
-        ctx.set_forkserver_preload(_PRELOAD)
+    ctx = _context(preload)
     results = ctx.Queue()
     port = free_port()
-    threads = max(1, (os.cpu_count() or 1) // world_size)
     tmp = None if log_dir is not None else tempfile.TemporaryDirectory(prefix="he_ranks_")
     logs = Path(log_dir if log_dir is not None else tmp.name)
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
     try:
         for rank in range(world_size):
-            rank_env = {
-                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads),
-            }
-            rank_env = {**os.environ, **rank_env, **(env or {})}
             p = ctx.Process(
                 target=_worker,
-                args=(fn_ref, rank, world_size, args, rank_env, backend,
-                      str(logs / f"rank{rank}.log"), results),
+                args=(fn_ref, rank, world_size, args, _rank_env(rank, world_size, port, env),
+                      backend, str(logs / f"rank{rank}.log"), results),
                 daemon=False,  # ranks may start processes of their own
             )
             p.start()
@@ -231,6 +222,24 @@ def run_ranks(
         _kill(procs)
         if tmp is not None:
             tmp.cleanup()
+
+
+def _context(preload: bool) -> Any:
+    """multiprocessing's forkserver with `_PRELOAD` (preload), else spawn."""
+    ctx = mp.get_context("forkserver" if preload else "spawn")
+    if preload:
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _rank_env(rank: int, world_size: int, port: int,
+              env: Mapping[str, str] | None) -> dict[str, str]:
+    """A rank's whole environment: the caller's now, its rank variables, env."""
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": str(threads), **(env or {})}
 
 
 def _collect(procs, results, world_size: int, timeout: float, logs: Path) -> list[Any]:
