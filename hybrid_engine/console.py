@@ -10,7 +10,8 @@ then sets up Python logging once the rank is known:
                vLLM logs errors only (VLLM_LOGGING_LEVEL=ERROR, as TRL sets
                it), torch's C++ side errors only (TORCH_CPP_LOG_LEVEL=ERROR),
                and the deprecation notices libraries raise about each other
-               are hidden; vLLM's own progress bars are off (`show_progress`).
+               are hidden; vLLM's own progress bars are off (`show_progress`),
+               as are MLflow's and W&B's hints (W&B's run summary stays).
     verbose    (--verbose, or HE_VERBOSE=1 in the environment, which the
                launcher passes to the ranks) nothing is changed: every library
                logs as it would.
@@ -28,7 +29,10 @@ import warnings
 __all__ = ["configure_logging", "quiet_libraries", "show_progress", "verbose"]
 
 _VERBOSE_ENV = "HE_VERBOSE"
-_QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+_QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR",
+              # W&B's hint to trace openai calls (vLLM imports openai) and MLflow's
+              # bar per table appended: nothing a user acts on.
+              "WANDB_DISABLE_WEAVE": "true", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 
 def verbose() -> bool:
@@ -47,7 +51,8 @@ def quiet_libraries(verbose_flag: bool = False) -> None:
         os.environ.setdefault(key, value)
     # e.g. vLLM calling torch.distributed.reduce_op: nothing a user can act on.
     for category in (FutureWarning, DeprecationWarning, UserWarning):
-        warnings.filterwarnings("ignore", category=category, module=r"(vllm|torch|transformers)\b")
+        warnings.filterwarnings("ignore", category=category,
+                                module=r"(vllm|torch|transformers|mlflow|wandb)\b")
 
 
 def show_progress() -> bool:

@@ -96,6 +96,8 @@ class Controller:
         checkpointer: saves job state every cfg.checkpoint_every steps; None = never.
         on_metrics: called with (step, metrics) after every step and eval, once
             the guards have flagged them; it writes, it decides nothing.
+        on_samples: called with (step, trajectories) once a step's advantages are
+            set, before it trains (the job's samples tables).
         guards: the stop checks on metrics (mismatch alarm, non-finite streak);
             default `Guards(cfg)`. A failed check raises `RunAborted` on every rank,
             after the metrics are written and before the step's checkpoint.
@@ -105,10 +107,12 @@ class Controller:
                  scorers: Sequence[Scorer] = (), learners: Sequence[Learner] = (),
                  checkpointer: Checkpointer | None = None,
                  on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+                 on_samples: Callable[[int, list], None] | None = None,
                  guards: Guards | None = None) -> None:
         self.policy, self.env, self.algorithm, self.cfg = policy, env, algorithm, cfg
         self.scorers, self.learners = list(scorers), list(learners)
         self.checkpointer, self.on_metrics = checkpointer, on_metrics or (lambda s, m: None)
+        self.on_samples = on_samples or (lambda s, t: None)
         self.guards = guards or Guards(cfg)
         self.state = _State()
         self.evaluator = Evaluator(policy, env, cfg, lambda trajs: self._score(trajs, [env]))
@@ -206,6 +210,7 @@ class Controller:
         m = {**trajectory_metrics(trajs), **self.algorithm.compute_advantages(trajs),
              **staleness_metrics(trajs, self.state.step, self.cfg.async_rollout.max_staleness),
              **self.policy.rollout_metrics()}  # e.g. partial rollouts
+        self.on_samples(self.state.step + 1, trajs)  # the step this one becomes
         train = self.algorithm.select(trajs)
         m.update(sampling_rounds=float(rounds), train_samples=float(len(train)),
                  skipped_degenerate=float(not train))

@@ -10,7 +10,10 @@ metrics sink and progress bar, then the final HF export and plot.
 Output folder layout (cfg.output_dir):
     config.yaml        the resolved config of the run
     metrics.jsonl      one JSON object per step (and step 0: the first eval)
-    tb/                TensorBoard event files
+    samples.jsonl      every log.samples_every steps, the samples table's rows
+    tb/                TensorBoard event files (scalars; the samples tables as text)
+    wandb/, mlruns/    W&B's and MLflow's files, when log.trackers names them
+    trackers.json      their run ids, so that a resumed run continues them
     checkpoints/       step_<n>/ complete DCP checkpoints (newest keep_checkpoints)
     final/             the policy as a HF folder
     metrics.png        reward and accuracy over steps
@@ -37,7 +40,7 @@ from hybrid_engine.algorithms.algorithm import Algorithm
 from hybrid_engine.checkpoint import (
     COMPLETE_MARKER, checkpoint_problem, latest_checkpoint, prune_checkpoints,
     step_checkpoint_path, step_checkpoints)
-from hybrid_engine.config import RunConfig, to_dict
+from hybrid_engine.config import RunConfig, flatten, to_dict
 from hybrid_engine.controller import Controller
 from hybrid_engine.evaluation import Evaluator
 from hybrid_engine.guards import Guards, RunAborted
@@ -162,13 +165,16 @@ class Job:
         self.controller = Controller(self.actor, self.env, self.algorithm, cfg, scorers=scorers,
                                      learners=learners, checkpointer=self.checkpointer,
                                      on_metrics=self._on_metrics,
+                                     on_samples=lambda step, trajs: self.sink.write_samples(
+                                         step, trajs, self._decode),
                                      guards=Guards(cfg, lambda: latest_checkpoint(
                                          self.out / "checkpoints")))
         start = None
         if resume:
             self.controller.load_state_dict(self.checkpointer.load_latest())
             start = self.controller.state.step + 1
-        self.sink = MetricsSink(self.out, log_every=cfg.log_every, resume=start)
+        self.sink = MetricsSink(self.out, cfg.log, resume=start, run_name=self.out.resolve().name,
+                                config=flatten(to_dict(cfg)))
         self.bar = None
         if progress and self.rank0:
             from tqdm import tqdm
@@ -226,6 +232,10 @@ class Job:
             self.bar.set_postfix(post, refresh=False)
             self.bar.update(step - self.bar.n)
 
+    def _decode(self, ids: list[int]) -> str:
+        """Token ids as text, special tokens kept (the samples tables)."""
+        return self.actor.tokenizer.decode(ids, skip_special_tokens=False)
+
     def run(self) -> dict[str, Any]:
         """Runs the controller, exports the final policy and plots; returns the summary."""
         try:
@@ -236,7 +246,7 @@ class Job:
             self.sink.close()
         final = self.out / "final"
         self.actor.export_hf(final)
-        if self.rank0 and self.sink.path.exists():
+        if self.rank0 and "jsonl" in self.cfg.log.trackers and self.sink.path.exists():
             plot_metrics(self.sink.path, self.out / "metrics.png", title=self.out.name)
         evals = [h for h in summary["history"] if "eval/accuracy" in h]
         summary.update(final_model=str(final.resolve()), output_dir=str(self.out.resolve()))

@@ -3,7 +3,8 @@
 Job: `PhaseTimer` measures seconds (wall, and the rank's user and system CPU
 time) and memory of each phase of a step (generate, score, train, sync, eval); `trajectory_metrics` summarises a
 step's samples (reward, accuracy, lengths); `MetricsSink` writes each step to
-`metrics.jsonl`, TensorBoard and one log line (rank 0 only), and
+the log line and the trackers (`metrics.jsonl`, TensorBoard, W&B, MLflow; with
+a samples table every log.samples_every steps), rank 0 only, and
 `plot_metrics` draws reward, accuracy and the evaluation's curves over steps to a PNG.
 
 Memory per phase: what the machine sees in use at the end of the phase. On
@@ -25,13 +26,14 @@ import math
 import os
 import resource
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hybrid_engine.config import LogConfig
 from hybrid_engine.parallel import watchdog
 
 __all__ = ["MetricsSink", "PhaseTimer", "plot_curves", "plot_metrics", "staleness_metrics", "trajectory_metrics"]
@@ -133,46 +135,100 @@ def staleness_metrics(trajs: Sequence[Any], step: int, k: int) -> dict[str, floa
 
 
 class MetricsSink:
-    """metrics.jsonl + TensorBoard + one log line per step, on rank 0.
+    """Where each step's metrics and samples go, on rank 0: the log line, and the
+    trackers `log.trackers` names -- jsonl (metrics.jsonl, samples.jsonl),
+    tensorboard (tb/: scalars, the staleness histogram, samples as text), wandb
+    and mlflow (`tracking.Trackers`).
 
     Args:
-        output_dir: run folder; metrics.jsonl and tb/ go there.
-        log_every: write the log line every this many steps (files get every step).
-        resume: keep an existing metrics.jsonl up to (excluding) this step; None = start fresh.
+        output_dir: the run folder.
+        log: the log section (line cadence, samples cadence and rows, trackers).
+        resume: keep the run folder's rows before this step (and continue the
+            trackers' runs); None = start fresh.
+        run_name, config: the trackers' run name (default: the folder's name) and
+            the resolved config ({dotted key: value}) they record.
     """
 
-    def __init__(self, output_dir: str | Path, *, log_every: int = 1, resume: int | None = None) -> None:
-        self.dir, self.log_every = Path(output_dir), log_every
-        self.writer = None
-        self.path = self.dir / "metrics.jsonl"
+    def __init__(self, output_dir: str | Path, log: LogConfig | None = None, *,
+                 resume: int | None = None, run_name: str | None = None,
+                 config: Mapping[str, Any] | None = None) -> None:
+        self.dir, self.log = Path(output_dir), log or LogConfig()
+        self.writer, self.trackers = None, None
+        self.path, self.samples_path = self.dir / "metrics.jsonl", self.dir / "samples.jsonl"
         if not _rank0():
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if resume is not None and self.path.exists():
-            kept = [ln for ln in _rows(self.path) if json.loads(ln)["step"] < resume]
-        tmp = self.path.with_name(self.path.name + ".tmp")  # replaced whole, never torn
-        tmp.write_text("".join(ln + "\n" for ln in kept))
-        os.replace(tmp, self.path)
-        from torch.utils.tensorboard import SummaryWriter
+        if "jsonl" in self.log.trackers:
+            _keep_rows_before(self.path, resume)
+            if self.log.samples_every or self.samples_path.exists():
+                _keep_rows_before(self.samples_path, resume)
+        if "tensorboard" in self.log.trackers:
+            from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(self.dir / "tb"), purge_step=resume)
+            self.writer = SummaryWriter(str(self.dir / "tb"), purge_step=resume)
+        from hybrid_engine.tracking import Trackers
+
+        self.trackers = Trackers(self.log.trackers, self.dir, run_name or self.dir.resolve().name,
+                                 config or {}, resume=resume is not None)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         if not _rank0():
             return
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        _append(self.path, (json.dumps(row) + "\n").encode())
-        for k, v in metrics.items():
-            self.writer.add_scalar(k, float(v), step)
-        _staleness_histogram(self.writer, step, metrics)
-        self.writer.flush()
-        if step % self.log_every == 0 or "eval/accuracy" in metrics:
+        if "jsonl" in self.log.trackers:
+            _append(self.path, (json.dumps(row) + "\n").encode())
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(k, float(v), step)
+            _staleness_histogram(self.writer, step, metrics)
+            self.writer.flush()
+        self.trackers.log(step, {k: float(v) for k, v in metrics.items()})
+        if step % self.log.every == 0 or "eval/accuracy" in metrics:
             log.info("%s", format_line(step, metrics))
+
+    def write_samples(self, step: int, trajs: Sequence[Any],
+                      decode: Callable[[list[int]], str]) -> None:
+        """The samples table of a step, every log.samples_every steps (else nothing)."""
+        every = self.log.samples_every
+        if not _rank0() or not every or step % every:
+            return
+        from hybrid_engine.tracking import samples_table
+
+        columns, rows = samples_table(step, trajs, decode, self.log.samples_per_table)
+        if "jsonl" in self.log.trackers:
+            _append(self.samples_path, "".join(json.dumps(dict(zip(columns, r))) + "\n"
+                                               for r in rows).encode())
+        if self.writer is not None:
+            self.writer.add_text("samples_table", _markdown(columns, rows), step)
+            self.writer.flush()
+        self.trackers.table(step, columns, rows)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.trackers is not None:
+            self.trackers.finish()
+
+
+def _keep_rows_before(path: Path, resume: int | None) -> None:
+    """Rewrites a JSON-lines file (replaced whole, never torn) with its rows before
+    step `resume`; None = empty."""
+    kept = []
+    if resume is not None and path.exists():
+        kept = [ln for ln in _rows(path) if json.loads(ln)["step"] < resume]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in kept))
+    os.replace(tmp, path)
+
+
+def _markdown(columns: list[str], rows: list[list]) -> str:
+    """A markdown table (TensorBoard's text tab renders it)."""
+    def cell(v: Any) -> str:
+        text = f"{v:.4g}" if isinstance(v, float) else str(v)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows])
 
 
 def _staleness_histogram(writer: Any, step: int, metrics: Mapping[str, float]) -> None:

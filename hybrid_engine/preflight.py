@@ -19,6 +19,7 @@ by the environment), so skipping preflight loses speed, not safety.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     cfg.validate_for_run()
     if writes_output:
         check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
+        check_trackers(cfg.log.trackers)
     hf = check_model_folder(resolve_model_path(cfg.model.path))
     trainers = world_size
     if cfg.placement == "separate":
@@ -82,6 +84,20 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     if int(os.environ.get("RANK", "0")) == 0:
         for warning in warnings_for(cfg, examples):
             log.warning(warning)
+
+
+def check_trackers(trackers: tuple[str, ...]) -> None:
+    """Refuses a tracker whose library is not installed.
+
+    Raises:
+        ValueError: log.trackers names wandb or mlflow and it cannot be imported.
+    """
+    from hybrid_engine.tracking import EXTERNAL
+
+    for name in trackers:
+        if name in EXTERNAL and importlib.util.find_spec(name) is None:
+            raise ValueError(f"log.trackers has {name}, which is not installed: pip install "
+                             f"'hybrid_engine[trackers]' (or leave {name} out of log.trackers)")
 
 
 def check_dataset(env: EnvConfig) -> list | None:

@@ -81,9 +81,11 @@ def _fakes(log: _Logged, *, flat_steps=(), train_metrics=None, clock=None):  # n
         def __init__(self) -> None:
             self.steps = 0
 
-        def compute_advantages(self, trajs) -> dict:  # noqa: ANN001, ARG002
+        def compute_advantages(self, trajs) -> dict:  # noqa: ANN001
             log.calls.append("algorithm.advantages")
             self.steps += 1
+            for t in trajs:
+                t.advantages = [1.0] * len(t.response_ids)
             return {}
 
         def prompts_wanted(self, trajs, rounds: int) -> int:  # noqa: ANN001, ARG002
@@ -119,23 +121,33 @@ def _fast_run(overrides: dict, *, flat_steps=(), train_metrics=None,  # noqa: AN
         log.calls.append(f"metrics {step}")
         rows.append({"step": step, **m})
 
+    def on_samples(step: int, trajs: list) -> None:
+        log.calls.append(f"samples {step} ({len(trajs)} with advantages)"
+                         if all(t.advantages is not None for t in trajs) else "samples early")
+
     c = Controller(policy, env, algorithm, cfg, scorers=[role], learners=[role],
-                   checkpointer=Checkpointer(), on_metrics=on_metrics)
+                   checkpointer=Checkpointer(), on_metrics=on_metrics, on_samples=on_samples)
     try:
         return log, c.run(handle_signals=handle_signals), rows
     except Exception as e:  # noqa: BLE001 -- the caller checks which
         return log, e, rows
 
 
-_SAMPLE = ["policy.switch_to inference", "policy.collect", "env.score",
-           "policy.switch_to training", "scorer.score", "algorithm.advantages", "algorithm.select"]
-_STEP = [*_SAMPLE, "policy.switch_to training", "policy.train_step", "learner.train_step",
-         "policy.sync_weights"]
+def _sample(step: int) -> list[str]:
+    return ["policy.switch_to inference", "policy.collect", "env.score",
+            "policy.switch_to training", "scorer.score", "algorithm.advantages",
+            f"samples {step} (4 with advantages)", "algorithm.select"]
+
+
+def _step(step: int) -> list[str]:
+    return [*_sample(step), "policy.switch_to training", "policy.train_step",
+            "learner.train_step", "policy.sync_weights"]
 
 
 def test_a_step_calls_the_roles_in_order() -> None:
+    """... and hands each step's samples, advantages set, to on_samples."""
     log, summary, rows = _fast_run({"train.num_steps": 2})
-    assert log.calls == [*_STEP, "metrics 1", *_STEP, "metrics 2"]
+    assert log.calls == [*_step(1), "metrics 1", *_step(2), "metrics 2"]
     assert summary["steps"] == 2 and summary["stop_reason"] == "num_steps"
     assert [r["train_samples"] for r in rows] == [4.0, 4.0]
     assert [h["step"] for h in summary["history"]] == [1, 2]
@@ -157,7 +169,7 @@ def test_layout_switches_are_timed_apart_from_the_phases(monkeypatch) -> None:
 
 def test_a_step_with_nothing_to_train_skips_train_and_sync() -> None:
     log, summary, rows = _fast_run({"train.num_steps": 3}, flat_steps=(2,))
-    assert log.calls == [*_STEP, "metrics 1", *_SAMPLE, "metrics 2", *_STEP, "metrics 3"]
+    assert log.calls == [*_step(1), "metrics 1", *_sample(2), "metrics 2", *_step(3), "metrics 3"]
     assert [r["skipped_degenerate"] for r in rows] == [0.0, 1.0, 0.0]
     assert [r["train_samples"] for r in rows] == [4.0, 0.0, 4.0]
     assert "train_s" not in rows[1] and "sync_s" not in rows[1]

@@ -43,8 +43,9 @@ REGENERATE = ".venv/bin/python -m tests.test_docs"
 EXTENSIONS = (".py", ".md", ".cpp", ".cu", ".h", ".txt", ".png", ".yaml", ".yml", ".json",
               ".toml", ".sh", ".cfg")
 # What a run writes, not repository paths: run folders, caches, and the entries of
-# an output_dir (`final/`, `tb/`, `checkpoints/`).
-OUTPUT_ROOTS = ("runs/", ".cache/", "output_dir/", "final/", "tb/", "checkpoints/")
+# an output_dir (`final/`, `tb/`, `checkpoints/`, the trackers' `wandb/` and `mlruns/`).
+OUTPUT_ROOTS = ("runs/", ".cache/", "output_dir/", "final/", "tb/", "checkpoints/", "wandb/",
+                "mlruns/")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 BACKTICK = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

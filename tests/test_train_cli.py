@@ -3,6 +3,7 @@ clean stop on SIGINT/SIGTERM (the step finishes, a complete checkpoint is writte
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -40,11 +41,24 @@ NOISE = re.compile(r"^\(MainProcess|^(INFO|WARNING) \d\d-\d\d |Loading safetenso
                    r"^\d\d:\d\d:\d\d vllm\.", re.MULTILINE)
 
 
-def test_train_writes_every_output(model_dir, tmp_path) -> None:
-    out = tmp_path / "run"
+TRACKERS = bool(importlib.util.find_spec("wandb") and importlib.util.find_spec("mlflow"))
+
+
+@pytest.fixture(scope="module")
+def written(model_dir, tmp_path_factory):  # noqa: ANN201
+    """One 2-step run with a samples table every step (and W&B offline and MLflow,
+    when the trackers extra is installed): (its output, its folder)."""
+    out = tmp_path_factory.mktemp("written") / "run"
+    trackers = ["--log.trackers=jsonl,tensorboard,wandb,mlflow"] if TRACKERS else []
     proc = run_torchrun(_args(model_dir, out, "--train.num_steps=2", "--eval.every=2",
-                                          "--eval.at_start=true"), 2,
-                        timeout=300)
+                              "--eval.at_start=true", "--log.samples_every=1",
+                              "--log.samples_per_table=3", *trackers), 2,
+                        timeout=300, env={"WANDB_MODE": "offline"})
+    return proc, out
+
+
+def test_train_writes_every_output(written) -> None:
+    proc, out = written
     assert not NOISE.findall(proc.stdout), proc.stdout[-3000:]  # a quiet console by default
     summary = _summary(proc.stdout)
     assert summary["steps"] == 2 and summary["stop_reason"] == "num_steps"
@@ -59,6 +73,33 @@ def test_train_writes_every_output(model_dir, tmp_path) -> None:
     assert (out / "metrics.png").stat().st_size > 0
     assert (out / "final" / "COMPLETE").is_file() and (out / "config.yaml").is_file()
     assert [s for s, _ in step_checkpoints(out / "checkpoints")] == [2]  # keep_checkpoints=1
+    # The samples tables: the first 3 samples of each step (one prompt group), decoded.
+    samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in samples] == [1, 1, 1, 2, 2, 2]
+    assert all(re.fullmatch(r"\d+\+\d+=", r["prompt"]) for r in samples)
+    assert {"completion", "reward", "reward/correct", "advantage", "length",
+            "policy_version"} <= samples[0].keys()
+    assert [r["policy_version"] for r in samples] == [0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.skipif(not TRACKERS, reason="the trackers extra is not installed "
+                                          "(pip install 'hybrid_engine[trackers]')")
+def test_wandb_and_mlflow_get_the_runs_metrics_and_samples(written) -> None:
+    from tests.test_tracking import mlflow_run, mlflow_samples, wandb_history, wandb_table
+
+    _, out = written
+    rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
+    config, history, name = wandb_history(out)
+    assert name == "run" and config["train.num_steps"] == 2 and config["log.samples_every"] == 1
+    assert history[0]["eval/accuracy"] == rows[0]["eval/accuracy"]
+    assert history[2]["reward_mean"] == rows[2]["reward_mean"]
+    assert [r[3] for r in wandb_table(out, 2)["data"]] == [r["completion"] for r in samples[3:]]
+    client, run = mlflow_run(out)
+    assert run.info.run_name == "run"
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "reward_mean")] == \
+        [rows[1]["reward_mean"], rows[2]["reward_mean"]]
+    assert [r["completion"] for r in mlflow_samples(run)] == [r["completion"] for r in samples]
 
 
 def test_resume_without_checkpoint_is_a_clear_error(model_dir, tmp_path) -> None:

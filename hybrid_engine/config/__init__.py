@@ -43,6 +43,7 @@ from hybrid_engine.config.sections import (
     EnvConfig,
     EvalConfig,
     GuardsConfig,
+    LogConfig,
     MemoryConfig,
     ModelConfig,
     RolloutConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "EnvConfig",
     "EvalConfig",
     "GuardsConfig",
+    "LogConfig",
     "MemoryConfig",
     "ModelConfig",
     "RolloutConfig",
@@ -89,6 +91,7 @@ class RunConfig:
     memory: MemoryConfig = _field(MemoryConfig, "What each layout holds while the other runs.")
     guards: GuardsConfig = _field(GuardsConfig, "Checks that stop a run going wrong.")
     eval: EvalConfig = _field(EvalConfig, "Held-out evaluation.")
+    log: LogConfig = _field(LogConfig, "The step line, sample tables and trackers.")
     placement: Literal["colocated", "separate"] = _field(
         "colocated",
         "'colocated': every rank trains (FSDP2) and rolls out (vLLM), taking turns; "
@@ -96,7 +99,6 @@ class RunConfig:
     )
     output_dir: str = _field("runs/default", "Directory for logs, metrics and checkpoints.")
     seed: int = _field(0, "Global seed (model init, prompt order).", ge=0)
-    log_every: int = _field(1, "Log metrics every this many steps.", ge=1)
     checkpoint_every: int = _field(
         0, "Save a checkpoint every this many steps; 0 = no periodic checkpoints.", ge=0
     )
@@ -215,6 +217,7 @@ RENAMED_KEYS = {
     "mismatch_split_sequences": "guards.mismatch_split_sequences",
     "eval_every": "eval.every",
     "env.num_eval_prompts": "eval.num_prompts",
+    "log_every": "log.every",
 }
 register_renamed(RunConfig, RENAMED_KEYS)
 

@@ -19,8 +19,9 @@ from typing import Any, Literal
 from hybrid_engine.config.overrides import doc_field as _field
 from hybrid_engine.config.overrides import validate_fields
 
-__all__ = ["AlgorithmConfig", "AsyncConfig", "EnvConfig", "EvalConfig", "GuardsConfig", "MemoryConfig",
-           "ModelConfig", "PREFIXES", "RolloutConfig", "SyncConfig", "TrainConfig"]
+__all__ = ["AlgorithmConfig", "AsyncConfig", "EnvConfig", "EvalConfig", "GuardsConfig", "LogConfig",
+           "MemoryConfig", "ModelConfig", "PREFIXES", "RolloutConfig", "SyncConfig", "TRACKERS",
+           "TrainConfig"]
 
 # Section class -> its dotted prefix in RunConfig ("train."), for messages; filled
 # by hybrid_engine.config once RunConfig exists.
@@ -517,6 +518,36 @@ class GuardsConfig:
 
     def __post_init__(self) -> None:
         _validate_fields(self)
+
+
+# Where metrics and samples go (`log.trackers`): the run folder's own files, and the
+# experiment trackers reached through accelerate's tracking classes.
+TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LogConfig:
+    """The step log line, sample tables and trackers (docs: configuration.md#logging)."""
+
+    every: int = _field(1, "Print the step line every this many steps (the files and "
+                        "trackers get every step).", ge=1)
+    samples_every: int = _field(
+        10, "Every this many steps, a table of sampled completions (samples.jsonl, "
+        "TensorBoard text, the trackers' tables); 0 = never.", ge=0)
+    samples_per_table: int = _field(8, "Rows of each samples table: the step's first "
+                                    "samples, whole prompt groups first.", ge=1)
+    trackers: tuple[str, ...] = _field(
+        ("jsonl", "tensorboard"), "Where metrics and samples go, any of jsonl (metrics.jsonl, "
+        "samples.jsonl, metrics.png), tensorboard, wandb, mlflow.")
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        for name in self.trackers:
+            if name not in TRACKERS:
+                raise ValueError(f"log.trackers has {name!r}: each must be one of "
+                                 f"{', '.join(TRACKERS)}")
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ValueError(f"log.trackers={','.join(self.trackers)} names a tracker twice")
 
 
 def _prefix(obj: Any) -> str:

@@ -93,6 +93,11 @@ def _check_demo_outputs(out: Path, summary: dict, cache: Path) -> None:
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert (out / "metrics.png").stat().st_size > 0
     assert (out / "final" / "COMPLETE").is_file()
+    # A samples table every 2 steps: the chat-templated prompt, each reward component.
+    samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in samples}) == [2, 4] and len(samples) == 16
+    assert samples[0]["prompt"].startswith("<|im_start|>user\n")
+    assert {"reward/math", "reward/format", "advantage"} <= samples[0].keys()
 
 
 def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) -> None:
@@ -102,7 +107,7 @@ def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) 
            "--threshold", "0", "--tag", "_t", "--note", "a note",
            f"--runs-dir={runs}", f"--cache-dir={tmp_path / 'cache'}",
            f"--out-dir={tmp_path / 'out'}", "--set", "eval.every=2",
-           "--set", "eval.num_prompts=16", "--configs", "base",
+           "--set", "eval.num_prompts=16", "--set", "log.samples_every=2", "--configs", "base",
            "k1:async_rollout.max_staleness=1+algorithm.behaviour_logp=rollout",
            "bad:async_rollout.max_staleness=-1"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -105,6 +105,7 @@ _OLD_KEYS = {
     "mismatch_split_sequences": (4, {}),
     "eval_every": (3, {}),
     "env.num_eval_prompts": (5, {}),
+    "log_every": (4, {}),
 }
 
 
@@ -188,7 +189,8 @@ def test_no_required_field_defaults_to_none():
         ("env.name", " ", "env.name must be non-empty"),
         ("env.seed", -2, "env.seed must be >= 0"),
         ("output_dir", "", "output_dir must be non-empty"),
-        ("log_every", 0, "log_every must be >= 1"),
+        ("log.every", 0, "log.every must be >= 1"),
+        ("log.samples_per_table", 0, "log.samples_per_table must be >= 1"),
         ("eval.every", -1, "eval.every must be >= 0"),
         ("checkpoint_every", -1, "checkpoint_every must be >= 0"),
         ("keep_checkpoints", 0, "keep_checkpoints must be >= 1"),
@@ -349,7 +351,7 @@ def test_unknown_key_suggests_closest(key, suggestion):
 
 
 def test_unknown_key_without_match_lists_sections_and_section_key_is_explained():
-    with pytest.raises(ValueError, match="sections are algorithm, async_rollout, env, eval, guards, memory, model"):
+    with pytest.raises(ValueError, match="sections are algorithm, async_rollout, env, eval, guards, log, memory, model"):
         apply_overrides(RunConfig(), ["zzz=1"])
     with pytest.raises(ValueError, match="'train' is a section"):
         apply_overrides(RunConfig(), ["train=1"])
