@@ -36,6 +36,7 @@ __all__ = ["EXTERNAL", "Trackers", "samples_table"]
 log = logging.getLogger(__name__)
 
 EXTERNAL = ("wandb", "mlflow")  # the trackers that are libraries (the `trackers` extra)
+_MLFLOW_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE")
 
 
 def samples_table(step: int, trajs: Sequence[Any], decode: Callable[[list[int]], str],
@@ -92,6 +93,10 @@ class Trackers:
         from accelerate.state import PartialState
 
         PartialState()  # accelerate's trackers log through its logger, which needs it
+        # MLflow's store is set for this run only (set_tracking_uri also exports
+        # MLFLOW_TRACKING_URI): `finish` puts the environment back as it was.
+        self._env = ({k: os.environ.get(k) for k in _MLFLOW_ENV}
+                     if "mlflow" in wanted and not os.environ.get("MLFLOW_TRACKING_URI") else None)
         for name in wanted:
             try:
                 self.active[name], ids[name] = _START[name](out, run_name, ids.get(name))
@@ -130,6 +135,16 @@ class Trackers:
         for tracker in self.active.values():
             tracker.finish()
         self.active = {}
+        if getattr(self, "_env", None) is not None:
+            import mlflow
+
+            mlflow.set_tracking_uri(None)  # the module's store, and its variable
+            for key, value in self._env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            self._env = None
 
 
 def _unlogged(tracker: Any, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -161,7 +176,7 @@ def _start_mlflow(out: Path, run_name: str, run_id: str | None) -> tuple[Any, st
     from accelerate.tracking import MLflowTracker
 
     if not os.environ.get("MLFLOW_TRACKING_URI"):
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks to opt in
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # MLflow 3 asks to opt in
         mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())
     tracker = MLflowTracker(experiment_name="hybrid-engine", run_id=run_id, run_name=run_name)
     tracker.start()

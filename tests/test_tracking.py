@@ -197,7 +197,7 @@ def test_wandb_and_mlflow_receive_config_metrics_and_samples(tmp_path, monkeypat
     """Offline, no network: the resolved config, every step's metrics (MLflow's
     names without '@') and the samples tables; a resumed sink continues both runs."""
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # empty = unset (and restored after)
     log = LogConfig(trackers=("wandb", "mlflow"), samples_every=2, samples_per_table=2)
     sink = MetricsSink(tmp_path, log, run_name="run-a", config={"train.lr": 1e-6, "seed": 3})
     for step in (1, 2):
@@ -230,3 +230,6 @@ def test_wandb_and_mlflow_receive_config_metrics_and_samples(tmp_path, monkeypat
     assert run2.info.run_id == run.info.run_id
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [1, 2, 3]
     assert run2.data.params["train.lr"] == "1e-06" and run2.data.params["train.num_steps"] == "9"
+    # The store was this run's: nothing of it stays in the environment (child processes,
+    # a next run in this process).
+    assert os.environ["MLFLOW_TRACKING_URI"] == ""
