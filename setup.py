@@ -59,6 +59,7 @@ setup(
         "datasets>=4.0",  # dataset files of every format, memory-mapped (env.dataset_path)
         "math-verify>=0.8",  # the math reward: answers compared symbolically
         "pebble>=5.0",  # reward worker processes whose stuck calls are killed
+        "peft>=0.17",  # LoRA adapters (model.lora_rank)
         "pyyaml>=6",
         "tqdm>=4.66",
         "psutil>=5.9",  # memory budgets, the launcher, RSS in metrics (vLLM needs it too)
