@@ -205,9 +205,11 @@ class Job:
 
             scorer = None
             if trains:
-                ref = Reference(self.actor.model_path, cfg.model,
+                lora = self.actor.trainer if cfg.model.lora_rank else None  # its own base
+                ref = Reference(self.actor.model_path, cfg.model, lora and lora.mesh,
                                 logits_chunk_tokens=cfg.train.logits_chunk_tokens,
-                                temperature=cfg.rollout.temperature)
+                                temperature=cfg.rollout.temperature,
+                                adapted=lora and lora.module)
                 scorer = ReferenceScorer(ref, pad_id=self.actor.pad_id, train_cfg=cfg.train)
             scorers.append(self.actor.run_with_trainer(scorer))
         if self.algorithm.needs_values:

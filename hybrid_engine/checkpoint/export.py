@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from hybrid_engine.checkpoint.folders import WRITE_ERRORS, agree, commit, group_rank, tmp_folder
+from hybrid_engine.parallel.lora import merged_parameters
 from hybrid_engine.parallel.params import full_tensor, reshard_all, sharded_named_parameters
 
 if TYPE_CHECKING:
@@ -46,43 +47,38 @@ def _write_shard(folder: Path, tensors: dict[str, Tensor], index: int,
 
 def _gather_and_write(module: FSDPModule, folder: Path, dtype: torch.dtype | None,
                       max_shard_bytes: int) -> Exception | None:
-    """Collective: all-gathers one parameter at a time; rank 0 buffers at most
-    about one shard of full tensors and writes it. A write error stops rank
-    0's writing but not its part in the gathers; it is returned."""
-    is_writer = group_rank() == 0
+    """Collective: all-gathers one weight at a time (LoRA adapters merged in:
+    `lora.merged_parameters`); rank 0 buffers at most about one shard of full
+    tensors and writes it. A write error stops rank 0's writing but not its
+    part in the gathers (the other ranks' collectives still match); it is
+    returned. dtype None: the dtype of the model's first parameter."""
+    is_writer, err = group_rank() == 0, None
+    dtype = dtype or next(module.parameters()).dtype  # merged LoRA weights come in fp32
     weight_map: dict[str, str] = {}
     buf: dict[str, Tensor] = {}
     buf_bytes, num_shards = 0, 0
-    for name, param in sharded_named_parameters(module):
+    for name, param in merged_parameters(module, sharded_named_parameters(module)):
         full = full_tensor(param)
-        if not is_writer:
+        if not is_writer or err is not None:
             continue
-        t = full.detach().to("cpu", dtype=dtype or full.dtype).contiguous()
+        t = full.detach().to("cpu", dtype=dtype).contiguous()
         if buf and buf_bytes + t.nbytes > max_shard_bytes:
             num_shards += 1
             try:
                 _write_shard(folder, buf, num_shards, weight_map)
             except WRITE_ERRORS as e:
-                return _drain(module, name, e)
+                err = e
+                continue
             buf, buf_bytes = {}, 0
         buf[name] = t
         buf_bytes += t.nbytes
-    if not is_writer:
-        return None
+    if not is_writer or err is not None:
+        return err
     try:
         _write_last(folder, buf, num_shards, weight_map)
     except WRITE_ERRORS as e:
         return e
     return None
-
-
-def _drain(module: FSDPModule, after: str, err: Exception) -> Exception:
-    """Takes part in the gathers of every parameter after `after` (rank 0,
-    once its writing failed), so the other ranks' collectives still match."""
-    names = [n for n, _ in sharded_named_parameters(module)]
-    for _, param in list(sharded_named_parameters(module))[names.index(after) + 1:]:
-        full_tensor(param)
-    return err
 
 
 def _write_last(folder: Path, buf: dict[str, Tensor], num_shards: int,

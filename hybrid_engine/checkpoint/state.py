@@ -9,6 +9,8 @@ complete and undamaged and that the model has the checkpoint's shapes.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import io
 import json
 import logging
@@ -22,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
 
 from hybrid_engine.checkpoint.folders import (WRITE_ERRORS, agree, check_complete, commit,
                                               group_rank, tmp_folder)
@@ -36,6 +39,24 @@ if TYPE_CHECKING:
 __all__ = ["load_training_state", "save_training_state"]
 
 logger = logging.getLogger(__name__)
+
+# Trainable parameters only (a LoRA policy's adapters, not its frozen base); strict
+# off so the frozen ones are not missed on load (`_check_shapes` checks the rest).
+_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _check_base(path: Path, saved: dict | None, trainer: Trainer) -> None:
+    """A LoRA checkpoint resumes only on the base it was trained on, and only into a
+    LoRA policy (and a full one only into a full one)."""
+    lora = getattr(trainer, "lora", False)
+    if (saved is not None) != lora:
+        raise ValueError(f"{path} holds {'LoRA adapters' if saved else 'a fully trained model'}"
+                         f", but this run has model.lora_rank={'0' if not lora else '> 0'}: "
+                         "resume with the model settings the run started with")
+    if saved is not None and saved["sha256"] != weights_digest(trainer.model_path):
+        raise ValueError(f"{path} holds LoRA adapters of the base model {saved['path']!r}, "
+                         f"whose weights differ from those of model.path="
+                         f"{trainer.model_path!r}: resume with that base model")
 
 
 def _check_shapes(path: Path, state: dict[str, Any]) -> None:
@@ -107,9 +128,10 @@ def _state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> t
     by one zero-gradient step at lr 0, which leaves AdamW's step count at 1: the
     next real update would use the second step's bias correction. Set back to 0
     (the moments are zero), it updates as a fresh optimizer would, and the
-    checkpoint holds step 0."""
+    checkpoint holds step 0. Frozen parameters (a LoRA base) are left out: the
+    base model's folder holds them."""
     fresh = not optimizer.state
-    model_sd, optim_sd = get_state_dict(module, optimizer)
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=_OPTIONS)
     if fresh:
         for st in optimizer.state.values():  # the same tensors as optim_sd's
             if torch.is_tensor(st.get("step")):
@@ -158,8 +180,32 @@ def _write_rest(folder: Path, trainer: Trainer, critic: Critic | None, extra: di
             "critic": None if critic is None else {
                 "step": critic.step, "scheduler": critic.scheduler.state_dict()},
             "extra": extra,
+            "lora_base": _base_of(trainer),
         }
         (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def _base_of(trainer: Trainer) -> dict | None:
+    """A LoRA policy's base model (which the checkpoint does not hold): its folder
+    and the SHA-256 of its weight files; None for a fully trained policy."""
+    if not getattr(trainer, "lora", False):
+        return None
+    return {"path": str(trainer.model_path), "sha256": weights_digest(trainer.model_path)}
+
+
+@functools.cache
+def weights_digest(model_path: str) -> str:
+    """SHA-256 over a model folder's safetensors files (names and bytes, in name
+    order), read in 16 MiB pieces; once per process and folder."""
+    from hybrid_engine.parallel.fsdp import resolve_model_path
+
+    digest = hashlib.sha256()
+    for file in sorted(resolve_model_path(model_path).glob("*.safetensors")):
+        digest.update(file.name.encode())
+        with file.open("rb") as f:
+            while piece := f.read(16 * 2**20):
+                digest.update(piece)
+    return digest.hexdigest()
 
 
 def save_training_state(
@@ -218,18 +264,20 @@ def load_training_state(
     path = Path(path)
     check_complete(path)
     meta = json.loads((path / "meta.json").read_text())
+    _check_base(path, meta.get("lora_base"), trainer)
     if (meta["critic"] is None) != (critic is None):
         raise ValueError(f"{path}: checkpoint has critic={meta['critic'] is not None}, "
                          f"but critic={'given' if critic is not None else 'None'}")
     state = _dcp_state(trainer, critic)
     _check_shapes(path, state)
     dcp.load(state, checkpoint_id=path / "dcp", process_group=train_group())
-    set_state_dict(trainer.module, trainer.optimizer,
+    set_state_dict(trainer.module, trainer.optimizer, options=_OPTIONS,
                    model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer.scheduler.load_state_dict(meta["scheduler"])
     trainer.step = meta["step"]
     if critic is not None:
-        set_state_dict(critic.module, critic.optimizer, model_state_dict=state["critic_model"],
+        set_state_dict(critic.module, critic.optimizer, options=_OPTIONS,
+                       model_state_dict=state["critic_model"],
                        optim_state_dict=state["critic_optim"])
         critic.scheduler.load_state_dict(meta["critic"]["scheduler"])
         critic.step = meta["critic"]["step"]

@@ -28,6 +28,9 @@ __all__ = ["AlgorithmConfig", "AsyncConfig", "EnvConfig", "EvalConfig", "GuardsC
 PREFIXES: dict[type, str] = {}
 
 Dtype = Literal["bfloat16", "float32"]
+# The linear layers of a decoder layer that can carry LoRA adapters (every
+# family's attention and MLP projections, as HF names them).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The reductions are arithmetic of their own (aggregation.py), not plug-ins.
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"]
 # Fields naming a registry entry are open str, checked at build time
@@ -66,9 +69,22 @@ class ModelConfig:
     trust_remote_code: bool = _field(
         False, "Allow custom modeling code from the model repo (HF and vLLM)."
     )
+    lora_rank: int = _field(
+        0, "LoRA rank r: train adapters on a frozen base (kept in compute_dtype, no optimizer "
+        "state); 0 = train every weight.", ge=0)
+    lora_alpha: float = _field(16.0, "LoRA scale numerator: the update is (alpha / r) B A.",
+                               gt=0)
+    lora_dropout: float = _field(0.0, "Dropout on the adapters' input in training forwards "
+                                 "(never when scoring).", ge=0, lt=1)
+    lora_target_modules: tuple[str, ...] = _field(
+        LORA_TARGETS, "Linear layers that get adapters (module names within a decoder layer).")
 
     def __post_init__(self) -> None:
         _validate_fields(self)
+        unknown = sorted(set(self.lora_target_modules) - set(LORA_TARGETS))
+        if unknown or not self.lora_target_modules:
+            raise ValueError(f"model.lora_target_modules has {unknown or 'nothing'}: name one "
+                             f"or more of {', '.join(LORA_TARGETS)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

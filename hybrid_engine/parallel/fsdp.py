@@ -51,6 +51,8 @@ from hybrid_engine.parallel.params import LoadStats, assert_sharded, load_sharde
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from hybrid_engine.config import ModelConfig
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -244,6 +246,7 @@ def build_fsdp_model(
     sharding: str = "full",
     shard_group_size: int = 0,
     grad_hook: Callable[[nn.Module, dist.ProcessGroup, torch.device], None] | None = None,
+    lora: ModelConfig | None = None,
 ) -> tuple[FSDPModule, LoadStats]:
     """Builds the FSDP2 layout of a checkpoint without materialising it anywhere.
 
@@ -264,23 +267,30 @@ def build_fsdp_model(
             process group and device to install a gradient communication hook
             (the trainer's `train.cpu_shm_allreduce`: `rollout/shm_allreduce.py`);
             None: DDP's own all-reduce over the group.
+        lora: a model config whose LoRA adapters to add (`parallel/lora.py`):
+            the base in compute_dtype and frozen, the adapters in master_dtype.
 
     Returns:
         (model, stats): the root FSDPModule (a HF `*ForCausalLM` whose lm_head
         is a HiddenStatesHead), and what this rank read from the files.
     """
     folder = resolve_model_path(model_path)
-    model = _build_meta_model(folder, DTYPES[master_dtype], trust_remote_code)
+    master, compute = DTYPES[master_dtype], DTYPES[compute_dtype]
+    model = _build_meta_model(folder, compute if lora else master, trust_remote_code)
     model.requires_grad_(requires_grad)
+    init = None
+    if lora is not None:
+        from hybrid_engine.parallel.lora import add_adapters, init_adapters
+
+        model, init = add_adapters(model, lora, master, trainable=requires_grad), init_adapters
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     if sharding == "replicate":
-        return _build_replicated(model, folder, mesh, DTYPES[master_dtype],
-                                 DTYPES[compute_dtype], activation_checkpointing,
-                                 grad_hook)
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=DTYPES[master_dtype])
+        return _build_replicated(model, folder, mesh, master, compute, activation_checkpointing,
+                                 grad_hook, init)
+    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)
     size = {"hybrid": shard_group_size}.get(sharding, mesh.size())
-    stats = shard_and_load(model, folder, fsdp_mesh(mesh, size), mp,
+    stats = shard_and_load(model, folder, fsdp_mesh(mesh, size), mp, init=init,
                            checkpointing=activation_checkpointing,
                            reshard_after_forward=sharding == "full")
     return model, stats
@@ -289,6 +299,7 @@ def build_fsdp_model(
 def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
                       master: torch.dtype, compute: torch.dtype,
                       checkpointing: bool, grad_hook: Callable | None = None,
+                      init: Callable[[nn.Module], None] | None = None,
                       ) -> tuple[nn.Module, LoadStats]:
     """train.sharding=replicate: plain parameters, whole on every rank, gradients
     averaged by DDP (torch's composable `replicate`: buckets all-reduced while
@@ -307,6 +318,9 @@ def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
     model.to_empty(device=device)
     init_rotary_buffers(model, device)
     stats = load_sharded_safetensors(model, folder)
+    if init is not None:
+        with torch.no_grad():
+            init(model)
     if any(p.requires_grad for p in model.parameters()):
         # init_sync=False: every rank loaded the same file, nothing to broadcast;
         # broadcast_buffers=False: the only buffers are the rotary tables.

@@ -27,16 +27,25 @@ from hybrid_engine.reshard.plan import shard_rows
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LoadStats", "assert_sharded", "full_tensor", "hf_name", "load_sharded_safetensors",
-           "local_rows", "reshard_all", "sharded_named_parameters"]
+__all__ = ["LoadStats", "assert_sharded", "full_tensor", "hf_name", "is_adapter",
+           "load_sharded_safetensors", "local_rows", "reshard_all", "sharded_named_parameters"]
 
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+_LORA_BASE = ".base_layer"
 _PLACEMENTS = ((Shard(0),), (Replicate(), Shard(0)))  # FSDP2, HSDP
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is a LoRA adapter's (`parallel/lora.py`): in no base
+    checkpoint."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
 def hf_name(name: str) -> str:
-    """The checkpoint name of a module parameter (activation-checkpoint prefix removed)."""
-    return name.replace(_CHECKPOINT_PREFIX, "")
+    """The checkpoint name of a module parameter (activation-checkpoint prefix and
+    the `.base_layer` of a LoRA-adapted linear removed; an adapter's name keeps
+    its `.lora_A.` / `.lora_B.` part: `parallel/lora.py`)."""
+    return name.replace(_CHECKPOINT_PREFIX, "").replace(_LORA_BASE, "")
 
 
 # --------------------------------------------------------------------------
@@ -73,7 +82,8 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
 
 
 def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> LoadStats:
-    """Fills each rank's `Shard(0)` rows of every parameter from the safetensors files.
+    """Fills each rank's `Shard(0)` rows of every parameter (but LoRA adapters) from
+    the safetensors files.
 
     Reads only rows `local_rows(param)` of each tensor (file dtype, cast on
     copy). Tied parameters are loaded once, from the name
@@ -94,6 +104,8 @@ def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> Loa
     files = _tensor_files(Path(folder))
     by_file: dict[Path, list[tuple[str, DTensor]]] = {}
     for name, param in sharded_named_parameters(model):
+        if is_adapter(name):  # LoRA adapters: initialised, not loaded
+            continue
         if name not in files:
             raise ValueError(f"parameter {name} is not in the checkpoint {folder}")
         by_file.setdefault(files[name], []).append((name, param))

@@ -15,6 +15,8 @@ Per-rank estimate (P parameters, m master / c compute bytes per element, S
 the ranks one copy is sharded over: M full/grad_op, 1 replicate):
 
     states      4 P m / S       parameters, gradients, AdamW's two moments
+                                (LoRA, A adapter elements: (P c + 4 A m) / S,
+                                and whole grad A m)
     gathered    P c             every layer's parameters, gathered for the step
                                 (full: the root group and two layers)
     whole grad  P m             gradients accumulated unsharded over the
@@ -110,7 +112,17 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
         weights = p * _ITEMSIZE[cfg.model.rollout_dtype] // cfg.rollout.tensor_parallel_size
         kv = 0 if cuda or release else int(cfg.memory.kv_cache_gib * _GIB)
         resident = (0 if cuda and release else weights) + kv
-    return LayoutEstimate(sharding, size, 4 * p * m // size, gathered, whole, act, resident)
+    states = 4 * p * m // size
+    if cfg.model.lora_rank:  # the frozen base in c, the adapters' states and gradients in m
+        a = _adapter_numel(shapes, cfg.model.lora_rank, cfg.model.lora_target_modules)
+        states, whole = (p * c + 4 * a * m) // size, a * m
+    return LayoutEstimate(sharding, size, states, gathered, whole, act, resident)
+
+
+def _adapter_numel(shapes: dict[str, tuple[int, int]], rank: int, targets: tuple[str, ...]) -> int:
+    """Elements of the LoRA adapters: r (in + out) per targeted weight."""
+    return sum(rank * (r + c) for n, (r, c) in shapes.items()
+               if n.endswith(".weight") and n.rsplit(".", 2)[-2] in targets)
 
 
 def _candidates(trainers: int, shard_group_size: int) -> list[tuple[str, int]]:

@@ -8,17 +8,20 @@ policy log-probs are computed identically and differ only by the weights.
 
 Invariant: the reference never changes. Its parameters have
 requires_grad=False, it owns no optimizer, and scoring runs under no_grad
-and ends with the root resharded. It is built only when the algorithm uses a
+and ends with the root resharded. A LoRA policy's reference is the policy's
+own model with its adapters bypassed: its base never trains. It is built only when the algorithm uses a
 KL to the reference (`needs_reference`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh
+from hybrid_engine.parallel.lora import adapters_disabled
 from hybrid_engine.parallel.params import sharded_named_parameters
 from hybrid_engine.roles.logprobs import batch_logprobs
 
@@ -57,6 +60,7 @@ class Reference:
         *,
         logits_chunk_tokens: int = 1024,
         temperature: float = 1.0,
+        adapted: nn.Module | None = None,
     ) -> None:
         """Builds the frozen sharded model from the policy's initial checkpoint.
 
@@ -66,9 +70,16 @@ class Reference:
             mesh: 1-D data-parallel mesh; None = the whole default group.
             logits_chunk_tokens: positions per vocabulary-projection chunk.
             temperature: the sampling temperature (the same as the trainer's).
+            adapted: a LoRA policy's model (the trainer's module, on mesh): the
+                reference is then that model with its adapters bypassed -- its
+                frozen base, exactly the initial policy -- and no copy is loaded.
         """
         self.mesh = mesh if mesh is not None else dp_mesh()
         self.chunk_tokens, self.temperature = logits_chunk_tokens, temperature
+        self.adapted = adapted is not None
+        if adapted is not None:
+            self.module, self.load_stats = adapted, None
+            return
         self.module, self.load_stats = build_fsdp_model(
             model_path, self.mesh, master_dtype=model_cfg.master_dtype,
             compute_dtype=model_cfg.compute_dtype, requires_grad=False,
@@ -82,10 +93,11 @@ class Reference:
             ref_logp_BT: float32 like batch.tokens_BT, 0 outside loss_mask_BT;
             ref_logp_BT[b, t] = log p_ref(tokens[b, t] | tokens[b, :t]).
         """
-        logp_BT, _ = batch_logprobs(
-            self.module, batch, self.mesh, chunk_tokens=self.chunk_tokens,
-            temperature=self.temperature,
-        )
+        with adapters_disabled(self.module) if self.adapted else contextlib.nullcontext():
+            logp_BT, _ = batch_logprobs(
+                self.module, batch, self.mesh, chunk_tokens=self.chunk_tokens,
+                temperature=self.temperature,
+            )
         return logp_BT
 
     def state_dict_shards(self) -> dict[str, DTensor]:

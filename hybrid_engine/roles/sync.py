@@ -41,7 +41,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hybrid_engine.config import SyncConfig
-from hybrid_engine.parallel.params import assert_sharded, reshard_all
+from hybrid_engine.parallel.lora import merged_parameters
+from hybrid_engine.parallel.params import assert_sharded, hf_name, reshard_all
 from hybrid_engine.reshard.layouts import model_dims
 from hybrid_engine.reshard.gather import BucketedGather
 from hybrid_engine.reshard.plan import build_plan, padding_rows
@@ -56,12 +57,17 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def hf_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """named_parameters() with the names HF checkpoints use (wrapper prefixes
-    of activation checkpointing / torch.compile removed; tied weights once)."""
-    for name, p in model.named_parameters():
-        for w in _WRAPPER_PREFIXES:
-            name = name.replace(w, "")
-        yield name, p
+    """The weights the engine holds, by the names HF checkpoints use (wrapper
+    prefixes of activation checkpointing / torch.compile removed; tied weights
+    once): the parameters, with LoRA adapters merged into their weights
+    (`lora.merged_parameters`: collective on an adapted model)."""
+    def named() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in model.named_parameters():
+            for w in _WRAPPER_PREFIXES:
+                name = name.replace(w, "")
+            yield hf_name(name), p
+
+    return merged_parameters(model, named())
 
 
 class WeightSync:

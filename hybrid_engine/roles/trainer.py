@@ -48,6 +48,7 @@ from hybrid_engine.algorithms.losses import (ADDITIVE_METRICS, LossFn, LossInput
                                              metric_weight)
 from hybrid_engine.parallel import replicas
 from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh
+from hybrid_engine.parallel.lora import dropout_active
 from hybrid_engine.parallel.params import assert_sharded, reshard_all, sharded_named_parameters
 from hybrid_engine.roles.logprobs import (batch_logprobs, comm_device, micro_batch_logprobs,
                                           num_micro_batches)
@@ -117,11 +118,11 @@ def _reduce_metrics(local: dict[str, Tensor], mesh: DeviceMesh) -> dict[str, flo
 def build_optimizer(
     module: torch.nn.Module, train_cfg: TrainConfig, *, fused: bool = True,
 ) -> tuple[frozenset[int], torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over a module's sharded parameters (no weight decay on 1-D ones;
+    """AdamW over a module's trainable sharded parameters (no weight decay on 1-D ones;
     torch's fused implementation on CPU and CUDA unless fused=False: torch's
     per-tensor loop, whose rounding differs) and its LR schedule. Returns (ids of the optimized parameters, optimizer,
     scheduler). Call before any forward (FSDP2 root-unshard guard)."""
-    params = [p for _, p in sharded_named_parameters(module)]
+    params = [p for _, p in sharded_named_parameters(module) if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.ndim >= 2]},
          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
@@ -225,7 +226,8 @@ class Trainer:
         if train_cfg.sharding == "auto":
             raise ValueError("train.sharding='auto' must be resolved before the trainer is "
                              "built (hybrid_engine.parallel.sharding.resolve_train_config)")
-        self.train_cfg = train_cfg
+        self.train_cfg, self.model_path = train_cfg, model_path
+        self.lora = model_cfg.lora_rank > 0  # adapters on a frozen base (`parallel/lora.py`)
         # Called right before the optimizer writes the weights (forward and backward
         # only read them): separate placement's sync behind the next step waits there.
         self.before_weights_change: Callable[[], None] | None = None
@@ -239,7 +241,9 @@ class Trainer:
             trust_remote_code=model_cfg.trust_remote_code, sharding=train_cfg.sharding,
             shard_group_size=train_cfg.shard_group_size,
             grad_hook=shm_allreduce.install if train_cfg.cpu_shm_allreduce else None,
+            lora=model_cfg if model_cfg.lora_rank else None,
         )
+        self.lora_dropout = self.lora and model_cfg.lora_dropout > 0
         # Guard, part 1: built before any forward, over the sharded DTensors.
         self._param_ids, self.optimizer, self.scheduler = build_optimizer(
             self.module, train_cfg, fused=fused_adamw)
@@ -250,8 +254,8 @@ class Trainer:
         """Guard, part 2: the module exposes exactly the optimizer's sharded parameters."""
         reshard_all(self.module)
         assert_sharded(self.module)
-        assert {id(p) for p in self.module.parameters()} == self._param_ids, (
-            "the module's parameters are not the optimizer's sharded DTensors")
+        assert {id(p) for p in self.module.parameters() if p.requires_grad} == \
+            self._param_ids, "the module's parameters are not the optimizer's sharded DTensors"
 
     def optimizer_state_bytes(self) -> int:
         """Bytes AdamW's two moments take on this rank (created at the first step):
@@ -377,10 +381,12 @@ class Trainer:
     ) -> dict[str, Tensor]:
         """Forward + backward of micro-batch i (a loss-free one past this rank's last)."""
         mb = batch.rows(*batch.bounds[i]) if i < len(batch.bounds) else batch.empty_like()
-        logp_BT, entropy_BT = micro_batch_logprobs(
-            self.module, mb, self.device, chunk_tokens=self.chunk_tokens,
-            temperature=self.temperature, entropy_grad=entropy_grad,
-        )
+        # model.lora_dropout drops in training forwards only
+        with dropout_active(self.module) if self.lora_dropout else contextlib.nullcontext():
+            logp_BT, entropy_BT = micro_batch_logprobs(
+                self.module, mb, self.device, chunk_tokens=self.chunk_tokens,
+                temperature=self.temperature, entropy_grad=entropy_grad,
+            )
 
         def dev(x: Tensor | None) -> Tensor | None:
             return None if x is None else x.to(self.device)

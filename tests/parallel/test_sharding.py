@@ -53,6 +53,24 @@ def test_the_estimate_counts_what_each_layout_holds() -> None:
     assert ckpt.activations < full.activations
 
 
+def test_lora_counts_a_frozen_base_and_the_adapters_states() -> None:
+    """model.lora_rank: the base in compute dtype with no gradient or AdamW state,
+    the adapters (r (in + out) per targeted weight) with all of theirs."""
+    over = {"model.compute_dtype": "bfloat16", "model.lora_rank": 8,
+            "model.lora_target_modules": ("q_proj", "down_proj")}
+    shapes = hf_shapes(DIMS)
+    adapters = sum(8 * (r + c) for n, (r, c) in shapes.items()
+                   if n.endswith(("q_proj.weight", "down_proj.weight")))
+    assert adapters == DIMS.num_layers * 8 * (2 * DIMS.hidden + DIMS.hidden + DIMS.intermediate)
+    rep = estimate("replicate", DIMS, w1(**over), 2, colocated=True, cuda=False)
+    full = estimate("full", DIMS, w1(**over), 2, colocated=True, cuda=False)
+    assert rep.states == P * 2 + 4 * adapters * 4 and rep.whole_grad == adapters * 4
+    assert full.states == (P * 2 + 4 * adapters * 4) // 2
+    plain = estimate("replicate", DIMS, w1(**{"model.compute_dtype": "bfloat16"}), 2,
+                     colocated=True, cuda=False)
+    assert rep.total < plain.total - 3 * P * 4  # most of 16 bytes per parameter gone
+
+
 def test_auto_picks_replicate_for_the_180m_model_on_two_ranks_with_24_gib() -> None:
     budget = int(0.9 * 24 * GIB / 2)  # memory.budget x RAM / ranks
     est, why = choose(DIMS, w1(), 2, budget, colocated=True)

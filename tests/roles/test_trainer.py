@@ -98,14 +98,16 @@ class Run:
 
 
 def start_run(path: str, batch_kw: dict, *, vocab: int, num_seqs: int = 8,
-              compute_dtype: str = "float32", **train_kw) -> Run:
-    """Builds a Trainer (AdamW lr 1e-3, clip 1.0, PPO clip-higher) and this rank's batch."""
+              compute_dtype: str = "float32", model_kw: dict | None = None, **train_kw) -> Run:
+    """Builds a Trainer (AdamW lr LR, clip 1.0, PPO clip-higher; model_kw: more
+    ModelConfig fields) and this rank's batch."""
     from hybrid_engine.algorithms import policy_loss_fn
     from hybrid_engine.config import AlgorithmConfig, ModelConfig, TrainConfig
     from hybrid_engine.roles.trainer import Trainer
 
     trainer = Trainer(path, TrainConfig(lr=LR, grad_clip=1.0, **train_kw),
-                      ModelConfig(compute_dtype=compute_dtype), logits_chunk_tokens=CHUNK)
+                      ModelConfig(compute_dtype=compute_dtype, **(model_kw or {})),
+                      logits_chunk_tokens=CHUNK)
     batch = rank_batch(make_trajs(num_seqs, vocab), **batch_kw)
     batch = dataclasses.replace(batch, old_logp_BT=trainer.compute_logprobs(batch)[0])
     return Run(trainer, batch, policy_loss_fn(AlgorithmConfig(clip_low=0.2, clip_high=0.28)))
