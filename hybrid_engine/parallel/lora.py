@@ -36,8 +36,9 @@ from hybrid_engine.parallel.params import (full_tensor, is_adapter, local_rows,
 if TYPE_CHECKING:
     from hybrid_engine.config import ModelConfig
 
-__all__ = ["ADAPTER_NAME", "add_adapters", "adapters_disabled", "dropout_active", "init_adapters",
-           "lora_modules", "merged_parameters", "merged_rows"]
+__all__ = ["ADAPTER_NAME", "adapter_state_dict", "add_adapters", "adapters_disabled",
+           "dropout_active", "init_adapters", "lora_config", "lora_modules", "merged_parameters",
+           "merged_rows"]
 
 ADAPTER_NAME = "default"  # PEFT's adapter name: the one adapter a run trains
 
@@ -48,12 +49,9 @@ def add_adapters(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype, *,
     cfg.lora_dropout) into the cfg.lora_target_modules of every decoder layer;
     the base is frozen, the adapters are in dtype and trainable unless not
     trainable. Returns the same model (PEFT mutates it in place)."""
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
 
-    peft_cfg = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                          lora_dropout=cfg.lora_dropout,
-                          target_modules=list(cfg.lora_target_modules))
-    model = inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER_NAME)
+    model = inject_adapter_in_model(lora_config(cfg), model, adapter_name=ADAPTER_NAME)
     for _, layer in lora_modules(model):
         for holder in (layer.lora_A, layer.lora_B):
             holder.to(dtype)
@@ -61,6 +59,21 @@ def add_adapters(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype, *,
         p.requires_grad_(trainable and is_adapter(name))
     model.eval()  # PEFT's dropout modules start in training mode: scoring never drops
     return model
+
+
+def lora_config(cfg: ModelConfig) -> Any:
+    """PEFT's LoraConfig of the model section's rank, alpha, dropout and targets."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.lora_target_modules))
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The adapters as PEFT saves them (`base_model.model.<module>.lora_A.weight`),
+    whole: collective over the model's mesh (each is gathered), every rank gets all."""
+    return {"base_model.model." + name.replace(f".{ADAPTER_NAME}.", "."): full_tensor(p).detach()
+            for name, p in sharded_named_parameters(model) if is_adapter(name)}
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, Any]]:

@@ -89,7 +89,7 @@ class VLLMRollout(WeightStaging):
 
     def __init__(self, model_path: str, cfg: RolloutConfig, *, memory: MemoryConfig | None = None,
                  dtype: str = "bfloat16", ranks: Sequence[int] | None = None,
-                 group: object = None, reserve_bytes: int = 0) -> None:
+                 group: object = None, reserve_bytes: int = 0, lora_rank: int = 0) -> None:
         import torch.distributed as dist
 
         self.ranks = list(ranks) if ranks is not None else None
@@ -101,7 +101,9 @@ class VLLMRollout(WeightStaging):
                 f"rollout.tensor_parallel_size={cfg.tensor_parallel_size} must divide "
                 f"the {'rollout ranks' if ranks is not None else 'world size'} {world}"
             )
-        self.cfg = cfg
+        self.cfg, self.lora_rank = cfg, lora_rank
+        # The adapter every request uses (`set_adapter`): None = the base weights alone.
+        self.lora_request, self._lora_version = None, 0
         vllm_compat.prepare_process_env()
         vllm_compat.check_version()
         if vllm_compat.is_cpu():
@@ -129,6 +131,8 @@ class VLLMRollout(WeightStaging):
 
         cfg = self.cfg
         kwargs = {**self.backend.engine_kwargs(), "use_tqdm_on_load": console.show_progress()}
+        if self.lora_rank:  # one adapter at a time: the policy's newest
+            kwargs.update(vllm_compat.lora_engine_kwargs(self.lora_rank))
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
         undo = vllm_compat.restrict_world(self.ranks) if self.ranks is not None else (lambda: None)
@@ -143,6 +147,19 @@ class VLLMRollout(WeightStaging):
                        seed=cfg.seed, logprobs_mode="processed_logprobs", **kwargs)
         finally:
             undo()
+
+    def set_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
+        """Makes every later request use the LoRA adapter of these full tensors
+        (PEFT state-dict names) and LoraConfig dict, in place of the previous one,
+        loaded from memory (`vllm_compat.swap_lora`). Collective over the engine's
+        ranks (each passes the same tensors). Needs an engine built with lora_rank."""
+        if not self.lora_rank:
+            raise ValueError("set_adapter needs an engine built with lora_rank > 0")
+        old = self.lora_request.lora_int_id if self.lora_request is not None else None
+        self._lora_version += 1
+        self.lora_request = vllm_compat.swap_lora(
+            self.llm, old, f"policy-v{self._lora_version}", self._lora_version, tensors,
+            peft_config)
 
     def prompt_ids(self, prompts: Sequence[str | Sequence[int]],
                     max_tokens: Sequence[int] | None = None) -> list[list[int]]:
@@ -310,7 +327,8 @@ class VLLMRollout(WeightStaging):
                 ))
         if self.between_steps is not None:
             return self._step_loop(requests, params)
-        outs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
+        outs = self.llm.generate(requests, params, use_tqdm=False,
+                                 lora_request=self.lora_request) if requests else []
         token_ids, logprobs = [], []
         for out in outs:
             comp = out.outputs[0]
@@ -329,7 +347,8 @@ class VLLMRollout(WeightStaging):
         engine step `between_steps()` may install new weights (it returns True when
         it did); the tokens sampled after an install count one more. Same requests,
         seeds and scheduling as `LLM.generate`, so the same tokens without installs."""
-        run = EngineRun(self.llm, self._request_tag("inflight"), requests, params)
+        run = EngineRun(self.llm, self._request_tag("inflight"), requests, params,
+                        self.lora_request)
         installs: list[list[int]] = [[] for _ in requests]
         done = 0
         while run.running():
@@ -360,7 +379,7 @@ class VLLMRollout(WeightStaging):
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(sequences[i])[:limit]) for i in mine],
             SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
-            use_tqdm=False) if mine else []
+            use_tqdm=False, lora_request=self.lora_request) if mine else []
         scores = []
         for i, out in zip(mine, outs, strict=True):
             seq, start = list(sequences[i])[:limit], starts[i]
@@ -409,7 +428,9 @@ class VLLMRollout(WeightStaging):
             max_tokens=int(m), logprobs=0, stop=stop_strs,
             stop_token_ids=list(self.cfg.stop_token_ids) or None, seed=int(seed),
             detokenize=stop_strs is not None) for m, seed in zip(max_tokens, seeds, strict=True)]
-        run, sampled = EngineRun(self.llm, self._request_tag("partial"), requests, params), 0
+        run = EngineRun(self.llm, self._request_tag("partial"), requests, params,
+                        self.lora_request)
+        sampled = 0
         while run.running():
             sampled += sum(count for _, count in run.step())
             if not all(run.finished) and stop_now(run.finished, sampled):

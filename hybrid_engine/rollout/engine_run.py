@@ -26,14 +26,15 @@ class EngineRun:
     rollouts stop, in-flight updates install weights). Accumulates each
     request's tokens, log-probs and whether it finished, in request order."""
 
-    def __init__(self, llm: LLM, tag: str, requests: list, params: list) -> None:
+    def __init__(self, llm: LLM, tag: str, requests: list, params: list,
+                 lora_request: object = None) -> None:
         from vllm.sampling_params import RequestOutputKind
 
         self.engine = vllm_compat.engine_loop(llm)
         self.ids = [f"{tag}-{i}" for i in range(len(requests))]  # tag: unique per engine
         for rid, request, p in zip(self.ids, requests, params, strict=True):
             p.output_kind = RequestOutputKind.DELTA
-            self.engine.add_request(rid, request, p)
+            self.engine.add_request(rid, request, p, lora_request=lora_request)
         self.index = {rid: i for i, rid in enumerate(self.ids)}
         self.tokens: list[list[int]] = [[] for _ in self.ids]
         self.logps: list[list[float]] = [[] for _ in self.ids]

@@ -26,7 +26,7 @@ __all__ = [
     "engine_loop", "is_cpu",
     "isolate_cpu_shm_names", "kv_cache_tensors", "model", "model_dtype", "prepare_process_env",
     "reload_weights", "restrict_world", "set_weight_attrs", "shm_all_gather", "shm_allreduce",
-    "shm_manager", "shutdown", "zentorch_gemm",
+    "lora_engine_kwargs", "shm_manager", "shutdown", "swap_lora", "zentorch_gemm",
 ]
 
 VLLM_VERSION = "0.32.0"  # what every function below was written for and checked on
@@ -291,3 +291,88 @@ def shm_all_gather(handle: int, tensor: torch.Tensor, out: torch.Tensor) -> None
 def shutdown(llm) -> None:  # noqa: ANN001
     """Stops the in-process engine core (llm_engine.engine_core.shutdown). [0.32]"""
     llm.llm_engine.engine_core.shutdown()
+
+
+# --------------------------------------------------------------------------
+# LoRA adapters from tensors in memory
+# --------------------------------------------------------------------------
+
+_TENSOR_REQUEST: type | None = None
+_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # LoRAConfig.max_lora_rank's choices
+
+
+def lora_engine_kwargs(rank: int) -> dict:
+    """LLM arguments for one adapter of rank r at a time: the smallest max_lora_rank
+    vLLM accepts that holds r. [0.32: LoRAConfig.max_lora_rank is a Literal]
+
+    Raises:
+        ValueError: r is above vLLM's largest.
+    """
+    fits = [m for m in _MAX_LORA_RANKS if m >= rank]
+    if not fits:
+        raise ValueError(f"model.lora_rank={rank}: vLLM serves LoRA ranks up to "
+                         f"{_MAX_LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
+
+
+def _tensor_lora_request() -> type:
+    """A LoRARequest that carries the adapter itself (PEFT config and tensors), and
+    the patch of `WorkerLoRAManager._load_adapter` that builds the adapter from
+    them (`LoRAModel.from_lora_tensors`, what its folder load ends in) instead of
+    reading `lora_path`. vLLM 0.32 loads adapters from folders only. The request
+    reaches the worker unserialised because the engine runs in this process
+    (external_launcher). The tensors are cloned: vLLM scales lora_B in place.
+    [0.32: LoRARequest, WorkerLoRAManager._load_adapter, _adapter_manager,
+    _lora_model_cls, PEFTHelper; verl patches the same method]"""
+    global _TENSOR_REQUEST
+    if _TENSOR_REQUEST is not None:
+        return _TENSOR_REQUEST
+    import msgspec
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    class TensorLoRARequest(LoRARequest):
+        peft_config: dict = msgspec.field(default_factory=dict)
+        lora_tensors: dict = msgspec.field(default_factory=dict)
+
+    folder_load = WorkerLoRAManager._load_adapter
+
+    def load(self, request):  # noqa: ANN001, ANN202
+        if not isinstance(request, TensorLoRARequest):
+            return folder_load(self, request)
+        helper = PEFTHelper.from_dict({**request.peft_config,
+                                       "vllm_max_position_embeddings": self.max_position_embeddings})
+        helper.validate_legal(self.lora_config)
+        model = self._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        return self._lora_model_cls.from_lora_tensors(
+            lora_model_id=request.lora_int_id,
+            tensors={k: v.clone() for k, v in request.lora_tensors.items()},
+            peft_helper=helper, device=str(self.device), dtype=self.lora_config.lora_dtype,
+            model_vocab_size=self.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+
+    WorkerLoRAManager._load_adapter = load
+    _TENSOR_REQUEST = TensorLoRARequest
+    return TensorLoRARequest
+
+
+def swap_lora(llm, old_id: int | None, name: str, new_id: int,  # noqa: ANN001
+              tensors: dict[str, torch.Tensor], peft_config: dict):  # noqa: ANN201
+    """Replaces the engine's adapter old_id (None: none yet) by one built from
+    tensors (PEFT state-dict names) and peft_config (a LoraConfig as a dict);
+    returns the request that generation passes to use it. Every rank of the
+    engine calls it with the same full tensors; vLLM slices them per TP rank.
+    A new name per version: vLLM's prefix cache keys blocks by the adapter's
+    name, and a reused name would serve blocks computed with the old one.
+    [0.32: LLM.llm_engine.add_lora / remove_lora]"""
+    from vllm.lora.request import LoRARequest
+
+    request_cls = _tensor_lora_request()
+    if old_id is not None:
+        llm.llm_engine.remove_lora(old_id)
+    llm.llm_engine.add_lora(request_cls(lora_name=name, lora_int_id=new_id, lora_path="in-memory",
+                                        peft_config=peft_config, lora_tensors=tensors))
+    return LoRARequest(lora_name=name, lora_int_id=new_id, lora_path="in-memory")
