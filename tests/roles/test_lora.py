@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hybrid_engine.testing import run_ranks
-from tests.roles.test_trainer import (LR, _to_numpy, full_weights, make_trajs, plain_logprobs,
+from tests.roles.test_trainer import (LR, _to_numpy, full_weights, plain_training,
                                       start_run)
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_target_modules=("q_proj", "v_proj", "down_proj"))
@@ -135,37 +135,15 @@ def _reference(path: str, run) -> dict:  # noqa: ANN001
 
 def _peft_reference(path: str, steps: int) -> dict:
     """The whole batch in one process: transformers + PEFT, AdamW over the adapters."""
-    from transformers import AutoModelForCausalLM
-
-    from hybrid_engine.algorithms import LossInputs, policy_loss_fn
-    from hybrid_engine.config import AlgorithmConfig, ModelConfig
+    from hybrid_engine.config import ModelConfig
     from hybrid_engine.parallel.lora import add_adapters, init_adapters
-    from hybrid_engine.parallel.params import sharded_named_parameters
-    from hybrid_engine.trajectory import collate_trajectories
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = add_adapters(model, ModelConfig(**LORA), torch.float32)
-    init_adapters(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
-                                   {"params": [p for p in params if p.ndim < 2]}], lr=LR,
-                                  weight_decay=0.0)
-    batch = collate_trajectories(make_trajs(8, VOCAB), pad_id=0)
-    with torch.no_grad():
-        old = plain_logprobs(model, batch)
-    loss_fn = policy_loss_fn(AlgorithmConfig(clip_low=0.2, clip_high=0.28))
-    losses, norms = [], []
-    for _ in range(steps):
-        loss, _ = loss_fn(LossInputs(logp_BT=plain_logprobs(model, batch),
-                                     advantages_BT=batch.advantages_BT,
-                                     mask_BT=batch.loss_mask_BT, old_logp_BT=old), None)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
-    weights = {n: p.detach().clone() for n, p in sharded_named_parameters(model)}
-    return _to_numpy(dict(losses=losses, grad_norms=norms, weights=weights))
+    def adapt(model):  # noqa: ANN001, ANN202
+        model = add_adapters(model, ModelConfig(**LORA), torch.float32)
+        init_adapters(model)
+        return model
+
+    return _to_numpy(plain_training(path, steps, VOCAB, adapt))
 
 
 def _file_weights(path: str) -> dict:

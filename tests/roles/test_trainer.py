@@ -137,17 +137,20 @@ def plain_logprobs(model, batch, temperature: float = 1.0) -> torch.Tensor:
     return torch.cat([torch.zeros_like(logp[:, :1]), logp], 1) * batch.loss_mask_BT
 
 
-def plain_training(path: str, steps: int, vocab: int) -> dict:
-    """The 1-process reference of the parity test: transformers model, full-vocab
-    logits, the whole batch at once, AdamW and clipping as the trainer configures them."""
+def plain_training(path: str, steps: int, vocab: int, adapt=None) -> dict:  # noqa: ANN001
+    """The 1-process reference of the parity tests: transformers model (adapt(model):
+    e.g. with LoRA adapters), full-vocab logits, the whole batch at once, AdamW over
+    the trainable parameters and clipping as the trainer configures them."""
     from transformers import AutoModelForCausalLM
 
     from hybrid_engine.algorithms import LossInputs, policy_loss_fn
     from hybrid_engine.config import AlgorithmConfig
+    from hybrid_engine.parallel.params import sharded_named_parameters
     from hybrid_engine.trajectory import collate_trajectories
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    params = list(model.parameters())
+    model = adapt(model) if adapt is not None else model
+    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
                                    {"params": [p for p in params if p.ndim < 2]}], lr=LR,
                                   weight_decay=0.0)
@@ -164,8 +167,8 @@ def plain_training(path: str, steps: int, vocab: int) -> dict:
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        losses.append(float(loss.detach()))
+    weights = {n: p.detach().clone() for n, p in sharded_named_parameters(model)}
     return dict(losses=losses, grad_norms=grad_norms, weights=weights)
 
 
