@@ -1,7 +1,6 @@
 """`hybrid-engine train --model.lora_rank` on 2 ranks (colocated, TP 2): the engine
 samples the merged weights, the KL reference is the base, the checkpoint holds
-the adapters only (with the base's digest), a resume repeats the last step, and
-final/ is a merged HF folder."""
+the adapters only (with the base's digest), and final/ is a merged HF folder."""
 
 from __future__ import annotations
 
@@ -9,12 +8,12 @@ import json
 
 import pytest
 
-from tests.policy.runs import rows, stable, train
+from tests.policy.runs import rows, train
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_lora_trains_resumes_and_exports_a_merged_model(model_dir, reward_file, tmp_path) -> None:
+def test_lora_trains_checkpoints_adapters_and_exports_a_merged_model(model_dir, reward_file, tmp_path) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
@@ -47,7 +46,4 @@ def test_lora_trains_resumes_and_exports_a_merged_model(model_dir, reward_file, 
     assert changed and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
                                        "o_proj.weight", "gate_proj.weight", "up_proj.weight",
                                        "down_proj.weight")) for n in changed)
-    train(model_dir, reward_file, out, 2, *args, "--resume")
-    resumed = rows(out)
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3] and step == 2
-    assert stable(resumed[-1]) == stable(first[-1])
+    assert step == 2  # (its exact resume: tests/roles/test_lora.py, in-process)

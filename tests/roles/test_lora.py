@@ -8,8 +8,11 @@ agrees with the reference's to < 1e-6 relative, the losses and gradient norms to
 fp32 rounding, and the base weights are the file's, bit for bit. The adapters
 themselves agree to 1% of one step per element: B starts at zero, so it is all
 update, and AdamW turns the rounding of a gradient element near its eps (1e-8)
-into a visible part of that element's step (measured: 7e-9 of a 6e-5 element). Non-default rank, alpha and targets, so a
-knob that was ignored would break the parity."""
+into a visible part of that element's step (measured: 7e-9 of a 6e-5 element).
+Non-default rank, alpha and targets, so a knob that was ignored would break the
+parity. The same launch checks the merged sources and export, the reference, bf16
+compute and an exact resume. Two more launches run an engine each: the merged
+sync into vLLM, and an adapter loaded from memory (`VLLMRollout.set_adapter`)."""
 
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ def _layouts(root: str, steps: int, layouts: list, dropout: bool) -> list:
                                           if p.requires_grad)))
     if dropout:
         outs.append({**_merged(path, runs["full"], root), **_reference(path, runs["full"]),
-                     **_bf16(path)})
+                     **_bf16(path), **_resume(path, root)})
         run = start_run(path, {"micro_batch_size": 2}, vocab=VOCAB,
                         model_kw={**LORA, "lora_dropout": 0.5}).steps(steps)
         first, second = (run.trainer.compute_logprobs(run.batch)[0] for _ in range(2))
@@ -115,6 +118,48 @@ def _bf16(path: str) -> dict:
                 bf16_optimizer=run.trainer.optimizer_state_bytes() == 2 * local
                 and all(len(run.trainer.optimizer.state[p]) for p in adapters.values()),
                 bf16_trains=all(x == x for x in run.losses) and run.trainer.step == 2)
+
+
+def _resume(path: str, root: str) -> dict:
+    """A checkpoint after 2 steps holds the adapters (and their AdamW state) only;
+    restored into a fresh trainer, the next step is the straight run's, bit for bit;
+    it is refused by a trainer on another base and by one without LoRA."""
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+
+    from hybrid_engine.checkpoint import load_training_state, save_training_state
+    from hybrid_engine.checkpoint.state import weights_digest
+
+    straight = start_run(path, {"micro_batch_size": 2}, vocab=VOCAB, model_kw=LORA).steps(2)
+    ckpt = f"{root}/lora_ckpt"
+    save_training_state(ckpt, trainer=straight.trainer)
+    straight.steps(1)
+    resumed = start_run(path, {"micro_batch_size": 2}, vocab=VOCAB, model_kw=LORA)
+    load_training_state(ckpt, trainer=resumed.trainer)
+    resumed.steps(1)
+    other = f"{root}/other_base"  # the same shapes, one weight changed
+    if dist.get_rank() == 0:
+        shutil.copytree(path, other)
+        w = load_file(f"{other}/model.safetensors")
+        w["model.norm.weight"] += 1
+        save_file(w, f"{other}/model.safetensors", metadata={"format": "pt"})
+    dist.barrier()
+    refusals = []
+    for model, kw in ((other, LORA), (path, {})):
+        try:
+            load_training_state(ckpt, trainer=start_run(model, {"micro_batch_size": 2},
+                                                        vocab=VOCAB, model_kw=kw).trainer)
+        except ValueError as e:
+            refusals.append(str(e))
+    a, b = full_weights(straight.trainer.module), full_weights(resumed.trainer.module)
+    return dict(resume_exact=all(torch.equal(a[n], b[n]) for n in a)
+                and straight.losses[-1] == resumed.losses[-1],
+                resume_refusals=len(refusals) == 2
+                and "whose weights differ from those of model.path" in refusals[0]
+                and "holds LoRA adapters, but this run has model.lora_rank=0" in refusals[1],
+                resume_digest=weights_digest(path) != weights_digest(other))
 
 
 def _reference(path: str, run) -> dict:  # noqa: ANN001
@@ -186,7 +231,8 @@ def test_lora_on_every_layout_equals_a_one_process_peft_model(tmp_path) -> None:
     assert merged == dict(sources_exact=True, sources_keys=True, export_exact=True,
                           export_keys=True, reference_exact=True, policy_differs=True,
                           bf16_base=True, fp32_adapters=True, bf16_optimizer=True,
-                          bf16_trains=True)
+                          bf16_trains=True, resume_exact=True, resume_refusals=True,
+                          resume_digest=True)
     # model.lora_dropout: training forwards differ, scoring repeats exactly.
     assert dropped["grad_norms"] != pytest.approx(runs["2 full"]["grad_norms"], rel=1e-3)
     assert dropped["scoring_repeats"]
@@ -230,6 +276,80 @@ def _merge_sync(root: str) -> dict:
     return out
 
 
+# --- the engine: a merged sync, and an adapter loaded from memory --------------------
+
+# Every target but up_proj, and a random B: the adapter moves every kind of layer.
+ENGINE_LORA = dict(lora_rank=4, lora_alpha=8.0,
+                   lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                        "down_proj"))
+
+
+def _adapted(path: str, seed: int):  # noqa: ANN202
+    """A transformers model with adapters whose B is random (not the zero init)."""
+    from transformers import AutoModelForCausalLM
+
+    from hybrid_engine.config import ModelConfig
+    from hybrid_engine.parallel.lora import add_adapters, init_adapters
+
+    model = add_adapters(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                         ModelConfig(**ENGINE_LORA), torch.float32)
+    init_adapters(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def _merged_model(path: str, adapted):  # noqa: ANN001, ANN202
+    from transformers import AutoModelForCausalLM
+
+    from hybrid_engine.parallel.lora import merged_parameters
+    from hybrid_engine.parallel.params import sharded_named_parameters
+
+    merged = {n: p.detach() for n, p in merged_parameters(adapted,
+                                                          sharded_named_parameters(adapted))}
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref.load_state_dict(merged, strict=False)
+    return ref
+
+
+def _engine_case(path: str, tp: int) -> dict:
+    from hybrid_engine.config import MemoryConfig, ModelConfig, RolloutConfig
+    from hybrid_engine.parallel.lora import adapter_state_dict, lora_config
+    from hybrid_engine.rollout.engine import VLLMRollout
+    from tests.roles.test_sync import _greedy, _max_logprob_diff
+
+    rollout = VLLMRollout(path, RolloutConfig(tensor_parallel_size=tp, max_model_len=64,
+                                              max_tokens=8, enforce_eager=True),
+                          memory=MemoryConfig(kv_cache_gib=0.5), dtype="float32",
+                          lora_rank=ENGINE_LORA["lora_rank"])
+    config = lora_config(ModelConfig(**ENGINE_LORA)).to_dict()
+    base = _greedy(rollout, 8)
+    out = {}
+    for version, seed in ((1, 0), (2, 1)):
+        adapted = _adapted(path, seed)
+        rollout.set_adapter(adapter_state_dict(adapted), config)
+        sampled = _greedy(rollout, 8)
+        ref = _merged_model(path, adapted)
+        scored = rollout.score([p + t for p, t in zip(
+            [sampled.prompt_ids[i // sampled.num_samples] for i in range(len(sampled.token_ids))],
+            sampled.token_ids)], [len(sampled.prompt_ids[i // sampled.num_samples])
+                                  for i in range(len(sampled.token_ids))])
+        out[version] = dict(sampled=_max_logprob_diff(ref, sampled),
+                            scored=max(abs(a - b) for s, lp in zip(scored, sampled.logprobs)
+                                       for a, b in zip(s, lp)),
+                            changed=sampled.token_ids != base.token_ids
+                            or sampled.logprobs != base.logprobs)
+    rollout.shutdown()
+    return out
+
+
+def _adapter_engine(root: str) -> dict:
+    return _engine_case(_model(root), 2)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_merged_lora_sync_is_exact_and_never_accumulates(tmp_path) -> None:
@@ -237,3 +357,16 @@ def test_merged_lora_sync_is_exact_and_never_accumulates(tmp_path) -> None:
         assert o["changed"] and o["repeat"], o
         assert o["max_diff"] < 1e-5, o
         assert o["bytes"] == [o["min_bytes"]] * 2, o
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_an_adapter_from_memory_gives_the_merged_models_logprobs(tmp_path) -> None:
+    """`VLLMRollout.set_adapter` on a TP=2 engine (one engine per launch: its
+    shutdown ends the process group): vLLM's fp32 log-probs of sampled and of
+    scored tokens equal a transformers forward of the merged model, for two
+    adapter versions in turn (the second replaces the first)."""
+    for case in run_ranks(_adapter_engine, 2, str(tmp_path), timeout=420):
+        for version in (1, 2):
+            o = case[version]
+            assert o["changed"] and o["sampled"] < 1e-5 and o["scored"] < 1e-5, (version, o)
