@@ -210,6 +210,10 @@ def test_lora_on_every_layout_equals_a_one_process_peft_model(tmp_path) -> None:
     ref, base = _peft_reference(path, 3), _file_weights(path)
     adapters = sorted(n for n in ref["weights"] if ".lora_" in n)
     assert len(adapters) == 2 * 3 * 2  # A and B of 3 targets in each of 2 layers
+    r = LORA["lora_rank"]  # model.lora_rank: A is [r, in], B is [out, r]
+    assert all(ref["weights"][n].shape[0 if ".lora_A." in n else 1] == r for n in adapters)
+    for name, out in runs.items():
+        assert all(out["weights"][n].shape == ref["weights"][n].shape for n in adapters), name
     assert ref["losses"][-1] < ref["losses"][0]
     for name, r in runs.items():
         assert len(r["trainable"]) == len(adapters), name  # only the adapters train
