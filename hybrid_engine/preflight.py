@@ -67,6 +67,10 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     check_rollout_limits(cfg.rollout, hf, dtype=cfg.model.rollout_dtype,
                          kv_cache_gib=cfg.memory.kv_cache_gib)
     check_gpu(local_world_size)
+    if cfg.model.lora_rank and cfg.sync.lora == "adapter":  # vLLM serves the adapters
+        from hybrid_engine.rollout.vllm_compat import lora_engine_kwargs
+
+        lora_engine_kwargs(cfg.model.lora_rank)  # refuses a rank above vLLM's largest
     check_registered(cfg)  # names of estimators, losses, envs: lists the registered ones
     from hybrid_engine.algorithms.algorithm import Algorithm
 

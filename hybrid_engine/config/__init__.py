@@ -131,6 +131,7 @@ class RunConfig:
                 "either the loss would treat stale samples as on-policy")
         self._check_partial()
         self._check_inflight()
+        self._check_lora()
         e = self.eval.max_tokens
         if e is not None and e >= self.rollout.max_model_len:
             raise ValueError(f"eval.max_tokens={e} must be < rollout.max_model_len="
@@ -173,6 +174,17 @@ class RunConfig:
         if self.sync.method != "reshard" or self.sync.verify:
             raise ValueError("async_rollout.inflight_updates=true needs sync.method=reshard with "
                              "sync.verify=false: only that sync runs behind the next step")
+
+    def _check_lora(self) -> None:
+        if self.sync.lora != "adapter":
+            return
+        if not self.model.lora_rank:
+            raise ValueError("sync.lora=adapter syncs LoRA adapters: set model.lora_rank > 0 "
+                             "(or leave sync.lora at merge)")
+        if self.sync.method != "reshard" or self.placement != "colocated":
+            raise ValueError(f"sync.lora=adapter needs sync.method=reshard and placement="
+                             f"colocated (got {self.sync.method}, {self.placement}); "
+                             "sync.lora=merge works with every method and placement")
 
     def ahead_burst(self) -> bool:
         """Whether generation ahead samples k + 1 steps' batches per pass

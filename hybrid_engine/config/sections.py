@@ -294,6 +294,9 @@ class SyncConfig:
     verify: bool = _field(
         False, "After each sync, check bit-equality with the naive path (slow; for tests)."
     )
+    lora: Literal["merge", "adapter"] = _field(
+        "merge", "LoRA: 'merge' syncs W0 + (alpha / r) B A into vLLM's weights; 'adapter' "
+        "moves only the adapters into vLLM's LoRA layers (sync.method=reshard, colocated).")
 
     def __post_init__(self) -> None:
         _validate_fields(self)

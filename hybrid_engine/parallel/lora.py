@@ -36,9 +36,9 @@ from hybrid_engine.parallel.params import (full_tensor, is_adapter, local_rows,
 if TYPE_CHECKING:
     from hybrid_engine.config import ModelConfig
 
-__all__ = ["ADAPTER_NAME", "adapter_state_dict", "add_adapters", "adapters_disabled",
-           "dropout_active", "init_adapters", "lora_config", "lora_modules", "merged_parameters",
-           "merged_rows"]
+__all__ = ["ADAPTER_NAME", "PEFT_PREFIX", "adapter_parameters", "adapter_state_dict",
+           "add_adapters", "adapters_disabled", "dropout_active", "init_adapters", "lora_config",
+           "lora_modules", "merged_parameters", "merged_rows"]
 
 ADAPTER_NAME = "default"  # PEFT's adapter name: the one adapter a run trains
 
@@ -69,11 +69,22 @@ def lora_config(cfg: ModelConfig) -> Any:
                       target_modules=list(cfg.lora_target_modules))
 
 
+PEFT_PREFIX = "base_model.model."  # before every name of PEFT's saved adapters
+
+
+def adapter_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, parameter) of every adapter, named as PEFT saves it less PEFT_PREFIX
+    (`<module>.lora_A.weight`: `reshard.adapters`' names); sharded DTensors, or
+    plain tensors in a replicated model."""
+    for name, p in sharded_named_parameters(model):
+        if is_adapter(name):
+            yield name.replace(f".{ADAPTER_NAME}.", "."), p
+
+
 def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The adapters as PEFT saves them (`base_model.model.<module>.lora_A.weight`),
     whole: collective over the model's mesh (each is gathered), every rank gets all."""
-    return {"base_model.model." + name.replace(f".{ADAPTER_NAME}.", "."): full_tensor(p).detach()
-            for name, p in sharded_named_parameters(model) if is_adapter(name)}
+    return {PEFT_PREFIX + name: full_tensor(p).detach() for name, p in adapter_parameters(model)}
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, Any]]:

@@ -182,13 +182,16 @@ class HybridActor:
         log.info("starting the vLLM engine (TP=%d)", cfg.rollout.tensor_parallel_size)
         # GPU: the engine's budget leaves room for the optimizer state the first step creates.
         reserve = 0 if cfg.memory.offload_optimizer else self.trainer.optimizer_state_bytes()
+        # sync.lora=adapter: vLLM serves the file's base with the trainer's adapters.
+        adapter = cfg.model if cfg.model.lora_rank and cfg.sync.lora == "adapter" else None
         self.rollout = VLLMRollout(self.model_path, cfg.rollout, memory=cfg.memory,
-                                   dtype=cfg.model.rollout_dtype,
-                                   reserve_bytes=reserve)
+                                   dtype=cfg.model.rollout_dtype, reserve_bytes=reserve,
+                                   lora_rank=adapter.lora_rank if adapter else 0)
         self.syncer = WeightSync(self.trainer.module.config, cfg.sync,
                                  tp=cfg.rollout.tensor_parallel_size,
                                  wire_dtype=DTYPES[cfg.model.rollout_dtype],
-                                 shard_group_size=shard_group_size(train_cfg, world))
+                                 shard_group_size=shard_group_size(train_cfg, world),
+                                 adapter=adapter)
         # Groups made here (vLLM's, the FSDP mesh's) get cfg's timeout; a host's are its own.
         set_collective_timeout(cfg.collective_timeout_s,
                                [g for g in all_groups() if g not in host_groups])

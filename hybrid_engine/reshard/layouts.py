@@ -34,6 +34,7 @@ __all__ = [
     "check_model",
     "check_tp",
     "hf_shapes",
+    "kv_heads",
     "model_dims",
     "tp_layout",
 ]
@@ -188,7 +189,7 @@ def check_tp(d: ModelDims, tp: int) -> None:
         )
 
 
-def _kv_heads(d: ModelDims, tp: int, r: int) -> tuple[int, int]:
+def kv_heads(d: ModelDims, tp: int, r: int) -> tuple[int, int]:
     """[first, last) kv head of TP rank r (one replicated head when num_kv < T)."""
     if d.num_kv_heads >= tp:
         n = d.num_kv_heads // tp
@@ -199,7 +200,7 @@ def _kv_heads(d: ModelDims, tp: int, r: int) -> tuple[int, int]:
 
 def _qkv(d: ModelDims, tp: int, r: int, prefix: str, suffix: str, cols: int) -> TargetParam:
     nq = d.num_heads // tp * d.head_dim
-    k0, k1 = (h * d.head_dim for h in _kv_heads(d, tp, r))
+    k0, k1 = (h * d.head_dim for h in kv_heads(d, tp, r))
     nkv = k1 - k0
     segs = (
         Segment(f"{prefix}q_proj.{suffix}", (r * nq, (r + 1) * nq), (0, cols), 0),

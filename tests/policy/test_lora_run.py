@@ -1,6 +1,8 @@
-"""`hybrid-engine train --model.lora_rank` on 2 ranks (colocated, TP 2): the engine
-samples the merged weights, the KL reference is the base, the checkpoint holds
-the adapters only (with the base's digest), and final/ is a merged HF folder."""
+"""`hybrid-engine train --model.lora_rank --sync.lora=adapter` on 2 ranks
+(colocated, TP 2, GPU sleep emulated): the engine serves the file's base with
+the trainer's adapters, the KL reference is the base, the checkpoint holds the
+adapters only (with the base's digest), and final/ is a merged HF folder. (The
+merged sync, sync.lora=merge, into an engine: tests/roles/test_lora.py.)"""
 
 from __future__ import annotations
 
@@ -17,13 +19,18 @@ def test_lora_trains_checkpoints_adapters_and_exports_a_merged_model(model_dir, 
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
+    from transformers import AutoConfig
 
     from hybrid_engine.checkpoint import step_checkpoints
     from hybrid_engine.checkpoint.state import weights_digest
+    from hybrid_engine.config.sections import LORA_TARGETS
+    from hybrid_engine.reshard.adapters import LoraDims
+    from hybrid_engine.reshard.layouts import model_dims
+    from tests.reshard.test_adapters import min_elements
 
     out = tmp_path / "run"
     args = ("--model.lora_rank=4", "--model.lora_alpha=8", "--algorithm.kl_coef=0.05",
-            "--sync.verify=true")
+            "--sync.verify=true", "--sync.lora=adapter")
     train(model_dir, reward_file, out, 2, *args)
     first = rows(out)
     assert [r["step"] for r in first] == [0, 1, 2, 3]
@@ -31,8 +38,12 @@ def test_lora_trains_checkpoints_adapters_and_exports_a_merged_model(model_dir, 
     assert trained and all(r["kl"] >= 0 for r in trained)
     assert first[1]["kl"] == 0  # the adapters start at B = 0: the policy is the base
     assert any(r["kl"] > 0 for r in trained[1:])  # then the reference stays the base
-    # fp32: every verified sync wrote W0 + (alpha/r) B A, which the engine then samples.
+    # fp32: every verified sync installed the adapters, whose model the engine samples
+    # (its weights kept through every release), and only adapter bytes moved.
     assert all(r["mismatch_abs_max"] < 1e-4 for r in first[1:])
+    dims = model_dims(AutoConfig.from_pretrained(model_dir))
+    least = 4 * min_elements(dims, LoraDims(4, LORA_TARGETS), 2, 2, 2, 0)  # fp32, TP 2, full
+    assert [r["sync_bytes_received"] for r in trained] == [least] * len(trained)
     (step, ckpt), = step_checkpoints(out / "checkpoints")
     saved = dcp.FileSystemReader(ckpt / "dcp").read_metadata().state_dict_metadata
     model_keys = [k for k in saved if k.startswith("model.")]

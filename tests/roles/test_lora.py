@@ -12,14 +12,17 @@ into a visible part of that element's step (measured: 7e-9 of a 6e-5 element).
 Non-default rank, alpha and targets, so a knob that was ignored would break the
 parity. The same launch checks the merged sources and export, the reference, bf16
 compute and an exact resume. Two more launches run an engine each: the merged
-sync into vLLM, and an adapter loaded from memory (`VLLMRollout.set_adapter`)."""
+sync into vLLM, and the adapter sync (sync.lora=adapter)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from hybrid_engine.reshard.adapters import LoraDims
+from hybrid_engine.reshard.layouts import model_dims
 from hybrid_engine.testing import run_ranks
+from tests.reshard.test_adapters import min_elements
 from tests.roles.test_trainer import (LR, _to_numpy, full_weights, plain_training,
                                       start_run)
 
@@ -52,7 +55,9 @@ def _layouts(root: str, steps: int, layouts: list, dropout: bool) -> list:
         outs.append(dict(losses=run.losses, grad_norms=run.grad_norms,
                          weights=full_weights(run.trainer.module),
                          trainable=sorted(n for n, p in run.trainer.module.named_parameters()
-                                          if p.requires_grad)))
+                                          if p.requires_grad),
+                         adapter_bytes=_adapter_syncs(run.trainer.module,
+                                                      1 if sharding == "replicate" else size)))
     if dropout:
         outs.append({**_merged(path, runs["full"], root), **_reference(path, runs["full"]),
                      **_bf16(path), **_resume(path, root)})
@@ -62,6 +67,24 @@ def _layouts(root: str, steps: int, layouts: list, dropout: bool) -> list:
         outs.append(dict(grad_norms=run.grad_norms, scoring_repeats=bool(torch.equal(first,
                                                                                    second))))
     return _to_numpy(outs)
+
+
+def _adapter_syncs(module, size: int) -> dict[int, float]:  # noqa: ANN001
+    """sync.lora=adapter from this layout at every TP size T dividing the world,
+    verified (every element each TP rank's LoRA layers read checked bit for bit
+    against the whole adapters; a mismatch raises): T -> bytes this rank received."""
+    import torch.distributed as dist
+
+    from hybrid_engine.config import ModelConfig, SyncConfig
+    from hybrid_engine.roles.sync import WeightSync
+
+    world, out = dist.get_world_size(), {}  # size 0: one shard group of every rank
+    for tp in (t for t in (1, 2, 4) if world % t == 0):
+        sync = WeightSync(module.config, SyncConfig(lora="adapter", verify=True, bucket_mb=0.01),
+                          tp=tp, wire_dtype=torch.float32, shard_group_size=size or None,
+                          adapter=ModelConfig(**LORA))
+        out[tp] = sync.sync(module, None)["sync_bytes_received"]
+    return out
 
 
 def _expected_merge(weights: dict) -> dict:
@@ -197,6 +220,23 @@ def _file_weights(path: str) -> dict:
     return _to_numpy(load_file(f"{path}/model.safetensors"))
 
 
+def _assert_adapter_bytes(path: str, runs: dict) -> None:
+    """sync.lora=adapter: each rank received exactly the adapter elements its TP
+    rank's LoRA layers read and it does not hold (rank 0's count, per layout and T)."""
+    from transformers import AutoConfig
+
+    dims, lora = model_dims(AutoConfig.from_pretrained(path)), LoraDims(
+        LORA["lora_rank"], LORA["lora_target_modules"])
+    for name, r in runs.items():
+        world, sharding = name.split()
+        size = {"replicate": 1, "hybrid": 2}.get(sharding, int(world))
+        assert sorted(r["adapter_bytes"]) == [t for t in (1, 2, 4) if int(world) % t == 0]
+        assert r["adapter_bytes"] == {tp: 4.0 * min_elements(dims, lora, int(world), tp, size, 0)
+                                      for tp in r["adapter_bytes"]}, name
+        if sharding == "replicate":
+            assert set(r["adapter_bytes"].values()) == {0.0}
+
+
 @pytest.mark.slow
 def test_lora_on_every_layout_equals_a_one_process_peft_model(tmp_path) -> None:
     runs = {}
@@ -215,6 +255,7 @@ def test_lora_on_every_layout_equals_a_one_process_peft_model(tmp_path) -> None:
     for name, out in runs.items():
         assert all(out["weights"][n].shape == ref["weights"][n].shape for n in adapters), name
     assert ref["losses"][-1] < ref["losses"][0]
+    _assert_adapter_bytes(path, runs)
     for name, r in runs.items():
         assert len(r["trainable"]) == len(adapters), name  # only the adapters train
         assert all(".lora_" in n for n in r["trainable"]), name
@@ -288,70 +329,79 @@ ENGINE_LORA = dict(lora_rank=4, lora_alpha=8.0,
                                         "down_proj"))
 
 
-def _adapted(path: str, seed: int):  # noqa: ANN202
-    """A transformers model with adapters whose B is random (not the zero init)."""
-    from transformers import AutoModelForCausalLM
+def _randomize_b(module, seed: int) -> None:  # noqa: ANN001
+    """Every lora_B of a (sharded) trainer model set to a random tensor (each rank
+    its rows), so the adapters change the model visibly (B starts at zero)."""
+    from hybrid_engine.parallel.params import local_rows, sharded_named_parameters
 
-    from hybrid_engine.config import ModelConfig
-    from hybrid_engine.parallel.lora import add_adapters, init_adapters
-
-    model = add_adapters(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                         ModelConfig(**ENGINE_LORA), torch.float32)
-    init_adapters(model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in sharded_named_parameters(module):
             if ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
+                full = torch.randn(p.shape, generator=g) * 0.05
+                r0, r1 = local_rows(p)
+                (p.to_local() if hasattr(p, "to_local") else p).copy_(full[r0:r1])
 
 
-def _merged_model(path: str, adapted):  # noqa: ANN001, ANN202
+def _merged_model(path: str, module):  # noqa: ANN001, ANN202
+    """A transformers model holding W0 + (alpha / r) B A of the trainer's weights."""
     from transformers import AutoModelForCausalLM
 
     from hybrid_engine.parallel.lora import merged_parameters
-    from hybrid_engine.parallel.params import sharded_named_parameters
+    from hybrid_engine.parallel.params import full_tensor, sharded_named_parameters
 
-    merged = {n: p.detach() for n, p in merged_parameters(adapted,
-                                                          sharded_named_parameters(adapted))}
+    merged = {n: full_tensor(p).detach()
+              for n, p in merged_parameters(module, sharded_named_parameters(module))}
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ref.load_state_dict(merged, strict=False)
     return ref
 
 
-def _engine_case(path: str, tp: int) -> dict:
-    from hybrid_engine.config import MemoryConfig, ModelConfig, RolloutConfig
-    from hybrid_engine.parallel.lora import adapter_state_dict, lora_config
+def _scored_diff(rollout, sampled) -> float:  # noqa: ANN001
+    """Largest gap between the log-probs vLLM sampled with and those it scores."""
+    prompts = [sampled.prompt_ids[i // sampled.num_samples] for i in range(len(sampled.token_ids))]
+    scored = rollout.score([p + t for p, t in zip(prompts, sampled.token_ids)],
+                           [len(p) for p in prompts])
+    return max(abs(a - b) for s, lp in zip(scored, sampled.logprobs) for a, b in zip(s, lp))
+
+
+def _adapter_sync(root: str) -> dict:
+    """A LoRA trainer (2 ranks, full sharding) synced into a TP=2 engine by
+    sync.lora=adapter, verified, for two adapter versions in turn (the second
+    replaces the first); the engine's memory released and restored in between
+    with memory.emulate_gpu_sleep, which an engine serving adapters survives."""
+    import torch.distributed as dist
+
+    from hybrid_engine.config import MemoryConfig, ModelConfig, RolloutConfig, SyncConfig
     from hybrid_engine.rollout.engine import VLLMRollout
+    from hybrid_engine.roles.sync import WeightSync
     from tests.roles.test_sync import _greedy, _max_logprob_diff
 
-    rollout = VLLMRollout(path, RolloutConfig(tensor_parallel_size=tp, max_model_len=64,
+    path = _model(root)
+    module = start_run(path, {"micro_batch_size": 2}, vocab=VOCAB,
+                       model_kw=ENGINE_LORA).trainer.module
+    rollout = VLLMRollout(path, RolloutConfig(tensor_parallel_size=2, max_model_len=64,
                                               max_tokens=8, enforce_eager=True),
-                          memory=MemoryConfig(kv_cache_gib=0.5), dtype="float32",
-                          lora_rank=ENGINE_LORA["lora_rank"])
-    config = lora_config(ModelConfig(**ENGINE_LORA)).to_dict()
-    base = _greedy(rollout, 8)
-    out = {}
-    for version, seed in ((1, 0), (2, 1)):
-        adapted = _adapted(path, seed)
-        rollout.set_adapter(adapter_state_dict(adapted), config)
-        sampled = _greedy(rollout, 8)
-        ref = _merged_model(path, adapted)
-        scored = rollout.score([p + t for p, t in zip(
-            [sampled.prompt_ids[i // sampled.num_samples] for i in range(len(sampled.token_ids))],
-            sampled.token_ids)], [len(sampled.prompt_ids[i // sampled.num_samples])
-                                  for i in range(len(sampled.token_ids))])
+                          memory=MemoryConfig(kv_cache_gib=0.5, emulate_gpu_sleep=True),
+                          dtype="float32", lora_rank=ENGINE_LORA["lora_rank"])
+    sync = WeightSync(module.config, SyncConfig(lora="adapter", verify=True, bucket_mb=0.01),
+                      tp=2, wire_dtype=torch.float32, adapter=ModelConfig(**ENGINE_LORA))
+    base, out = _greedy(rollout, 8), {"rank": dist.get_rank()}
+    base_model = _merged_model(path, module)  # B = 0: the base itself
+    for version in (1, 2):
+        _randomize_b(module, version)
+        stats = sync.sync(module, rollout)
+        sampled, ref = _greedy(rollout, 8), _merged_model(path, module)
+        rollout.release_memory()
+        rollout.restore_memory()
         out[version] = dict(sampled=_max_logprob_diff(ref, sampled),
-                            scored=max(abs(a - b) for s, lp in zip(scored, sampled.logprobs)
-                                       for a, b in zip(s, lp)),
-                            changed=sampled.token_ids != base.token_ids
-                            or sampled.logprobs != base.logprobs)
+                            scored=_scored_diff(rollout, sampled),
+                            base_gap=_max_logprob_diff(base_model, sampled),
+                            changed=sampled.token_ids != base.token_ids,
+                            kept=rollout.weights_valid and _greedy(rollout, 8) == sampled,
+                            bytes=stats["sync_bytes_received"])
     rollout.shutdown()
     return out
-
-
-def _adapter_engine(root: str) -> dict:
-    return _engine_case(_model(root), 2)
 
 
 @pytest.mark.vllm
@@ -365,12 +415,48 @@ def test_merged_lora_sync_is_exact_and_never_accumulates(tmp_path) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_an_adapter_from_memory_gives_the_merged_models_logprobs(tmp_path) -> None:
-    """`VLLMRollout.set_adapter` on a TP=2 engine (one engine per launch: its
-    shutdown ends the process group): vLLM's fp32 log-probs of sampled and of
-    scored tokens equal a transformers forward of the merged model, for two
-    adapter versions in turn (the second replaces the first)."""
-    for case in run_ranks(_adapter_engine, 2, str(tmp_path), timeout=420):
+def test_the_adapter_sync_gives_the_merged_models_logprobs(tmp_path) -> None:
+    """sync.lora=adapter into a TP=2 engine (one engine per launch: its shutdown
+    ends the process group): vLLM's fp32 log-probs of sampled and of scored
+    tokens equal a transformers forward of the merged model, for each adapter
+    version (far from the base's); each rank received the adapter's minimum."""
+    from transformers import AutoConfig
+
+    lora = LoraDims(ENGINE_LORA["lora_rank"], ENGINE_LORA["lora_target_modules"])
+    for case in run_ranks(_adapter_sync, 2, str(tmp_path), timeout=420):
+        dims = model_dims(AutoConfig.from_pretrained(f"{tmp_path}/qwen2_lora"))
+        want = 4.0 * min_elements(dims, lora, 2, 2, 2, case["rank"])
         for version in (1, 2):
             o = case[version]
-            assert o["changed"] and o["sampled"] < 1e-5 and o["scored"] < 1e-5, (version, o)
+            assert o["changed"] and o["kept"] and o["base_gap"] > 1e-2, (version, o)
+            assert o["sampled"] < 1e-5 and o["scored"] < 1e-5, (version, o)
+            assert o["bytes"] == want > 0, (version, o)
+
+
+def test_the_adapter_sync_verify_catches_a_wrong_transfer(tmp_path, monkeypatch) -> None:
+    """In one process (TP 1): the verified adapter sync passes, and fails naming the
+    adapters once the transfer leaves the buffers as they were (zeros)."""
+    from transformers import AutoModelForCausalLM
+
+    from hybrid_engine.config import ModelConfig, SyncConfig
+    from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
+    from hybrid_engine.parallel.lora import add_adapters, init_adapters
+    from hybrid_engine.reshard.transfer import TransferStats
+    from hybrid_engine.roles.sync import WeightSync
+
+    path = write_tiny_model(tmp_path / "m", TinyModelSpec(arch="qwen2", vocab_size=VOCAB))
+    model = add_adapters(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                         ModelConfig(**ENGINE_LORA), torch.float32)
+    init_adapters(model)
+    _randomize_b(model, 0)
+    sync = WeightSync(model.config, SyncConfig(lora="adapter", verify=True), tp=1,
+                      wire_dtype=torch.float32, adapter=ModelConfig(**ENGINE_LORA))
+    assert sync.sync(model, None)["sync_bytes_received"] == 0  # one rank holds it all
+    buffers = sync.adapter_buffers()
+    assert torch.equal(buffers["model.layers.0.mlp.down_proj.lora_B.weight"],
+                       model.model.layers[0].mlp.down_proj.lora_B["default"].weight)
+    for t in buffers.values():
+        t.zero_()
+    monkeypatch.setattr(sync.executor, "run", lambda *a, **k: TransferStats())
+    with pytest.raises(RuntimeError, match=r"adapter sync verify failed on rank 0: \['model"):
+        sync.sync(model, None)
