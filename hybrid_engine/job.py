@@ -246,8 +246,7 @@ class Job:
             if self.bar is not None:
                 self.bar.close()
             self.sink.close()
-        final = self.out / "final"
-        self.actor.export_hf(final)
+        final = self._export()
         if self.rank0 and "jsonl" in self.cfg.log.trackers and self.sink.path.exists():
             plot_metrics(self.sink.path, self.out / "metrics.png", title=self.out.name)
         evals = [h for h in summary["history"] if "eval/accuracy" in h]
@@ -255,6 +254,20 @@ class Job:
         if evals:
             summary.update(acc_start=evals[0]["eval/accuracy"], acc_end=evals[-1]["eval/accuracy"])
         return summary
+
+    def _export(self) -> Path:
+        """The final policy: final/ as a HF folder (a LoRA policy merged, unless
+        export.merge_lora=false) and final_adapter/ as a PEFT folder (LoRA).
+        Returns the folder a user loads: final/ when written."""
+        lora = self.cfg.model.lora_rank > 0
+        final = self.out / "final"
+        if not lora or self.cfg.export.merge_lora:
+            self.actor.export_hf(final)
+        if lora:
+            self.actor.export_adapter(self.out / "final_adapter")
+            if not self.cfg.export.merge_lora:
+                return self.out / "final_adapter"
+        return final
 
     def shutdown(self) -> None:
         self._close_env()

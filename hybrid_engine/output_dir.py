@@ -28,7 +28,8 @@ __all__ = ["OUTPUTS", "OutputDir", "lock_output_dir", "sweep_unfinished"]
 log = logging.getLogger("hybrid_engine.train")
 
 # What a run writes into its folder (cleared by --overwrite), besides .lock.
-OUTPUTS = ("checkpoints", "final", "tb", "metrics.jsonl", "metrics.png", "config.yaml")
+OUTPUTS = ("checkpoints", "final", "final_adapter", "tb", "metrics.jsonl", "metrics.png",
+           "samples.jsonl", "config.yaml")
 
 
 class OutputDir:

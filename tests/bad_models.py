@@ -11,6 +11,7 @@ from pathlib import Path
 EXPECTED = {
     "missing": "does not exist",
     "no_config": "has no config.json",
+    "adapter_folder": ["is a PEFT adapter folder over '/base/model'", "export.merge_lora=true"],
     "corrupt_config": "config.json is unreadable",
     "unsupported_arch": ["unsupported architecture 'GPT2LMHeadModel'", "Qwen2ForCausalLM",
                          "LlamaForCausalLM", "Qwen3ForCausalLM"],
@@ -56,6 +57,11 @@ def bad_model(kind: str, model_dir: Path | str, tmp: Path) -> Path:
     if kind == "no_config":
         (tmp / "empty").mkdir()
         return tmp / "empty"
+    if kind == "adapter_folder":  # what export.merge_lora=false leaves as final_adapter/
+        (tmp / "adapter").mkdir()
+        (tmp / "adapter" / "adapter_config.json").write_text(
+            '{"base_model_name_or_path": "/base/model", "r": 8}')
+        return tmp / "adapter"
     if kind == "corrupt_config":
         bad = edit_config(model_dir, tmp / "corrupt")
         (bad / "config.json").write_text("{not json")

@@ -47,7 +47,8 @@ def test_config_keys_lists_documented_fields_grouped_by_concern():
     blocks = {b.splitlines()[0]: b.splitlines()[1:] for b in out.stdout.strip().split("\n\n")}
     heads = [h.split(":")[0] for h in blocks]
     assert heads == ["# model", "# rollout", "# train", "# algorithm", "# sync", "# env",
-                     "# async_rollout", "# memory", "# guards", "# eval", "# log", "# top level"]
+                     "# async_rollout", "# memory", "# guards", "# eval", "# log", "# export",
+                     "# top level"]
     for head, lines in blocks.items():
         section = head[2:].split(":")[0]
         assert lines and all(ln.startswith(f"--{section}.") for ln in lines) or \

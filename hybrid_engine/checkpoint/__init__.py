@@ -6,7 +6,8 @@ policy and its AdamW state (torch.distributed.checkpoint, every rank writing
 its own shards), the LR schedule and step count, the critic's model,
 optimizer and schedule when there is one, every rank's RNG states, and the
 controller's JSON-able `extra`. `export_hf` writes the policy as a plain HF
-folder that `AutoModelForCausalLM.from_pretrained` loads.
+folder that `AutoModelForCausalLM.from_pretrained` loads; `export_adapter` a
+LoRA policy's adapters as a PEFT folder.
 
 Invariant (atomic commit): a folder at `path` is a complete checkpoint. All
 ranks write into `<path>.tmp-<token>`; after a barrier rank 0 writes the
@@ -32,7 +33,7 @@ Layout of a checkpoint folder:
     COMPLETE        written last
 """
 
-from hybrid_engine.checkpoint.export import export_hf
+from hybrid_engine.checkpoint.export import export_adapter, export_hf
 from hybrid_engine.checkpoint.folders import (COMPLETE_MARKER, CheckpointWriteError,
                                               checkpoint_problem, latest_checkpoint,
                                               prune_checkpoints, step_checkpoint_path,
@@ -43,6 +44,7 @@ __all__ = [
     "COMPLETE_MARKER",
     "CheckpointWriteError",
     "checkpoint_problem",
+    "export_adapter",
     "export_hf",
     "latest_checkpoint",
     "load_training_state",

@@ -1,9 +1,11 @@
-"""The policy as a plain HF folder (`AutoModelForCausalLM.from_pretrained` loads it).
+"""The policy as a plain HF folder (`AutoModelForCausalLM.from_pretrained` loads it),
+and a LoRA policy's adapters as a PEFT folder (`PeftModel.from_pretrained` loads it).
 
-Job: `export_hf` all-gathers one parameter at a time; only rank 0 keeps full
-tensors, at most about one safetensors shard at once, and writes them with the
-source folder's config and tokenizer files, committed atomically like a
-checkpoint (`folders.commit`).
+Job: `export_hf` all-gathers one parameter at a time (LoRA adapters merged
+in); only rank 0 keeps full tensors, at most about one safetensors shard at
+once, and writes them with the source folder's config and tokenizer files.
+`export_adapter` gathers the adapters alone and writes PEFT's two files. Both
+commit atomically like a checkpoint (`folders.commit`).
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from hybrid_engine.checkpoint.folders import WRITE_ERRORS, agree, commit, group_rank, tmp_folder
-from hybrid_engine.parallel.lora import merged_parameters
+from hybrid_engine.parallel.lora import adapter_state_dict, lora_config, merged_parameters
 from hybrid_engine.parallel.params import full_tensor, reshard_all, sharded_named_parameters
 
 if TYPE_CHECKING:
+    from hybrid_engine.config import ModelConfig
     from hybrid_engine.roles.trainer import Trainer
 
-__all__ = ["export_hf"]
+__all__ = ["export_adapter", "export_hf"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
@@ -141,6 +144,35 @@ def export_hf(
             config.dtype = dtype or next(module.parameters()).dtype
             config.save_pretrained(tmp)
             _copy_side_files(source, tmp)
+        except WRITE_ERRORS as e:
+            err = e
+    agree(err, tmp, path)
+    commit(tmp, path)
+
+
+def export_adapter(path: str | os.PathLike, *, model: Trainer | FSDPModule, lora: ModelConfig,
+                   base_model: str) -> None:
+    """Writes a LoRA policy's adapters as a PEFT folder: adapter_config.json (the
+    model section's rank, alpha, dropout and targets; base_model_name_or_path =
+    base_model) and adapter_model.safetensors in the master dtype, PEFT's names.
+
+    Collective (each adapter is all-gathered); rank 0 writes; committed
+    atomically like a checkpoint."""
+    module = model.module if hasattr(model, "module") else model
+    reshard_all(module)
+    tensors = adapter_state_dict(module)
+    path = Path(path)
+    tmp = tmp_folder(path)
+    err = None
+    if group_rank() == 0:
+        try:
+            tmp.mkdir(parents=True)
+            config = lora_config(lora)
+            config.base_model_name_or_path = base_model
+            config.task_type = "CAUSAL_LM"
+            config.save_pretrained(str(tmp))
+            save_file({n: t.cpu().contiguous() for n, t in tensors.items()},
+                      str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         except WRITE_ERRORS as e:
             err = e
     agree(err, tmp, path)

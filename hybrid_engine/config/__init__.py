@@ -42,6 +42,7 @@ from hybrid_engine.config.sections import (
     AsyncConfig,
     EnvConfig,
     EvalConfig,
+    ExportConfig,
     GuardsConfig,
     LogConfig,
     MemoryConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "AsyncConfig",
     "EnvConfig",
     "EvalConfig",
+    "ExportConfig",
     "GuardsConfig",
     "LogConfig",
     "MemoryConfig",
@@ -92,6 +94,7 @@ class RunConfig:
     guards: GuardsConfig = _field(GuardsConfig, "Checks that stop a run going wrong.")
     eval: EvalConfig = _field(EvalConfig, "Held-out evaluation.")
     log: LogConfig = _field(LogConfig, "The step line, sample tables and trackers.")
+    export: ExportConfig = _field(ExportConfig, "What the run leaves behind.")
     placement: Literal["colocated", "separate"] = _field(
         "colocated",
         "'colocated': every rank trains (FSDP2) and rolls out (vLLM), taking turns; "

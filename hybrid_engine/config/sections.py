@@ -19,8 +19,8 @@ from typing import Any, Literal
 from hybrid_engine.config.overrides import doc_field as _field
 from hybrid_engine.config.overrides import validate_fields
 
-__all__ = ["AlgorithmConfig", "AsyncConfig", "EnvConfig", "EvalConfig", "GuardsConfig", "LogConfig",
-           "MemoryConfig", "ModelConfig", "PREFIXES", "RolloutConfig", "SyncConfig", "TRACKERS",
+__all__ = ["AlgorithmConfig", "AsyncConfig", "EnvConfig", "EvalConfig", "ExportConfig",
+           "GuardsConfig", "LogConfig", "MemoryConfig", "ModelConfig", "PREFIXES", "RolloutConfig", "SyncConfig", "TRACKERS",
            "TrainConfig"]
 
 # Section class -> its dotted prefix in RunConfig ("train."), for messages; filled
@@ -567,6 +567,18 @@ class LogConfig:
                                  f"{', '.join(TRACKERS)}")
         if len(set(self.trackers)) != len(self.trackers):
             raise ValueError(f"log.trackers={','.join(self.trackers)} names a tracker twice")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportConfig:
+    """What the run leaves behind when it ends."""
+
+    merge_lora: bool = _field(
+        True, "LoRA: also write final/ as a merged HF folder (final_adapter/, the PEFT adapter "
+        "folder, is always written); false = the adapter folder alone.")
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
 
 
 def _prefix(obj: Any) -> str:

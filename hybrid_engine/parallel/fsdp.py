@@ -34,6 +34,7 @@ Two layout details callers rely on:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -173,6 +174,13 @@ def resolve_model_path(model_path: str) -> Path:
         ValueError: a local-looking path that is not a folder with a config.json.
     """
     if os.path.isdir(model_path):
+        adapter = os.path.join(model_path, "adapter_config.json")
+        if os.path.isfile(adapter) and not os.path.isfile(os.path.join(model_path, "config.json")):
+            with open(adapter) as f:
+                base = json.load(f).get("base_model_name_or_path")
+            raise ValueError(f"model folder {model_path!r} is a PEFT adapter folder over "
+                             f"{base!r}, not a model: train with export.merge_lora=true for a "
+                             "merged final/, or merge it with PEFT (merge_and_unload)")
         if not os.path.isfile(os.path.join(model_path, "config.json")):
             raise ValueError(f"model folder {model_path!r} has no config.json "
                              "(expected a HF model folder: config.json + *.safetensors)")

@@ -59,7 +59,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid_engine.algorithms.losses import LossFn
-from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
+from hybrid_engine.checkpoint import (export_adapter, export_hf, load_training_state,
+                                      save_training_state)
 from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.parallel import watchdog
 from hybrid_engine.parallel.dist import all_groups, init_distributed, set_collective_timeout
@@ -468,6 +469,12 @@ class HybridActor:
         """Writes the current policy as a HF folder (atomic; collective)."""
         with watchdog.phase("export"):
             export_hf(path, model=self.trainer, hf_config_source=self.model_path, dtype=dtype)
+
+    def export_adapter(self, path: str | Path) -> None:
+        """Writes a LoRA policy's adapters as a PEFT folder over model.path (collective)."""
+        with watchdog.phase("export"):
+            export_adapter(path, model=self.trainer, lora=self.cfg.model,
+                           base_model=self.model_path)
 
     def shutdown(self) -> None:
         """Stops the engine; destroys the process group if this actor created it.

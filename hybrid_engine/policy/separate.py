@@ -53,7 +53,8 @@ from hybrid_engine.policy.ahead import Inflight, SerialWorker, timed
 from hybrid_engine.policy.inflight import InstallGate
 from hybrid_engine.policy.training import policy_train, sampling_overrides, train_batch
 from hybrid_engine.algorithms.losses import LossFn
-from hybrid_engine.checkpoint import export_hf, load_training_state, save_training_state
+from hybrid_engine.checkpoint import (export_adapter, export_hf, load_training_state,
+                                      save_training_state)
 from hybrid_engine.config import RolloutConfig, RunConfig
 from hybrid_engine.parallel import watchdog
 from hybrid_engine.parallel.dist import (
@@ -433,6 +434,14 @@ class SeparatePolicy:
         with watchdog.phase("export"):
             if self.is_trainer:
                 export_hf(path, model=self.trainer, hf_config_source=self.model_path, dtype=dtype)
+            dist.barrier()
+
+    def export_adapter(self, path: str | Path) -> None:
+        """Writes a LoRA policy's adapters as a PEFT folder (trainer ranks; collective)."""
+        with watchdog.phase("export"):
+            if self.is_trainer:
+                export_adapter(path, model=self.trainer, lora=self.cfg.model,
+                               base_model=self.model_path)
             dist.barrier()
 
     def shutdown(self) -> None:

@@ -351,7 +351,7 @@ def test_unknown_key_suggests_closest(key, suggestion):
 
 
 def test_unknown_key_without_match_lists_sections_and_section_key_is_explained():
-    with pytest.raises(ValueError, match="sections are algorithm, async_rollout, env, eval, guards, log, memory, model"):
+    with pytest.raises(ValueError, match="sections are algorithm, async_rollout, env, eval, export, guards, log, memory, model"):
         apply_overrides(RunConfig(), ["zzz=1"])
     with pytest.raises(ValueError, match="'train' is a section"):
         apply_overrides(RunConfig(), ["train=1"])

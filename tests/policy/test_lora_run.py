@@ -1,8 +1,9 @@
 """`hybrid-engine train --model.lora_rank --sync.lora=adapter` on 2 ranks
 (colocated, TP 2, GPU sleep emulated): the engine serves the file's base with
 the trainer's adapters, the KL reference is the base, the checkpoint holds the
-adapters only (with the base's digest), and final/ is a merged HF folder. (The
-merged sync, sync.lora=merge, into an engine: tests/roles/test_lora.py.)"""
+adapters only (with the base's digest), and with export.merge_lora=false the
+run leaves final_adapter/ (a PEFT folder) and no final/. (The merged sync and
+both exports, exactly: tests/roles/test_lora.py.)"""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from tests.policy.runs import rows, train
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_lora_trains_checkpoints_adapters_and_exports_a_merged_model(model_dir, reward_file, tmp_path) -> None:
-    import torch
+def test_lora_with_adapter_sync_trains_checkpoints_and_exports_the_adapter(
+        model_dir, reward_file, tmp_path) -> None:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -30,8 +31,8 @@ def test_lora_trains_checkpoints_adapters_and_exports_a_merged_model(model_dir, 
 
     out = tmp_path / "run"
     args = ("--model.lora_rank=4", "--model.lora_alpha=8", "--algorithm.kl_coef=0.05",
-            "--sync.verify=true", "--sync.lora=adapter")
-    train(model_dir, reward_file, out, 2, *args)
+            "--sync.verify=true", "--sync.lora=adapter", "--export.merge_lora=false")
+    proc = train(model_dir, reward_file, out, 2, *args)
     first = rows(out)
     assert [r["step"] for r in first] == [0, 1, 2, 3]
     trained = [r for r in first[1:] if not r["skipped_degenerate"]]
@@ -50,11 +51,15 @@ def test_lora_trains_checkpoints_adapters_and_exports_a_merged_model(model_dir, 
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:3]
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["lora_base"] == {"path": model_dir, "sha256": weights_digest(model_dir)}
-    final = load_file(str(out / "final" / "model.safetensors"))
-    base = load_file(f"{model_dir}/model.safetensors")
-    assert final.keys() == base.keys()  # merged: no adapter or base_layer names
-    changed = [n for n in base if not torch.equal(final[n], base[n])]
-    assert changed and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
-                                       "o_proj.weight", "gate_proj.weight", "up_proj.weight",
-                                       "down_proj.weight")) for n in changed)
+    assert not (out / "final").exists()
+    summary = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith('{"steps"')))
+    assert summary["final_model"] == str((out / "final_adapter").resolve())
+    config = json.loads((out / "final_adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (
+        4, 8, model_dir)
+    adapters = load_file(str(out / "final_adapter" / "adapter_model.safetensors"))
+    assert len(adapters) == 2 * 7 * AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    assert all(n.startswith("base_model.model.model.layers.") for n in adapters)
+    assert any(n.endswith("lora_B.weight") and bool(t.abs().max() > 0)
+               for n, t in adapters.items())  # trained off B's zero init
     assert step == 2  # (its exact resume: tests/roles/test_lora.py, in-process)

@@ -104,8 +104,8 @@ def _merged(path: str, run, root: str) -> dict:  # noqa: ANN001
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from hybrid_engine.checkpoint.export import export_hf
-    from hybrid_engine.config import SyncConfig
+    from hybrid_engine.checkpoint.export import export_adapter, export_hf
+    from hybrid_engine.config import ModelConfig, SyncConfig
     from hybrid_engine.parallel.params import local_rows
     from hybrid_engine.roles.sync import WeightSync
 
@@ -120,11 +120,30 @@ def _merged(path: str, run, root: str) -> dict:  # noqa: ANN001
         r0, r1 = local_rows(base)
         exact &= torch.equal(sources[name].view(-1), want[r0:r1].reshape(-1))
     export_hf(f"{root}/exported", model=run.trainer, hf_config_source=path)
+    export_adapter(f"{root}/adapter", model=run.trainer, lora=ModelConfig(**LORA),
+                   base_model=path)
     dist.barrier()
     written = load_file(f"{root}/exported/model.safetensors")
     return dict(sources_exact=exact, sources_keys=sorted(sources) == sorted(sync.plan.hf_shapes),
                 export_exact=all(torch.equal(written[n], w) for n, w in expected.items()),
-                export_keys=not any(".lora_" in n or "base_layer" in n for n in written))
+                export_keys=not any(".lora_" in n or "base_layer" in n for n in written),
+                adapter_exact=_peft_merge(f"{root}/adapter", expected))
+
+
+def _peft_merge(folder: str, expected: dict) -> bool:
+    """The PEFT adapter folder, loaded by PEFT onto the base it names and merged,
+    gives W0 + (alpha / r) B A."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.roles.test_trainer import max_diff
+
+    base = json.loads(open(f"{folder}/adapter_config.json").read())["base_model_name_or_path"]
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        base, dtype=torch.float32), folder).merge_and_unload().state_dict()
+    return max_diff({n: peft[n] for n in expected}, expected) < 1e-6
 
 
 def _bf16(path: str) -> dict:
@@ -274,7 +293,8 @@ def test_lora_on_every_layout_equals_a_one_process_peft_model(tmp_path) -> None:
     # The weight sync's sources and the export hold the merged weights, bit for bit,
     # and the reference is the base: the policy bypassing its adapters.
     assert merged == dict(sources_exact=True, sources_keys=True, export_exact=True,
-                          export_keys=True, reference_exact=True, policy_differs=True,
+                          export_keys=True, adapter_exact=True, reference_exact=True,
+                          policy_differs=True,
                           bf16_base=True, fp32_adapters=True, bf16_optimizer=True,
                           bf16_trains=True, resume_exact=True, resume_refusals=True,
                           resume_digest=True)
