@@ -418,6 +418,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_eval(args, rest)
     if args.cmd == "bench":
         return _cmd_bench(args, rest)
+    if args.cmd == "demo" and rest:  # --model.lora_rank=16: as `train` takes it, or --set
+        from hybrid_engine.config import parse_cli_overrides
+
+        try:
+            args.overrides = [*parse_cli_overrides(rest), *args.overrides]
+        except ValueError as e:
+            _parser().error(str(e))
+        rest = []
     if rest:
         _parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "env":

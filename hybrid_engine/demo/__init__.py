@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="supervised warm-start steps (default: WarmStartConfig's, 300)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override on top of the demo's recipe, repeatable, e.g. "
-                        "--set train.ppo_epochs=2 (keys as `hybrid-engine config` lists them)")
+                        "--set train.ppo_epochs=2, or as `train` takes it: --train.ppo_epochs=2 "
+                        "(keys as `hybrid-engine config` lists them)")
     p.add_argument("--verbose", action="store_true",
                    help="every library's log on every rank, and torchrun's own log on stderr")
 

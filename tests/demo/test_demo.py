@@ -24,3 +24,7 @@ def test_demo_set_overrides_apply_on_top_of_the_recipe_and_bad_ones_fail_early()
                          timeout=120)
     assert out.returncode == 2 and "error:" in out.stderr and "ppo_epochs" in out.stderr
     assert "Traceback" not in out.stderr
+    # `train`'s form of an override reaches the demo's config as --set does.
+    out = subprocess.run([sys.executable, "-m", "hybrid_engine.cli", "demo",
+                          "--model.lora_rank", "-1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "error: model.lora_rank must be >= 0" in out.stderr, out.stderr
