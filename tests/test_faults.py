@@ -343,7 +343,10 @@ def test_sigkill_to_hybrid_engine_launch_takes_the_job_down(model_dir, tmp_path)
     assert processes_mentioning(str(out)) == []
 
 
-STOP_PHASES = ("rollout", "train", "sync", "save")
+# The watchdog that names a silent peer does not depend on the phase; these are the
+# two where the survivor spins in vLLM's shared-memory all-reduce, which no
+# collective timeout covers (training and saving wait in gloo collectives).
+STOP_PHASES = ("rollout", "sync")
 STOP_TIMEOUT_S = 20
 
 
@@ -439,7 +442,7 @@ def test_a_second_job_on_the_same_output_dir_is_refused(model_dir, tmp_path) -> 
         "        time.sleep(0.2)\n"
         "    return float(zlib.crc32(completion.encode()) % 2)\n")
     runner = threading.Thread(target=lambda: first.append(_train(
-        model_dir, out, "--train.num_steps=8", "--env.reward_timeout_s=600",
+        model_dir, out, "--train.num_steps=3", "--env.reward_timeout_s=600",
         f"--env.reward_fn={tmp_path / 'reward.py'}:reward")))
     runner.start()
     deadline = time.time() + 240
@@ -454,10 +457,10 @@ def test_a_second_job_on_the_same_output_dir_is_refused(model_dir, tmp_path) -> 
     assert "is in use by a running job (pid " in errors[0], errors
     assert first[0].returncode == 0, first[0].stdout[-3000:]
     rows = _steps(out)
-    assert sorted(rows) == list(range(0, 9)) or sorted(rows) == list(range(1, 9)), sorted(rows)
+    assert sorted(rows) == list(range(0, 4)) or sorted(rows) == list(range(1, 4)), sorted(rows)
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "eval_s" not in r] == sorted(rows)  # no step twice
-    assert latest_checkpoint(out / "checkpoints") == step_checkpoint_path(out / "checkpoints", 8)
+    assert latest_checkpoint(out / "checkpoints") == step_checkpoint_path(out / "checkpoints", 3)
 
 
 def test_a_failed_save_stops_with_one_error_and_resume_continues(model_dir, reference,
