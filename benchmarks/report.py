@@ -32,6 +32,7 @@ SUITE = (
     ("bench_memory.py", [], ["--quick"]),
     ("bench_step.py", [], ["--quick"]),
     ("bench_kernels.py", [], ["--quick"]),
+    ("bench_lora.py", ["--jobs", "2"], ["--quick"]),
 )
 
 
@@ -157,8 +158,20 @@ def _kernels_row(r: dict) -> str:
             f"| {r['jobs']} x {r['repeats']} |")
 
 
+def _lora_row(r: dict) -> str:
+    rows, ratios = r["rows"], r["ratios"]
+    parts = "; ".join(f"{m} sync {x['sync_s']['median']:.3f} s, {x['sync_bytes'] / 1e6:.1f} MB, "
+                      f"{x['tok_s']['median']:.0f} tok/s, {x['peak_rss']['median'] / 2**20:.0f} MB"
+                      for m, x in rows.items())
+    extra = "".join(f"; {k} **{v['ratio']:.2f}** {_ci(v['ci'])}" for k, v in ratios.items()
+                    if k in ("merge/adapter sync_s", "merge/adapter tok_s"))
+    return (f"| LoRA rank {r['lora_rank']}, {r['model_params'] / 1e6:.0f}M, N={r['nproc']}, "
+            f"T={r['tp']} (`bench_lora`) | {parts}{extra} | bytes: the planner's minimum "
+            f"| {r['jobs']} x {r['repeats']} |")
+
+
 HEADLINES = (("sync", _sync_row), ("step", _step_row), ("rollout", _rollout_row),
-             ("memory", _memory_row), ("kernels", _kernels_row))
+             ("memory", _memory_row), ("kernels", _kernels_row), ("lora", _lora_row))
 
 
 def headline(summary: dict[str, dict]) -> str:

@@ -43,9 +43,10 @@ REGENERATE = ".venv/bin/python -m tests.test_docs"
 EXTENSIONS = (".py", ".md", ".cpp", ".cu", ".h", ".txt", ".png", ".yaml", ".yml", ".json",
               ".toml", ".sh", ".cfg")
 # What a run writes, not repository paths: run folders, caches, and the entries of
-# an output_dir (`final/`, `tb/`, `checkpoints/`, the trackers' `wandb/` and `mlruns/`).
-OUTPUT_ROOTS = ("runs/", ".cache/", "output_dir/", "final/", "tb/", "checkpoints/", "wandb/",
-                "mlruns/")
+# an output_dir (`final/`, `final_adapter/`, `tb/`, `checkpoints/`, the trackers' `wandb/`
+# and `mlruns/`).
+OUTPUT_ROOTS = ("runs/", ".cache/", "output_dir/", "final/", "final_adapter/", "tb/",
+                "checkpoints/", "wandb/", "mlruns/")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 BACKTICK = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
