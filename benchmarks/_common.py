@@ -72,3 +72,17 @@ def cpu_name() -> str:
     import platform
 
     return platform.processor() or "unknown CPU"
+
+
+def preset_model(cache_dir: str | Path, preset: str) -> Path:
+    """The tiny-model preset's HF folder under cache_dir, written on first use
+    (random weights: `hybrid_engine.models.tiny`); exits naming the presets if
+    there is no such preset."""
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+
+    if preset not in PRESETS:
+        raise SystemExit(f"--preset {preset!r}: not a preset ({', '.join(PRESETS)})")
+    model = Path(cache_dir) / preset
+    if not (model / "config.json").is_file():
+        write_tiny_model(model, PRESETS[preset])
+    return model

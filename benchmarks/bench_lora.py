@@ -201,13 +201,11 @@ def main(argv=None) -> None:
         return
     argv = list(argv if argv is not None else sys.argv[1:])
     sys.path.insert(0, str(REPO))
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+    from _common import preset_model, result_header, result_path
 
-    if args.preset not in PRESETS:
-        raise SystemExit(f"--preset {args.preset!r}: not a preset ({', '.join(PRESETS)})")
-    model = Path(args.cache_dir) / args.preset
-    if not (model / "config.json").is_file():
-        write_tiny_model(model, PRESETS[args.preset])
+    from hybrid_engine.models.tiny import PRESETS
+
+    model = preset_model(args.cache_dir, args.preset)
     t0, jobs = time.perf_counter(), {m: [] for m in args.modes}
     for j in range(args.jobs):
         for mode in args.modes[j % len(args.modes):] + args.modes[:j % len(args.modes)]:
@@ -216,8 +214,6 @@ def main(argv=None) -> None:
     summary = _summarize(args, jobs)
     table = _table(summary)
     print(table)
-    from _common import result_header, result_path
-
     path = result_path(args.out_dir, "lora", quick=args.quick)
     result = {"preset": args.preset, "model_params": PRESETS[args.preset].num_params,
               "nproc": args.nproc, "tp": args.tp or args.nproc, "lora_rank": args.lora_rank,

@@ -399,15 +399,12 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(REPO))
     from transformers import AutoTokenizer
 
+    from _common import preset_model
     from _stats import describe
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+    from hybrid_engine.models.tiny import PRESETS
 
-    if args.preset not in PRESETS:
-        raise SystemExit(f"--preset {args.preset!r}: not a preset ({', '.join(PRESETS)})")
+    model = preset_model(args.cache_dir, args.preset)
     spec = PRESETS[args.preset]
-    model = Path(args.cache_dir) / args.preset
-    if not (model / "config.json").is_file():
-        write_tiny_model(model, spec)
     tok = AutoTokenizer.from_pretrained(str(model))
     prompt_lens = [len(tok.encode(p, add_special_tokens=False)) for p in _prompts(args.prompts)]
     need = {m: _kv_need(args, spec, m, prompt_lens) for m in MODES}
