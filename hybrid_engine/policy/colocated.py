@@ -183,7 +183,6 @@ class HybridActor:
         log.info("starting the vLLM engine (TP=%d)", cfg.rollout.tensor_parallel_size)
         # GPU: the engine's budget leaves room for the optimizer state the first step creates.
         reserve = 0 if cfg.memory.offload_optimizer else self.trainer.optimizer_state_bytes()
-        # sync.lora=adapter: vLLM serves the file's base with the trainer's adapters.
         adapter = cfg.model if cfg.model.lora_rank and cfg.sync.lora == "adapter" else None
         self.rollout = VLLMRollout(self.model_path, cfg.rollout, memory=cfg.memory,
                                    dtype=cfg.model.rollout_dtype, reserve_bytes=reserve,

@@ -235,8 +235,7 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
             tensor's rows over ranks 0..M-1, the rollout runs on M..N-1).
         shard_group_size: S, ranks per shard group of the sources (None = M:
             one group; 1 = replicated; train.sharding=hybrid: its group size).
-        lora: plan the LoRA adapters of these dims instead of the model's
-            weights (`reshard.adapters`: sync.lora=adapter).
+        lora: plan these dims' LoRA adapters, not weights (`reshard.adapters`).
 
     Raises:
         ValueError: T does not divide the rollout ranks, M is not in [1, N),

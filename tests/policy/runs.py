@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from hybrid_engine.testing import run_torchrun
 
 # Keys that differ between placements or runs by nature: times, memory, the sync's own
@@ -34,3 +36,13 @@ def rows(out: Path) -> list[dict]:
 
 def stable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not any(p in k for p in VARYING)}
+
+
+def assert_rows_close(a: list[dict], b: list[dict], rel: float = 1e-3) -> None:
+    """The same steps and keys, every stable metric within rel (abs 1e-6 near 0):
+    two runs of one schedule in different placements round fp32 differently on
+    some CPUs (an AMX Xeon: up to ~1e-4 relative on ppo_kl at step 2, while the
+    samples, rewards and staleness agree exactly; a Zen 4: bit for bit)."""
+    sa, sb = [stable(r) for r in a], [stable(r) for r in b]
+    assert [sorted(r) for r in sa] == [sorted(r) for r in sb]
+    assert sa == [pytest.approx(r, rel=rel, abs=1e-6) for r in sb]

@@ -21,6 +21,7 @@ from hybrid_engine.policy.ahead import Inflight, SerialWorker, batches_to_json, 
 from hybrid_engine.testing import run_in_subprocess
 from hybrid_engine.trajectory import Trajectory, trajectory_from_json, trajectory_to_json
 from tests.fakes import FakeAlgorithm, FakeEnv, FakePolicy
+from tests.policy.runs import assert_rows_close
 from tests.policy.runs import rows as _rows
 from tests.policy.runs import stable as _stable
 from tests.policy.runs import train
@@ -193,8 +194,8 @@ def test_separate_ahead_equals_colocated_ahead_and_resumes(model_dir, reward_fil
     rows = _rows(sep)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r["skipped_degenerate"] == 0.0 for r in rows[1:])  # every step trained
-    assert [_stable(r) for r in rows] == [_stable(r) for r in _rows(col)]
-    assert [_stable(r) for r in _rows(verified)] == [_stable(r) for r in rows]
+    assert_rows_close(rows, _rows(col))
+    assert_rows_close(_rows(verified), rows)
     # behind: each step reports the previous step's sync (none before step 2)
     assert [r.get("sync_behind") for r in rows[1:]] == [1.0, 1.0, 1.0]
     assert "sync_bytes_received" not in rows[1] and rows[2]["sync_bytes_received"] > 0
