@@ -154,7 +154,7 @@ def _per_step(job: dict) -> list[dict]:
     return out
 
 
-def _summarize(args: argparse.Namespace, jobs: dict[str, list[dict]]) -> dict:
+def _summarize(jobs: dict[str, list[dict]]) -> dict:
     import _stats
 
     rows, series = {}, {}
@@ -211,7 +211,7 @@ def main(argv=None) -> None:
         for mode in args.modes[j % len(args.modes):] + args.modes[:j % len(args.modes)]:
             print(f"job {j + 1}/{args.jobs}: {mode} ...", file=sys.stderr, flush=True)
             jobs[mode].append({**_run_job(args, mode, model, argv), "tp": args.tp or args.nproc})
-    summary = _summarize(args, jobs)
+    summary = _summarize(jobs)
     table = _table(summary)
     print(table)
     path = result_path(args.out_dir, "lora", quick=args.quick)

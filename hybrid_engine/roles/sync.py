@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from hybrid_engine.config import ModelConfig, SyncConfig
 from hybrid_engine.parallel.lora import (PEFT_PREFIX, adapter_parameters, lora_config,
                                          merged_parameters)
-from hybrid_engine.parallel.params import assert_sharded, hf_name, reshard_all
+from hybrid_engine.parallel.params import assert_sharded, full_tensor, hf_name, reshard_all
 from hybrid_engine.reshard.adapters import LoraDims
 from hybrid_engine.reshard.layouts import model_dims
 from hybrid_engine.reshard.gather import BucketedGather
@@ -301,7 +301,7 @@ class WeightSync:
 
     def _full_adapters(self, model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
         """Every whole adapter tensor in the wire dtype (collective): the verify reference."""
-        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(self.wire_dtype)
+        return {n: full_tensor(p).detach().to(self.wire_dtype)
                 for n, p in adapter_parameters(model)}
 
     def _check_adapter(self, buffers: dict[str, torch.Tensor],
