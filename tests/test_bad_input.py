@@ -5,7 +5,8 @@ nothing half-written.
 
 The first group proves the wiring with a few inputs refused before any engine
 starts (the rest of them are checked in-process: tests/test_preflight.py); the
-second needs the engine running (rewards, prompts, checkpoints, NaNs)."""
+second needs the engine running (rewards, prompts, NaNs): the same job on 2
+ranks forked by `run_job` (the launcher's part is the first group's)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_engine.testing import run_cli
+from hybrid_engine.testing import run_cli, run_job
 from tests.bad_models import EXPECTED, bad_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -24,32 +25,41 @@ _REPORT_LINE = re.compile(r"^\(torchrun: rank \d exited with code 2; its report:
                           r"--verbose prints it here\)$")
 
 
-def _train(model: Path | str, out: Path, *extra: str, recipe: str = "tiny_grpo_debug"):  # noqa: ANN202
-    return run_cli(["train", "--nproc", "2", f"--recipe={recipe}", "--no-progress",
-                    f"--model.path={model}", f"--output_dir={out}", "--eval.num_prompts=4",
-                    "--rollout.max_tokens=8", "--sync.verify=false", *extra], timeout=300)
+def _argv(model: Path | str, out: Path, *extra: str) -> list[str]:
+    return ["train", "--recipe=tiny_grpo_debug", "--no-progress", f"--model.path={model}",
+            f"--output_dir={out}", "--eval.num_prompts=4", "--rollout.max_tokens=8",
+            "--sync.verify=false", *extra]
+
+
+def _train(model: Path | str, out: Path, *extra: str):  # noqa: ANN202
+    return run_cli(["train", "--nproc", "2", *_argv(model, out, *extra)[1:]], timeout=300)
+
+
+def _job(model: Path | str, out: Path, *extra: str):  # noqa: ANN202
+    return run_job(_argv(model, out, *extra), 2, timeout=300, check=False)
 
 
 def _assert_one_error(proc, out: Path, expected: str | list[str], *,  # noqa: ANN001
                       launched: bool = True) -> str:
     """Exit code 2; on stderr exactly one error line (rank 0's) holding expected,
-    the report line last (if the ranks were launched), and no traceback anywhere
-    (torchrun's is in the report); no half-written checkpoint or final model.
-    Returns the error line."""
+    the report line last (if the launcher started the ranks), and no traceback
+    anywhere (torchrun's is in the report); no half-written checkpoint or final
+    model. A `run_job` has the ranks' stdout and stderr together. Returns the error line."""
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2, text[-3000:]
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    job = proc.args[0] == "hybrid-engine"  # run_job's
+    errors = [ln for ln in (text if job else proc.stderr).splitlines() if ln.startswith("error")]
     assert len(errors) == 1 and errors[0].startswith("error: "), text[-3000:]
     for part in [expected] if isinstance(expected, str) else expected:
         assert part in errors[0], errors[0]
     assert "Traceback" not in text, text[-3000:]
-    assert not [ln for ln in proc.stdout.splitlines() if ln.startswith("error")], text[-3000:]
-    if launched:
+    assert job or not [ln for ln in proc.stdout.splitlines() if ln.startswith("error")], text[-3000:]
+    if launched and not job:
         report = _REPORT_LINE.match(proc.stderr.splitlines()[-1])
         assert report, proc.stderr[-3000:]
         assert "ChildFailedError" in Path(report.group(1)).read_text()
         Path(report.group(1)).unlink()
-    else:  # refused before any rank started: the error line is all
+    elif not job:  # refused before any rank started: the error line is all
         assert proc.stderr.splitlines() == errors, proc.stderr[-3000:]
     assert not list(out.glob("checkpoints/*.tmp-*")) and not (out / "final").exists()
     return errors[0]
@@ -109,8 +119,8 @@ def test_bad_reward(model_dir, tmp_path, kind, expected) -> None:
     killed at its timeout (tests/envs/test_rewards.py, tests/envs/test_real_task.py)."""
     (tmp_path / "reward.py").write_text(_REWARDS[kind])
     out = tmp_path / "run"
-    proc = _train(model_dir, out, f"--env.reward_fn={tmp_path / 'reward.py'}:reward",
-                  "--env.reward_timeout_s=2")
+    proc = _job(model_dir, out, f"--env.reward_fn={tmp_path / 'reward.py'}:reward",
+                "--env.reward_timeout_s=2")
     _assert_one_error(proc, out, expected)
     assert not (out / "checkpoints").exists()  # failed in step 1, before any save
 
@@ -124,9 +134,9 @@ def test_a_prompt_too_long_is_truncated_and_counted(model_dir, tmp_path) -> None
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "truncate"
-    proc = _train(model_dir, out, f"--env.dataset_path={data}", "--train.prompts_per_step=41",
-                  "--train.num_steps=1", "--checkpoint_every=0",
-                  "--rollout.prompt_too_long=truncate")
+    proc = _job(model_dir, out, f"--env.dataset_path={data}", "--train.prompts_per_step=41",
+                "--train.num_steps=1", "--checkpoint_every=0",
+                "--rollout.prompt_too_long=truncate")
     assert proc.returncode == 0, proc.stdout[-3000:]
     step = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()][-1]
     assert step["prompts_truncated"] == 1.0
@@ -148,10 +158,9 @@ def test_nonfinite_steps_are_skipped_then_abort(model_dir, tmp_path) -> None:
         "        return float(zlib.crc32(completion.encode()) % 2)\n"
         "    return 1e30 * (zlib.crc32(completion.encode()) % 2)\n")
     out = tmp_path / "run"
-    proc = _train(model_dir, out, f"--env.reward_fn={tmp_path / 'reward.py'}:reward",
-                  "--algorithm.advantage=drgrpo", "--train.num_steps=6", "--checkpoint_every=1",
-                  "--keep_checkpoints=5",
-                  "--guards.max_nonfinite_in_a_row=2")
+    proc = _job(model_dir, out, f"--env.reward_fn={tmp_path / 'reward.py'}:reward",
+                "--algorithm.advantage=drgrpo", "--train.num_steps=6", "--checkpoint_every=1",
+                "--keep_checkpoints=5", "--guards.max_nonfinite_in_a_row=2")
     line = _assert_one_error(proc, out, ["step 4: 2 steps in a row had a non-finite loss",
                                          "step_00000003"])
     rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}

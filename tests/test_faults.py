@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoint_path
-from hybrid_engine.testing import processes_mentioning, run_torchrun
+from hybrid_engine.testing import processes_mentioning, run_job, run_torchrun
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -59,21 +59,32 @@ def model_dir(tmp_path_factory) -> Path:
     return folder
 
 
+def _argv(model: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--recipe=tiny_grpo_debug", "--no-progress",
+            f"--model.path={model}", f"--output_dir={out}", "--rollout.max_tokens=8",
+            "--sync.verify=false", f"--train.num_steps={STEPS}", "--checkpoint_every=1",
+            "--keep_checkpoints=2", "--train.lr=1e-3",
+            f"--env.reward_fn={model.parent / 'reward.py'}:reward",
+            f"--env.dataset_path={model.parent / 'train.jsonl'}",
+            f"--env.eval_dataset_path={model.parent / 'eval.jsonl'}",
+            # Evaluated after the last step only: a fault in steps 1-3 meets no evaluation.
+            "--eval.at_end=true", "--eval.num_prompts=0", f"--eval.num_samples={EVAL_K}", *extra]
+
+
 def _train(model: Path, out: Path, *extra: str, fault: str | None = None,
            stamp: Path | None = None, master_port: int | None = None,
            launcher: str = "torchrun"):  # noqa: ANN202
+    """The job under torchrun (what a fault meets), rank 1 armed with fault."""
     env = {"HE_FAULT": fault, "HE_FAULT_RANK": "1", "HE_FAULT_STAMP": str(stamp)} if fault else {}
-    return run_torchrun(
-        [str(HERE / "fault_train.py"), "train", "--recipe=tiny_grpo_debug", "--no-progress",
-         f"--model.path={model}", f"--output_dir={out}", "--rollout.max_tokens=8",
-         "--sync.verify=false", f"--train.num_steps={STEPS}", "--checkpoint_every=1",
-         "--keep_checkpoints=2", "--train.lr=1e-3",
-         f"--env.reward_fn={model.parent / 'reward.py'}:reward",
-         f"--env.dataset_path={model.parent / 'train.jsonl'}",
-         f"--env.eval_dataset_path={model.parent / 'eval.jsonl'}",
-         # Evaluated after the last step only: a fault in steps 1-3 meets no evaluation.
-         "--eval.at_end=true", "--eval.num_prompts=0", f"--eval.num_samples={EVAL_K}", *extra],
-        2, timeout=300, env=env, check=False, master_port=master_port, launcher=launcher)
+    return run_torchrun([str(HERE / "fault_train.py"), *_argv(model, out, *extra)],
+                        2, timeout=300, env=env, check=False, master_port=master_port,
+                        launcher=launcher)
+
+
+def _run(model: Path, out: Path, *extra: str):  # noqa: ANN202
+    """The job without a fault (references, resumes): the same ranks, forked
+    instead of started by torchrun (`run_job`)."""
+    return run_job(_argv(model, out, *extra), 2, timeout=300, check=False)
 
 
 def _steps(out: Path) -> dict[int, dict]:
@@ -89,7 +100,7 @@ def _steps(out: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def reference(model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference") / "run"
-    proc = _train(model_dir, out)
+    proc = _run(model_dir, out)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return out
 
@@ -137,7 +148,7 @@ def _faulty_runs(model_dir: Path, root: Path, faults: dict[str, str], *extra: st
                             down_after=exited - float(stamp.read_text()) if stamp.exists() else None,
                             latest=latest_checkpoint(ckpts), tmp_left=bool(list(ckpts.glob("*.tmp-*"))))
         if name in resume:
-            r.resumed = _train(model_dir, out, *extra, "--resume")
+            r.resumed = _run(model_dir, out, *extra, "--resume")
         return r
 
     with ThreadPoolExecutor(2) as pool:
@@ -217,7 +228,7 @@ AHEAD = ("--placement=separate", "--rollout.num_ranks=1", "--rollout.tensor_para
 @pytest.fixture(scope="module")
 def ahead_reference(model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ahead_reference") / "run"
-    proc = _train(model_dir, out, *AHEAD)
+    proc = _run(model_dir, out, *AHEAD)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return out
 
@@ -276,7 +287,7 @@ def test_sigterm_to_one_rank_stops_every_rank_cleanly(model_dir, reference, tmp_
     assert latest_checkpoint(ckpts) == (step_checkpoint_path(ckpts, steps) if steps else None)
     assert not list(ckpts.glob("*.tmp-*")) if ckpts.exists() else True
     if 0 < steps < STEPS:
-        proc = _train(model_dir, out, "--resume")
+        proc = _run(model_dir, out, "--resume")
         assert proc.returncode == 0, proc.stdout[-3000:]
         assert _steps(out) == _steps(reference)
 
@@ -481,7 +492,7 @@ def test_a_failed_save_stops_with_one_error_and_resume_continues(model_dir, refe
         "ChildFailedError:") <= 1, proc.stdout[-3000:]
     ckpts = out / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001", "step_00000002"]
-    proc = _train(model_dir, out, "--resume")
+    proc = _run(model_dir, out, "--resume")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert _steps(out) == _steps(reference)
 
@@ -490,8 +501,8 @@ def test_eval_on_the_final_model_reproduces_the_runs_last_greedy_evaluation(
         model_dir, reference) -> None:
     """`hybrid-engine eval` on the run's final/ export, 2 ranks, the run's eval keys:
     the same prompts and greedy metrics as the run's last evaluation, exactly."""
-    proc = run_torchrun(
-        ["-m", "hybrid_engine.cli", "eval", "--recipe=tiny_grpo_debug",
+    proc = run_job(
+        ["eval", "--recipe=tiny_grpo_debug",
          f"--model.path={reference / 'final'}", "--rollout.max_tokens=8",
          f"--env.reward_fn={model_dir.parent / 'reward.py'}:reward",
          f"--env.dataset_path={model_dir.parent / 'train.jsonl'}",
@@ -522,7 +533,7 @@ def test_a_damaged_newest_checkpoint_yields_to_the_one_before(model_dir, referen
     shard.write_bytes(bytes(data))
     rows = (out / "metrics.jsonl").read_text().splitlines()
     (out / "metrics.jsonl").write_text("\n".join(rows[:-1]) + "\n")  # as if step 4 had not ended
-    proc = _train(model_dir, out, "--resume")
+    proc = _run(model_dir, out, "--resume")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert f"checkpoint {newest} is damaged ({shard.relative_to(newest)} does not match its " \
            "checksum): resuming from the one before" in proc.stdout, proc.stdout[-3000:]
@@ -541,7 +552,7 @@ def test_resume_refuses_another_models_checkpoint(model_dir, reference, tmp_path
         shutil.copy(model_dir.parent / name, tmp_path / name)
     out = tmp_path / "run"
     shutil.copytree(reference, out)
-    proc = _train(other, out, "--resume")
+    proc = _run(other, out, "--resume")
     errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stdout[-3000:]
     assert "was saved from a model of another shape" in errors[0]
@@ -553,6 +564,6 @@ def test_overwrite_starts_over_in_an_earlier_runs_folder(model_dir, reference, t
     (in-process: tests/test_preflight.py); with it, the earlier run's checkpoints go."""
     out = tmp_path / "run"
     shutil.copytree(reference, out)
-    proc = _train(model_dir, out, "--overwrite", "--train.num_steps=1")
+    proc = _run(model_dir, out, "--overwrite", "--train.num_steps=1")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]

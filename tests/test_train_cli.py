@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_engine.checkpoint import step_checkpoints
-from hybrid_engine.testing import RankError, run_torchrun
+from hybrid_engine.testing import RankError, run_job, run_torchrun
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -104,7 +104,7 @@ def test_wandb_and_mlflow_get_the_runs_metrics_and_samples(written) -> None:
 
 def test_resume_without_checkpoint_is_a_clear_error(model_dir, tmp_path) -> None:
     with pytest.raises(RankError, match="no complete checkpoint under"):
-        run_torchrun(_args(model_dir, tmp_path / "empty", "--resume"), 2, timeout=300)
+        run_job(_args(model_dir, tmp_path / "empty", "--resume")[2:], 2, timeout=300)
 
 
 def _ctrl_c_after_two_steps(cmd: list[str], out: Path, env: dict | None):  # noqa: ANN202

@@ -78,7 +78,16 @@ class SerialWorker:
 
     def submit(self, fn: Callable[[], Any]) -> Future:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name)
+            import torch
+
+            # OpenMP starts a new thread with the process's default team size, not
+            # the rank's share set by torch.set_num_threads (only OMP_NUM_THREADS in
+            # the environment, as torchrun sets it, changes that default), and
+            # vLLM-CPU's attention kernel refuses a count other than its engine's.
+            # torch._C's setter: vLLM-CPU replaces torch.set_num_threads by a no-op.
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name,
+                                            initializer=torch._C.set_num_threads,
+                                            initargs=(torch.get_num_threads(),))
         self._jobs = [f for f in self._jobs if not f.done()]
         future = self._pool.submit(fn)
         self._jobs.append(future)

@@ -13,6 +13,8 @@ caller gets an exception naming the rank(s) with their traceback and log tail.
   shared-memory segments per job.
 - `run_torchrun(argv, nproc, ...)`: a script or module under
   `torchrun --standalone --nproc_per_node=N`.
+- `run_job(argv, nproc, ...)`: `hybrid-engine ARGV` on N ranks forked as
+  run_ranks' are, with torchrun's environment (no torchrun).
 
 fn must be importable by name (a module-level function). Ranks fork from a
 server that has imported torch, transformers and vLLM once (`_PRELOAD`), so a
@@ -46,7 +48,7 @@ import psutil
 from hybrid_engine.parallel.dist import free_port  # re-exported: tests import it from here
 
 __all__ = ["RankError", "free_port", "kill_tree", "processes_mentioning", "run_cli", "run_in_subprocess",
-           "run_ranks", "run_torchrun"]
+           "run_job", "run_ranks", "run_torchrun"]
 
 _LOG_TAIL_CHARS = 4000
 # What every rank imports: the fork server imports it once (multiprocessing's
@@ -331,6 +333,70 @@ def run_torchrun(
         raise RankError(f"torchrun exited with code {done.returncode}: {' '.join(cmd)}\n"
                         f"{done.stdout[-_LOG_TAIL_CHARS:]}")
     return done
+
+
+def run_job(
+    argv: Sequence[str], nproc: int, *, timeout: float = 300.0,
+    env: Mapping[str, str] | None = None, check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Runs `hybrid-engine ARGV...` (e.g. ["train", ...]) on nproc real ranks as
+    torchrun would start them (RANK, WORLD_SIZE, MASTER_ADDR/PORT, one process
+    each), but forked from `run_ranks`' preloaded server: a launch costs a
+    fork instead of each rank's ~10 s of CPU importing torch and vLLM. What the
+    job does is the same; what torchrun itself does (its agent, the launcher
+    watch, its exit codes on a fault) is tested through `run_torchrun`.
+
+    Returns the ranks' output (rank 0's log, then rank 1's, ...) in `.stdout` and
+    the first non-zero exit code (1 for a rank that raised: its traceback ends
+    `.stdout`). Raises RankError if check and a rank failed, or on the deadline.
+    """
+    from torch.distributed import TCPStore
+
+    # The rendezvous store lives here, as torchrun's agent holds it: it outlives
+    # rank 0, which may exit while another rank still reads it (`cli._say_once`).
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+           "TORCHELASTIC_USE_AGENT_STORE": "True", **(env or {})}
+    logs = tempfile.TemporaryDirectory(prefix="he_job_")
+    try:
+        try:
+            codes = run_ranks(_cli_main, nproc, list(argv), timeout=timeout, backend=None,
+                              env=env, log_dir=logs.name)
+            error = ""
+        except RankError as e:
+            if check:
+                raise
+            codes, error = [1], f"{e}\n"
+        out = "".join(_read_log(Path(logs.name) / f"rank{r}.log") for r in range(nproc))
+    finally:
+        logs.cleanup()
+        del store
+    code = next((c for c in codes if c), 0)
+    cmd = ["hybrid-engine", *argv]
+    if check and code:
+        raise RankError(f"hybrid-engine exited with code {code}: {' '.join(cmd)}\n"
+                        f"{out[-_LOG_TAIL_CHARS:]}")
+    return subprocess.CompletedProcess(cmd, code, out + error, "")
+
+
+def _cli_main(argv: list[str]) -> int:
+    """One rank of `run_job`: the console script's main, its exit code returned."""
+    from hybrid_engine import cli
+
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _read_log(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _run_tree(cmd: list[str], name: str, *, timeout: float, env: Mapping[str, str],

@@ -1,4 +1,4 @@
-"""Whole `hybrid-engine train` runs under torchrun for the policy tests, and how
+"""Whole `hybrid-engine train` runs on real ranks for the policy tests, and how
 their metrics compare (test helper)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_engine.testing import run_torchrun
+from hybrid_engine.testing import run_job
 
 # Keys that differ between placements or runs by nature: times, memory, the sync's own
 # report, and the mismatch split (the colocated policy's drift scorer, when samples are stale).
@@ -19,8 +19,8 @@ VARYING = ("_s", "mem_", "sync_", "tok_s", "mismatch_drift", "mismatch_numerics"
 def train(model: Path, reward: Path, out: Path, nproc: int, *extra: str):  # noqa: ANN201
     """3 steps of tiny_grpo_debug (8 new tokens, eval at steps 0 and 3, checkpoint at 2),
     the engine released every step with GPU sleep emulated, plus extra."""
-    return run_torchrun(
-        ["-m", "hybrid_engine.cli", "train", "--recipe=tiny_grpo_debug", "--no-progress",
+    return run_job(
+        ["train", "--recipe=tiny_grpo_debug", "--no-progress",
          f"--model.path={model}", f"--output_dir={out}", "--eval.num_prompts=4",
          "--rollout.max_tokens=8", "--train.num_steps=3", "--eval.every=3",
          "--eval.at_start=true",

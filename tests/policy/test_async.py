@@ -128,7 +128,7 @@ def _double_buffer(model_dir: str) -> dict:
     from hybrid_engine.rollout.engine import VLLMRollout
 
     cfg = RolloutConfig(tensor_parallel_size=1, num_samples_per_prompt=2, max_tokens=8,
-                        max_model_len=64)
+                        max_model_len=64, enforce_eager=True)
     rollout = VLLMRollout(model_dir, cfg, memory=MemoryConfig(kv_cache_gib=0.05), dtype="float32")
     rollout.double_buffer = True
     first = rollout.generate(PROMPTS, seed=3)
