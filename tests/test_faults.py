@@ -452,7 +452,7 @@ def test_a_second_job_on_the_same_output_dir_is_refused(model_dir, tmp_path) -> 
         f"and not os.path.exists({str(release)!r}):\n"
         "        time.sleep(0.2)\n"
         "    return float(zlib.crc32(completion.encode()) % 2)\n")
-    runner = threading.Thread(target=lambda: first.append(_train(
+    runner = threading.Thread(target=lambda: first.append(_run(
         model_dir, out, "--train.num_steps=3", "--env.reward_timeout_s=600",
         f"--env.reward_fn={tmp_path / 'reward.py'}:reward")))
     runner.start()
@@ -460,7 +460,7 @@ def test_a_second_job_on_the_same_output_dir_is_refused(model_dir, tmp_path) -> 
     while not step_checkpoint_path(out / "checkpoints", 1).exists():
         assert time.time() < deadline and runner.is_alive(), "the first job never saved"
         time.sleep(0.5)
-    second = _train(model_dir, out, "--overwrite")
+    second = _run(model_dir, out, "--overwrite")
     release.write_text("go")
     runner.join()
     errors = [ln for ln in second.stdout.splitlines() if ln.startswith("error")]
