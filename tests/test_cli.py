@@ -60,13 +60,13 @@ def test_config_keys_lists_documented_fields_grouped_by_concern():
 
 
 def test_tiny_model_writes_a_loadable_folder(tmp_path):
-    out = _cli("tiny-model", str(tmp_path / "m"), "--arch", "llama", "--tie")
+    out = _cli("tiny-model", str(tmp_path / "m"), "--arch", "mistral", "--tie")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout.strip().splitlines()[-1])
-    assert info["arch"] == "llama" and info["tie_word_embeddings"] is True
+    assert info["arch"] == "mistral" and info["tie_word_embeddings"] is True
     from transformers import AutoConfig
 
-    assert AutoConfig.from_pretrained(tmp_path / "m").model_type == "llama"
+    assert AutoConfig.from_pretrained(tmp_path / "m").model_type == "mistral"
 
 
 def test_unknown_preset_is_a_clear_error(tmp_path):

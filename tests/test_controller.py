@@ -392,9 +392,16 @@ def straight(model_dir, tmp_path_factory):  # noqa: ANN201
 
 
 @_e2e
-@pytest.mark.parametrize(("world", "tp"), [(1, 1), (2, 2), (4, 2)])
-def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, request) -> None:
-    if world == 2:
+@pytest.mark.parametrize(("world", "tp", "arch"), [(1, 1, "qwen2"), (2, 2, "qwen2"),
+                                                   (4, 2, "qwen2"), (2, 1, "mistral")])
+def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, arch, request) -> None:
+    """(mistral: sliding window 8, shorter than the prompts and completions.)"""
+    if arch == "mistral":
+        from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
+
+        model_dir = str(write_tiny_model(tmp_path / "m", TinyModelSpec(arch="mistral",
+                                                                       sliding_window=8)))
+    if world == 2 and arch == "qwen2":
         out, steps = request.getfixturevalue("straight").ranks, _STRAIGHT["train.num_steps"]
     else:
         out, steps = run_ranks(_run_job, world, model_dir, str(tmp_path / "run"),

@@ -1,4 +1,4 @@
-"""Random-init HF model folders (Qwen2, Llama, Qwen3) for tests and benchmarks.
+"""Random-init HF model folders (Qwen2, Llama, Qwen3, Mistral) for tests and benchmarks.
 
 ``write_tiny_model(path, spec)`` writes ``model.safetensors``,
 ``config.json``, ``generation_config.json`` and the tokenizer files of
@@ -48,7 +48,7 @@ __all__ = [
     "write_tiny_model",
 ]
 
-_ARCHS = ("qwen2", "llama", "qwen3")
+_ARCHS = ("qwen2", "llama", "qwen3", "mistral")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -61,7 +61,8 @@ class TinyModelSpec:
     """Shape and init of a random-init decoder-only model."""
 
     arch: str = "qwen2"
-    """Architecture: "qwen2" (q/k/v biases), "llama" or "qwen3" (q_norm/k_norm)."""
+    """Architecture: "qwen2" (q/k/v biases), "llama", "qwen3" (q_norm/k_norm) or
+    "mistral" (Llama's tensors; attention may be windowed: sliding_window)."""
     hidden_size: int = 128
     """Model width. The default gives head_dim 32: vLLM's CPU attention only
     supports head sizes in VLLM_CPU_HEAD_DIMS (64 / 4 heads = 16 fails)."""
@@ -97,6 +98,9 @@ class TinyModelSpec:
     """RMSNorm epsilon."""
     attention_bias: bool = False
     """llama only: q/k/v and o_proj biases (config.attention_bias)."""
+    sliding_window: int | None = None
+    """mistral only: each token attends to itself and the sliding_window - 1
+    tokens before it (config.sliding_window); None = full causal attention."""
     words: tuple[str, ...] = ()
     """Texts the tokenizer encodes as one token each (`models.tokenizer.build_tokenizer`);
     () = a byte-level tokenizer only."""
@@ -118,6 +122,8 @@ class TinyModelSpec:
         if self.attention_bias and self.arch != "llama":
             raise ValueError("attention_bias is a llama option (qwen2 always has q/k/v biases; "
                              "vLLM's qwen3 has no o_proj bias)")
+        if self.sliding_window is not None and (self.arch != "mistral" or self.sliding_window < 1):
+            raise ValueError("sliding_window is a mistral option, >= 1")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
 
@@ -216,7 +222,7 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
-    """The transformers config (Qwen2Config, LlamaConfig or Qwen3Config) of ``spec``.
+    """The transformers config (Qwen2Config, LlamaConfig, Qwen3Config or MistralConfig) of ``spec``.
 
     Args:
         spec: the model.
@@ -224,11 +230,15 @@ def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
     Returns:
         A config with ``architectures`` set, eos/bos/pad = the tokenizer's EOS.
     """
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}[spec.arch]
-    arch_name = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config,
+                  "mistral": MistralConfig}[spec.arch]
+    arch_name = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
     extra = {"attention_bias": True} if spec.attention_bias else {}
+    if spec.arch == "mistral":
+        extra["sliding_window"] = spec.sliding_window
     return config_cls(
         **extra,
         architectures=[arch_name[spec.arch]],

@@ -15,6 +15,12 @@ RowParallelLinear, VocabParallelEmbedding / ParallelLMHead):
 | embed_tokens, lm_head .weight | rows [r*Vp/T, (r+1)*Vp/T) of the vocab padded to Vp (multiple of 64); padding rows zero |
 | norms, q_norm/k_norm | replicated |
 
+Architectures: Qwen2 (q/k/v biases; vLLM derives head_dim from hidden / heads
+and ignores config.head_dim), Llama (optional attention_bias, o_proj's
+included), Qwen3 (q_norm/k_norm), Mistral (Llama's tensors under vLLM's
+Mistral class; config.sliding_window windows every layer in HF's mask and in
+vLLM's attention alike, through its cache config).
+
 Invariant: every tensor is seen as 2-D (a 1-D tensor of n is [n, 1]); the
 segments of a parameter never overlap and, with the zero padding rows, cover
 it exactly; segment rows/cols are ranges of the FULL HF tensor.
@@ -39,7 +45,8 @@ __all__ = [
     "tp_layout",
 ]
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM",
+                           "MistralForCausalLM")
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 

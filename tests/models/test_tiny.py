@@ -43,6 +43,7 @@ HF_CASES = [
     ("qwen2", TinyModelSpec(arch="qwen2")),
     ("llama", TinyModelSpec(arch="llama")),
     ("qwen3", TinyModelSpec(arch="qwen3")),
+    ("mistral", TinyModelSpec(arch="mistral", sliding_window=8)),
     ("qwen2-tied", TinyModelSpec(arch="qwen2", tie_word_embeddings=True)),
     ("llama-tied-kv1", TinyModelSpec(arch="llama", tie_word_embeddings=True, num_kv_heads=1)),
     ("qwen3-kv1-hd64", TinyModelSpec(arch="qwen3", num_kv_heads=1, head_dim=64)),
@@ -111,7 +112,7 @@ def test_param_shapes_and_presets() -> None:
         TinyModelSpec(num_heads=4, num_kv_heads=3)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3", "mistral"])
 def test_auto_tokenizer_matches_raw_tokenizer(name: str, folders: dict[str, Path]) -> None:
     from transformers import AutoTokenizer
 
@@ -162,11 +163,32 @@ def test_words_are_one_token_each_and_any_text_still_round_trips(tmp_path: Path)
         TinyModelSpec(vocab_size=tokenizer_vocab_size(words) - 1, words=words)
 
 
+def test_mistrals_window_limits_attention_in_transformers(tmp_path: Path) -> None:
+    """sliding_window=8 changes HF's logits from position 8 on, and only there: so
+    vLLM matching HF below (test_vllm_matches_transformers) means vLLM windows too."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = TinyModelSpec(arch="mistral", sliding_window=8)
+    ids = torch.arange(3, 23).unsqueeze(0)  # 20 tokens
+    logits = {}
+    for name, s in (("window", spec), ("full", dataclasses.replace(spec, sliding_window=None))):
+        model = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / name, s))
+        with torch.no_grad():
+            logits[name] = model(ids).logits[0]
+    diff = (logits["window"] - logits["full"]).abs().amax(-1)
+    assert diff[:8].max() == 0 and diff[8:].min() > 1e-4, diff
+
+
 # vLLM cases: one engine each, all in one fresh process; each family once, a separate
-# lm_head (llama) and tied embeddings (the qwens). The untied qwen2 preset is every
-# run test's model, its vLLM log-probs checked against the trainer's there.
+# lm_head (llama, mistral) and tied embeddings (the qwens). The untied qwen2 preset is
+# every run test's model, its vLLM log-probs checked against the trainer's there.
+# Mistral's 8-token window is shorter than every prompt but the shortest.
 VLLM_CASES = [
     ("llama", TinyModelSpec(arch="llama")),
+    ("mistral-window8", TinyModelSpec(arch="mistral", sliding_window=8)),
     ("qwen2-tied", TinyModelSpec(arch="qwen2", tie_word_embeddings=True)),
     ("qwen3-tied-kv1-hd64", TinyModelSpec(arch="qwen3", tie_word_embeddings=True, num_kv_heads=1, head_dim=64)),
 ]
@@ -184,5 +206,5 @@ def test_vllm_matches_transformers(tmp_path: Path) -> None:
         r = results[path]
         assert r["prompt_ids_equal"], path
         assert r["num_tokens"] == 4 * 16, path
-        # fp32 vs fp32: measured ~5e-7; a wrong weight gives ~1e-1.
-        assert r["max_abs_diff"] < 1e-4, (path, r["max_abs_diff"])
+        # fp32 vs fp32: measured ~5e-7; a wrong weight (or window) gives ~1e-1.
+        assert r["max_abs_diff"] < 1e-5, (path, r["max_abs_diff"])

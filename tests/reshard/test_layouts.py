@@ -5,13 +5,14 @@ against vLLM's own loaders in tests/roles/test_sync.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import pytest
 
 from hybrid_engine.models.tiny import TinyModelSpec, hf_config, hf_param_shapes
-from hybrid_engine.reshard.layouts import ModelDims, check_model, hf_shapes, model_dims
+from hybrid_engine.reshard.layouts import ModelDims, check_model, hf_shapes, model_dims, tp_layout
 from hybrid_engine.reshard.plan import build_plan
 
 
@@ -48,6 +49,19 @@ def test_llama_attention_bias_is_in_the_layout() -> None:
     assert shapes["model.layers.0.self_attn.o_proj.bias"] == (spec.hidden_size, 1)
     plain = model_dims(hf_config(TinyModelSpec(arch="llama")))
     assert not plain.qkv_bias and not plain.o_bias
+
+
+def test_mistral_is_llamas_layout_and_keeps_its_window() -> None:
+    """vLLM's Mistral class holds Llama's parameters: the same layout on every
+    TP rank; the window is attention's business (tests/models/test_tiny.py)."""
+    mistral = check_model(hf_config(TinyModelSpec(arch="mistral", sliding_window=8)), 2)
+    llama = model_dims(hf_config(TinyModelSpec(arch="llama")))
+    assert mistral.arch == "MistralForCausalLM"
+    assert dataclasses.replace(mistral, arch=llama.arch) == llama
+    assert all(tp_layout(mistral, 2, r) == tp_layout(llama, 2, r) for r in range(2))
+    assert hf_config(TinyModelSpec(arch="mistral", sliding_window=8)).sliding_window == 8
+    with pytest.raises(ValueError, match="sliding_window is a mistral option"):
+        TinyModelSpec(arch="llama", sliding_window=8)
 
 
 def _actor_on(folder: str) -> dict:

@@ -14,7 +14,7 @@ import torch
 
 from hybrid_engine.reshard.layouts import ModelDims, model_dims, tp_layout
 from hybrid_engine.models.tiny import TinyModelSpec, hf_config
-from hybrid_engine.reshard.plan import build_plan, shard_rows
+from hybrid_engine.reshard.plan import build_plan
 
 SPECS = {
     "qwen2": TinyModelSpec(arch="qwen2", vocab_size=1000),
@@ -22,6 +22,7 @@ SPECS = {
     "qwen3-kv1": TinyModelSpec(arch="qwen3", num_kv_heads=1, vocab_size=1001),
     "qwen2-mha-tied": TinyModelSpec(arch="qwen2", num_kv_heads=4, tie_word_embeddings=True),
     "llama-bias": TinyModelSpec(arch="llama", attention_bias=True, vocab_size=1000),
+    "mistral-kv1": TinyModelSpec(arch="mistral", num_kv_heads=1, sliding_window=8),
 }
 
 

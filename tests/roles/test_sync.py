@@ -174,6 +174,9 @@ SYNC_CASES = {
     "qwen2-replicate": (_QWEN2, 2, 2, "float32", 1),
     "llama-kv1-tied": (dict(arch="llama", num_kv_heads=1, tie_word_embeddings=True), 2, 1,
                        "float32", 0),
+    # Windowed attention (8 tokens, shorter than the prompts) on both sides.
+    "mistral-window-kv1": (dict(arch="mistral", num_kv_heads=1, sliding_window=8,
+                                norm_std=0.1), 2, 2, "float32", 0),
     "qwen3-kv1": (_QWEN3_KV1, 4, 2, "float32", 0),
     "qwen3-hybrid-2x2": (_QWEN3_KV1, 4, 2, "float32", 2),
     "qwen2-tied-bf16": (dict(arch="qwen2", tie_word_embeddings=True), 4, 4, "bfloat16", 0),
