@@ -5,7 +5,7 @@ Subcommands:
     train        RL-train a HF model folder (recipe + YAML + --section.key=value)
     eval         evaluate a HF model folder or a training checkpoint on held-out prompts
     demo         the main job on the local CPU cores (see hybrid_engine.demo)
-    tiny-model   write a random-init HF model folder (Qwen2 / Llama / Qwen3 / Mistral)
+    tiny-model   write a random-init HF model folder (Qwen2 / Llama / Qwen3 / Mistral / Phi-3)
     config       print the resolved config of a recipe + YAML + overrides
     bench        run the benchmarks and write the dated report (from a clone)
 
@@ -362,7 +362,7 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny-model", help="write a random-init HF model folder")
     t.add_argument("path", help="output folder")
     t.add_argument("--preset", default="tiny", help="tiny | small | qwen2-180m (default tiny)")
-    t.add_argument("--arch", choices=["qwen2", "llama", "qwen3", "mistral"],
+    t.add_argument("--arch", choices=["qwen2", "llama", "qwen3", "mistral", "phi3"],
                    help="override the preset's architecture")
     t.add_argument("--seed", type=int, help="override the preset's seed")
     t.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,

@@ -29,7 +29,8 @@ from typing import Any
 from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoints
 from hybrid_engine.config import EnvConfig, RunConfig, check_registered
 
-__all__ = ["check_gpu", "check_head_size", "check_kv_cache", "check_model_folder",
+__all__ = ["check_gpu", "check_head_size", "check_kv_cache", "check_lora_targets",
+           "check_model_folder",
            "check_model_for_run", "check_output_dir", "check_reward_model_folder",
            "check_prompts", "check_rollout_limits", "check_safetensors", "preflight",
            "warnings_for"]
@@ -67,6 +68,8 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     check_rollout_limits(cfg.rollout, hf, dtype=cfg.model.rollout_dtype,
                          kv_cache_gib=cfg.memory.kv_cache_gib)
     check_gpu(local_world_size)
+    if cfg.model.lora_rank:
+        check_lora_targets(hf)
     if cfg.model.lora_rank and cfg.sync.lora == "adapter":  # vLLM serves the adapters
         from hybrid_engine.rollout.vllm_compat import lora_engine_kwargs
 
@@ -309,6 +312,17 @@ def check_parallel(hf: Any, tp: int, world_size: int, *, what: str = "world size
     except ValueError as e:
         raise ValueError(f"rollout.{e}") from None
     check_head_size(dims.head_dim)
+
+
+def check_lora_targets(hf: Any) -> None:
+    """LoRA's targets (model.lora_target_modules) are separate q/k/v and gate/up
+    projections: a model that fuses them (Phi-3) has none of those."""
+    from hybrid_engine.reshard.layouts import model_dims
+
+    if model_dims(hf).fused:
+        raise ValueError("model.lora_rank: Phi-3 fuses q/k/v into qkv_proj and gate/up into "
+                         "gate_up_proj, which LoRA does not target yet; train it fully "
+                         "(model.lora_rank=0)")
 
 
 def check_head_size(head_dim: int) -> None:

@@ -393,14 +393,16 @@ def straight(model_dir, tmp_path_factory):  # noqa: ANN201
 
 @_e2e
 @pytest.mark.parametrize(("world", "tp", "arch"), [(1, 1, "qwen2"), (2, 2, "qwen2"),
-                                                   (4, 2, "qwen2"), (2, 1, "mistral")])
+                                                   (4, 2, "qwen2"), (2, 1, "mistral"),
+                                                   (2, 2, "phi3")])
 def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, arch, request) -> None:
-    """(mistral: sliding window 8, shorter than the prompts and completions.)"""
-    if arch == "mistral":
+    """(mistral: sliding window 8, shorter than the prompts and completions; phi3:
+    fused qkv_proj and gate_up_proj.)"""
+    if arch != "qwen2":
         from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
 
-        model_dir = str(write_tiny_model(tmp_path / "m", TinyModelSpec(arch="mistral",
-                                                                       sliding_window=8)))
+        window = {"sliding_window": 8} if arch == "mistral" else {}
+        model_dir = str(write_tiny_model(tmp_path / "m", TinyModelSpec(arch=arch, **window)))
     if world == 2 and arch == "qwen2":
         out, steps = request.getfixturevalue("straight").ranks, _STRAIGHT["train.num_steps"]
     else:

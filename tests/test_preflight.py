@@ -185,6 +185,16 @@ def test_bad_config(model_dir, tmp_path, args, expected) -> None:
     _has(_refusal(model_dir, tmp_path / "run", *args), expected)
 
 
+def test_lora_on_phi3s_fused_projections_is_refused(tmp_path) -> None:
+    from hybrid_engine.models.tiny import TinyModelSpec, hf_config, write_tiny_model
+    from hybrid_engine.preflight import check_lora_targets
+
+    phi3 = write_tiny_model(tmp_path / "phi3", TinyModelSpec(arch="phi3"))
+    _has(_refusal(phi3, tmp_path / "run", "--model.lora_rank=8"),
+         "model.lora_rank: Phi-3 fuses q/k/v into qkv_proj")
+    check_lora_targets(hf_config(TinyModelSpec(arch="mistral")))  # separate projections: fine
+
+
 def test_overlong_shaping_with_a_multi_turn_env(model_dir, tmp_path) -> None:
     """Found once the environment is built (after the engine started): the same
     input through the job's own check, on the environment the job would build."""

@@ -1,4 +1,4 @@
-"""Random-init HF model folders (Qwen2, Llama, Qwen3, Mistral) for tests and benchmarks.
+"""Random-init HF model folders (Qwen2, Llama, Qwen3, Mistral, Phi-3) for tests and benchmarks.
 
 ``write_tiny_model(path, spec)`` writes ``model.safetensors``,
 ``config.json``, ``generation_config.json`` and the tokenizer files of
@@ -48,7 +48,7 @@ __all__ = [
     "write_tiny_model",
 ]
 
-_ARCHS = ("qwen2", "llama", "qwen3", "mistral")
+_ARCHS = ("qwen2", "llama", "qwen3", "mistral", "phi3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -61,8 +61,9 @@ class TinyModelSpec:
     """Shape and init of a random-init decoder-only model."""
 
     arch: str = "qwen2"
-    """Architecture: "qwen2" (q/k/v biases), "llama", "qwen3" (q_norm/k_norm) or
-    "mistral" (Llama's tensors; attention may be windowed: sliding_window)."""
+    """Architecture: "qwen2" (q/k/v biases), "llama", "qwen3" (q_norm/k_norm),
+    "mistral" (Llama's tensors; attention may be windowed: sliding_window) or
+    "phi3" (fused qkv_proj and gate_up_proj)."""
     hidden_size: int = 128
     """Model width. The default gives head_dim 32: vLLM's CPU attention only
     supports head sizes in VLLM_CPU_HEAD_DIMS (64 / 4 heads = 16 fails)."""
@@ -115,8 +116,8 @@ class TinyModelSpec:
             raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}")
-        if self.arch == "qwen2" and self.head_dim not in (None, self.hidden_size // self.num_heads):
-            raise ValueError("qwen2 needs head_dim == hidden_size // num_heads (vLLM derives it so)")
+        if self.arch in ("qwen2", "phi3") and self.head_dim not in (None, self.hidden_size // self.num_heads):
+            raise ValueError(f"{self.arch} needs head_dim == hidden_size // num_heads")
         if self.vocab_size < (ids := tokenizer_vocab_size(self.words)):
             raise ValueError(f"vocab_size={self.vocab_size} < tokenizer size {ids}")
         if self.attention_bias and self.arch != "llama":
@@ -198,9 +199,12 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_dim, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_dim, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_dim, h)
+        if spec.arch == "phi3":
+            shapes[p + "self_attn.qkv_proj.weight"] = (q_dim + 2 * kv_dim, h)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (q_dim, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv_dim, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv_dim, h)
         if spec.arch == "qwen2" or spec.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_dim,)
@@ -212,8 +216,11 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.attention_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
+        if spec.arch == "phi3":
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * spec.intermediate_size, h)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
     shapes["model.norm.weight"] = (h,)
     if not spec.tie_word_embeddings:
@@ -222,7 +229,8 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
-    """The transformers config (Qwen2Config, LlamaConfig, Qwen3Config or MistralConfig) of ``spec``.
+    """The transformers config (Qwen2Config, LlamaConfig, Qwen3Config, MistralConfig or
+    Phi3Config) of ``spec``.
 
     Args:
         spec: the model.
@@ -230,12 +238,13 @@ def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
     Returns:
         A config with ``architectures`` set, eos/bos/pad = the tokenizer's EOS.
     """
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config,
-                  "mistral": MistralConfig}[spec.arch]
+                  "mistral": MistralConfig, "phi3": Phi3Config}[spec.arch]
     arch_name = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
     extra = {"attention_bias": True} if spec.attention_bias else {}
     if spec.arch == "mistral":
         extra["sliding_window"] = spec.sliding_window

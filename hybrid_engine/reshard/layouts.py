@@ -10,6 +10,7 @@ RowParallelLinear, VocabParallelEmbedding / ParallelLMHead):
 | --- | --- |
 | qkv_proj.weight/bias | q rows of r's heads, then k, then v rows of r's kv heads (a kv head is replicated on T/num_kv ranks when num_kv < T) |
 | gate_up_proj.weight | rows r/T of gate, then rows r/T of up |
+| (Phi-3) qkv_proj, gate_up_proj | the same rows, read from HF's fused tensor at the q / k / v and gate / up offsets |
 | o_proj, down_proj .weight | all rows, columns r/T |
 | o_proj.bias (Llama attention_bias) | all of it (vLLM adds it on TP rank 0 only) |
 | embed_tokens, lm_head .weight | rows [r*Vp/T, (r+1)*Vp/T) of the vocab padded to Vp (multiple of 64); padding rows zero |
@@ -19,7 +20,9 @@ Architectures: Qwen2 (q/k/v biases; vLLM derives head_dim from hidden / heads
 and ignores config.head_dim), Llama (optional attention_bias, o_proj's
 included), Qwen3 (q_norm/k_norm), Mistral (Llama's tensors under vLLM's
 Mistral class; config.sliding_window windows every layer in HF's mask and in
-vLLM's attention alike, through its cache config).
+vLLM's attention alike, through its cache config), Phi-3 (HF's own fused
+`qkv_proj` [q; k; v] and `gate_up_proj` [gate; up]: a vLLM rank's rows come
+from one HF tensor at those offsets, as vLLM's loader splits it).
 
 Invariant: every tensor is seen as 2-D (a 1-D tensor of n is [n, 1]); the
 segments of a parameter never overlap and, with the zero padding rows, cover
@@ -46,7 +49,7 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM")
+                           "MistralForCausalLM", "Phi3ForCausalLM")
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 
@@ -86,6 +89,8 @@ class ModelDims:
     qkv_bias: bool
     qk_norm: bool
     o_bias: bool = False
+    fused: bool = False
+    """HF stores qkv_proj and gate_up_proj fused (Phi-3)."""
 
 
 def model_dims(config: Any) -> ModelDims:
@@ -121,12 +126,15 @@ def model_dims(config: Any) -> ModelDims:
     o_bias = arch == "LlamaForCausalLM" and attention_bias
     if getattr(config, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if arch == "Phi3ForCausalLM" and (rope.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ValueError("Phi-3 with partial_rotary_factor != 1 is not supported")
     return ModelDims(
         arch=arch, num_layers=config.num_hidden_layers, hidden=config.hidden_size,
         num_heads=heads, num_kv_heads=config.num_key_value_heads or heads, head_dim=head_dim,
         intermediate=config.intermediate_size, vocab=config.vocab_size,
         tied=bool(config.tie_word_embeddings), qkv_bias=qkv_bias,
-        qk_norm=arch == "Qwen3ForCausalLM", o_bias=o_bias,
+        qk_norm=arch == "Qwen3ForCausalLM", o_bias=o_bias, fused=arch == "Phi3ForCausalLM",
     )
 
 
@@ -153,9 +161,12 @@ def hf_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
     for i in range(d.num_layers):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (d.hidden, 1)
-        out[p + "self_attn.q_proj.weight"] = (q, d.hidden)
-        out[p + "self_attn.k_proj.weight"] = (kv, d.hidden)
-        out[p + "self_attn.v_proj.weight"] = (kv, d.hidden)
+        if d.fused:
+            out[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, d.hidden)
+        else:
+            out[p + "self_attn.q_proj.weight"] = (q, d.hidden)
+            out[p + "self_attn.k_proj.weight"] = (kv, d.hidden)
+            out[p + "self_attn.v_proj.weight"] = (kv, d.hidden)
         if d.qkv_bias:
             out[p + "self_attn.q_proj.bias"] = (q, 1)
             out[p + "self_attn.k_proj.bias"] = (kv, 1)
@@ -167,8 +178,11 @@ def hf_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
         if d.o_bias:
             out[p + "self_attn.o_proj.bias"] = (d.hidden, 1)
         out[p + "post_attention_layernorm.weight"] = (d.hidden, 1)
-        out[p + "mlp.gate_proj.weight"] = (d.intermediate, d.hidden)
-        out[p + "mlp.up_proj.weight"] = (d.intermediate, d.hidden)
+        if d.fused:
+            out[p + "mlp.gate_up_proj.weight"] = (2 * d.intermediate, d.hidden)
+        else:
+            out[p + "mlp.gate_proj.weight"] = (d.intermediate, d.hidden)
+            out[p + "mlp.up_proj.weight"] = (d.intermediate, d.hidden)
         out[p + "mlp.down_proj.weight"] = (d.hidden, d.intermediate)
     out["model.norm.weight"] = (d.hidden, 1)
     if not d.tied:
@@ -209,6 +223,12 @@ def _qkv(d: ModelDims, tp: int, r: int, prefix: str, suffix: str, cols: int) -> 
     nq = d.num_heads // tp * d.head_dim
     k0, k1 = (h * d.head_dim for h in kv_heads(d, tp, r))
     nkv = k1 - k0
+    if d.fused:  # HF's qkv_proj: all q rows, then all k rows, then all v rows
+        q, kv, fused = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, f"{prefix}qkv_proj.{suffix}"
+        segs = (Segment(fused, (r * nq, (r + 1) * nq), (0, cols), 0),
+                Segment(fused, (q + k0, q + k1), (0, cols), nq),
+                Segment(fused, (q + kv + k0, q + kv + k1), (0, cols), nq + nkv))
+        return TargetParam(fused, (nq + 2 * nkv, cols), segs)
     segs = (
         Segment(f"{prefix}q_proj.{suffix}", (r * nq, (r + 1) * nq), (0, cols), 0),
         Segment(f"{prefix}k_proj.{suffix}", (k0, k1), (0, cols), nq),
@@ -244,10 +264,13 @@ def _layer(d: ModelDims, tp: int, r: int, i: int) -> Iterator[TargetParam]:
     if d.o_bias:
         yield _full(a + "o_proj.bias", d.hidden, 1)
     yield _full(p + "post_attention_layernorm.weight", d.hidden, 1)
-    ni = d.intermediate // tp
+    ni, i0 = d.intermediate // tp, d.intermediate
+    gate, up = ((m + "gate_up_proj.weight",) * 2 if d.fused else
+                (m + "gate_proj.weight", m + "up_proj.weight"))
+    u0 = i0 if d.fused else 0  # HF's gate_up_proj: gate rows, then up rows
     yield TargetParam(m + "gate_up_proj.weight", (2 * ni, d.hidden), (
-        Segment(m + "gate_proj.weight", (r * ni, (r + 1) * ni), (0, d.hidden), 0),
-        Segment(m + "up_proj.weight", (r * ni, (r + 1) * ni), (0, d.hidden), ni),
+        Segment(gate, (r * ni, (r + 1) * ni), (0, d.hidden), 0),
+        Segment(up, (u0 + r * ni, u0 + (r + 1) * ni), (0, d.hidden), ni),
     ))
     yield TargetParam(m + "down_proj.weight", (d.hidden, ni),
                       (Segment(m + "down_proj.weight", (0, d.hidden), (r * ni, (r + 1) * ni), 0),))

@@ -41,10 +41,12 @@ _FUSED = {
 }
 
 
-def _hf_sources(vllm_name: str) -> list[tuple[str, str | int | None]]:
-    """HF tensors (and vLLM shard ids) that a vLLM parameter is loaded from."""
+def _hf_sources(vllm_name: str, hf_names: Mapping[str, Any]) -> list[tuple[str, str | int | None]]:
+    """HF tensors (and vLLM shard ids) that a vLLM parameter is loaded from: HF's
+    own fused tensor when it has one (Phi-3; vLLM's loader splits it), else the
+    separate ones."""
     parts = vllm_name.rsplit(".", 2)
-    if len(parts) == 3 and parts[1] in _FUSED:
+    if len(parts) == 3 and parts[1] in _FUSED and vllm_name not in hf_names:
         prefix, module, suffix = parts
         return [(f"{prefix}.{hf}.{suffix}", sid) for hf, sid in _FUSED[module]]
     return [(vllm_name, None)]
@@ -227,7 +229,7 @@ class WeightStaging:
             sharded = cols > 1 or name.endswith(".bias")  # norms are replicated
             if sharded:
                 vllm_compat.set_weight_attrs(shadow, {"output_dim": 0, **({"input_dim": 1} if cols > 1 else {})})
-            for hf_name, shard_id in _hf_sources(name):
+            for hf_name, shard_id in _hf_sources(name, full):
                 t = full[hf_name].to(device)
                 if not sharded:
                     shadow.data.copy_(t.view(shape))

@@ -44,6 +44,7 @@ HF_CASES = [
     ("llama", TinyModelSpec(arch="llama")),
     ("qwen3", TinyModelSpec(arch="qwen3")),
     ("mistral", TinyModelSpec(arch="mistral", sliding_window=8)),
+    ("phi3", TinyModelSpec(arch="phi3")),
     ("qwen2-tied", TinyModelSpec(arch="qwen2", tie_word_embeddings=True)),
     ("llama-tied-kv1", TinyModelSpec(arch="llama", tie_word_embeddings=True, num_kv_heads=1)),
     ("qwen3-kv1-hd64", TinyModelSpec(arch="qwen3", num_kv_heads=1, head_dim=64)),
@@ -183,12 +184,13 @@ def test_mistrals_window_limits_attention_in_transformers(tmp_path: Path) -> Non
 
 
 # vLLM cases: one engine each, all in one fresh process; each family once, a separate
-# lm_head (llama, mistral) and tied embeddings (the qwens). The untied qwen2 preset is
+# lm_head (llama, mistral, phi3: fused qkv and gate_up) and tied embeddings (the qwens). The untied qwen2 preset is
 # every run test's model, its vLLM log-probs checked against the trainer's there.
 # Mistral's 8-token window is shorter than every prompt but the shortest.
 VLLM_CASES = [
     ("llama", TinyModelSpec(arch="llama")),
     ("mistral-window8", TinyModelSpec(arch="mistral", sliding_window=8)),
+    ("phi3-kv1", TinyModelSpec(arch="phi3", num_kv_heads=1)),
     ("qwen2-tied", TinyModelSpec(arch="qwen2", tie_word_embeddings=True)),
     ("qwen3-tied-kv1-hd64", TinyModelSpec(arch="qwen3", tie_word_embeddings=True, num_kv_heads=1, head_dim=64)),
 ]

@@ -23,6 +23,7 @@ SPECS = {
     "qwen2-mha-tied": TinyModelSpec(arch="qwen2", num_kv_heads=4, tie_word_embeddings=True),
     "llama-bias": TinyModelSpec(arch="llama", attention_bias=True, vocab_size=1000),
     "mistral-kv1": TinyModelSpec(arch="mistral", num_kv_heads=1, sliding_window=8),
+    "phi3-fused": TinyModelSpec(arch="phi3", vocab_size=1001),
 }
 
 
@@ -39,9 +40,24 @@ def _id_tensors(d: ModelDims, shapes) -> dict[str, torch.Tensor]:
     return out
 
 
+def _split_fused(full: dict[str, torch.Tensor], d: ModelDims) -> dict[str, torch.Tensor]:
+    """Phi-3's fused HF tensors as the separate ones they stack (q, k, v; gate, up)."""
+    out, i = dict(full), d.intermediate
+    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    for n, t in full.items():
+        if n.endswith("qkv_proj.weight"):
+            a = n.removesuffix("qkv_proj.weight")
+            out[a + "q_proj.weight"], out[a + "k_proj.weight"] = t[:q], t[q:q + kv]
+            out[a + "v_proj.weight"] = t[q + kv:]
+        elif n.endswith("gate_up_proj.weight"):
+            m = n.removesuffix("gate_up_proj.weight")
+            out[m + "gate_proj.weight"], out[m + "up_proj.weight"] = t[:i], t[i:]
+    return out
+
+
 def _expected(full: dict[str, torch.Tensor], d: ModelDims, tp: int, r: int) -> dict[str, torch.Tensor]:
     """vLLM's TP-local tensors from full HF tensors, by head-shaped slicing."""
-    hd, out = d.head_dim, {}
+    hd, out, full = d.head_dim, {}, _split_fused(full, d)
     qh = d.num_heads // tp
     rep = max(1, tp // d.num_kv_heads)
     kv_heads = (list(range(r * d.num_kv_heads // tp, (r + 1) * d.num_kv_heads // tp))

@@ -177,6 +177,8 @@ SYNC_CASES = {
     # Windowed attention (8 tokens, shorter than the prompts) on both sides.
     "mistral-window-kv1": (dict(arch="mistral", num_kv_heads=1, sliding_window=8,
                                 norm_std=0.1), 2, 2, "float32", 0),
+    # HF's fused qkv_proj and gate_up_proj, split across 4 TP ranks (kv heads replicated).
+    "phi3-kv1-t4": (dict(arch="phi3", num_kv_heads=1, norm_std=0.1), 4, 4, "float32", 0),
     "qwen3-kv1": (_QWEN3_KV1, 4, 2, "float32", 0),
     "qwen3-hybrid-2x2": (_QWEN3_KV1, 4, 2, "float32", 2),
     "qwen2-tied-bf16": (dict(arch="qwen2", tie_word_embeddings=True), 4, 4, "bfloat16", 0),
