@@ -82,7 +82,6 @@ _SEQ_CLS_ARCH = {
     "qwen2": "Qwen2ForSequenceClassification",
     "llama": "LlamaForSequenceClassification",
     "qwen3": "Qwen3ForSequenceClassification",
-    "mistral": "MistralForSequenceClassification",
 }
 
 

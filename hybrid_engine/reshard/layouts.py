@@ -224,7 +224,8 @@ def _qkv(d: ModelDims, tp: int, r: int, prefix: str, suffix: str, cols: int) -> 
     k0, k1 = (h * d.head_dim for h in kv_heads(d, tp, r))
     nkv = k1 - k0
     if d.fused:  # HF's qkv_proj: all q rows, then all k rows, then all v rows
-        q, kv, fused = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, f"{prefix}qkv_proj.{suffix}"
+        q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        fused = f"{prefix}qkv_proj.{suffix}"
         segs = (Segment(fused, (r * nq, (r + 1) * nq), (0, cols), 0),
                 Segment(fused, (q + k0, q + k1), (0, cols), nq),
                 Segment(fused, (q + kv + k0, q + kv + k1), (0, cols), nq + nkv))
@@ -264,10 +265,10 @@ def _layer(d: ModelDims, tp: int, r: int, i: int) -> Iterator[TargetParam]:
     if d.o_bias:
         yield _full(a + "o_proj.bias", d.hidden, 1)
     yield _full(p + "post_attention_layernorm.weight", d.hidden, 1)
-    ni, i0 = d.intermediate // tp, d.intermediate
+    ni = d.intermediate // tp
     gate, up = ((m + "gate_up_proj.weight",) * 2 if d.fused else
                 (m + "gate_proj.weight", m + "up_proj.weight"))
-    u0 = i0 if d.fused else 0  # HF's gate_up_proj: gate rows, then up rows
+    u0 = d.intermediate if d.fused else 0  # HF's gate_up_proj: gate rows, then up rows
     yield TargetParam(m + "gate_up_proj.weight", (2 * ni, d.hidden), (
         Segment(gate, (r * ni, (r + 1) * ni), (0, d.hidden), 0),
         Segment(up, (u0 + r * ni, u0 + (r + 1) * ni), (0, d.hidden), ni),
