@@ -368,6 +368,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,
                    help="tie input and output embeddings")
 
+    from hybrid_engine import scale
+
+    pl = sub.add_parser("plan", help="what one weight sync moves at cluster scale, from a config.json",
+                        description=scale.__doc__.split("\n\n")[0].split(": ", 1)[1])
+    scale.add_arguments(pl)
+
     b = sub.add_parser("bench", help="run every benchmark, write benchmarks/results/<date>.md",
                        description="Runs benchmarks/report.py: bench_sync, bench_rollout, "
                                    "bench_memory, bench_step and bench_kernels (about 50 min on 2 CPU cores), "
@@ -433,6 +439,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_env(args)
     if args.cmd == "tiny-model":
         return _cmd_tiny_model(args)
+    if args.cmd == "plan":
+        from hybrid_engine import scale
+
+        return scale.run(args)
     from hybrid_engine import demo
 
     return demo.run(args)

@@ -88,7 +88,7 @@ LAYERS = (
     {"roles", "envs", "checkpoint", "metrics", "output_dir"},
     {"policy", "preflight", "evaluation"},
     {"controller", "job"},
-    {"cli", "demo", "launch", "testing"},
+    {"cli", "demo", "launch", "scale", "testing"},
 )
 
 

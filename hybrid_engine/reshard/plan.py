@@ -30,7 +30,7 @@ every rank, so all ranks agree on buffer layouts without exchanging metadata.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hybrid_engine.reshard.adapters import LoraDims, adapter_layout, adapter_shapes
 from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, tp_layout
@@ -63,7 +63,6 @@ class Block:
     dst_row: int
     dst_col: int
     rows: int
-    bucket: int = -1
     group: int = 0
 
     @property
@@ -159,19 +158,21 @@ def serving_group(d_rank: int, first_target: int, shard_group_size: int,
 
 
 def _blocks_for(d_rank: int, target: TargetParam, shapes: dict[str, tuple[int, int]],
-                sources: range) -> list[Block]:
-    """Blocks filling target on d_rank from one shard group (sources: its ranks,
-    in shard order)."""
+                sources: range, group: int) -> list[Block]:
+    """Blocks filling target (of sync group `group`) on d_rank from one shard group
+    (sources: its ranks, in shard order)."""
     out = []
     for seg in target.segments:
         rows = shapes[seg.hf_name][0]
-        for s, src in enumerate(sources):
+        chunk = -(-rows // len(sources))
+        if seg.rows[1] <= seg.rows[0]:
+            continue
+        for s in range(seg.rows[0] // chunk, (seg.rows[1] - 1) // chunk + 1):  # shards it overlaps
+            src = sources[s]
             s0, s1 = shard_rows(rows, len(sources), s)
             r0, r1 = max(seg.rows[0], s0), min(seg.rows[1], s1)
-            if r1 <= r0:
-                continue
             out.append(Block(src, d_rank, seg.hf_name, r0 - s0, seg.cols, target.name,
-                             seg.dst_row + (r0 - seg.rows[0]), seg.dst_col, r1 - r0))
+                             seg.dst_row + (r0 - seg.rows[0]), seg.dst_col, r1 - r0, group))
     return out
 
 
@@ -181,8 +182,8 @@ def _split_rows(b: Block, max_elems: int) -> list[Block]:
     step = max(1, max_elems // max(width, 1))
     if b.rows <= step:
         return [b]
-    return [Block(**{**_asdict(b), "src_row": b.src_row + i, "dst_row": b.dst_row + i,
-                     "rows": min(step, b.rows - i)}) for i in range(0, b.rows, step)]
+    return [replace(b, src_row=b.src_row + i, dst_row=b.dst_row + i, rows=min(step, b.rows - i))
+            for i in range(0, b.rows, step)]
 
 
 def _bucketize(remote: list[Block], world: int, bucket_elems: int) -> list[list[Block]]:
@@ -194,21 +195,17 @@ def _bucketize(remote: list[Block], world: int, bucket_elems: int) -> list[list[
     sent, recv = [0] * world, [0] * world
     for big in remote:
         for b in _split_rows(big, bucket_elems):
-            if cur and (sent[b.src_rank] + b.numel > bucket_elems
-                        or recv[b.dst_rank] + b.numel > bucket_elems
+            n = b.numel
+            if cur and (sent[b.src_rank] + n > bucket_elems or recv[b.dst_rank] + n > bucket_elems
                         or b.group != cur[-1].group):
                 buckets.append(cur)
                 cur, sent, recv = [], [0] * world, [0] * world
-            sent[b.src_rank] += b.numel
-            recv[b.dst_rank] += b.numel
+            sent[b.src_rank] += n
+            recv[b.dst_rank] += n
             cur.append(b)
     if cur:
         buckets.append(cur)
-    return [[Block(**{**_asdict(b), "bucket": i}) for b in bk] for i, bk in enumerate(buckets)]
-
-
-def _asdict(b: Block) -> dict:
-    return {f: getattr(b, f) for f in Block.__slots__}
+    return buckets
 
 
 def target_group(name: str, num_layers: int) -> int:
@@ -269,8 +266,7 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
         group = serving_group(g, first, size, m // size)
         sources = range(group * size, (group + 1) * size)
         for t in targets[g]:
-            for b in _blocks_for(g, t, shapes, sources):
-                b = Block(**{**_asdict(b), "group": group_of[t.name]})
+            for b in _blocks_for(g, t, shapes, sources, group_of[t.name]):
                 (local[g].append(b) if b.src_rank == g else by_target[t.name].append(b))
     # Canonical order: layout order of targets (so groups are contiguous),
     # then destination rank.

@@ -45,6 +45,8 @@ class TransferStats:
     bytes_received: int = 0
     bytes_local: int = 0
     num_buckets: int = 0
+    messages_received: int = 0
+    """(bucket, source rank) pairs that carried bytes to this rank."""
     local_s: float = 0.0
     pack_s: float = 0.0
     exchange_s: float = 0.0
@@ -259,3 +261,4 @@ class ReshardExecutor:
             stats.num_buckets += 1
             stats.bytes_sent += sum(tables.send_splits)
             stats.bytes_received += sum(tables.recv_splits)
+            stats.messages_received += sum(1 for n in tables.recv_splits if n)

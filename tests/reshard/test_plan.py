@@ -159,7 +159,7 @@ def test_buckets_bound_every_ranks_volume(world, tp):
         for g in range(world):
             assert sum(b.numel for b in plan.sends(i, g)) <= limit
             assert sum(b.numel for b in plan.recvs(i, g)) <= limit
-        assert all(b.bucket == i and b.src_rank != b.dst_rank for b in bucket)
+        assert all(b.src_rank != b.dst_rank for b in bucket)
     # Unbounded buckets: one per group (embeddings, each layer, head), same blocks.
     one = build_plan(d, world, tp, bucket_elems=1 << 40)
     assert [bk[0].group for bk in one.buckets] == sorted({b.group for bk in one.buckets for b in bk})

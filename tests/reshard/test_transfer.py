@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -29,6 +31,9 @@ for (_spec,) in _values(SPECS_BF16):
         RUNS.setdefault(_world, []).append((_spec, _tp, "bfloat16", 4000))
 for (_spec,) in _values(FP32_SPECS):
     RUNS[4].append((_spec, 2, "float32", 1 << 20))
+# `hybrid-engine plan` against the executor: full sharding (a case above) and hybrid.
+PLAN_CASES = {"full": ("qwen2", 2, "bfloat16", 4000), "hybrid": ("qwen2", 2, "bfloat16", 4000, 2)}
+RUNS[4].append(PLAN_CASES["hybrid"])
 
 
 def _full_tensors(shapes, seed: int) -> dict[str, torch.Tensor]:
@@ -36,7 +41,8 @@ def _full_tensors(shapes, seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(r, c, generator=g) for n, (r, c) in shapes.items()}
 
 
-def _run_executor(spec_name: str, tp: int, wire: str, bucket_elems: int) -> dict:
+def _run_executor(spec_name: str, tp: int, wire: str, bucket_elems: int,
+                  shard: int | None = None) -> dict:
     import torch.distributed as dist
 
     from hybrid_engine.reshard.layouts import model_dims
@@ -47,9 +53,10 @@ def _run_executor(spec_name: str, tp: int, wire: str, bucket_elems: int) -> dict
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = model_dims(hf_config(SPECS[spec_name]))
-    plan = build_plan(dims, world, tp, bucket_elems=bucket_elems)
+    plan = build_plan(dims, world, tp, bucket_elems=bucket_elems, shard_group_size=shard)
     full = _full_tensors(plan.hf_shapes, seed=7)
-    sources = {n: t[slice(*shard_rows(t.shape[0], world, rank))].clone() for n, t in full.items()}
+    s = shard or world
+    sources = {n: t[slice(*shard_rows(t.shape[0], s, rank % s))].clone() for n, t in full.items()}
     dtype = getattr(torch, wire)
     targets = {t.name: torch.zeros(t.shape, dtype=dtype) for t in plan.targets[rank]}
     ex = ReshardExecutor(plan, rank, wire_dtype=dtype)
@@ -62,6 +69,7 @@ def _run_executor(spec_name: str, tp: int, wire: str, bucket_elems: int) -> dict
     ex.run(sources, targets)
     mismatched += [f"rerun:{n}" for n in want if not torch.equal(targets[n], want[n].to(dtype))]
     return {"mismatched": mismatched, "bytes_received": stats.bytes_received,
+            "bytes_sent": stats.bytes_sent, "messages": stats.messages_received,
             "min_bytes": plan.elements_received(rank) * targets[next(iter(targets))].element_size(),
             "num_buckets": stats.num_buckets, "buffer_bytes": ex.buffer_bytes,
             "bucket_bytes": bucket_elems * torch.empty((), dtype=dtype).element_size()}
@@ -87,6 +95,8 @@ def _case_of(item) -> tuple[int, tuple] | None:  # noqa: ANN001
         return params["world"], (params["spec"], params["tp"], "bfloat16", 4000)
     if item.originalname == "test_executor_fp32_wire_other_architectures":
         return 4, (params["spec"], 2, "float32", 1 << 20)
+    if item.originalname == "test_plan_command_counts_what_the_executor_moves":
+        return 4, PLAN_CASES[params["sharding"]]
     return None
 
 
@@ -130,6 +140,30 @@ def test_executor_fp32_wire_other_architectures(executor_runs, spec):
     outs = _case_outputs(executor_runs, 4, (spec, 2, "float32", 1 << 20))
     for r, o in enumerate(outs):
         assert o["mismatched"] == [] and o["bytes_received"] == o["min_bytes"], r
+
+
+@pytest.mark.parametrize("sharding", ["full", "hybrid"])
+def test_plan_command_counts_what_the_executor_moves(executor_runs, tmp_path, capsys, sharding):
+    """`hybrid-engine plan` on 2 "nodes" of 2 gives, per rank, the bytes and messages
+    the executor measured on 4 real ranks, and splits them by node."""
+    from hybrid_engine.cli import main
+    from hybrid_engine.models.tiny import hf_config
+    from tests.reshard.test_plan import SPECS
+
+    outs = _case_outputs(executor_runs, 4, PLAN_CASES[sharding])
+    hf_config(SPECS["qwen2"]).save_pretrained(tmp_path)
+    assert main(["plan", "--config", str(tmp_path / "config.json"), "--nodes", "2",
+                 "--devices-per-node", "2", "--tp", "2", "--sharding", sharding,
+                 "--bucket-mb", str(4000 * 2 / 2**20), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["shard_group_size"] == {"full": 4, "hybrid": 2}[sharding]
+    for o, r in zip(outs, rep["per_rank"], strict=True):
+        assert o["mismatched"] == []
+        assert r["recv_intra"] + r["recv_inter"] == o["bytes_received"] > 0
+        assert r["sent_intra"] + r["sent_inter"] == o["bytes_sent"]
+        assert r["messages"] == o["messages"] > 0
+        # hybrid: a node is a shard group and a TP group, so nothing leaves it
+        assert (r["recv_inter"] == 0) == (sharding == "hybrid")
 
 
 def _fsdp_sync_case(model_dir: str, tp: int) -> dict:

@@ -1,0 +1,111 @@
+"""reshard/costs.py and `hybrid-engine plan`: traffic by node, the time floor, refusals.
+
+The plan's bytes and messages against the executor on real ranks are in
+test_transfer.py (test_plan_command_counts_what_the_executor_moves).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybrid_engine.cli import main
+from hybrid_engine.models.tiny import hf_config
+from hybrid_engine.reshard.costs import RankTraffic, plan_traffic, time_floor
+from hybrid_engine.reshard.layouts import model_dims
+from hybrid_engine.reshard.plan import build_plan
+from tests.reshard.test_plan import SPECS
+
+
+def _plan(world: int, tp: int, **kw):  # noqa: ANN003, ANN202
+    return build_plan(model_dims(hf_config(SPECS["qwen2"])), world, tp, bucket_elems=3000, **kw)
+
+
+@pytest.mark.parametrize("world,tp,dpn", [(4, 2, 2), (4, 1, 1), (8, 2, 4), (4, 4, 4)])
+def test_traffic_splits_every_block_by_node(world, tp, dpn):
+    plan = _plan(world, tp)
+    traffic = plan_traffic(plan, dpn, itemsize=2)
+    for g, t in enumerate(traffic):
+        want = {True: 0, False: 0}
+        for bk in plan.buckets:
+            for b in bk:
+                if b.dst_rank == g:
+                    want[b.src_rank // dpn != g // dpn] += 2 * b.numel
+        assert (t.recv_intra, t.recv_inter) == (want[False], want[True])
+        assert t.received == 2 * plan.elements_received(g)
+        assert t.sent_intra + t.sent_inter == 2 * plan.elements_sent(g)
+        assert t.local == 2 * sum(b.numel for b in plan.local[g])
+        assert t.messages == sum(len({b.src_rank for b in bk if b.dst_rank == g}) for bk in plan.buckets)
+    if dpn == world:
+        assert all(t.recv_inter == 0 for t in traffic)
+    if dpn == 1:
+        assert all(t.recv_intra == 0 for t in traffic)
+
+
+def test_floor_is_the_busiest_link_of_the_busiest_rank():
+    a = RankTraffic(0, recv_intra=900, recv_inter=100, sent_intra=450, sent_inter=200)
+    b = RankTraffic(1, recv_intra=100, recv_inter=50)
+    assert a.seconds(intra_bps=100, inter_bps=10) == 20.0  # inter: max(100, 200) / 10
+    assert a.seconds(intra_bps=10, inter_bps=100) == 90.0  # intra: max(900, 450) / 10
+    assert time_floor([a, b], intra_gbps=8e-9 * 10, inter_gbps=8e-9 * 100) == pytest.approx(90.0)
+    with pytest.raises(ValueError, match="devices per node must divide"):
+        plan_traffic(_plan(4, 2), 3, itemsize=2)
+
+
+def _plan_cli(capsys, *args: str) -> tuple[int, str, str]:  # noqa: ANN001
+    code = main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def config_json(tmp_path):  # noqa: ANN001, ANN201
+    hf_config(SPECS["qwen2"]).save_pretrained(tmp_path / "m")
+    return str(tmp_path / "m" / "config.json")
+
+
+def test_plan_command_prints_the_busiest_rank_and_the_floor(capsys, config_json):
+    base = ["--config", config_json, "--nodes", "2", "--devices-per-node", "2", "--tp", "2"]
+    code, out, _ = _plan_cli(capsys, *base, "--json")
+    rep = json.loads(out)
+    assert code == 0 and rep["world"] == 4 and len(rep["per_rank"]) == 4
+    busiest = rep["per_rank"][rep["busiest_rank"]]
+    assert rep["floor_s"] == RankTraffic(**busiest).seconds(3600e9 / 8, 400e9 / 8)
+    assert rep["naive_received_max"] > max(r["recv_intra"] + r["recv_inter"] for r in rep["per_rank"])
+    # a slower NIC: the same bytes, a proportionally longer floor (all of it off node)
+    slow = json.loads(_plan_cli(capsys, *base, "--json", "--link-gbps", "40")[1])
+    assert slow["per_rank"] == rep["per_rank"] and slow["floor_s"] == pytest.approx(10 * rep["floor_s"])
+    fp32 = json.loads(_plan_cli(capsys, *base, "--json", "--dtype", "float32")[1])
+    assert [r["recv_inter"] for r in fp32["per_rank"]] == [2 * r["recv_inter"] for r in rep["per_rank"]]
+    code, text, _ = _plan_cli(capsys, *base)  # the table, from the folder as well as the file
+    assert code == 0 and f"busiest (r{rep['busiest_rank']})" in text
+    assert f"time floor of one sync: {rep['floor_s']:.3f} s" in text
+    folder = json.loads(_plan_cli(capsys, *base[:1], str(config_json)[: -len("/config.json")],
+                                  *base[2:], "--json")[1])
+    assert folder == rep
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tp", "3"], "must divide num_attention_heads"),
+    (["--nodes", "2", "--devices-per-node", "3", "--tp", "4"], "must divide the world size 6"),
+    (["--nodes", "2", "--devices-per-node", "2", "--sharding", "hybrid", "--shard-group-size", "3"],
+     "shard group size 3 must divide"),
+    (["--nodes", "0"], "must be positive"),
+])
+def test_plan_command_refuses_sizes_that_do_not_fit(capsys, config_json, args, message):
+    code, out, err = _plan_cli(capsys, "--config", config_json, *args)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: ") and message in err
+
+
+def test_plan_command_refuses_a_bad_config(capsys, tmp_path):
+    cfg = hf_config(SPECS["qwen2"]).to_dict()
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "gpt2.json").write_text(json.dumps(cfg))
+    (tmp_path / "nomodel.json").write_text("{}")
+    for path, message in [(tmp_path / "gpt2.json", "unsupported architecture"),
+                          (tmp_path / "nomodel.json", "no model_type"),
+                          (tmp_path / "missing.json", "not a readable JSON config")]:
+        code, out, err = _plan_cli(capsys, "--config", str(path))
+        assert code == 2 and err.count("\n") == 1 and message in err, err
