@@ -11,7 +11,10 @@ cannot unlink anything; each such job leaves 8 MB per TP pair).
 A segment is an orphan when it carries our prefix (he<digits>-), belongs to this user,
 no live process maps it (/proc/<pid>/maps), and either the launcher whose pid
 its name carries is gone or it is older than `min_age_s` (a live job creates
-and maps its segment at once; the age covers that gap). The same sweep, by
+and maps its segment at once; the age covers that gap). The name also carries
+the PID namespace it was made in: a segment of another namespace (a container
+sharing this /dev/shm, `docker --ipc=host`) is never ours to judge, since
+neither its launcher's pid nor the processes that map it are visible here. The same sweep, by
 age alone, removes the ring buffers of vLLM's message queues (`psm_*`) and
 Python's named semaphores (`sem.mp-*`) that killed ranks leave: both are
 mapped for as long as any process uses them (`sweep_foreign_orphans`).
@@ -28,7 +31,8 @@ __all__ = ["FOREIGN", "leftovers", "prefix", "sweep_foreign_orphans", "sweep_orp
            "unlink_job_segments"]
 
 SHM = Path("/dev/shm")
-_OURS = re.compile(r"he\d+-(\d+)-.+")  # prefix() + vLLM's name; group 1: the launcher's pid
+# prefix() + vLLM's name; groups: the launcher's pid, its PID namespace
+_OURS = re.compile(r"he\d+-(\d+)-n(\d+)-.+")
 FOREIGN = re.compile(r"psm_[0-9a-f]+|sem\.mp-.+")  # vLLM's shm ring buffers, Python's semaphores
 
 
@@ -36,12 +40,20 @@ def prefix() -> str:
     """MASTER_PORT (unique among live jobs), the launcher's pid (the ranks of one
     host share their parent, torchrun's agent; a relaunch on the same port is a
     new process, so it meets no leftover segment of a killed launch that the
-    sweep's age limit still spares) and torchrun's run id (random per launch
-    with --standalone)."""
+    sweep's age limit still spares) and PID namespace (where that pid means
+    something), and torchrun's run id (random per launch with --standalone)."""
     port = os.environ.get("MASTER_PORT", str(os.getpid()))
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    base = f"he{port}-{os.getppid()}-"
+    base = f"he{port}-{os.getppid()}-n{pid_namespace()}-"
     return base if run == "none" else f"{base}{run[:8]}-"
+
+
+def pid_namespace() -> int:
+    """The inode of this process's PID namespace (0 where /proc does not say)."""
+    try:
+        return int(os.readlink("/proc/self/ns/pid").split("[")[1].rstrip("]"))
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _alive(pid: int) -> bool:
@@ -140,11 +152,11 @@ def sweep_orphans(min_age_s: float = 60.0, root: Path = SHM, *, pattern: re.Patt
     changed since that time): the test session uses them for vLLM's own `psm_*`
     ring buffers that its killed ranks leave, which are not ours by name.
     """
-    uid, now = os.getuid(), time.time()
+    uid, now, here = os.getuid(), time.time(), pid_namespace()
     old = []
     for f in root.iterdir():
         match = pattern.fullmatch(f.name)
-        if not match:
+        if not match or (pattern is _OURS and int(match.group(2)) != here):
             continue
         try:
             st = f.stat()

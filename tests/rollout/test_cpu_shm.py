@@ -31,12 +31,13 @@ def _segment(root, name: str, age_s: float):
 
 
 ME = os.getpid()  # a live launcher: only the age rule applies to its segments
+NS = cpu_shm.pid_namespace()
 
 
 def test_sweep_removes_only_unmapped_old_segments_with_our_prefix(tmp_path) -> None:
-    orphan = _segment(tmp_path, f"he1234-{ME}-abcd1234--tp:0-[0-1]-cpushm_0", age_s=3600)
-    live = _segment(tmp_path, f"he5678-{ME}-ef012345--tp:0-[0-1]-cpushm_0", age_s=3600)
-    fresh = _segment(tmp_path, f"he9999-{ME}-00000000--tp:0-[0-1]-cpushm_0", age_s=0)
+    orphan = _segment(tmp_path, f"he1234-{ME}-n{NS}-abcd1234--tp:0-[0-1]-cpushm_0", age_s=3600)
+    live = _segment(tmp_path, f"he5678-{ME}-n{NS}-ef012345--tp:0-[0-1]-cpushm_0", age_s=3600)
+    fresh = _segment(tmp_path, f"he9999-{ME}-n{NS}-00000000--tp:0-[0-1]-cpushm_0", age_s=0)
     other = _segment(tmp_path, "psm_deadbeef", age_s=3600)
     not_ours = _segment(tmp_path, "heartbeat", age_s=3600)  # "he" but not he<port>-
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(live)], stdin=subprocess.PIPE,
@@ -58,10 +59,14 @@ def test_a_dead_launchers_fresh_segment_goes_at_once(tmp_path) -> None:
     but the launcher pid in their names is gone, so the age rule does not apply."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    dead = _segment(tmp_path, f"he1234-{gone.pid}-abcd1234--tp:0-[0-1]-cpushm_0", age_s=0)
-    fresh = _segment(tmp_path, f"he1234-{ME}-abcd1234--tp:0-[0-1]-cpushm_0", age_s=0)
+    dead = _segment(tmp_path, f"he1234-{gone.pid}-n{NS}-abcd1234--tp:0-[0-1]-cpushm_0", age_s=0)
+    fresh = _segment(tmp_path, f"he1234-{ME}-n{NS}-abcd1234--tp:0-[0-1]-cpushm_0", age_s=0)
+    # Another PID namespace's (a container sharing /dev/shm): its pids and mappings
+    # are not visible from here, so neither rule applies, however old it is.
+    theirs = _segment(tmp_path, f"he1234-{gone.pid}-n{NS + 1}-abcd1234--tp:0-[0-1]-cpushm_0",
+                      age_s=3600)
     assert cpu_shm.sweep_orphans(min_age_s=60, root=tmp_path) == [dead.name]
-    assert fresh.exists()
+    assert fresh.exists() and theirs.exists()
 
 
 def test_foreign_orphans_are_vllm_ring_buffers_and_python_semaphores(tmp_path) -> None:
@@ -77,7 +82,7 @@ def test_sweep_of_other_names_takes_only_segments_changed_after_a_time(tmp_path)
 
     # ctime is "now" at each write/utime and cannot be set back: order the files instead.
     earlier = _segment(tmp_path, "psm_0123abcd", age_s=3600)
-    ours = _segment(tmp_path, f"he1234-{ME}-abcd1234--tp:0-[0-1]-cpushm_0", age_s=3600)
+    ours = _segment(tmp_path, f"he1234-{ME}-n{NS}-abcd1234--tp:0-[0-1]-cpushm_0", age_s=3600)
     time.sleep(0.05)
     cutoff = time.time()
     time.sleep(0.05)
@@ -92,11 +97,13 @@ def test_prefix_is_unique_per_port_launcher_and_run(monkeypatch) -> None:
     monkeypatch.setenv("MASTER_PORT", "29512")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "0123456789abcdef")
     launcher = os.getppid()
-    assert cpu_shm.prefix() == f"he29512-{launcher}-01234567-"
+    ns = os.readlink("/proc/self/ns/pid")
+    assert f"[{NS}]" in ns and NS > 0
+    assert cpu_shm.prefix() == f"he29512-{launcher}-n{NS}-01234567-"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # a fixed --master_port, no --standalone
-    assert cpu_shm.prefix() == f"he29512-{launcher}-"
+    assert cpu_shm.prefix() == f"he29512-{launcher}-n{NS}-"
     monkeypatch.setattr(os, "getppid", lambda: launcher + 1)  # a relaunch on the same port
-    assert cpu_shm.prefix() == f"he29512-{launcher + 1}-"
+    assert cpu_shm.prefix() == f"he29512-{launcher + 1}-n{NS}-"
     assert cpu_shm._OURS.fullmatch(cpu_shm.prefix() + "vllm_shm")
 
 
@@ -108,7 +115,7 @@ def test_an_aborting_rank_unlinks_the_segments_it_maps_and_only_those(tmp_path) 
 
     since = time.time() - 1
     mapped = [_segment(tmp_path, n, age_s=0) for n in
-              ("psm_0123abcd", f"he1234-{ME}-abcd1234--tp:0-[0-1]-cpushm_1", "other")]
+              ("psm_0123abcd", f"he1234-{ME}-n{NS}-abcd1234--tp:0-[0-1]-cpushm_1", "other")]
     unmapped = _segment(tmp_path, "psm_4567ef01", age_s=0)
     maps = []
     for path in mapped:
