@@ -182,7 +182,7 @@ def _run_on_world(args: argparse.Namespace, overrides: list[str], job) -> dict |
             if isinstance(e, (ValueError, RunAborted, CheckpointWriteError)):
                 watchdog.left_with_error(str(e))  # once gone, not reported as a death
             else:
-                watchdog.settle()  # a dead peer's collective error: its verdict first
+                watchdog.settle(error=e)  # a dead peer's collective error: its verdict first
             raise
         finally:
             for close in reversed(cleanup):

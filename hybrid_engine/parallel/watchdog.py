@@ -30,7 +30,9 @@ leaves with `os._exit(2)` (the CLI's code for a run that stopped itself)
 within a tick of the post, whatever its main thread waits in (a collective,
 vLLM's shared-memory all-reduce spin). A main thread whose collective failed
 because a peer died (gloo: "Connection reset by peer") calls `settle()` before
-showing a traceback: the verdict about the peer comes first.
+showing a traceback: the verdict about the peer comes first. A peer on another
+host cannot be seen dying; the closed connection says it, and the peer whose
+beat then stops for two periods is the one named.
 
 Under torchrun, a rank whose launcher dies (SIGKILL, OOM), so that nothing
 will stop it, leaves the same way within half a second: `watch_launcher()`,
@@ -106,17 +108,19 @@ def phase(name: str) -> Iterator[None]:
 _launcher_thread: threading.Thread | None = None
 
 
-def _looks_like_launcher(pid: int) -> bool:
-    """pid could be torchrun: not init (which adopts orphans) and a Python
-    process (torchrun, `python -m torch.distributed.run`, accelerate and any
-    launcher built on torch's elastic agent are); True when unreadable."""
-    if pid == 1:
-        return False
+def _looks_like_launcher(pid: int, proc: str = "/proc") -> bool:
+    """pid could be torchrun: a Python process (torchrun, `python -m
+    torch.distributed.run`, accelerate and any launcher built on torch's elastic
+    agent are); True when unreadable. PID 1 is init, which adopts orphans,
+    unless it is torchrun itself (a container's entrypoint, its own PID
+    namespace): then it names torchrun or torch.distributed.run."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
+        with open(f"{proc}/{pid}/cmdline", "rb") as f:
             cmdline = f.read()
     except OSError:
-        return True
+        return pid != 1
+    if pid == 1:
+        return b"torchrun" in cmdline or b"torch.distributed.run" in cmdline
     return b"python" in cmdline or b"torchrun" in cmdline
 
 
@@ -178,13 +182,17 @@ def start(timeout_s: float, *, interval_s: float | None = None) -> Watchdog | No
     return _ACTIVE
 
 
-def settle(wait_s: float = 3.0, reported_wait_s: float = 20.0) -> None:
+def settle(wait_s: float = 3.0, reported_wait_s: float = 20.0,
+           error: BaseException | None = None) -> None:
     """For a main thread with an exception in flight: gives the watchdog
     `wait_s` to end this process if the exception came from a peer's death
     or another rank's abort (a collective fails as soon as the dead peer's
     sockets close, a moment before its process is seen gone), and up to
     `reported_wait_s` when a peer is leaving with an error of its own (it
     prints its line first, then exits: this rank then leaves silently).
+    When `error` says a peer closed its connection and no peer on this host
+    died, the peer is on another host: the watchdog names the one whose beat
+    stopped (`Watchdog.name_gone_peer`).
     Returns if the watchdog found nothing: the exception is this rank's own."""
     wd = _ACTIVE
     if wd is None or wd._done.is_set():
@@ -195,6 +203,12 @@ def settle(wait_s: float = 3.0, reported_wait_s: float = 20.0) -> None:
         time.sleep(TICK_S)
         if limit == wait_s and wd.peer_reported_error():
             limit = reported_wait_s
+    if error is not None and any(m in str(error) for m in _CLOSED):
+        wd.name_gone_peer()
+
+
+# How gloo (and NCCL's TCP store) word a collective whose peer's sockets closed.
+_CLOSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
 def left_with_error(msg: str) -> None:
@@ -438,6 +452,31 @@ class Watchdog:
                     f"the ranks in different phases: {where}: a collective no rank will "
                     "complete; aborting the job", [])
         return None
+
+    def name_gone_peer(self) -> None:
+        """After a collective failed on a closed connection with no dead peer on
+        this host: watches the peers' beats for two beat periods (every live
+        watchdog beats at least once in that time) and aborts the job naming
+        those that did not beat; returns if all did."""
+        def beats() -> dict[int, tuple[int, dict]]:
+            return {r: (s.get("beat", -1), s) for r, s in self._read_peers().items()
+                    if s is not None and not s.get("done")}
+
+        with contextlib.suppress(Exception):  # a failing store: the traceback stands
+            before = beats()
+            deadline = time.monotonic() + 2 * self.interval_s + TICK_S
+            while time.monotonic() < deadline and not self._aborted_elsewhere():
+                time.sleep(TICK_S)
+            after = beats()
+            gone = [(r, s) for r, (b, s) in sorted(after.items()) if before.get(r, (None,))[0] == b]
+            if self._aborted_elsewhere():
+                self._exit(None, [])
+            if gone:
+                who = ", ".join(f"rank {r} (host {s.get('host', '?').split('/')[0]}, in phase "
+                                f"{s.get('phase', 'start')!r})" for r, s in gone)
+                self._exit(f"{who} closed its connections and stopped beating: it died or its "
+                           f"host went down; this rank ({self.rank}) was in phase "
+                           f"{self.failed_in or self.phase!r}; aborting the job", [])
 
     def _aborted_elsewhere(self) -> bool:
         """Whether a rank other than this one has posted an abort."""

@@ -15,6 +15,8 @@ caller gets an exception naming the rank(s) with their traceback and log tail.
   `torchrun --standalone --nproc_per_node=N`.
 - `run_job(argv, nproc, ...)`: `hybrid-engine ARGV` on N ranks forked as
   run_ranks' are, with torchrun's environment (no torchrun).
+- `run_nodes(argv, nnodes, nproc_per_node, ...)`: `torchrun --nnodes`, one
+  agent per "node" on this machine, each later node in its own PID namespace.
 
 fn must be importable by name (a module-level function). Ranks fork from a
 server that has imported torch, transformers and vLLM once (`_PRELOAD`), so a
@@ -48,7 +50,7 @@ import psutil
 from hybrid_engine.parallel.dist import free_port  # re-exported: tests import it from here
 
 __all__ = ["RankError", "free_port", "kill_tree", "processes_mentioning", "run_cli", "run_in_subprocess",
-           "run_job", "run_ranks", "run_torchrun"]
+           "run_job", "run_nodes", "run_ranks", "run_torchrun", "separate_pid_namespaces"]
 
 _LOG_TAIL_CHARS = 4000
 # What every rank imports: the fork server imports it once (multiprocessing's
@@ -333,6 +335,57 @@ def run_torchrun(
         raise RankError(f"torchrun exited with code {done.returncode}: {' '.join(cmd)}\n"
                         f"{done.stdout[-_LOG_TAIL_CHARS:]}")
     return done
+
+
+def separate_pid_namespaces() -> bool:
+    """Whether this machine lets an unprivileged process start one in a new user,
+    PID and mount namespace (`unshare -Urpf --mount-proc`), which `run_nodes`
+    uses so its second "node" sees its own pids only, as another host would."""
+    try:
+        return subprocess.run(["unshare", "-Urpf", "--mount-proc", "true"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def run_nodes(
+    argv: Sequence[str], nnodes: int, nproc_per_node: int, *, timeout: float = 300.0,
+    env: Mapping[str, str] | None = None, pid_namespaces: bool = True,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Runs ARGV under `torchrun --nnodes=nnodes` on this machine: one torchrun
+    agent per "node", all started at once, meeting at a c10d rendezvous on
+    localhost, nproc_per_node ranks each (torchrun gives the first node to
+    join global ranks 0..P-1, and so on). With pid_namespaces, every node but
+    the first runs in its own PID namespace (`separate_pid_namespaces`), so its
+    ranks and the others' cannot see each other's processes, as on two hosts.
+
+    argv is what follows torchrun's own flags (a script and its arguments, or
+    ["-m", "module", ...]). Returns each agent's output, stdout and stderr
+    merged. Raises RankError on the deadline, after killing every agent's tree.
+    """
+    port = free_port()
+    base = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+            f"--nproc_per_node={nproc_per_node}", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=nodes{port}", *argv]
+    isolate = ["unshare", "-Urpf", "--mount-proc"] if pid_namespaces else []
+    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (nnodes * nproc_per_node)))}
+    procs = [subprocess.Popen([*(isolate if n else []), *base], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env={**os.environ, **threads, **(env or {})})
+             for n in range(nnodes)]
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=max(0.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            kill_tree(proc.pid)
+        tails = "\n".join(f"--- node {n}\n{(p.communicate()[0] or '')[-_LOG_TAIL_CHARS // nnodes:]}"
+                          for n, p in enumerate(procs))
+        raise RankError(f"{nnodes} torchrun agents did not finish within {timeout:.0f} s: "
+                        f"{' '.join(base)}\n{tails}") from None
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outs)]
 
 
 def run_job(

@@ -151,3 +151,21 @@ def test_abort_posts_carry_the_poster_and_an_error_survives_close() -> None:
     peer = Watchdog(0, 2, 20.0, interval_s=1000.0, store=store, thread=False)
     assert peer.peer_reported_error()
     peer.close()
+
+
+def test_pid_1_is_the_launcher_only_when_it_is_torchrun(tmp_path) -> None:
+    """A rank's parent at start: init adopts orphans (its launcher died), but in a
+    container whose entrypoint is torchrun, torchrun itself is PID 1."""
+    def parent(pid: int, cmdline: str | None) -> bool:
+        if cmdline is not None:
+            (tmp_path / str(pid)).mkdir(exist_ok=True)
+            (tmp_path / str(pid) / "cmdline").write_bytes(cmdline.replace(" ", "\0").encode())
+        return watchdog._looks_like_launcher(pid, proc=str(tmp_path))
+
+    assert not parent(1, "/sbin/init splash")
+    assert parent(1, "/usr/bin/python3 -m torch.distributed.run --nnodes=2 train.py")
+    assert parent(1, "/usr/local/bin/torchrun --nproc_per_node=8 train.py")
+    assert parent(7, "/usr/bin/python3 -m torch.distributed.run train.py")
+    assert not parent(8, "/bin/bash run.sh")
+    assert parent(12345, None)  # unreadable: the benefit of the doubt
+    assert not watchdog._looks_like_launcher(1, proc=str(tmp_path / "none"))  # unreadable PID 1: init
