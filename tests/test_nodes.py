@@ -10,6 +10,8 @@ neither node's ranks can see the other's processes (`testing.run_nodes`).
   with one error line naming it (the trainer learns it only from the closed
   connection and the stopped heartbeat), and resuming on 2 nodes reproduces
   the same job's uninterrupted per-step metrics on one node.
+- A layout the nodes' ranks cannot hold is one error line for the whole job,
+  before any engine starts.
 """
 
 from __future__ import annotations
@@ -80,3 +82,17 @@ def test_a_rank_killed_on_one_node_takes_the_job_down_and_it_resumes(model_dir, 
     _nodes_ok(run_nodes(["-m", "hybrid_engine.cli", *_job(model_dir, out, SEPARATE, "--resume")],
                         2, 1, timeout=300, pid_namespaces=isolated))
     assert _steps(out) == ref
+
+
+def test_a_layout_the_nodes_cannot_hold_is_one_error_line(model_dir, tmp_path):
+    """2 nodes of 1 rank, separate placement: 1 rollout rank cannot hold TP 2.
+    Refused before any engine starts, with one line for the whole job."""
+    layout = ["--placement=separate", "--rollout.num_ranks=1", "--rollout.tensor_parallel_size=2"]
+    runs = run_nodes(["-m", "hybrid_engine.cli", *_job(model_dir, tmp_path / "run", layout)],
+                     2, 1, timeout=120, pid_namespaces=separate_pid_namespaces())
+    assert all(r.returncode != 0 for r in runs)
+    logs = "".join(r.stdout for r in runs)
+    errors = [line for line in logs.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: rollout.tensor_parallel_size=2 must divide the rollout ranks "
+                      "(rollout.num_ranks=1)"], errors
+    assert "starting the vLLM engine" not in logs
