@@ -195,9 +195,9 @@ class RewardModel:
         from torch.distributed.fsdp import MixedPrecisionPolicy
         from transformers import AutoModelForSequenceClassification
 
-        from hybrid_engine.parallel.fsdp import shard_and_load
+        from hybrid_engine.parallel.fsdp import empty_model, shard_and_load
 
-        with torch.device("meta"):
+        with empty_model():
             hf = AutoModelForSequenceClassification.from_config(
                 self.config, dtype=dtype, attn_implementation="sdpa",
                 trust_remote_code=trust_remote_code)

@@ -18,9 +18,12 @@ with S ranks in place of N, counted within the rank's shard group
 (`local_rows`). train.sharding=replicate is no FSDP at all: plain parameters,
 whole on every rank, gradients averaged by DDP (`_build_replicated`), bf16
 compute by torch.autocast (`compute_autocast`).
-Under FSDP no rank ever holds a full parameter during init: the model is built on the
-meta device, sharded, materialised shard-only by `to_empty`, then each rank
-reads only its own rows from the file (`safe_open(...).get_slice(name)[a:b]`).
+Under FSDP no rank ever holds a full parameter during init: the model is built on
+the meta device (`empty_model`), sharded, materialised shard-only
+(`materialize`: storage, then the buffers no checkpoint holds, the rotary
+tables and Gemma's embedding scale, computed by transformers' initialisation),
+then each rank reads only its own rows from the file
+(`safe_open(...).get_slice(name)[a:b]`).
 `LoadStats` counts what each rank read so callers and tests can check it.
 
 Two layout details callers rely on:
@@ -37,7 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,7 +70,8 @@ __all__ = [
     "default_device",
     "dp_mesh",
     "fsdp_mesh",
-    "init_rotary_buffers",
+    "empty_model",
+    "materialize",
     "resolve_model_path",
 ]
 
@@ -196,7 +200,7 @@ def _build_meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
+    with empty_model():
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
         )
@@ -231,15 +235,32 @@ def _wrap_checkpointing(model: PreTrainedModel) -> None:
         layers[i] = checkpoint_wrapper(layer)
 
 
-def init_rotary_buffers(model: nn.Module, device: torch.device) -> None:
-    """Recomputes non-persistent rotary buffers, left uninitialised by to_empty."""
-    for module in model.modules():
-        if not hasattr(module, "inv_freq"):
-            continue
-        with torch.device(device):
-            fresh = type(module)(module.config)
-        for name, buf in fresh.named_buffers(recurse=False):
-            setattr(module, name, buf)
+def empty_model():  # noqa: ANN201 - a context manager
+    """Where a model to shard is built: on the meta device (no memory, no init)."""
+    return torch.device("meta")
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """`to_empty` on device (storage for this rank's shards, filled by the load),
+    then the buffers no checkpoint holds (rotary tables; Gemma's embedding scale)
+    computed by transformers' own initialisation (`initialize_weights`), which
+    leaves alone every tensor marked initialised: here every parameter."""
+    model.to_empty(device=device)
+    for p in model.parameters():
+        p._is_hf_initialized = True
+    for hf in _hf_models(model):
+        hf.initialize_weights()
+
+
+def _hf_models(module: nn.Module) -> Iterator[nn.Module]:
+    """The outermost transformers models in module (itself, or a backbone it holds)."""
+    from transformers import PreTrainedModel
+
+    if isinstance(module, PreTrainedModel):
+        yield module
+        return
+    for child in module.children():
+        yield from _hf_models(child)
 
 
 def build_fsdp_model(
@@ -323,8 +344,7 @@ def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
     if checkpointing:
         _wrap_checkpointing(model)
     device = default_device() if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-    model.to_empty(device=device)
-    init_rotary_buffers(model, device)
+    materialize(model, device)
     stats = load_sharded_safetensors(model, folder)
     if init is not None:
         with torch.no_grad():
@@ -353,11 +373,11 @@ def shard_and_load(model: nn.Module, folder: Path, mesh: DeviceMesh, mp: MixedPr
                    reshard_after_forward: bool = True) -> LoadStats:
     """The one FSDP2 construction path of every model we train or score with
     (policy, reference, critic, reward model): a model built on the meta device
-    is sharded (`apply_fsdp`), materialised shard-only (`to_empty`), its rotary
-    buffers recomputed, its rows read from the safetensors in `folder`.
+    is sharded (`apply_fsdp`), materialised shard-only (`materialize`, its
+    buffers computed), its rows read from the safetensors in `folder`.
 
     Args:
-        model: built on the meta device, `.model.layers` its decoder layers.
+        model: built under `empty_model`, `.model.layers` its decoder layers.
         device: where the shards live; the mesh's device by default.
         load_into: the module whose parameter names are the checkpoint's
             (a holder of the backbone, for a model that adds its own head).
@@ -369,8 +389,7 @@ def shard_and_load(model: nn.Module, folder: Path, mesh: DeviceMesh, mp: MixedPr
     apply_fsdp(model, mesh, mp, checkpointing, reshard_after_forward=reshard_after_forward)
     if device is None:
         device = default_device() if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-    model.to_empty(device=device)
-    init_rotary_buffers(model, device)
+    materialize(model, device)
     stats = load_sharded_safetensors(load_into if load_into is not None else model, folder)
     if init is not None:
         with torch.no_grad():

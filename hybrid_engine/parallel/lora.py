@@ -99,7 +99,7 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, Any]]:
 def init_adapters(model: nn.Module) -> None:
     """A: Kaiming uniform (nn.Linear's default), B: zeros, each rank its own rows
     (`parallel.params.local_rows`) of a tensor drawn from a generator seeded by
-    the name alone. Call after `to_empty`."""
+    the name alone. Call after `fsdp.materialize`."""
     for name, p in sharded_named_parameters(model):
         if not is_adapter(name):
             continue

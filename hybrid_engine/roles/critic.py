@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from hybrid_engine.algorithms.value_loss import value_loss
-from hybrid_engine.parallel.fsdp import DTYPES, dp_mesh, resolve_model_path, shard_and_load
+from hybrid_engine.parallel.fsdp import DTYPES, dp_mesh, empty_model, resolve_model_path, shard_and_load
 from hybrid_engine.parallel.params import reshard_all
 from hybrid_engine.roles.logprobs import comm_device, num_micro_batches
 from hybrid_engine.roles.trainer import build_optimizer, clip_and_step
@@ -91,7 +91,7 @@ def build_value_model(
     folder = resolve_model_path(model_path)
     dtype = DTYPES[master_dtype]
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
+    with empty_model():
         backbone = AutoModel.from_config(config, dtype=dtype, attn_implementation="sdpa",
                                          trust_remote_code=trust_remote_code)
         model = ValueModel(backbone, config.hidden_size, dtype)
