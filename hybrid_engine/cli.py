@@ -362,7 +362,7 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny-model", help="write a random-init HF model folder")
     t.add_argument("path", help="output folder")
     t.add_argument("--preset", default="tiny", help="tiny | small | qwen2-180m (default tiny)")
-    t.add_argument("--arch", choices=["qwen2", "llama", "qwen3", "mistral", "phi3"],
+    t.add_argument("--arch", choices=["qwen2", "llama", "qwen3", "mistral", "phi3", "gemma"],
                    help="override the preset's architecture")
     t.add_argument("--seed", type=int, help="override the preset's seed")
     t.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,

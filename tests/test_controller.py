@@ -394,14 +394,14 @@ def straight(model_dir, tmp_path_factory):  # noqa: ANN201
 @_e2e
 @pytest.mark.parametrize(("world", "tp", "arch"), [(1, 1, "qwen2"), (2, 2, "qwen2"),
                                                    (4, 2, "qwen2"), (2, 1, "mistral"),
-                                                   (2, 2, "phi3")])
+                                                   (2, 2, "phi3"), (2, 2, "gemma")])
 def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, arch, request) -> None:
     """(mistral: sliding window 8, shorter than the prompts and completions; phi3:
-    fused qkv_proj and gate_up_proj.)"""
+    fused qkv_proj and gate_up_proj; gemma: Gemma 3, window 8 on every other layer.)"""
     if arch != "qwen2":
         from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
 
-        window = {"sliding_window": 8} if arch == "mistral" else {}
+        window = {"sliding_window": 8} if arch in ("mistral", "gemma") else {}
         model_dir = str(write_tiny_model(tmp_path / "m", TinyModelSpec(arch=arch, **window)))
     if world == 2 and arch == "qwen2":
         out, steps = request.getfixturevalue("straight").ranks, _STRAIGHT["train.num_steps"]

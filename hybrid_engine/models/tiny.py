@@ -1,4 +1,4 @@
-"""Random-init HF model folders (Qwen2, Llama, Qwen3, Mistral, Phi-3) for tests and benchmarks.
+"""Random-init HF model folders (Qwen2, Llama, Qwen3, Mistral, Phi-3, Gemma 3) for tests and benchmarks.
 
 ``write_tiny_model(path, spec)`` writes ``model.safetensors``,
 ``config.json``, ``generation_config.json`` and the tokenizer files of
@@ -48,7 +48,7 @@ __all__ = [
     "write_tiny_model",
 ]
 
-_ARCHS = ("qwen2", "llama", "qwen3", "mistral", "phi3")
+_ARCHS = ("qwen2", "llama", "qwen3", "mistral", "phi3", "gemma")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -62,8 +62,10 @@ class TinyModelSpec:
 
     arch: str = "qwen2"
     """Architecture: "qwen2" (q/k/v biases), "llama", "qwen3" (q_norm/k_norm),
-    "mistral" (Llama's tensors; attention may be windowed: sliding_window) or
-    "phi3" (fused qkv_proj and gate_up_proj)."""
+    "mistral" (Llama's tensors; attention may be windowed: sliding_window),
+    "phi3" (fused qkv_proj and gate_up_proj) or "gemma" (Gemma 3's text model:
+    q_norm/k_norm, four norms a layer, zero-centred norm weights, GELU MLP;
+    with sliding_window, every other layer windowed)."""
     hidden_size: int = 128
     """Model width. The default gives head_dim 32: vLLM's CPU attention only
     supports head sizes in VLLM_CPU_HEAD_DIMS (64 / 4 heads = 16 fails)."""
@@ -91,8 +93,9 @@ class TinyModelSpec:
     init_std: float = 0.02
     """Std of the normal init of every matrix and bias."""
     norm_std: float = 0.0
-    """Std of the norm weights around 1 (0: all ones, as HF inits them). Tests
-    of weight movement set it, so a norm swapped with another shows."""
+    """Std of the norm weights around 1 (0: all ones, as HF inits them; gemma:
+    around 0, its norms scale by 1 + weight). Tests of weight movement set it,
+    so a norm swapped with another shows."""
     rope_theta: float = 10000.0
     """RoPE base."""
     rms_norm_eps: float = 1e-6
@@ -100,8 +103,9 @@ class TinyModelSpec:
     attention_bias: bool = False
     """llama only: q/k/v and o_proj biases (config.attention_bias)."""
     sliding_window: int | None = None
-    """mistral only: each token attends to itself and the sliding_window - 1
-    tokens before it (config.sliding_window); None = full causal attention."""
+    """mistral and gemma: each token attends to itself and the sliding_window - 1
+    tokens before it (config.sliding_window; gemma: in layers 0, 2, 4, ...);
+    None = full causal attention."""
     words: tuple[str, ...] = ()
     """Texts the tokenizer encodes as one token each (`models.tokenizer.build_tokenizer`);
     () = a byte-level tokenizer only."""
@@ -123,8 +127,9 @@ class TinyModelSpec:
         if self.attention_bias and self.arch != "llama":
             raise ValueError("attention_bias is a llama option (qwen2 always has q/k/v biases; "
                              "vLLM's qwen3 has no o_proj bias)")
-        if self.sliding_window is not None and (self.arch != "mistral" or self.sliding_window < 1):
-            raise ValueError("sliding_window is a mistral option, >= 1")
+        if self.sliding_window is not None and (self.arch not in ("mistral", "gemma")
+                                                or self.sliding_window < 1):
+            raise ValueError("sliding_window is a mistral and gemma option, >= 1")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
 
@@ -209,13 +214,16 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_dim,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_dim,)
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "gemma"):
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_dim)
         if spec.attention_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if spec.arch == "gemma":
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if spec.arch == "phi3":
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * spec.intermediate_size, h)
         else:
@@ -229,8 +237,8 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
-    """The transformers config (Qwen2Config, LlamaConfig, Qwen3Config, MistralConfig or
-    Phi3Config) of ``spec``.
+    """The transformers config (Qwen2Config, LlamaConfig, Qwen3Config, MistralConfig,
+    Phi3Config or Gemma3TextConfig) of ``spec``.
 
     Args:
         spec: the model.
@@ -238,17 +246,29 @@ def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
     Returns:
         A config with ``architectures`` set, eos/bos/pad = the tokenizer's EOS.
     """
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config,
-                  "mistral": MistralConfig, "phi3": Phi3Config}[spec.arch]
+                  "mistral": MistralConfig, "phi3": Phi3Config, "gemma": Gemma3TextConfig}
     arch_name = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma": "Gemma3ForCausalLM"}
     extra = {"attention_bias": True} if spec.attention_bias else {}
+    rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
     if spec.arch == "mistral":
         extra["sliding_window"] = spec.sliding_window
-    return config_cls(
+    if spec.arch == "gemma":  # Gemma 3: windowed and global layers take turns, each its RoPE
+        window = spec.sliding_window or spec.max_position_embeddings
+        extra.update(
+            sliding_window=window, query_pre_attn_scalar=spec.resolved_head_dim,
+            hidden_activation="gelu_pytorch_tanh",
+            layer_types=[("sliding_attention" if spec.sliding_window and i % 2 == 0
+                          else "full_attention") for i in range(spec.num_layers)],
+            rope_parameters={"sliding_attention": rope, "full_attention": rope})
+    else:
+        extra.update(hidden_act="silu", rope_parameters=rope)
+    return config_cls[spec.arch](
         **extra,
         architectures=[arch_name[spec.arch]],
         vocab_size=spec.vocab_size,
@@ -258,12 +278,10 @@ def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.resolved_head_dim,
-        hidden_act="silu",
         max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.init_std,
         rms_norm_eps=spec.rms_norm_eps,
         tie_word_embeddings=spec.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         bos_token_id=EOS_TOKEN_ID,
         eos_token_id=EOS_TOKEN_ID,
         pad_token_id=EOS_TOKEN_ID,
@@ -275,9 +293,10 @@ def _init_tensor(name: str, shape: tuple[int, ...], spec: TinyModelSpec) -> torc
     # Per-tensor seed: values depend only on (seed, name), not on draw order.
     gen = torch.Generator().manual_seed((spec.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
     if name.endswith("norm.weight"):
+        centre = 0.0 if spec.arch == "gemma" else 1.0  # Gemma's norms scale by 1 + weight
         if spec.norm_std == 0:
-            return torch.ones(shape)
-        return torch.empty(shape).normal_(1.0, spec.norm_std, generator=gen)
+            return torch.full(shape, centre)
+        return torch.empty(shape).normal_(centre, spec.norm_std, generator=gen)
     return torch.empty(shape).normal_(0.0, spec.init_std, generator=gen)
 
 

@@ -15,6 +15,7 @@ RowParallelLinear, VocabParallelEmbedding / ParallelLMHead):
 | o_proj.bias (Llama attention_bias) | all of it (vLLM adds it on TP rank 0 only) |
 | embed_tokens, lm_head .weight | rows [r*Vp/T, (r+1)*Vp/T) of the vocab padded to Vp (multiple of 64); padding rows zero |
 | norms, q_norm/k_norm | replicated |
+| (Gemma 3) pre_/post_feedforward_layernorm | replicated |
 
 Architectures: Qwen2 (q/k/v biases; vLLM derives head_dim from hidden / heads
 and ignores config.head_dim), Llama (optional attention_bias, o_proj's
@@ -22,7 +23,12 @@ included), Qwen3 (q_norm/k_norm), Mistral (Llama's tensors under vLLM's
 Mistral class; config.sliding_window windows every layer in HF's mask and in
 vLLM's attention alike, through its cache config), Phi-3 (HF's own fused
 `qkv_proj` [q; k; v] and `gate_up_proj` [gate; up]: a vLLM rank's rows come
-from one HF tensor at those offsets, as vLLM's loader splits it).
+from one HF tensor at those offsets, as vLLM's loader splits it), Gemma 3's
+text model (q_norm/k_norm and four norms a layer; its norms scale by 1 +
+weight and its embeddings by sqrt(hidden) in the forward of HF and vLLM
+alike, so the stored weights copy as they are; windowed and global layers
+alternate, each with its RoPE base; no logit soft-capping: the trainer's
+chunked log-probs do not apply it).
 
 Invariant: every tensor is seen as 2-D (a 1-D tensor of n is [n, 1]); the
 segments of a parameter never overlap and, with the zero padding rows, cover
@@ -49,7 +55,7 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "Phi3ForCausalLM")
+                           "MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 
@@ -91,6 +97,8 @@ class ModelDims:
     o_bias: bool = False
     fused: bool = False
     """HF stores qkv_proj and gate_up_proj fused (Phi-3)."""
+    ffn_norms: bool = False
+    """pre_feedforward_layernorm and post_feedforward_layernorm (Gemma 3)."""
 
 
 def model_dims(config: Any) -> ModelDims:
@@ -129,13 +137,26 @@ def model_dims(config: Any) -> ModelDims:
     rope = getattr(config, "rope_parameters", None) or {}
     if arch == "Phi3ForCausalLM" and (rope.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ValueError("Phi-3 with partial_rotary_factor != 1 is not supported")
+    if arch == "Gemma3ForCausalLM":
+        _check_gemma(config)
     return ModelDims(
         arch=arch, num_layers=config.num_hidden_layers, hidden=config.hidden_size,
         num_heads=heads, num_kv_heads=config.num_key_value_heads or heads, head_dim=head_dim,
         intermediate=config.intermediate_size, vocab=config.vocab_size,
         tied=bool(config.tie_word_embeddings), qkv_bias=qkv_bias,
-        qk_norm=arch == "Qwen3ForCausalLM", o_bias=o_bias, fused=arch == "Phi3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"), o_bias=o_bias,
+        fused=arch == "Phi3ForCausalLM", ffn_norms=arch == "Gemma3ForCausalLM",
     )
+
+
+def _check_gemma(config: Any) -> None:
+    """What of a Gemma 3 config the engine cannot follow, refused in one line."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, key, None) is not None:
+            raise ValueError(f"Gemma 3 with {key}={getattr(config, key)} is not supported: the "
+                             "trainer's chunked log-probs and vLLM-CPU's attention do not apply it")
+    if getattr(config, "attention_bias", False):
+        raise ValueError("Gemma 3 with attention_bias=True is not supported")
 
 
 def check_model(config: Any, tp: int) -> ModelDims:
@@ -178,6 +199,9 @@ def hf_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
         if d.o_bias:
             out[p + "self_attn.o_proj.bias"] = (d.hidden, 1)
         out[p + "post_attention_layernorm.weight"] = (d.hidden, 1)
+        if d.ffn_norms:
+            out[p + "pre_feedforward_layernorm.weight"] = (d.hidden, 1)
+            out[p + "post_feedforward_layernorm.weight"] = (d.hidden, 1)
         if d.fused:
             out[p + "mlp.gate_up_proj.weight"] = (2 * d.intermediate, d.hidden)
         else:
@@ -265,6 +289,9 @@ def _layer(d: ModelDims, tp: int, r: int, i: int) -> Iterator[TargetParam]:
     if d.o_bias:
         yield _full(a + "o_proj.bias", d.hidden, 1)
     yield _full(p + "post_attention_layernorm.weight", d.hidden, 1)
+    if d.ffn_norms:
+        yield _full(p + "pre_feedforward_layernorm.weight", d.hidden, 1)
+        yield _full(p + "post_feedforward_layernorm.weight", d.hidden, 1)
     ni = d.intermediate // tp
     gate, up = ((m + "gate_up_proj.weight",) * 2 if d.fused else
                 (m + "gate_proj.weight", m + "up_proj.weight"))

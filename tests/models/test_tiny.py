@@ -45,6 +45,7 @@ HF_CASES = [
     ("qwen3", TinyModelSpec(arch="qwen3")),
     ("mistral", TinyModelSpec(arch="mistral", sliding_window=8)),
     ("phi3", TinyModelSpec(arch="phi3")),
+    ("gemma", TinyModelSpec(arch="gemma", sliding_window=8)),
     ("qwen2-tied", TinyModelSpec(arch="qwen2", tie_word_embeddings=True)),
     ("llama-tied-kv1", TinyModelSpec(arch="llama", tie_word_embeddings=True, num_kv_heads=1)),
     ("qwen3-kv1-hd64", TinyModelSpec(arch="qwen3", num_kv_heads=1, head_dim=64)),
@@ -191,6 +192,8 @@ VLLM_CASES = [
     ("llama", TinyModelSpec(arch="llama")),
     ("mistral-window8", TinyModelSpec(arch="mistral", sliding_window=8)),
     ("phi3-kv1", TinyModelSpec(arch="phi3", num_kv_heads=1)),
+    ("gemma-window8-kv1-tied", TinyModelSpec(arch="gemma", sliding_window=8, num_kv_heads=1,
+                                             tie_word_embeddings=True, norm_std=0.1)),
     ("qwen2-tied", TinyModelSpec(arch="qwen2", tie_word_embeddings=True)),
     ("qwen3-tied-kv1-hd64", TinyModelSpec(arch="qwen3", tie_word_embeddings=True, num_kv_heads=1, head_dim=64)),
 ]

@@ -60,8 +60,34 @@ def test_mistral_is_llamas_layout_and_keeps_its_window() -> None:
     assert dataclasses.replace(mistral, arch=llama.arch) == llama
     assert all(tp_layout(mistral, 2, r) == tp_layout(llama, 2, r) for r in range(2))
     assert hf_config(TinyModelSpec(arch="mistral", sliding_window=8)).sliding_window == 8
-    with pytest.raises(ValueError, match="sliding_window is a mistral option"):
+    with pytest.raises(ValueError, match="sliding_window is a mistral and gemma option"):
         TinyModelSpec(arch="llama", sliding_window=8)
+
+
+def test_gemma_3_adds_its_norms_replicated_and_refuses_soft_capping() -> None:
+    """Gemma 3 is Qwen3's layout (q_norm/k_norm) plus pre/post-feedforward norms,
+    whole on every TP rank; HF's file and the layout agree on every shape."""
+    spec = TinyModelSpec(arch="gemma", sliding_window=8, num_kv_heads=1, tie_word_embeddings=True)
+    config = hf_config(spec)
+    gemma = check_model(config, 2)
+    assert gemma.arch == "Gemma3ForCausalLM" and gemma.qk_norm and gemma.ffn_norms and gemma.tied
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+    shapes = hf_shapes(gemma)
+    assert {n: (r * c,) for n, (r, c) in shapes.items()} == \
+        {n: (s[0] * (s[1] if len(s) > 1 else 1),) for n, s in hf_param_shapes(spec).items()}
+    for r in range(2):
+        norms = {t.name: t for t in tp_layout(gemma, 2, r) if "feedforward_layernorm" in t.name}
+        assert len(norms) == 2 * spec.num_layers
+        assert all(t.shape == (spec.hidden_size, 1) and t.segments[0].rows == (0, spec.hidden_size)
+                   for t in norms.values())
+    qwen3 = model_dims(hf_config(dataclasses.replace(spec, arch="qwen3", sliding_window=None)))
+    assert dataclasses.replace(gemma, arch=qwen3.arch, ffn_norms=False) == qwen3
+    for key, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                       ("attention_bias", True)):
+        bad = hf_config(spec)
+        setattr(bad, key, value)
+        with pytest.raises(ValueError, match=f"Gemma 3 with {key}="):
+            model_dims(bad)
 
 
 def _actor_on(folder: str) -> dict:

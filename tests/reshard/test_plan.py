@@ -24,6 +24,8 @@ SPECS = {
     "llama-bias": TinyModelSpec(arch="llama", attention_bias=True, vocab_size=1000),
     "mistral-kv1": TinyModelSpec(arch="mistral", num_kv_heads=1, sliding_window=8),
     "phi3-fused": TinyModelSpec(arch="phi3", vocab_size=1001),
+    "gemma-kv1-tied": TinyModelSpec(arch="gemma", num_kv_heads=1, sliding_window=8,
+                                    tie_word_embeddings=True),
 }
 
 
@@ -85,7 +87,9 @@ def _expected(full: dict[str, torch.Tensor], d: ModelDims, tp: int, r: int) -> d
         out[m + "gate_up_proj.weight"] = torch.cat(
             [full[m + "gate_proj.weight"].chunk(tp)[r], full[m + "up_proj.weight"].chunk(tp)[r]])
         out[m + "down_proj.weight"] = full[m + "down_proj.weight"].chunk(tp, dim=1)[r]
-        for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        ffn = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                  *(ffn if d.ffn_norms else ())):
             out[f"model.layers.{i}.{n}"] = full[f"model.layers.{i}.{n}"]
         if d.qk_norm:
             out[a + "q_norm.weight"] = full[a + "q_norm.weight"]

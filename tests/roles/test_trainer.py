@@ -35,6 +35,9 @@ SPECS = {  # odd vocab: uneven row shards (501 / 500 on 2 ranks)
     "qwen2": dict(arch="qwen2", vocab_size=1001),
     "llama": dict(arch="llama", tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3", tie_word_embeddings=True, vocab_size=1001, num_kv_heads=1),
+    # Buffers no checkpoint holds, kept through the sharded build: two RoPE tables
+    # (windowed and global layers) and the embedding scale.
+    "gemma": dict(arch="gemma", tie_word_embeddings=True, sliding_window=8, norm_std=0.1),
 }
 CHUNK = 16  # logits_chunk_tokens in the memory checks
 WEIGHT_ATOL = 1e-6
@@ -456,7 +459,7 @@ def _two_rank_checks(root: str) -> dict:
     return dict(
         init={name: _check_init(f"{root}/{name}") for name in SPECS},
         logprobs={name: _check_logprobs(f"{root}/{name}", vocab[name], t)
-                  for name, t in [("qwen2", 1.0), ("llama", 0.7), ("qwen3", 1.0)]},
+                  for name, t in [("qwen2", 1.0), ("llama", 0.7), ("qwen3", 1.0), ("gemma", 1.0)]},
         train_memory=_check_train_memory(qwen2, vocab["qwen2"]),
         guard=_check_guard(qwen2, vocab["qwen2"]),
         gotcha=_fsdp2_gotcha(qwen2, vocab["qwen2"]),
