@@ -86,8 +86,8 @@ class TinyModelSpec:
     max_position_embeddings: int = 512
     """Longest supported sequence (also the tokenizer's model_max_length)."""
     head_dim: int | None = None
-    """Per-head width; None means hidden_size // num_heads. Only llama and
-    qwen3 may set another value (vLLM's Qwen2 ignores config.head_dim)."""
+    """Per-head width; None means hidden_size // num_heads. qwen2 and phi3 may not
+    set another value (vLLM's Qwen2 ignores config.head_dim)."""
     seed: int = 0
     """Seed of the weights; same spec -> byte-identical safetensors."""
     init_std: float = 0.02

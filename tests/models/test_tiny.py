@@ -192,8 +192,9 @@ VLLM_CASES = [
     ("llama", TinyModelSpec(arch="llama")),
     ("mistral-window8", TinyModelSpec(arch="mistral", sliding_window=8)),
     ("phi3-kv1", TinyModelSpec(arch="phi3", num_kv_heads=1)),
-    ("gemma-window8-kv1-tied", TinyModelSpec(arch="gemma", sliding_window=8, num_kv_heads=1,
-                                             tie_word_embeddings=True, norm_std=0.1)),
+    ("gemma-window8-kv1-tied-hd64", TinyModelSpec(arch="gemma", sliding_window=8, num_kv_heads=1,
+                                                  tie_word_embeddings=True, norm_std=0.1,
+                                                  head_dim=64)),
     ("qwen2-tied", TinyModelSpec(arch="qwen2", tie_word_embeddings=True)),
     ("qwen3-tied-kv1-hd64", TinyModelSpec(arch="qwen3", tie_word_embeddings=True, num_kv_heads=1, head_dim=64)),
 ]

@@ -180,8 +180,9 @@ SYNC_CASES = {
     # HF's fused qkv_proj and gate_up_proj, split across 4 TP ranks (kv heads replicated).
     "phi3-kv1-t4": (dict(arch="phi3", num_kv_heads=1, norm_std=0.1), 4, 4, "float32", 0),
     # Gemma 3: four norms a layer (zero-centred: 1 + w), q/k norms, alternating windows.
-    "gemma-window-kv1-tied": (dict(arch="gemma", num_kv_heads=1, sliding_window=8,
-                                   tie_word_embeddings=True, norm_std=0.1), 2, 2, "float32", 0),
+    "gemma-window-kv1-tied-hd64": (dict(arch="gemma", num_kv_heads=1, sliding_window=8,
+                                        tie_word_embeddings=True, norm_std=0.1, head_dim=64),
+                                   2, 2, "float32", 0),
     "qwen3-kv1": (_QWEN3_KV1, 4, 2, "float32", 0),
     "qwen3-hybrid-2x2": (_QWEN3_KV1, 4, 2, "float32", 2),
     "qwen2-tied-bf16": (dict(arch="qwen2", tie_word_embeddings=True), 4, 4, "bfloat16", 0),
