@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from hybrid_engine.cli import main
+from hybrid_engine import scale
+from hybrid_engine.cli import _parser
 from hybrid_engine.models.tiny import hf_config
 from hybrid_engine.reshard.costs import RankTraffic, plan_traffic, time_floor
 from hybrid_engine.reshard.layouts import model_dims
@@ -53,8 +54,15 @@ def test_floor_is_the_busiest_link_of_the_busiest_rank():
         plan_traffic(_plan(4, 2), 3, itemsize=2)
 
 
+def plan_cli(argv: list[str]) -> int:
+    """`hybrid-engine plan ARGV` in this process: the CLI's own parser, then the command
+    (`cli.main` would also quiet the libraries through this process's environment,
+    which later subprocesses of the session inherit)."""
+    return scale.run(_parser().parse_args(["plan", *argv]))
+
+
 def _plan_cli(capsys, *args: str) -> tuple[int, str, str]:  # noqa: ANN001
-    code = main(["plan", *args])
+    code = plan_cli(list(args))
     out = capsys.readouterr()
     return code, out.out, out.err
 

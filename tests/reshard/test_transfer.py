@@ -146,13 +146,13 @@ def test_executor_fp32_wire_other_architectures(executor_runs, spec):
 def test_plan_command_counts_what_the_executor_moves(executor_runs, tmp_path, capsys, sharding):
     """`hybrid-engine plan` on 2 "nodes" of 2 gives, per rank, the bytes and messages
     the executor measured on 4 real ranks, and splits them by node."""
-    from hybrid_engine.cli import main
     from hybrid_engine.models.tiny import hf_config
+    from tests.reshard.test_costs import plan_cli
     from tests.reshard.test_plan import SPECS
 
     outs = _case_outputs(executor_runs, 4, PLAN_CASES[sharding])
     hf_config(SPECS["qwen2"]).save_pretrained(tmp_path)
-    assert main(["plan", "--config", str(tmp_path / "config.json"), "--nodes", "2",
+    assert plan_cli(["--config", str(tmp_path / "config.json"), "--nodes", "2",
                  "--devices-per-node", "2", "--tp", "2", "--sharding", sharding,
                  "--bucket-mb", str(4000 * 2 / 2**20), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
