@@ -371,7 +371,8 @@ def _parser() -> argparse.ArgumentParser:
     from hybrid_engine import scale
 
     pl = sub.add_parser("plan", help="what one weight sync moves at cluster scale, from a config.json",
-                        description=scale.__doc__.split("\n\n")[0].split(": ", 1)[1])
+                        description="What one weight sync moves at cluster scale, from a "
+                                    "config.json alone (docs/scale.md).")
     scale.add_arguments(pl)
 
     b = sub.add_parser("bench", help="run every benchmark, write benchmarks/results/<date>.md",
