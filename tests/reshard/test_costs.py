@@ -84,6 +84,11 @@ def test_plan_command_prints_the_busiest_rank_and_the_floor(capsys, config_json)
     # a slower NIC: the same bytes, a proportionally longer floor (all of it off node)
     slow = json.loads(_plan_cli(capsys, *base, "--json", "--link-gbps", "40")[1])
     assert slow["per_rank"] == rep["per_rank"] and slow["floor_s"] == pytest.approx(10 * rep["floor_s"])
+    # one node: every byte on the node's links, so --intra-gbps sets the floor
+    node = ["--config", config_json, "--nodes", "1", "--devices-per-node", "4", "--tp", "2", "--json"]
+    fast, slow_intra = (json.loads(_plan_cli(capsys, *node, "--intra-gbps", g)[1]) for g in ("3600", "360"))
+    assert all(r["recv_inter"] == 0 for r in fast["per_rank"])
+    assert slow_intra["floor_s"] == pytest.approx(10 * fast["floor_s"]) and fast["floor_s"] > 0
     fp32 = json.loads(_plan_cli(capsys, *base, "--json", "--dtype", "float32")[1])
     assert [r["recv_inter"] for r in fp32["per_rank"]] == [2 * r["recv_inter"] for r in rep["per_rank"]]
     code, text, _ = _plan_cli(capsys, *base)  # the table, from the folder as well as the file
