@@ -5,7 +5,8 @@ Subcommands:
     train        RL-train a HF model folder (recipe + YAML + --section.key=value)
     eval         evaluate a HF model folder or a training checkpoint on held-out prompts
     demo         the main job on the local CPU cores (see hybrid_engine.demo)
-    tiny-model   write a random-init HF model folder (Qwen2 / Llama / Qwen3 / Mistral / Phi-3)
+    tiny-model   write a random-init HF model folder (Qwen2 / Llama / Qwen3 / Mistral / Phi-3 /
+                 Gemma 3 / Qwen3-MoE / Mixtral)
     config       print the resolved config of a recipe + YAML + overrides
     bench        run the benchmarks and write the dated report (from a clone)
 
@@ -24,6 +25,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
+
+TINY_ARCHS = ("qwen2", "llama", "qwen3", "mistral", "phi3", "gemma", "qwen3_moe", "mixtral")
+"""`models.tiny`'s architectures (named here: importing it would load torch)."""
 
 if TYPE_CHECKING:
     from hybrid_engine.config import RunConfig
@@ -85,7 +89,8 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
     spec = PRESETS[args.preset]
     changes = {k: v for k, v in (("arch", args.arch), ("seed", args.seed),
-                                 ("tie_word_embeddings", args.tie)) if v is not None}
+                                 ("tie_word_embeddings", args.tie),
+                                 ("num_experts", args.experts)) if v is not None}
     spec = dataclasses.replace(spec, **changes)
     path = write_tiny_model(args.path, spec)
     print(json.dumps({"path": str(path), "num_params": spec.num_params, **dataclasses.asdict(spec)}))
@@ -362,8 +367,11 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny-model", help="write a random-init HF model folder")
     t.add_argument("path", help="output folder")
     t.add_argument("--preset", default="tiny", help="tiny | small | qwen2-180m (default tiny)")
-    t.add_argument("--arch", choices=["qwen2", "llama", "qwen3", "mistral", "phi3", "gemma"],
-                   help="override the preset's architecture")
+    t.add_argument("--arch", choices=TINY_ARCHS,
+                   help="override the preset's architecture (gemma: Gemma 3's text model; "
+                        "qwen3_moe, mixtral: Mixture-of-Experts)")
+    t.add_argument("--experts", type=int,
+                   help="qwen3_moe and mixtral: routed experts per layer (default 6, top 2)")
     t.add_argument("--seed", type=int, help="override the preset's seed")
     t.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,
                    help="tie input and output embeddings")

@@ -15,6 +15,8 @@ EXPECTED = {
     "corrupt_config": "config.json is unreadable",
     "unsupported_arch": ["unsupported architecture 'GPT2LMHeadModel'", "Qwen2ForCausalLM",
                          "LlamaForCausalLM", "Qwen3ForCausalLM"],
+    "shared_experts": ["Qwen2MoeForCausalLM: a Mixture-of-Experts with shared experts is not "
+                       "supported", "Qwen3MoeForCausalLM"],
     "no_weights": "no *.safetensors weights",
     "vocab_mismatch": ["the tokenizer has", "vocab_size is 64"],
     "zero_byte": "is 0 bytes: not a safetensors file",
@@ -68,6 +70,9 @@ def bad_model(kind: str, model_dir: Path | str, tmp: Path) -> Path:
         return bad
     if kind == "unsupported_arch":
         return edit_config(model_dir, tmp / "gpt2", architectures=["GPT2LMHeadModel"])
+    if kind == "shared_experts":  # a Qwen2-MoE folder: routed experts beside a shared one
+        return edit_config(model_dir, tmp / "qwen2moe", architectures=["Qwen2MoeForCausalLM"],
+                           model_type="qwen2_moe", num_experts=4, shared_expert_intermediate_size=64)
     if kind == "no_weights":
         shutil.copytree(model_dir, tmp / "noweights", ignore=shutil.ignore_patterns("*.safetensors"))
         return tmp / "noweights"

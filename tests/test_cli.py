@@ -69,6 +69,19 @@ def test_tiny_model_writes_a_loadable_folder(tmp_path):
     assert AutoConfig.from_pretrained(tmp_path / "m").model_type == "mistral"
 
 
+def test_tiny_model_writes_a_mixture_of_experts(tmp_path):
+    from hybrid_engine.cli import TINY_ARCHS
+    from hybrid_engine.models.tiny import ARCHS
+
+    assert TINY_ARCHS == ARCHS
+    out = _cli("tiny-model", str(tmp_path / "m"), "--arch", "mixtral", "--experts", "3")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info["arch"] == "mixtral" and info["num_experts"] == 3
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and config["num_local_experts"] == 3
+
+
 def test_unknown_preset_is_a_clear_error(tmp_path):
     out = _cli("tiny-model", str(tmp_path / "m"), "--preset", "huge")
     assert out.returncode != 0 and "unknown preset 'huge'" in out.stderr

@@ -394,10 +394,12 @@ def straight(model_dir, tmp_path_factory):  # noqa: ANN201
 @_e2e
 @pytest.mark.parametrize(("world", "tp", "arch"), [(1, 1, "qwen2"), (2, 2, "qwen2"),
                                                    (4, 2, "qwen2"), (2, 1, "mistral"),
-                                                   (2, 2, "phi3"), (2, 2, "gemma")])
+                                                   (2, 2, "phi3"), (2, 2, "gemma"),
+                                                   (2, 2, "qwen3_moe"), (2, 1, "mixtral")])
 def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, arch, request) -> None:
     """(mistral: sliding window 8, shorter than the prompts and completions; phi3:
-    fused qkv_proj and gate_up_proj; gemma: Gemma 3, window 8 on every other layer.)"""
+    fused qkv_proj and gate_up_proj; gemma: Gemma 3, window 8 on every other layer;
+    qwen3_moe and mixtral: 6 experts, top 2, sharded 3 / 3 by FSDP2.)"""
     if arch != "qwen2":
         from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
 

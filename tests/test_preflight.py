@@ -193,6 +193,8 @@ def test_lora_on_phi3s_fused_projections_is_refused(tmp_path) -> None:
     _has(_refusal(phi3, tmp_path / "run", "--model.lora_rank=8"),
          "model.lora_rank: Phi-3 fuses q/k/v into qkv_proj")
     check_lora_targets(hf_config(TinyModelSpec(arch="mistral")))  # separate projections: fine
+    with pytest.raises(ValueError, match="model.lora_rank: a Mixture-of-Experts holds its experts"):
+        check_lora_targets(hf_config(TinyModelSpec(arch="qwen3_moe")))
 
 
 def test_overlong_shaping_with_a_multi_turn_env(model_dir, tmp_path) -> None:

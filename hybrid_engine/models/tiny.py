@@ -1,8 +1,11 @@
-"""Random-init HF model folders (Qwen2, Llama, Qwen3, Mistral, Phi-3, Gemma 3) for tests and benchmarks.
+"""Random-init HF model folders (Qwen2, Llama, Qwen3, Mistral, Phi-3, Gemma 3, Qwen3-MoE,
+Mixtral) for tests and benchmarks.
 
 ``write_tiny_model(path, spec)`` writes ``model.safetensors``,
 ``config.json``, ``generation_config.json`` and the tokenizer files of
-``hybrid_engine.models.tokenizer``; nothing is fetched from a hub. The folder
+``hybrid_engine.models.tokenizer``; nothing is fetched from a hub. A
+Mixture-of-Experts folder stores one tensor per expert and projection, as
+published checkpoints do (`models.experts`). The folder
 loads with ``AutoModelForCausalLM.from_pretrained`` (no missing or unexpected
 keys) and with vLLM.
 
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import save_file
 
+from hybrid_engine.models.experts import checkpoint_tensors
 from hybrid_engine.models.tokenizer import (
     EOS_TOKEN_ID,
     build_tokenizer,
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
 __all__ = [
+    "ARCHS",
     "PRESETS",
     "TinyModelSpec",
     "VLLM_CPU_HEAD_DIMS",
@@ -48,7 +53,8 @@ __all__ = [
     "write_tiny_model",
 ]
 
-_ARCHS = ("qwen2", "llama", "qwen3", "mistral", "phi3", "gemma")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "phi3", "gemma", "qwen3_moe", "mixtral")
+_MOE = ("qwen3_moe", "mixtral")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -65,7 +71,9 @@ class TinyModelSpec:
     "mistral" (Llama's tensors; attention may be windowed: sliding_window),
     "phi3" (fused qkv_proj and gate_up_proj) or "gemma" (Gemma 3's text model:
     q_norm/k_norm, four norms a layer, zero-centred norm weights, GELU MLP;
-    with sliding_window, every other layer windowed)."""
+    with sliding_window, every other layer windowed); Mixture-of-Experts:
+    "qwen3_moe" (Qwen3's attention) or "mixtral" (Mistral's), with
+    num_experts experts of width intermediate_size in every layer."""
     hidden_size: int = 128
     """Model width. The default gives head_dim 32: vLLM's CPU attention only
     supports head sizes in VLLM_CPU_HEAD_DIMS (64 / 4 heads = 16 fails)."""
@@ -76,7 +84,11 @@ class TinyModelSpec:
     num_kv_heads: int = 2
     """Number of key/value heads (GQA); must divide num_heads; may be 1."""
     intermediate_size: int = 256
-    """Width of the SwiGLU MLP."""
+    """Width of the SwiGLU MLP (MoE: of each expert)."""
+    num_experts: int = 6
+    """qwen3_moe and mixtral: routed experts per layer."""
+    experts_per_token: int = 2
+    """qwen3_moe and mixtral: experts each token is routed to (top-k)."""
     vocab_size: int = 1000
     """Model vocabulary (embedding rows); >= the tokenizer's id count,
     need not be a multiple of 64. Ids past the tokenizer's are never produced
@@ -114,8 +126,8 @@ class TinyModelSpec:
     fp32 then rounded, so a bf16 file is the rounded fp32 one)."""
 
     def __post_init__(self) -> None:
-        if self.arch not in _ARCHS:
-            raise ValueError(f"arch must be one of {_ARCHS}, got {self.arch!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if self.head_dim is None and self.hidden_size % self.num_heads:
@@ -130,6 +142,9 @@ class TinyModelSpec:
         if self.sliding_window is not None and (self.arch not in ("mistral", "gemma")
                                                 or self.sliding_window < 1):
             raise ValueError("sliding_window is a mistral and gemma option, >= 1")
+        if self.arch in _MOE and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"need 1 <= experts_per_token <= num_experts, got "
+                             f"{self.experts_per_token} and {self.num_experts}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
 
@@ -214,7 +229,7 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_dim,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_dim,)
-        if spec.arch in ("qwen3", "gemma"):
+        if spec.arch in ("qwen3", "gemma", "qwen3_moe"):
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_dim)
@@ -224,6 +239,12 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.arch == "gemma":
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+        if spec.arch in _MOE:  # transformers' fused experts
+            e, i_n = spec.num_experts, spec.intermediate_size
+            shapes[p + "mlp.gate.weight"] = (e, h)
+            shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * i_n, h)
+            shapes[p + "mlp.experts.down_proj"] = (e, h, i_n)
+            continue
         if spec.arch == "phi3":
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * spec.intermediate_size, h)
         else:
@@ -238,7 +259,7 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
 
 def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
     """The transformers config (Qwen2Config, LlamaConfig, Qwen3Config, MistralConfig,
-    Phi3Config or Gemma3TextConfig) of ``spec``.
+    Phi3Config, Gemma3TextConfig, Qwen3MoeConfig or MixtralConfig) of ``spec``.
 
     Args:
         spec: the model.
@@ -246,14 +267,16 @@ def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
     Returns:
         A config with ``architectures`` set, eos/bos/pad = the tokenizer's EOS.
     """
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config,
-                  "mistral": MistralConfig, "phi3": Phi3Config, "gemma": Gemma3TextConfig}
+                  "mistral": MistralConfig, "phi3": Phi3Config, "gemma": Gemma3TextConfig,
+                  "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}
     arch_name = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma": "Gemma3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma": "Gemma3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
     extra = {"attention_bias": True} if spec.attention_bias else {}
     rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
     if spec.arch == "mistral":
@@ -268,6 +291,12 @@ def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
             rope_parameters={"sliding_attention": rope, "full_attention": rope})
     else:
         extra.update(hidden_act="silu", rope_parameters=rope)
+    if spec.arch == "qwen3_moe":
+        extra.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+                     moe_intermediate_size=spec.intermediate_size, norm_topk_prob=True)
+    if spec.arch == "mixtral":
+        extra.update(num_local_experts=spec.num_experts,
+                     num_experts_per_tok=spec.experts_per_token)
     return config_cls[spec.arch](
         **extra,
         architectures=[arch_name[spec.arch]],
@@ -331,7 +360,10 @@ def write_tiny_model(path: str | os.PathLike, spec: TinyModelSpec = TinyModelSpe
 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(random_state_dict(spec), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    state = random_state_dict(spec)
+    if spec.arch in _MOE:
+        state = checkpoint_tensors(spec.arch, state)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     hf_config(spec).save_pretrained(folder)
     GenerationConfig(
         bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID

@@ -87,7 +87,9 @@ def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> Loa
 
     Reads only rows `local_rows(param)` of each tensor (file dtype, cast on
     copy). Tied parameters are loaded once, from the name
-    `named_parameters` reports (the embedding's).
+    `named_parameters` reports (the embedding's). A Mixture-of-Experts
+    checkpoint may keep each expert apart (`models.experts`): a rank then
+    reads only its experts' tensors.
 
     Args:
         model: a module whose parameters are DTensors placed as FSDP2 places them.
@@ -102,42 +104,81 @@ def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> Loa
             rank raises, naming the first such tensor).
     """
     files = _tensor_files(Path(folder))
-    by_file: dict[Path, list[tuple[str, DTensor]]] = {}
-    for name, param in sharded_named_parameters(model):
-        if is_adapter(name):  # LoRA adapters: initialised, not loaded
-            continue
-        if name not in files:
-            raise ValueError(f"parameter {name} is not in the checkpoint {folder}")
-        by_file.setdefault(files[name], []).append((name, param))
+    # (a critic's holder of the backbone has no config of its own; its backbone has)
+    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    model_type = getattr(config, "model_type", "")
     read = total = max_rows = 0
     nonfinite: str | None = None
-    for file, params in by_file.items():
-        with safetensors.safe_open(file, "pt") as f:
-            for name, param in params:
-                sl = f.get_slice(name)
-                if tuple(sl.get_shape()) != tuple(param.shape):
-                    raise ValueError(
-                        f"{name}: file shape {sl.get_shape()} != model {tuple(param.shape)}"
-                    )
-                start, end = local_rows(param)
-                local = param.to_local() if isinstance(param, DTensor) else param
-                assert local.shape[0] == end - start, (name, local.shape, start, end)
-                if end > start:
-                    with torch.no_grad():
-                        local.copy_(sl[start:end])
-                        if nonfinite is None and not bool(torch.isfinite(local).all()):
-                            nonfinite = name
-                read += local.numel()
-                total += param.numel()
-                max_rows = max(max_rows, end - start)
-    _agree_finite(nonfinite, by_file, folder)
+    loaded: list[Tensor] = []
+    with _OpenFiles() as opened:
+        for name, param in sharded_named_parameters(model):
+            if is_adapter(name):  # LoRA adapters: initialised, not loaded
+                continue
+            start, end = local_rows(param)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            assert local.shape[0] == end - start, (name, local.shape, start, end)
+            rows = _read_rows(name, tuple(param.shape), start, end, files, opened, model_type,
+                              folder)
+            if end > start:
+                with torch.no_grad():
+                    local.copy_(rows)
+                    if nonfinite is None and not bool(torch.isfinite(local).all()):
+                        nonfinite = name
+            loaded.append(param)
+            read += local.numel()
+            total += param.numel()
+            max_rows = max(max_rows, end - start)
+    _agree_finite(nonfinite, loaded, folder)
     return LoadStats(elements_read=read, elements_total=total, max_rows_read=max_rows)
 
 
-def _agree_finite(nonfinite: str | None, by_file: dict, folder: str | os.PathLike) -> None:
+class _OpenFiles(dict):
+    """safetensors file -> its open handle, opened on first use, closed on exit."""
+
+    def get_slice(self, file: Path, key: str):  # noqa: ANN201 - safetensors' slice type
+        if file not in self:
+            self[file] = safetensors.safe_open(file, "pt")
+            self[file].__enter__()
+        return self[file].get_slice(key)
+
+    def __enter__(self) -> _OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self.values():
+            f.__exit__(None, None, None)
+
+
+def _read_rows(name: str, shape: tuple[int, ...], start: int, end: int, files: dict[str, Path],
+               opened: _OpenFiles, model_type: str, folder: str | os.PathLike) -> Tensor:
+    """Rows [start, end) of parameter `name`: its own tensor, or its experts' tensors
+    of a per-expert checkpoint concatenated (`models.experts.checkpoint_parts`)."""
+    from hybrid_engine.models.experts import checkpoint_parts
+
+    parts = None if name in files else checkpoint_parts(model_type, name, shape[0])
+    key = parts.name if parts is not None and not parts.keys else name
+    if parts is None or not parts.keys:
+        if key not in files:
+            raise ValueError(f"parameter {name} is not in the checkpoint {folder}")
+        sl = opened.get_slice(files[key], key)
+        if tuple(sl.get_shape()) != shape:
+            raise ValueError(f"{name}: file shape {sl.get_shape()} != model {shape}")
+        return sl[start:end]
+    missing = [k for keys in parts.keys for k in keys if k not in files]
+    if missing:
+        raise ValueError(f"parameter {name} is not in the checkpoint {folder} "
+                         f"(nor its experts' tensors: {missing[0]} is missing)")
+    experts = [torch.cat([opened.get_slice(files[keys[e]], keys[e])[:] for keys in parts.keys])
+               for e in range(start, end)]
+    if experts and tuple(experts[0].shape) != shape[1:]:
+        raise ValueError(f"{name}: an expert's file tensors make {tuple(experts[0].shape)}, "
+                         f"the model has {shape[1:]}")
+    return torch.stack(experts) if experts else torch.empty(0)
+
+
+def _agree_finite(nonfinite: str | None, params: list[Tensor], folder: str | os.PathLike) -> None:
     """Every rank of the mesh raises if any rank read a non-finite weight
     (a rank alone raising would leave the others waiting in a collective)."""
-    params = [p for ps in by_file.values() for _, p in ps]
     # replicated plain parameters: every rank read the same rows and found the same
     mesh = params[0].device_mesh if params and isinstance(params[0], DTensor) else None
     bad = [] if nonfinite is None else [nonfinite]

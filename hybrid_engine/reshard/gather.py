@@ -35,6 +35,7 @@ class _Slot:
     cols: int
     chunk: int
     offset: int
+    unit: int = 1  # rows per index of dim 0 (`layouts.row_units`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,14 +115,14 @@ class BucketedGather:
         (world x padded part) would pass bucket_elems."""
         out, cur, part = [], [], 0
         for unit in load_units(plan, self.rank):
-            shapes = [(n, *plan.hf_shapes[n]) for n in unit]
-            unit_part = sum(-(-rows // self.world) * cols for _, rows, cols in shapes)
+            shapes = [(n, *plan.hf_shapes[n], plan.row_units.get(n, 1)) for n in unit]
+            chunks = [-(-rows // u // self.world) * u for _, rows, _, u in shapes]
+            unit_part = sum(c * cols for c, (_, _, cols, _) in zip(chunks, shapes, strict=True))
             if cur and (part + unit_part) * self.world > bucket_elems:
                 out.append(_GatherBucket(tuple(cur), part))
                 cur, part = [], 0
-            for name, rows, cols in shapes:
-                chunk = -(-rows // self.world)
-                cur.append(_Slot(name, rows, cols, chunk, part))
+            for chunk, (name, rows, cols, u) in zip(chunks, shapes, strict=True):
+                cur.append(_Slot(name, rows, cols, chunk, part, u))
                 part += chunk * cols
         if cur:
             out.append(_GatherBucket(tuple(cur), part))
@@ -142,16 +143,17 @@ class BucketedGather:
     def _local_rows(self, p: torch.Tensor, s: _Slot) -> torch.Tensor:
         """This rank's rows of p as [rows, cols] (a DTensor's local shard; the
         same rows of a replicated plain tensor or DTensor, train.sharding=replicate)."""
-        r0, r1 = shard_rows(s.rows, self.world, self.rank)
+        r0, r1 = shard_rows(s.rows, self.world, self.rank, s.unit)
+        i0, i1 = r0 // s.unit, r1 // s.unit  # the same rows as indices of dim 0
         if isinstance(p, DTensor) and p.device_mesh.size(-1) == 1 and self.world > 1:
-            local = p.to_local()[r0:r1]
+            local = p.to_local()[i0:i1]
         elif isinstance(p, DTensor):
             local = p.to_local()
-            if local.shape[0] != r1 - r0:
+            if local.shape[0] != i1 - i0:
                 raise ValueError(f"{s.name}: local shard has {local.shape[0]} rows, expected "
-                                 f"{r1 - r0} (FSDP2 Shard(0) over {self.world} ranks)")
+                                 f"{i1 - i0} (FSDP2 Shard(0) over {self.world} ranks)")
         else:
-            local = p[r0:r1]
+            local = p[i0:i1]
         return local.detach().reshape(r1 - r0, s.cols)
 
     def run(self, params: dict[str, torch.Tensor],
@@ -177,7 +179,7 @@ class BucketedGather:
             for s in b.slots:
                 out = full[off : off + s.rows * s.cols]
                 for r in range(self.world):
-                    r0, r1 = shard_rows(s.rows, self.world, r)
+                    r0, r1 = shard_rows(s.rows, self.world, r, s.unit)
                     n = (r1 - r0) * s.cols
                     src = r * b.part + s.offset
                     out[r0 * s.cols : r1 * s.cols].copy_(gathered[src : src + n])

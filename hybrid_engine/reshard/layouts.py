@@ -16,6 +16,9 @@ RowParallelLinear, VocabParallelEmbedding / ParallelLMHead):
 | embed_tokens, lm_head .weight | rows [r*Vp/T, (r+1)*Vp/T) of the vocab padded to Vp (multiple of 64); padding rows zero |
 | norms, q_norm/k_norm | replicated |
 | (Gemma 3) pre_/post_feedforward_layernorm | replicated |
+| (MoE) experts.w13_weight [E, 2I/T, H] | per expert: rows r/T of its gate, then rows r/T of its up |
+| (MoE) experts.w2_weight [E, H, I/T] | per expert: all rows, columns r/T |
+| (MoE) mlp.gate.weight (the router) | replicated |
 
 Architectures: Qwen2 (q/k/v biases; vLLM derives head_dim from hidden / heads
 and ignores config.head_dim), Llama (optional attention_bias, o_proj's
@@ -28,7 +31,13 @@ text model (q_norm/k_norm and four norms a layer; its norms scale by 1 +
 weight and its embeddings by sqrt(hidden) in the forward of HF and vLLM
 alike, so the stored weights copy as they are; windowed and global layers
 alternate, each with its RoPE base; no logit soft-capping: the trainer's
-chunked log-probs do not apply it).
+chunked log-probs do not apply it), and two Mixture-of-Experts families:
+Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's, unwindowed). Their
+experts are HF's fused tensors `mlp.experts.gate_up_proj` [E, 2I, H] (an
+expert's gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, I],
+seen 2-D as [E*2I, H] and [E*H, I]; FSDP2 shards them by whole experts, so
+their *row unit* (`row_units`) is 2I and H rows. vLLM stacks them as
+FusedMoE's w13 and w2, tensor parallel over I (no expert parallelism).
 
 Invariant: every tensor is seen as 2-D (a 1-D tensor of n is [n, 1]); the
 segments of a parameter never overlap and, with the zero padding rows, cover
@@ -51,11 +60,17 @@ __all__ = [
     "hf_shapes",
     "kv_heads",
     "model_dims",
+    "row_units",
     "tp_layout",
 ]
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
+                           "MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+_SHARED_EXPERT_ARCHITECTURES = ("Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM",
+                                "DeepseekV3ForCausalLM", "Llama4ForCausalLM",
+                                "Qwen3NextForCausalLM", "Glm4MoeForCausalLM")
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 
@@ -99,6 +114,13 @@ class ModelDims:
     """HF stores qkv_proj and gate_up_proj fused (Phi-3)."""
     ffn_norms: bool = False
     """pre_feedforward_layernorm and post_feedforward_layernorm (Gemma 3)."""
+    num_experts: int = 0
+    """Routed experts of every MoE layer (0: a dense model); `intermediate` is
+    then each expert's width."""
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def model_dims(config: Any) -> ModelDims:
@@ -109,6 +131,10 @@ def model_dims(config: Any) -> ModelDims:
     """
     archs = list(getattr(config, "architectures", None) or [])
     arch = archs[0] if archs else ""
+    if arch in _SHARED_EXPERT_ARCHITECTURES or getattr(config, "shared_expert_intermediate_size", 0):
+        raise ValueError(f"{arch or config.model_type}: a Mixture-of-Experts with shared experts "
+                         "is not supported (the resharding planner has no layout for them); "
+                         f"supported MoE: {', '.join(MOE_ARCHITECTURES)}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch or config.model_type!r}; supported: "
@@ -139,14 +165,32 @@ def model_dims(config: Any) -> ModelDims:
         raise ValueError("Phi-3 with partial_rotary_factor != 1 is not supported")
     if arch == "Gemma3ForCausalLM":
         _check_gemma(config)
+    experts, intermediate = _experts(config, arch) if arch in MOE_ARCHITECTURES else (
+        0, config.intermediate_size)
     return ModelDims(
         arch=arch, num_layers=config.num_hidden_layers, hidden=config.hidden_size,
         num_heads=heads, num_kv_heads=config.num_key_value_heads or heads, head_dim=head_dim,
-        intermediate=config.intermediate_size, vocab=config.vocab_size,
+        intermediate=intermediate, vocab=config.vocab_size,
         tied=bool(config.tie_word_embeddings), qkv_bias=qkv_bias,
-        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"), o_bias=o_bias,
-        fused=arch == "Phi3ForCausalLM", ffn_norms=arch == "Gemma3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
+        o_bias=o_bias, fused=arch == "Phi3ForCausalLM", ffn_norms=arch == "Gemma3ForCausalLM",
+        num_experts=experts,
     )
+
+
+def _experts(config: Any, arch: str) -> tuple[int, int]:
+    """(experts, each expert's width) of a supported MoE config; what of it the
+    layout cannot follow, refused in one line."""
+    if arch == "MixtralForCausalLM":
+        if getattr(config, "sliding_window", None) is not None:
+            raise ValueError("Mixtral with a sliding_window is not supported")
+        return config.num_local_experts, config.intermediate_size
+    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+        raise ValueError("Qwen3-MoE with dense layers among the MoE ones (mlp_only_layers, "
+                         "decoder_sparse_step != 1) is not supported")
+    if not getattr(config, "num_experts", 0) or not getattr(config, "moe_intermediate_size", 0):
+        raise ValueError("a Qwen3-MoE config needs num_experts and moe_intermediate_size")
+    return config.num_experts, config.moe_intermediate_size
 
 
 def _check_gemma(config: Any) -> None:
@@ -202,6 +246,11 @@ def hf_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
         if d.ffn_norms:
             out[p + "pre_feedforward_layernorm.weight"] = (d.hidden, 1)
             out[p + "post_feedforward_layernorm.weight"] = (d.hidden, 1)
+        if d.moe:  # HF's fused experts, seen 2-D (see row_units)
+            out[p + "mlp.gate.weight"] = (d.num_experts, d.hidden)
+            out[p + "mlp.experts.gate_up_proj"] = (d.num_experts * 2 * d.intermediate, d.hidden)
+            out[p + "mlp.experts.down_proj"] = (d.num_experts * d.hidden, d.intermediate)
+            continue
         if d.fused:
             out[p + "mlp.gate_up_proj.weight"] = (2 * d.intermediate, d.hidden)
         else:
@@ -214,13 +263,28 @@ def hf_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
     return out
 
 
+def row_units(d: ModelDims) -> dict[str, int]:
+    """HF tensors whose 2-D rows FSDP2 shards in groups (Shard(0) of a 3-D tensor
+    splits its first dim): name -> rows per dim-0 index. The others: 1."""
+    if not d.moe:
+        return {}
+    out = {}
+    for i in range(d.num_layers):
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = 2 * d.intermediate
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = d.hidden
+    return out
+
+
 def check_tp(d: ModelDims, tp: int) -> None:
     """Raises ValueError unless tp splits the heads and the MLP evenly."""
     if d.num_heads % tp or d.intermediate % tp:
         raise ValueError(
             f"tensor_parallel_size={tp} must divide num_attention_heads={d.num_heads} "
-            f"and intermediate_size={d.intermediate}"
+            f"and {'moe_' if d.moe else ''}intermediate_size={d.intermediate}"
         )
+    if d.moe and tp > d.num_experts:
+        raise ValueError(f"tensor_parallel_size={tp} exceeds the {d.num_experts} experts "
+                         "(vLLM refuses it)")
     if d.num_kv_heads % tp and tp % d.num_kv_heads:
         raise ValueError(
             f"tensor_parallel_size={tp} and num_key_value_heads={d.num_kv_heads}: "
@@ -292,6 +356,9 @@ def _layer(d: ModelDims, tp: int, r: int, i: int) -> Iterator[TargetParam]:
     if d.ffn_norms:
         yield _full(p + "pre_feedforward_layernorm.weight", d.hidden, 1)
         yield _full(p + "post_feedforward_layernorm.weight", d.hidden, 1)
+    if d.moe:
+        yield from _experts_layout(d, tp, r, m)
+        return
     ni = d.intermediate // tp
     gate, up = ((m + "gate_up_proj.weight",) * 2 if d.fused else
                 (m + "gate_proj.weight", m + "up_proj.weight"))
@@ -302,6 +369,28 @@ def _layer(d: ModelDims, tp: int, r: int, i: int) -> Iterator[TargetParam]:
     ))
     yield TargetParam(m + "down_proj.weight", (d.hidden, ni),
                       (Segment(m + "down_proj.weight", (0, d.hidden), (r * ni, (r + 1) * ni), 0),))
+
+
+def _experts_layout(d: ModelDims, tp: int, r: int, m: str) -> Iterator[TargetParam]:
+    """An MoE layer: the router, then vLLM's stacked experts (HF's fused tensors,
+    2-D: expert e's gate rows start at e*2I, its up rows at e*2I + I). vLLM
+    names them `<block>.gate.weight` and `<block>.experts.routed_experts.w13_weight`
+    / `w2_weight`, its Mixtral block being `block_sparse_moe`."""
+    v = m.replace(".mlp.", ".block_sparse_moe.") if d.arch == "MixtralForCausalLM" else m
+    yield TargetParam(v + "gate.weight", (d.num_experts, d.hidden),
+                      (Segment(m + "gate.weight", (0, d.num_experts), (0, d.hidden), 0),))
+    e_n, i_n, ni = d.num_experts, d.intermediate, d.intermediate // tp
+    gate_up, down = m + "experts.gate_up_proj", m + "experts.down_proj"
+    if tp == 1:  # gate and up rows of every expert are contiguous
+        segs: tuple[Segment, ...] = (Segment(gate_up, (0, e_n * 2 * i_n), (0, d.hidden), 0),)
+    else:
+        segs = tuple(Segment(gate_up, (e * 2 * i_n + half * i_n + r * ni,
+                                       e * 2 * i_n + half * i_n + (r + 1) * ni),
+                             (0, d.hidden), e * 2 * ni + half * ni)
+                     for e in range(e_n) for half in (0, 1))
+    yield TargetParam(v + "experts.routed_experts.w13_weight", (e_n * 2 * ni, d.hidden), segs)
+    yield TargetParam(v + "experts.routed_experts.w2_weight", (e_n * d.hidden, ni),
+                      (Segment(down, (0, e_n * d.hidden), (r * ni, (r + 1) * ni), 0),))
 
 
 def tp_layout(d: ModelDims, tp: int, r: int) -> list[TargetParam]:

@@ -33,17 +33,21 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from hybrid_engine.reshard.adapters import LoraDims, adapter_layout, adapter_shapes
-from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, tp_layout
+from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, row_units, tp_layout
 
 __all__ = ["Block", "ReshardPlan", "build_plan", "padding_rows", "serving_group", "shard_rows",
            "target_group"]
 
 
-def shard_rows(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """[start, end) rows of a rank under FSDP2's Shard(0) (torch.chunk semantics)."""
-    chunk = -(-num_rows // world_size)
-    start = min(rank * chunk, num_rows)
-    return start, min(start + chunk, num_rows)
+def shard_rows(num_rows: int, world_size: int, rank: int, unit: int = 1) -> tuple[int, int]:
+    """[start, end) rows of a rank under FSDP2's Shard(0) (torch.chunk semantics).
+
+    unit: rows per index of the tensor's first dim (a 3-D tensor seen 2-D, e.g.
+    MoE experts: `layouts.row_units`); Shard(0) splits whole units."""
+    n = num_rows // unit
+    chunk = -(-n // world_size)
+    start = min(rank * chunk, n)
+    return start * unit, min(start + chunk, n) * unit
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,7 @@ class ReshardPlan:
         shard_group_size: S, the ranks one copy of the weights is sharded
             over (M/S replicas of it; S = M unless replicated or hybrid).
         hf_shapes: every HF parameter as 2-D (rows, cols).
+        row_units: HF tensors sharded by groups of rows (`layouts.row_units`).
         targets: per global rank, its vLLM parameters (layout order).
         groups: target names per group (embeddings, each decoder layer, the
             head); a sync completes one group at a time, so the rollout can
@@ -101,6 +106,7 @@ class ReshardPlan:
     local: list[list[Block]] = field(default_factory=list)
     buckets: list[list[Block]] = field(default_factory=list)
     shard_group_size: int = 0  # 0: num_sources (set in __post_init__)
+    row_units: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.shard_group_size = self.shard_group_size or self.num_sources
@@ -110,7 +116,8 @@ class ReshardPlan:
         rows = self.hf_shapes[name][0]
         if rank >= self.num_sources:
             return rows, rows
-        return shard_rows(rows, self.shard_group_size, rank % self.shard_group_size)
+        return shard_rows(rows, self.shard_group_size, rank % self.shard_group_size,
+                          self.row_units.get(name, 1))
 
     def group_buckets(self, group: int) -> list[int]:
         """Indices of the buckets of one group, in order."""
@@ -158,18 +165,18 @@ def serving_group(d_rank: int, first_target: int, shard_group_size: int,
 
 
 def _blocks_for(d_rank: int, target: TargetParam, shapes: dict[str, tuple[int, int]],
-                sources: range, group: int) -> list[Block]:
+                sources: range, group: int, units: dict[str, int]) -> list[Block]:
     """Blocks filling target (of sync group `group`) on d_rank from one shard group
     (sources: its ranks, in shard order)."""
     out = []
     for seg in target.segments:
-        rows = shapes[seg.hf_name][0]
-        chunk = -(-rows // len(sources))
+        rows, unit = shapes[seg.hf_name][0], units.get(seg.hf_name, 1)
+        chunk = -(-rows // unit // len(sources)) * unit
         if seg.rows[1] <= seg.rows[0]:
             continue
         for s in range(seg.rows[0] // chunk, (seg.rows[1] - 1) // chunk + 1):  # shards it overlaps
             src = sources[s]
-            s0, s1 = shard_rows(rows, len(sources), s)
+            s0, s1 = shard_rows(rows, len(sources), s, unit)
             r0, r1 = max(seg.rows[0], s0), min(seg.rows[1], s1)
             out.append(Block(src, d_rank, seg.hf_name, r0 - s0, seg.cols, target.name,
                              seg.dst_row + (r0 - seg.rows[0]), seg.dst_col, r1 - r0, group))
@@ -252,6 +259,7 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
     if not 1 <= size <= m or m % size:
         raise ValueError(f"shard group size {shard_group_size} must divide the {m} source ranks")
     shapes = hf_shapes(dims) if lora is None else adapter_shapes(dims, lora)
+    units = row_units(dims) if lora is None else {}
     layouts = [tp_layout(dims, tp, r) if lora is None else adapter_layout(dims, lora, tp, r)
                for r in range(tp)]
     first = world_size - rollout_ranks  # 0 colocated, M separate
@@ -266,14 +274,14 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
         group = serving_group(g, first, size, m // size)
         sources = range(group * size, (group + 1) * size)
         for t in targets[g]:
-            for b in _blocks_for(g, t, shapes, sources, group_of[t.name]):
+            for b in _blocks_for(g, t, shapes, sources, group_of[t.name], units):
                 (local[g].append(b) if b.src_rank == g else by_target[t.name].append(b))
     # Canonical order: layout order of targets (so groups are contiguous),
     # then destination rank.
     order = [t.name for t in layouts[0]]
     remote = [b for name in order for b in sorted(by_target[name], key=lambda b: b.dst_rank)]
     return ReshardPlan(world_size, tp, m, shapes, targets, groups, local,
-                       _bucketize(remote, world_size, bucket_elems), size)
+                       _bucketize(remote, world_size, bucket_elems), size, units)
 
 
 def padding_rows(targets: list) -> dict[str, int]:

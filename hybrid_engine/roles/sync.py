@@ -163,10 +163,10 @@ class WeightSync:
             local = p.to_local() if isinstance(p, DTensor) else p
             r0, r1 = self.plan.source_rows(name, self.rank) if isinstance(p, DTensor) \
                 else (0, rows)
-            if local.shape[0] != r1 - r0 or (isinstance(p, DTensor)
+            if local.numel() != (r1 - r0) * cols or (isinstance(p, DTensor)
                                              and p.device_mesh.size(-1) != size):
                 raise ValueError(
-                    f"{name}: local shard has {local.shape[0]} rows over a shard group of "
+                    f"{name}: local shard has {local.numel() // max(cols, 1)} rows over a shard group of "
                     f"{p.device_mesh.size(-1) if isinstance(p, DTensor) else 1} rank(s); the "
                     f"plan expects {r1 - r0} (FSDP2 Shard(0) over groups of {size} ranks, "
                     "torch.chunk sizes): the sync's shard_group_size is not the trainer's")
@@ -387,8 +387,10 @@ class WeightSync:
             if self.rank == 0:
                 full = full.to(self.wire_dtype).contiguous()
             else:  # trainer ranks 1..M-1 receive too: one broadcast over the world
-                full = torch.empty((rows,) if cols == 1 else (rows, cols), dtype=self.wire_dtype,
-                                   device=self.device)
+                unit = self.plan.row_units.get(name, 1)  # MoE experts: [E, unit, cols]
+                shape = (rows,) if cols == 1 else (rows, cols) if unit == 1 else (
+                    rows // unit, unit, cols)
+                full = torch.empty(shape, dtype=self.wire_dtype, device=self.device)
             # bytes on the wire (gloo has no bf16 broadcast)
             dist.broadcast(full.view(torch.uint8), src=0, group=self.group)
             yield name, full

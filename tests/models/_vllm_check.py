@@ -10,6 +10,11 @@ few prompts with ``temperature=1.0`` and ``logprobs=0``; then transformers
 ids equal ``AutoTokenizer``'s, and the max |vLLM logprob - transformers
 log_softmax| over the sampled tokens. The last stdout line is the JSON result.
 
+For a Mixture-of-Experts folder each prompt + completion is run once more as
+a prompt, with a hook on every router of the vLLM model (its ``gate``), and
+``experts_mismatch`` counts the (token, layer) pairs whose top-k experts
+differ from those of HF's router logits on the same tokens.
+
 Why temperature 1.0: by default (``logprobs_mode="raw_logprobs"``) vLLM
 returns the log_softmax of the raw logits, not of the temperature-scaled
 sampling distribution; at temperature 1.0 without top-k/top-p both are the
@@ -42,6 +47,7 @@ def run_vllm(folder: str, prompts: list[str], *, seed: int, max_tokens: int) -> 
     """
     from vllm import LLM, SamplingParams
 
+    moe = _is_moe(folder)
     llm = LLM(
         model=folder,
         dtype="float32",
@@ -65,9 +71,51 @@ def run_vllm(folder: str, prompts: list[str], *, seed: int, max_tokens: int) -> 
                 "logprobs": [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)],
             }
         )
+    if moe:
+        for r in results:
+            r["router_logits"] = _vllm_router_logits(llm, r["prompt_ids"] + r["output_ids"])
     del llm, outputs
     gc.collect()
     return results
+
+
+def _vllm_router_logits(llm, ids: list[int]) -> list:  # noqa: ANN001
+    """Every MoE layer's router logits [len(ids), E] in vLLM's prefill of ids."""
+    import torch
+    from vllm import SamplingParams
+
+    from hybrid_engine.rollout import vllm_compat
+
+    model = vllm_compat.model(llm)
+    captured: list[torch.Tensor] = []
+    gates = [m for n, m in model.named_modules() if n.endswith(".gate") and hasattr(m, "weight")]
+    hooks = [g.register_forward_hook(lambda _m, _i, out: captured.append(
+        (out[0] if isinstance(out, tuple) else out).detach().float().clone())) for g in gates]
+    llm.reset_prefix_cache()
+    try:
+        llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [c.tolist() for c in captured[: len(gates)]]
+
+
+def _is_moe(folder: str) -> bool:
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    return bool(config.get("num_experts") or config.get("num_local_experts"))
+
+
+def _experts_mismatch(hf_logits: tuple, vllm_logits: list, top_k: int) -> int:
+    """(token, layer) pairs whose top-k experts differ between HF's and vLLM's
+    router logits (one [tokens, E] per layer each)."""
+    import torch
+
+    bad = 0
+    for hf, vl in zip(hf_logits, vllm_logits, strict=True):
+        a = hf.float().topk(top_k, dim=-1).indices.sort(-1).values
+        b = torch.tensor(vl).topk(top_k, dim=-1).indices.sort(-1).values
+        bad += int((a != b).any(-1).sum())
+    return bad
 
 
 def compare_with_transformers(folder: str, prompts: list[str], samples: list[dict]) -> dict:
@@ -79,20 +127,26 @@ def compare_with_transformers(folder: str, prompts: list[str], samples: list[dic
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids_equal = True
     max_diff = 0.0
-    num_tokens = 0
+    num_tokens = mismatch = routed = 0
     for prompt, s in zip(prompts, samples, strict=True):
         ids_equal &= tok(prompt)["input_ids"] == s["prompt_ids"]
         n_p, n_o = len(s["prompt_ids"]), len(s["output_ids"])
         ids_T = torch.tensor([s["prompt_ids"] + s["output_ids"]])
         with torch.no_grad():
-            logits_TV = model(ids_T).logits[0].float()
+            out = model(ids_T, output_router_logits="router_logits" in s)
+            logits_TV = out.logits[0].float()
+        if "router_logits" in s:
+            mismatch += _experts_mismatch(out.router_logits, s["router_logits"],
+                                          model.config.num_experts_per_tok)
+            routed += ids_T.shape[1] * model.config.num_hidden_layers
         # Position t predicts token t+1: completion token j is scored at n_p-1+j.
         logp_OV = torch.log_softmax(logits_TV[n_p - 1 : n_p - 1 + n_o], dim=-1)
         ref_O = logp_OV.gather(1, torch.tensor(s["output_ids"])[:, None])[:, 0]
         diff_O = (ref_O - torch.tensor(s["logprobs"])).abs()
         max_diff = max(max_diff, diff_O.max().item())
         num_tokens += n_o
-    return {"prompt_ids_equal": bool(ids_equal), "max_abs_diff": max_diff, "num_tokens": num_tokens}
+    return {"prompt_ids_equal": bool(ids_equal), "max_abs_diff": max_diff, "num_tokens": num_tokens,
+            "experts_mismatch": mismatch, "experts_routed": routed}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -46,6 +46,8 @@ HF_CASES = [
     ("mistral", TinyModelSpec(arch="mistral", sliding_window=8)),
     ("phi3", TinyModelSpec(arch="phi3")),
     ("gemma", TinyModelSpec(arch="gemma", sliding_window=8)),
+    ("qwen3_moe", TinyModelSpec(arch="qwen3_moe")),  # per-expert checkpoint keys
+    ("mixtral-e5", TinyModelSpec(arch="mixtral", num_experts=5, experts_per_token=1)),
     ("qwen2-tied", TinyModelSpec(arch="qwen2", tie_word_embeddings=True)),
     ("llama-tied-kv1", TinyModelSpec(arch="llama", tie_word_embeddings=True, num_kv_heads=1)),
     ("qwen3-kv1-hd64", TinyModelSpec(arch="qwen3", num_kv_heads=1, head_dim=64)),
@@ -197,6 +199,10 @@ VLLM_CASES = [
                                                   head_dim=64)),
     ("qwen2-tied", TinyModelSpec(arch="qwen2", tie_word_embeddings=True)),
     ("qwen3-tied-kv1-hd64", TinyModelSpec(arch="qwen3", tie_word_embeddings=True, num_kv_heads=1, head_dim=64)),
+    # MoE: the experts' weights are wide enough (init 0.05) for routing to matter
+    ("qwen3_moe-e6-k2", TinyModelSpec(arch="qwen3_moe", init_std=0.05, intermediate_size=64)),
+    ("mixtral-e5-k2-tied", TinyModelSpec(arch="mixtral", num_experts=5, init_std=0.05,
+                                         tie_word_embeddings=True)),
 ]
 
 
@@ -214,3 +220,5 @@ def test_vllm_matches_transformers(tmp_path: Path) -> None:
         assert r["num_tokens"] == 4 * 16, path
         # fp32 vs fp32: measured ~5e-7; a wrong weight (or window) gives ~1e-1.
         assert r["max_abs_diff"] < 1e-5, (path, r["max_abs_diff"])
+        if "moe" in path or "mixtral" in path:  # every token of every layer routed alike
+            assert r["experts_routed"] > 4 * 16 * 2 and r["experts_mismatch"] == 0, (path, r)

@@ -6,6 +6,7 @@ against vLLM's own loaders in tests/roles/test_sync.py)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import time
 
@@ -88,6 +89,48 @@ def test_gemma_3_adds_its_norms_replicated_and_refuses_soft_capping() -> None:
         setattr(bad, key, value)
         with pytest.raises(ValueError, match=f"Gemma 3 with {key}="):
             model_dims(bad)
+
+
+def test_moe_layouts_stack_the_experts_and_refuse_what_they_lack() -> None:
+    """Qwen3-MoE and Mixtral: HF's fused experts seen 2-D, sharded by whole experts
+    (row units), into vLLM's stacked w13 / w2 with the router whole; the layout
+    equals Qwen3's / Mistral's outside the MLP."""
+    from hybrid_engine.reshard.layouts import row_units
+
+    for arch, dense in (("qwen3_moe", "qwen3"), ("mixtral", "mistral")):
+        spec = TinyModelSpec(arch=arch, num_experts=5, intermediate_size=64)
+        moe = check_model(hf_config(spec), 2)
+        assert moe.moe and moe.num_experts == 5 and moe.intermediate == 64
+        shapes = hf_shapes(moe)
+        assert {n: (r * c,) for n, (r, c) in shapes.items()} == \
+            {n: (math.prod(s),) for n, s in hf_param_shapes(spec).items()}
+        units = row_units(moe)
+        assert units["model.layers.1.mlp.experts.gate_up_proj"] == 2 * 64
+        assert units["model.layers.1.mlp.experts.down_proj"] == spec.hidden_size
+        plain = model_dims(hf_config(dataclasses.replace(spec, arch=dense)))
+        names = {t.name for t in tp_layout(moe, 2, 1)}
+        block = "block_sparse_moe" if arch == "mixtral" else "mlp"
+        assert {f"model.layers.0.{block}.gate.weight",
+                f"model.layers.0.{block}.experts.routed_experts.w13_weight"} <= names
+        assert {n for n in names if ".mlp." not in n and block not in n} == \
+            {t.name for t in tp_layout(plain, 2, 1) if ".mlp." not in t.name}
+    bad = [("mlp_only_layers", [0], "dense layers among the MoE ones"),
+           ("decoder_sparse_step", 2, "dense layers among the MoE ones"),
+           ("shared_expert_intermediate_size", 64, "with shared experts is not supported")]
+    for key, value, reason in bad:
+        config = hf_config(TinyModelSpec(arch="qwen3_moe"))
+        setattr(config, key, value)
+        with pytest.raises(ValueError, match=reason):
+            model_dims(config)
+    mixtral = hf_config(TinyModelSpec(arch="mixtral"))
+    mixtral.sliding_window = 8
+    with pytest.raises(ValueError, match="Mixtral with a sliding_window"):
+        model_dims(mixtral)
+    with pytest.raises(ValueError, match="exceeds the 2 experts"):
+        check_model(hf_config(TinyModelSpec(arch="qwen3_moe", num_experts=2,
+                                            experts_per_token=1)), 4)
+    with pytest.raises(ValueError, match="moe_intermediate_size=66"):
+        check_model(hf_config(TinyModelSpec(arch="qwen3_moe", intermediate_size=66)), 4)
 
 
 def _actor_on(folder: str) -> dict:

@@ -26,6 +26,10 @@ SPECS = {
     "phi3-fused": TinyModelSpec(arch="phi3", vocab_size=1001),
     "gemma-kv1-tied-hd64": TinyModelSpec(arch="gemma", num_kv_heads=1, sliding_window=8,
                                          tie_word_embeddings=True, head_dim=64),
+    # experts that do not divide the ranks: 6 over 4 shard as 2, 2, 2, 0; 5 over 2 as 3, 2
+    "qwen3_moe-e6": TinyModelSpec(arch="qwen3_moe", num_experts=6, intermediate_size=64),
+    "mixtral-e5-tied": TinyModelSpec(arch="mixtral", num_experts=5, experts_per_token=1,
+                                     intermediate_size=96, tie_word_embeddings=True),
 }
 
 
@@ -84,9 +88,12 @@ def _expected(full: dict[str, torch.Tensor], d: ModelDims, tp: int, r: int) -> d
         out[a + "o_proj.weight"] = full[a + "o_proj.weight"].chunk(tp, dim=1)[r]
         if d.o_bias:  # RowParallelLinear's bias: whole on every rank
             out[a + "o_proj.bias"] = full[a + "o_proj.bias"]
-        out[m + "gate_up_proj.weight"] = torch.cat(
-            [full[m + "gate_proj.weight"].chunk(tp)[r], full[m + "up_proj.weight"].chunk(tp)[r]])
-        out[m + "down_proj.weight"] = full[m + "down_proj.weight"].chunk(tp, dim=1)[r]
+        if d.moe:
+            out.update(_expected_experts(full, d, tp, r, m))
+        else:
+            out[m + "gate_up_proj.weight"] = torch.cat(
+                [full[m + "gate_proj.weight"].chunk(tp)[r], full[m + "up_proj.weight"].chunk(tp)[r]])
+            out[m + "down_proj.weight"] = full[m + "down_proj.weight"].chunk(tp, dim=1)[r]
         ffn = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
         for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
                   *(ffn if d.ffn_norms else ())):
@@ -98,6 +105,19 @@ def _expected(full: dict[str, torch.Tensor], d: ModelDims, tp: int, r: int) -> d
     if not d.tied:
         out["lm_head.weight"] = vocab(full["lm_head.weight"])
     return out
+
+
+def _expected_experts(full, d: ModelDims, tp: int, r: int, m: str) -> dict[str, torch.Tensor]:
+    """vLLM's FusedMoE w13 [E, 2I/T, H] and w2 [E, H, I/T] of TP rank r (2-D), and the router."""
+    e, i = d.num_experts, d.intermediate
+    gate_up = full[m + "experts.gate_up_proj"].view(e, 2 * i, d.hidden)
+    down = full[m + "experts.down_proj"].view(e, d.hidden, i)
+    w13 = torch.cat([gate_up[:, :i].chunk(tp, dim=1)[r], gate_up[:, i:].chunk(tp, dim=1)[r]], dim=1)
+    w2 = down.chunk(tp, dim=2)[r]
+    v = m.replace(".mlp.", ".block_sparse_moe.") if d.arch == "MixtralForCausalLM" else m
+    return {v + "gate.weight": full[m + "gate.weight"],
+            v + "experts.routed_experts.w13_weight": w13.reshape(-1, d.hidden),
+            v + "experts.routed_experts.w2_weight": w2.reshape(-1, w2.shape[2])}
 
 
 def _execute(plan, full, rank: int) -> dict[str, torch.Tensor]:
@@ -115,17 +135,19 @@ def _execute(plan, full, rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _owner(ids: torch.Tensor, full, world: int) -> torch.Tensor:
+def _owner(ids: torch.Tensor, full, world: int, units=None) -> torch.Tensor:
     """Rank owning each id's row under FSDP2 Shard(0) over world ranks (with
-    shard groups of S ranks: the owner's position in its group)."""
+    shard groups of S ranks: the owner's position in its group). units: rows per
+    index of a 3-D tensor's first dim (MoE experts), which Shard(0) splits."""
     owner = torch.full(ids.shape, -1, dtype=torch.int64)
-    for t in full.values():
+    for name, t in full.items():
         lo, hi = t[0, 0].item(), t[-1, -1].item()
         sel = (ids >= lo) & (ids <= hi)
         if sel.any():
-            row = ((ids[sel] - lo) // t.shape[1]).long()
-            chunk = -(-t.shape[0] // world)
-            owner[sel] = row // chunk
+            unit = (units or {}).get(name, 1)
+            index = ((ids[sel] - lo) // t.shape[1]).long() // unit
+            chunk = -(-t.shape[0] // unit // world)
+            owner[sel] = index // chunk
     return owner
 
 
@@ -146,7 +168,7 @@ def test_plan_builds_vllm_layout_with_minimal_bytes(spec, world, tp):
         # Minimal bytes: the rank receives exactly the needed elements it does not own.
         ids = torch.cat([w.reshape(-1) for w in want.values()])
         ids = ids[ids > 0]  # padding rows are zero, nothing to receive
-        not_owned = int((_owner(ids, full, world) != g).sum())
+        not_owned = int((_owner(ids, full, world, plan.row_units) != g).sum())
         assert plan.elements_received(g) == not_owned
         assert plan.elements_received(g) <= plan.naive_elements_received(g)
     assert sum(plan.elements_sent(g) for g in range(world)) == sum(
@@ -193,7 +215,8 @@ def test_full_tp_on_two_ranks_receives_far_less_than_all_gather():
 
 
 SEPARATE = [("qwen2", 2, 1, 1), ("llama-kv1-tied", 3, 1, 2), ("qwen3-kv1", 4, 2, 2),
-            ("qwen2-mha-tied", 4, 2, 1), ("qwen2", 5, 1, 4), ("qwen3-kv1", 4, 3, 1)]
+            ("qwen2-mha-tied", 4, 2, 1), ("qwen2", 5, 1, 4), ("qwen3-kv1", 4, 3, 1),
+            ("qwen3_moe-e6", 6, 4, 2)]
 
 
 @pytest.mark.parametrize("spec,world,trainers,tp", SEPARATE)
@@ -219,7 +242,7 @@ def test_separate_plan_moves_each_rollout_ranks_whole_shard(spec, world, trainer
         ids = torch.cat([w.reshape(-1) for w in want.values()])
         ids = ids[ids > 0]
         assert plan.elements_received(g) == ids.numel()
-        assert (_owner(ids, full, trainers) < trainers).all()
+        assert (_owner(ids, full, trainers, plan.row_units) < trainers).all()
         assert plan.naive_elements_received(g) == total  # naive: every full tensor
     senders = {b.src_rank for bk in plan.buckets for b in bk}
     assert senders == set(range(trainers))
@@ -228,7 +251,8 @@ def test_separate_plan_moves_each_rollout_ranks_whole_shard(spec, world, trainer
 
 
 LAYOUTS = [("qwen2", 2, 1, 1), ("qwen2", 2, 2, 1), ("llama-kv1-tied", 4, 2, 1),
-           ("qwen3-kv1", 4, 2, 2), ("qwen2-mha-tied", 4, 4, 2), ("llama-bias", 4, 1, 2)]
+           ("qwen3-kv1", 4, 2, 2), ("qwen2-mha-tied", 4, 4, 2), ("llama-bias", 4, 1, 2),
+           ("mixtral-e5-tied", 4, 2, 2), ("qwen3_moe-e6", 4, 1, 1)]
 
 
 @pytest.mark.parametrize("spec,world,tp,shard", LAYOUTS)
@@ -248,7 +272,7 @@ def test_replicated_and_hybrid_sources_move_only_what_the_group_lacks(spec, worl
             assert torch.equal(got[name], want[name]), f"rank {g}: {name}"
         ids = torch.cat([w.reshape(-1) for w in want.values()])
         ids = ids[ids > 0]
-        held = _owner(ids, full, shard) == g % shard
+        held = _owner(ids, full, shard, plan.row_units) == g % shard
         assert plan.elements_received(g) == int((~held).sum())
         group = range(g // shard * shard, (g // shard + 1) * shard)
         assert all(b.src_rank in group for b in plan.local[g]) and all(
