@@ -34,6 +34,8 @@ from tests.roles.test_trainer import full_weights, make_trajs, rank_batch
 SPECS = {
     "untied": dict(arch="qwen2", vocab_size=1001),
     "tied": dict(arch="llama", tie_word_embeddings=True),
+    # Mixture-of-Experts: 5 experts over 2 ranks (3, 2); exported one tensor per expert
+    "moe": dict(arch="mixtral", num_experts=5, intermediate_size=64, init_std=0.05),
 }
 TRAIN_KW = dict(lr=1e-3, warmup_steps=3, lr_schedule="cosine", num_steps=10, grad_clip=1.0)
 
@@ -256,7 +258,10 @@ def _check_export(path: str, vocab: int, out: str) -> dict:
     with torch.no_grad():
         hf_logits = model(input_ids=batch.tokens_BT, attention_mask=batch.attention_mask_BT,
                           position_ids=batch.position_ids_BT).logits
-    return dict(file_names=file_names, expected_names=sorted(full), dtype=str(model.dtype),
+    from hybrid_engine.models.experts import checkpoint_tensors
+
+    expected = sorted(checkpoint_tensors(model.config.model_type, full))  # MoE: per expert
+    return dict(file_names=file_names, expected_names=expected, dtype=str(model.dtype),
                 weights_equal=all(torch.equal(loaded[n], full[n]) for n in full),
                 tied=model.lm_head.weight is model.model.embed_tokens.weight,
                 logits_diff=float((hf_logits - fsdp_logits).abs().max()),
@@ -419,8 +424,10 @@ def test_load_on_another_rank_count(two_ranks, root):
 def test_export_loads_in_transformers_with_identical_logits(two_ranks, name):
     ex = two_ranks[0]["export"][name]
     assert ex["file_names"] == ex["expected_names"]
-    assert ("lm_head.weight" in ex["file_names"]) == (name == "untied")
+    assert ("lm_head.weight" in ex["file_names"]) == (name != "tied")
     assert ex["tied"] == (name == "tied")
+    if name == "moe":
+        assert "model.layers.0.block_sparse_moe.experts.4.w3.weight" in ex["file_names"]
     assert ex["weights_equal"]
     assert ex["split_equal"] and ex["split_files"] > 1  # indexed multi-file layout
     assert ex["dtype"] == "torch.float32"

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from hybrid_engine.checkpoint.folders import WRITE_ERRORS, agree, commit, group_rank, tmp_folder
+from hybrid_engine.models.experts import checkpoint_tensors
 from hybrid_engine.parallel.lora import adapter_state_dict, lora_config, merged_parameters
 from hybrid_engine.parallel.params import full_tensor, reshard_all, sharded_named_parameters
 
@@ -57,6 +58,7 @@ def _gather_and_write(module: FSDPModule, folder: Path, dtype: torch.dtype | Non
     returned. dtype None: the dtype of the model's first parameter."""
     is_writer, err = group_rank() == 0, None
     dtype = dtype or next(module.parameters()).dtype  # merged LoRA weights come in fp32
+    model_type = getattr(getattr(module, "config", None), "model_type", "")
     weight_map: dict[str, str] = {}
     buf: dict[str, Tensor] = {}
     buf_bytes, num_shards = 0, 0
@@ -73,7 +75,7 @@ def _gather_and_write(module: FSDPModule, folder: Path, dtype: torch.dtype | Non
                 err = e
                 continue
             buf, buf_bytes = {}, 0
-        buf[name] = t
+        buf.update(checkpoint_tensors(model_type, {name: t}))  # MoE: one tensor per expert
         buf_bytes += t.nbytes
     if not is_writer or err is not None:
         return err
@@ -112,7 +114,8 @@ def export_hf(
 
     Collective. Parameters are all-gathered one at a time (`full_tensor()`)
     and only rank 0 keeps them, at most about max_shard_bytes at once. Names
-    are the HF checkpoint names; a tied lm_head is one parameter, written
+    are the HF checkpoint names (a Mixture-of-Experts' fused experts written one
+    tensor per expert, as `save_pretrained` does: `models.experts`); a tied lm_head is one parameter, written
     once as the embedding (no lm_head.weight), as HF expects. The folder is
     committed atomically like a checkpoint (COMPLETE marker, rename).
 
