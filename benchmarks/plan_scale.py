@@ -1,7 +1,8 @@
-"""What one weight sync moves at cluster scale, on paper: `hybrid-engine plan` over dense shapes.
+"""What one weight sync moves at cluster scale, on paper: `hybrid-engine plan` over model shapes.
 
 For each model shape in benchmarks/configs/ (config.json files of Qwen2.5-7B,
-Qwen2.5-32B and Llama-3.1-70B; no weights) and cluster shape, runs
+Qwen2.5-32B, Llama-3.1-70B and the Mixture-of-Experts Qwen3-30B-A3B and
+Qwen3-235B-A22B; no weights) and cluster shape, runs
 `hybrid-engine plan --json` (the planner the ranks themselves run) under
 full and hybrid sharding (hybrid: one shard group per node), and tabulates
 the busiest rank's bytes received within and between nodes, its messages, the
@@ -11,7 +12,7 @@ instead.
 
 Prints the table; the last stdout line is JSON. Writes
 benchmarks/results/plan_scale.md and the table in docs/scale.md (between its
-`plan-table` markers). Takes about 2 minutes on 2 CPU cores.
+`plan-table` markers). Takes about 4 minutes on 2 CPU cores.
 
     python benchmarks/plan_scale.py            # every shape
     python benchmarks/plan_scale.py --quick    # the 7B shape on one node, seconds; writes no docs
@@ -29,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 # (config, nodes, devices per node, rollout TP)
 SHAPES = [("qwen2.5-7b", 1, 8, 4), ("qwen2.5-7b", 4, 8, 4), ("qwen2.5-32b", 4, 8, 8),
-          ("llama3.1-70b", 8, 8, 8)]
+          ("llama3.1-70b", 8, 8, 8), ("qwen3-30b-a3b", 2, 8, 4), ("qwen3-235b-a22b", 8, 8, 8)]
 MARKERS = ("<!-- plan-table: begin -->", "<!-- plan-table: end -->")
 
 
