@@ -74,9 +74,17 @@ def test_tiny_model_writes_a_mixture_of_experts(tmp_path):
     from hybrid_engine.models.tiny import ARCHS
 
     assert TINY_ARCHS == ARCHS
-    out = _cli("tiny-model", str(tmp_path / "m"), "--arch", "mixtral", "--experts", "3")
-    assert out.returncode == 0, out.stderr
-    info = json.loads(out.stdout.strip().splitlines()[-1])
+    import contextlib
+    import io
+
+    from hybrid_engine import cli
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):  # in-process: the same parser and command
+        args = cli._parser().parse_args(["tiny-model", str(tmp_path / "m"), "--arch", "mixtral",
+                                         "--experts", "3"])
+        assert cli._cmd_tiny_model(args) == 0
+    info = json.loads(buf.getvalue().strip().splitlines()[-1])
     assert info["arch"] == "mixtral" and info["num_experts"] == 3
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["model_type"] == "mixtral" and config["num_local_experts"] == 3

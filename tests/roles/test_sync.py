@@ -171,7 +171,10 @@ def _sync_case(model_dir: str, tp: int, dtype: str, master: str = "float32",
 # 1 = train.sharding=replicate, 2 on 4 ranks = hybrid as 2 groups of 2). Cases that
 # differ only in the layout share a launch (`sync_runs`).
 _QWEN2 = dict(arch="qwen2", vocab_size=1000, norm_std=0.1)
-_QWEN3_KV1 = dict(arch="qwen3", num_kv_heads=1, vocab_size=1001, norm_std=0.1)
+# Qwen3-MoE: Qwen3's attention (q/k norms, one KV head replicated on both TP ranks)
+# and 6 experts, which FSDP2 shards 2, 2, 2, 0 over 4 ranks (3, 3 per hybrid group).
+_QWEN3_MOE_KV1 = dict(arch="qwen3_moe", num_kv_heads=1, vocab_size=1001, intermediate_size=64,
+                      init_std=0.05, norm_std=0.1)
 SYNC_CASES = {
     "qwen2": (_QWEN2, 2, 2, "float32", 0),
     "qwen2-replicate": (_QWEN2, 2, 2, "float32", 1),
@@ -186,17 +189,12 @@ SYNC_CASES = {
     "gemma-window-kv1-tied-hd64": (dict(arch="gemma", num_kv_heads=1, sliding_window=8,
                                         tie_word_embeddings=True, norm_std=0.1, head_dim=64),
                                    2, 2, "float32", 0),
-    "qwen3-kv1": (_QWEN3_KV1, 4, 2, "float32", 0),
-    # Mixture-of-Experts: 6 experts over 4 ranks (FSDP2 gives 2, 2, 2, 0), the
-    # experts' width split over 2 TP ranks; Mixtral: 5 experts over 2 ranks (3, 2);
+    "qwen3_moe-kv1": (_QWEN3_MOE_KV1, 4, 2, "float32", 0),
+    # Mixtral: 5 experts over 2 ranks (3, 2), its router under vLLM's block_sparse_moe;
     # in bf16 vLLM-CPU packs the experts for its AMX kernel, which a sync re-runs.
-    "qwen3_moe-e6-n4-t2": (dict(arch="qwen3_moe", intermediate_size=64, init_std=0.05,
-                                norm_std=0.1), 4, 2, "float32", 0),
-    "mixtral-e5-tied-t2": (dict(arch="mixtral", num_experts=5, init_std=0.05, norm_std=0.1,
-                                tie_word_embeddings=True), 2, 2, "float32", 0),
-    "qwen3_moe-bf16-t2": (dict(arch="qwen3_moe", intermediate_size=64, init_std=0.05,
-                               norm_std=0.1), 2, 2, "bfloat16", 0),
-    "qwen3-hybrid-2x2": (_QWEN3_KV1, 4, 2, "float32", 2),
+    "mixtral-e5-tied-bf16": (dict(arch="mixtral", num_experts=5, init_std=0.05, norm_std=0.1,
+                                  tie_word_embeddings=True), 2, 2, "bfloat16", 0),
+    "qwen3_moe-hybrid-2x2": (_QWEN3_MOE_KV1, 4, 2, "float32", 2),
     "qwen2-tied-bf16": (dict(arch="qwen2", tie_word_embeddings=True), 4, 4, "bfloat16", 0),
     "llama-bias-replicas": (dict(arch="llama", vocab_size=1000, attention_bias=True), 4, 1,
                             "float32", 0),
@@ -210,7 +208,7 @@ SYNC_CASES = {
                          intermediate_size=258, vocab_size=1117, norm_std=0.1), 3, 3,
                     "float32", 0),
 }
-LAYOUT_CASES = ["qwen2-replicate", "qwen3-hybrid-2x2"]
+LAYOUT_CASES = ["qwen2-replicate", "qwen3_moe-hybrid-2x2"]
 CASES = [name for name in SYNC_CASES if name not in LAYOUT_CASES]
 
 
