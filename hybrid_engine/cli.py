@@ -6,7 +6,7 @@ Subcommands:
     eval         evaluate a HF model folder or a training checkpoint on held-out prompts
     demo         the main job on the local CPU cores (see hybrid_engine.demo)
     tiny-model   write a random-init HF model folder (Qwen2 / Llama / Qwen3 / Mistral / Phi-3 /
-                 Gemma 3 / Qwen3-MoE / Mixtral)
+                 Gemma 2 / Gemma 3 / Qwen3-MoE / Mixtral)
     config       print the resolved config of a recipe + YAML + overrides
     bench        run the benchmarks and write the dated report (from a clone)
 
@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-TINY_ARCHS = ("qwen2", "llama", "qwen3", "mistral", "phi3", "gemma", "qwen3_moe", "mixtral")
+TINY_ARCHS = ("qwen2", "llama", "qwen3", "mistral", "phi3", "gemma2", "gemma", "qwen3_moe",
+              "mixtral")
 """`models.tiny`'s architectures (named here: importing it would load torch)."""
 
 if TYPE_CHECKING:
@@ -368,7 +369,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("path", help="output folder")
     t.add_argument("--preset", default="tiny", help="tiny | small | qwen2-180m (default tiny)")
     t.add_argument("--arch", choices=TINY_ARCHS,
-                   help="override the preset's architecture (gemma: Gemma 3's text model; "
+                   help="override the preset's architecture (gemma2: Gemma 2; gemma: Gemma 3's text model; "
                         "qwen3_moe, mixtral: Mixture-of-Experts)")
     t.add_argument("--experts", type=int,
                    help="qwen3_moe and mixtral: routed experts per layer (default 6, top 2)")

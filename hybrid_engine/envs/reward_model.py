@@ -186,8 +186,11 @@ class RewardModel:
     def _build_plain(self, folder: Path, dtype: torch.dtype, trust_remote_code: bool) -> ScoreModel:
         from transformers import AutoModelForSequenceClassification
 
+        from hybrid_engine.parallel.fsdp import attn_implementation
+
         hf = AutoModelForSequenceClassification.from_pretrained(
-            folder, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+            folder, dtype=dtype, attn_implementation=attn_implementation(self.config),
+            trust_remote_code=trust_remote_code)
         return ScoreModel(getattr(hf, hf.base_model_prefix), hf.score).to(self.device)
 
     def _build_sharded(self, folder: Path, mesh: DeviceMesh, dtype: torch.dtype,
@@ -195,11 +198,11 @@ class RewardModel:
         from torch.distributed.fsdp import MixedPrecisionPolicy
         from transformers import AutoModelForSequenceClassification
 
-        from hybrid_engine.parallel.fsdp import empty_model, shard_and_load
+        from hybrid_engine.parallel.fsdp import attn_implementation, empty_model, shard_and_load
 
         with empty_model():
             hf = AutoModelForSequenceClassification.from_config(
-                self.config, dtype=dtype, attn_implementation="sdpa",
+                self.config, dtype=dtype, attn_implementation=attn_implementation(self.config),
                 trust_remote_code=trust_remote_code)
         if hf.base_model_prefix != "model" or not hasattr(hf.model, "layers"):
             raise ValueError(f"{folder}: unsupported architecture {type(hf).__name__} "

@@ -1,5 +1,5 @@
-"""Random-init HF model folders (Qwen2, Llama, Qwen3, Mistral, Phi-3, Gemma 3, Qwen3-MoE,
-Mixtral) for tests and benchmarks.
+"""Random-init HF model folders (Qwen2, Llama, Qwen3, Mistral, Phi-3, Gemma 2 and 3,
+Qwen3-MoE, Mixtral) for tests and benchmarks.
 
 ``write_tiny_model(path, spec)`` writes ``model.safetensors``,
 ``config.json``, ``generation_config.json`` and the tokenizer files of
@@ -53,7 +53,8 @@ __all__ = [
     "write_tiny_model",
 ]
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "phi3", "gemma", "qwen3_moe", "mixtral")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "phi3", "gemma2", "gemma", "qwen3_moe", "mixtral")
+_GEMMA = ("gemma2", "gemma")
 _MOE = ("qwen3_moe", "mixtral")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -71,7 +72,9 @@ class TinyModelSpec:
     "mistral" (Llama's tensors; attention may be windowed: sliding_window),
     "phi3" (fused qkv_proj and gate_up_proj) or "gemma" (Gemma 3's text model:
     q_norm/k_norm, four norms a layer, zero-centred norm weights, GELU MLP;
-    with sliding_window, every other layer windowed); Mixture-of-Experts:
+    with sliding_window, every other layer windowed), "gemma2" (Gemma 2: the
+    same without q_norm/k_norm, its attention and final logits soft-capped:
+    attn_softcap, final_softcap); Mixture-of-Experts:
     "qwen3_moe" (Qwen3's attention) or "mixtral" (Mistral's), with
     num_experts experts of width intermediate_size in every layer."""
     hidden_size: int = 128
@@ -118,6 +121,12 @@ class TinyModelSpec:
     """mistral and gemma: each token attends to itself and the sliding_window - 1
     tokens before it (config.sliding_window; gemma: in layers 0, 2, 4, ...);
     None = full causal attention."""
+    attn_softcap: float = 50.0
+    """gemma2: attention logits capped to (-cap, cap) by cap * tanh(x / cap)
+    (config.attn_logit_softcapping; Gemma 2's is 50)."""
+    final_softcap: float = 30.0
+    """gemma2: the output logits capped the same way (config.final_logit_softcapping;
+    Gemma 2's is 30)."""
     words: tuple[str, ...] = ()
     """Texts the tokenizer encodes as one token each (`models.tokenizer.build_tokenizer`);
     () = a byte-level tokenizer only."""
@@ -139,9 +148,12 @@ class TinyModelSpec:
         if self.attention_bias and self.arch != "llama":
             raise ValueError("attention_bias is a llama option (qwen2 always has q/k/v biases; "
                              "vLLM's qwen3 has no o_proj bias)")
-        if self.sliding_window is not None and (self.arch not in ("mistral", "gemma")
+        if self.sliding_window is not None and (self.arch not in ("mistral", *_GEMMA)
                                                 or self.sliding_window < 1):
-            raise ValueError("sliding_window is a mistral and gemma option, >= 1")
+            raise ValueError("sliding_window is a mistral, gemma2 and gemma option, >= 1")
+        if self.arch == "gemma2" and not self.tie_word_embeddings:
+            raise ValueError("gemma2 ties its embeddings (vLLM's Gemma 2 has no separate lm_head): "
+                             "set tie_word_embeddings=True")
         if self.arch in _MOE and not 1 <= self.experts_per_token <= self.num_experts:
             raise ValueError(f"need 1 <= experts_per_token <= num_experts, got "
                              f"{self.experts_per_token} and {self.num_experts}")
@@ -236,7 +248,7 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.attention_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if spec.arch == "gemma":
+        if spec.arch in _GEMMA:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if spec.arch in _MOE:  # transformers' fused experts
@@ -259,7 +271,7 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
 
 def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
     """The transformers config (Qwen2Config, LlamaConfig, Qwen3Config, MistralConfig,
-    Phi3Config, Gemma3TextConfig, Qwen3MoeConfig or MixtralConfig) of ``spec``.
+    Phi3Config, Gemma2Config, Gemma3TextConfig, Qwen3MoeConfig or MixtralConfig) of ``spec``.
 
     Args:
         spec: the model.
@@ -267,28 +279,24 @@ def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
     Returns:
         A config with ``architectures`` set, eos/bos/pad = the tokenizer's EOS.
     """
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
                               Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config,
-                  "mistral": MistralConfig, "phi3": Phi3Config, "gemma": Gemma3TextConfig,
+                  "mistral": MistralConfig, "phi3": Phi3Config, "gemma2": Gemma2Config,
+                  "gemma": Gemma3TextConfig,
                   "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}
     arch_name = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma": "Gemma3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma": "Gemma3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
     extra = {"attention_bias": True} if spec.attention_bias else {}
     rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
     if spec.arch == "mistral":
         extra["sliding_window"] = spec.sliding_window
-    if spec.arch == "gemma":  # Gemma 3: windowed and global layers take turns, each its RoPE
-        window = spec.sliding_window or spec.max_position_embeddings
-        extra.update(
-            sliding_window=window, query_pre_attn_scalar=spec.resolved_head_dim,
-            hidden_activation="gelu_pytorch_tanh",
-            layer_types=[("sliding_attention" if spec.sliding_window and i % 2 == 0
-                          else "full_attention") for i in range(spec.num_layers)],
-            rope_parameters={"sliding_attention": rope, "full_attention": rope})
+    if spec.arch in _GEMMA:
+        extra.update(_gemma_config(spec, rope))
     else:
         extra.update(hidden_act="silu", rope_parameters=rope)
     if spec.arch == "qwen3_moe":
@@ -318,11 +326,26 @@ def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
     )
 
 
+def _gemma_config(spec: TinyModelSpec, rope: dict) -> dict:
+    """Gemma 2 and 3: windowed and global layers take turns (Gemma 3: each its RoPE;
+    Gemma 2: soft-capped attention and logits)."""
+    window = spec.sliding_window or spec.max_position_embeddings
+    extra = dict(
+        sliding_window=window, query_pre_attn_scalar=spec.resolved_head_dim,
+        hidden_activation="gelu_pytorch_tanh",
+        layer_types=[("sliding_attention" if spec.sliding_window and i % 2 == 0
+                      else "full_attention") for i in range(spec.num_layers)])
+    if spec.arch == "gemma2":
+        return extra | dict(rope_parameters=rope, attn_logit_softcapping=spec.attn_softcap,
+                            final_logit_softcapping=spec.final_softcap)
+    return extra | dict(rope_parameters={"sliding_attention": rope, "full_attention": rope})
+
+
 def _init_tensor(name: str, shape: tuple[int, ...], spec: TinyModelSpec) -> torch.Tensor:
     # Per-tensor seed: values depend only on (seed, name), not on draw order.
     gen = torch.Generator().manual_seed((spec.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
     if name.endswith("norm.weight"):
-        centre = 0.0 if spec.arch == "gemma" else 1.0  # Gemma's norms scale by 1 + weight
+        centre = 0.0 if spec.arch in _GEMMA else 1.0  # Gemma's norms scale by 1 + weight
         if spec.norm_std == 0:
             return torch.full(shape, centre)
         return torch.empty(shape).normal_(centre, spec.norm_std, generator=gen)

@@ -42,7 +42,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -196,16 +196,28 @@ def resolve_model_path(model_path: str) -> Path:
     return Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
 
 
+def attn_implementation(config: Any) -> str:
+    """transformers' attention for a model: SDPA, or eager where the model soft-caps
+    its attention logits (Gemma 2), which HF's SDPA path silently leaves out."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+
+
 def _build_meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     with empty_model():
         model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
+            config, dtype=dtype, attn_implementation=attn_implementation(config),
+            trust_remote_code=trust_remote_code,
         )
     # Same Parameter object: a tied model stays tied (one FSDP parameter, one name).
     model.lm_head = HiddenStatesHead(model.lm_head.weight)
+    # The forward returns hidden states, which a final logit cap (Gemma 2) must not
+    # touch: the chunked log-probs apply it to the logits (`roles.logprobs`).
+    model.final_logit_softcap = getattr(config, "final_logit_softcapping", None)
+    if model.final_logit_softcap is not None:
+        model.config.final_logit_softcapping = None
     # RL runs without dropout: train_step and compute_logprobs must agree exactly.
     model.eval()
     return model

@@ -15,7 +15,7 @@ RowParallelLinear, VocabParallelEmbedding / ParallelLMHead):
 | o_proj.bias (Llama attention_bias) | all of it (vLLM adds it on TP rank 0 only) |
 | embed_tokens, lm_head .weight | rows [r*Vp/T, (r+1)*Vp/T) of the vocab padded to Vp (multiple of 64); padding rows zero |
 | norms, q_norm/k_norm | replicated |
-| (Gemma 3) pre_/post_feedforward_layernorm | replicated |
+| (Gemma 2, 3) pre_/post_feedforward_layernorm | replicated |
 | (MoE) experts.w13_weight [E, 2I/T, H] | per expert: rows r/T of its gate, then rows r/T of its up |
 | (MoE) experts.w2_weight [E, H, I/T] | per expert: all rows, columns r/T |
 | (MoE) mlp.gate.weight (the router) | replicated |
@@ -30,8 +30,10 @@ from one HF tensor at those offsets, as vLLM's loader splits it), Gemma 3's
 text model (q_norm/k_norm and four norms a layer; its norms scale by 1 +
 weight and its embeddings by sqrt(hidden) in the forward of HF and vLLM
 alike, so the stored weights copy as they are; windowed and global layers
-alternate, each with its RoPE base; no logit soft-capping: the trainer's
-chunked log-probs do not apply it), and two Mixture-of-Experts families:
+alternate, each with its RoPE base; no soft-capping), Gemma 2 (Gemma 3's
+layout without q_norm/k_norm; its attention and final logits soft-capped,
+which HF's eager attention, the trainer's chunked log-probs and vLLM apply
+alike), and two Mixture-of-Experts families:
 Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's, unwindowed). Their
 experts are HF's fused tensors `mlp.experts.gate_up_proj` [E, 2I, H] (an
 expert's gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, I],
@@ -65,8 +67,8 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 _SHARED_EXPERT_ARCHITECTURES = ("Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM",
                                 "DeepseekV3ForCausalLM", "Llama4ForCausalLM",
@@ -163,8 +165,8 @@ def model_dims(config: Any) -> ModelDims:
     rope = getattr(config, "rope_parameters", None) or {}
     if arch == "Phi3ForCausalLM" and (rope.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ValueError("Phi-3 with partial_rotary_factor != 1 is not supported")
-    if arch == "Gemma3ForCausalLM":
-        _check_gemma(config)
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        _check_gemma(config, arch)
     experts, intermediate = _experts(config, arch) if arch in MOE_ARCHITECTURES else (
         0, config.intermediate_size)
     return ModelDims(
@@ -173,7 +175,8 @@ def model_dims(config: Any) -> ModelDims:
         intermediate=intermediate, vocab=config.vocab_size,
         tied=bool(config.tie_word_embeddings), qkv_bias=qkv_bias,
         qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
-        o_bias=o_bias, fused=arch == "Phi3ForCausalLM", ffn_norms=arch == "Gemma3ForCausalLM",
+        o_bias=o_bias, fused=arch == "Phi3ForCausalLM",
+        ffn_norms=arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
         num_experts=experts,
     )
 
@@ -193,14 +196,22 @@ def _experts(config: Any, arch: str) -> tuple[int, int]:
     return config.num_experts, config.moe_intermediate_size
 
 
-def _check_gemma(config: Any) -> None:
-    """What of a Gemma 3 config the engine cannot follow, refused in one line."""
+def _check_gemma(config: Any, arch: str) -> None:
+    """What of a Gemma 2 or 3 config the engine cannot follow, refused in one line.
+    Gemma 2's soft-capping is followed (the trainer's eager attention and chunked
+    log-probs apply it, as vLLM does); Gemma 3's is not: vLLM's Gemma 3 drops the
+    attention cap, and released Gemma 3 models have none."""
+    name = "Gemma 2" if arch == "Gemma2ForCausalLM" else "Gemma 3"
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(config, key, None) is not None:
-            raise ValueError(f"Gemma 3 with {key}={getattr(config, key)} is not supported: the "
-                             "trainer's chunked log-probs and vLLM-CPU's attention do not apply it")
+        if name == "Gemma 3" and getattr(config, key, None) is not None:
+            raise ValueError(f"Gemma 3 with {key}={getattr(config, key)} is not supported: "
+                             "vLLM's Gemma 3 does not apply an attention cap, and released "
+                             "Gemma 3 models have neither")
     if getattr(config, "attention_bias", False):
-        raise ValueError("Gemma 3 with attention_bias=True is not supported")
+        raise ValueError(f"{name} with attention_bias=True is not supported")
+    if name == "Gemma 2" and not getattr(config, "tie_word_embeddings", True):
+        raise ValueError("Gemma 2 with tie_word_embeddings=False is not supported: vLLM's "
+                         "Gemma 2 has no lm_head of its own")
 
 
 def check_model(config: Any, tp: int) -> ModelDims:

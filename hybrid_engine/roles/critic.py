@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from hybrid_engine.algorithms.value_loss import value_loss
-from hybrid_engine.parallel.fsdp import DTYPES, dp_mesh, empty_model, resolve_model_path, shard_and_load
+from hybrid_engine.parallel.fsdp import (DTYPES, attn_implementation, dp_mesh, empty_model,
+                                         resolve_model_path, shard_and_load)
 from hybrid_engine.parallel.params import reshard_all
 from hybrid_engine.roles.logprobs import comm_device, num_micro_batches
 from hybrid_engine.roles.trainer import build_optimizer, clip_and_step
@@ -92,7 +93,8 @@ def build_value_model(
     dtype = DTYPES[master_dtype]
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     with empty_model():
-        backbone = AutoModel.from_config(config, dtype=dtype, attn_implementation="sdpa",
+        backbone = AutoModel.from_config(config, dtype=dtype,
+                                         attn_implementation=attn_implementation(config),
                                          trust_remote_code=trust_remote_code)
         model = ValueModel(backbone, config.hidden_size, dtype)
     model.eval()  # no dropout: values() and train_step() must agree exactly

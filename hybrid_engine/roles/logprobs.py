@@ -32,9 +32,12 @@ __all__ = ["batch_logprobs", "comm_device", "micro_batch_logprobs", "num_micro_b
 
 
 def _chunk_logprobs(
-    h_CH: Tensor, weight_VH: Tensor, targets_C: Tensor, temperature: float
+    h_CH: Tensor, weight_VH: Tensor, targets_C: Tensor, temperature: float,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     logits_CV = (h_CH @ weight_VH.t()).float()
+    if softcap is not None:  # before the temperature, as HF's forward and vLLM's logits
+        logits_CV = torch.tanh(logits_CV / softcap) * softcap
     if temperature != 1.0:
         logits_CV = logits_CV / temperature
     lse_C = logits_CV.logsumexp(-1)
@@ -51,6 +54,7 @@ def token_logprobs(
     chunk_tokens: int,
     temperature: float = 1.0,
     entropy_grad: bool = False,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """log softmax(h W^T / temperature)[target] and the entropy, chunk_tokens rows at a time.
 
@@ -66,6 +70,8 @@ def token_logprobs(
         chunk_tokens: rows per chunk (C).
         temperature: logits are divided by it (the rollout's sampling temperature).
         entropy_grad: keep the entropy in the graph (entropy bonus); else detached.
+        softcap: the model's final logit cap (Gemma 2): logits -> softcap *
+            tanh(logits / softcap), before the temperature.
 
     Returns:
         (logp_N, entropy_N), float32.
@@ -74,7 +80,7 @@ def token_logprobs(
     logps, entropies = [], []
     for start in range(0, max(hidden_NH.shape[0], 1), chunk_tokens):
         args = (hidden_NH[start : start + chunk_tokens], weight_VH,
-                targets_N[start : start + chunk_tokens], temperature)
+                targets_N[start : start + chunk_tokens], temperature, softcap)
         if grad:
             logp_C, entropy_C = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
@@ -132,6 +138,7 @@ def _micro_batch_logprobs(module: torch.nn.Module, mb: TrainBatch, device: torch
     logp_N, entropy_N = token_logprobs(
         hidden_BKH[rows_N, cols_N - 1 - first], module.lm_head.weight, tokens_BT[rows_N, cols_N],
         chunk_tokens=chunk_tokens, temperature=temperature, entropy_grad=entropy_grad,
+        softcap=getattr(module, "final_logit_softcap", None),  # `fsdp._build_meta_model`
     )
     zeros_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32, device=device)
     return (zeros_BT.index_put((rows_N, cols_N), logp_N),

@@ -5,8 +5,8 @@ know about. vLLM-CPU has no sleep mode, so releasing memory resizes the KV
 cache's storages to 0 and regrows them (committing the pages) before the
 next generation; its weights stay resident. It packs linear weights into
 oneDNN / sgl handles after loading, so a sync writes them into staging
-tensors that `install` re-packs, and `refresh_packed` re-packs the copies of
-vocab-parallel weights it keeps. Its shared-memory segments get per-job
+tensors that `install` re-packs (a FusedMoE layer's experts: `install_experts`),
+and `refresh_packed` re-packs the copies of vocab-parallel weights it keeps. Its shared-memory segments get per-job
 names (`vllm_compat.isolate_cpu_shm_names`) and are unlinked at shutdown, or
 when the watchdog aborts the rank (its cleanup hooks).
 Two small helpers vLLM compiles with inductor run eagerly

@@ -2,16 +2,19 @@
 
 Job: `WeightStaging`, the half of `VLLMRollout` that weights go through.
 vLLM's CPU build packs linear weights into oneDNN / sgl handles after loading:
-those parameters become empty tensors and writes into them are lost. A sync
-therefore writes such weights into staging tensors (`weight_targets`), and
-`install_staged` / `commit_weights` install them (the backend re-packs).
+those parameters become empty tensors and writes into them are lost; it
+packs a FusedMoE layer's experts at the same size (`backend.packs`), and its
+own reload does not re-pack them. A sync therefore writes such weights into
+staging tensors (`weight_targets`), and `install_staged` / `commit_weights`
+install them (the backend re-packs; an MoE layer's w13 and w2 together).
 Every other parameter (and all of them on GPU) is plain and written in
 place. With `double_buffer` (separate placement, generation ahead) every
 target is a persistent back buffer, installed only by `commit_weights`, so a
 generation running meanwhile never reads half-written weights. The naive
 paths load full HF tensors through vLLM's own loading
-(`load_full_weights`); verify mode asks vLLM's loaders what they make of
-them (`reference_weights`).
+(`load_full_weights`; MoE experts through vLLM's loader and the backend's
+install); verify mode asks vLLM's loaders what they make of them
+(`reference_weights`).
 
 Invariant: after a release that discarded the weights, `weights_valid` stays
 False until the sync calls `mark_weights_written`, and the engine refuses to

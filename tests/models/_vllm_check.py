@@ -124,7 +124,9 @@ def compare_with_transformers(folder: str, prompts: list[str], samples: list[dic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # eager: HF's SDPA path leaves out Gemma 2's attention soft-cap
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
     ids_equal = True
     max_diff = 0.0
     num_tokens = mismatch = routed = 0

@@ -16,6 +16,7 @@ from hybrid_engine.models.tiny import (
     PRESETS,
     TinyModelSpec,
     build_tokenizer,
+    hf_config,
     hf_param_shapes,
     random_state_dict,
     write_tiny_model,
@@ -46,6 +47,8 @@ HF_CASES = [
     ("mistral", TinyModelSpec(arch="mistral", sliding_window=8)),
     ("phi3", TinyModelSpec(arch="phi3")),
     ("gemma", TinyModelSpec(arch="gemma", sliding_window=8)),
+    ("gemma2", TinyModelSpec(arch="gemma2", sliding_window=8, attn_softcap=5.0,
+                             tie_word_embeddings=True)),
     ("qwen3_moe", TinyModelSpec(arch="qwen3_moe")),  # per-expert checkpoint keys
     ("mixtral-e5", TinyModelSpec(arch="mixtral", num_experts=5, experts_per_token=1)),
     ("qwen2-tied", TinyModelSpec(arch="qwen2", tie_word_embeddings=True)),
@@ -114,6 +117,13 @@ def test_param_shapes_and_presets() -> None:
         TinyModelSpec(vocab_size=TOKENIZER_VOCAB_SIZE - 1)
     with pytest.raises(ValueError):
         TinyModelSpec(num_heads=4, num_kv_heads=3)
+    gemma2 = TinyModelSpec(arch="gemma2", attn_softcap=5.0, final_softcap=3.0,
+                           tie_word_embeddings=True)
+    config = hf_config(gemma2)
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (5.0, 3.0)
+    assert "model.layers.0.self_attn.q_norm.weight" not in hf_param_shapes(gemma2)
+    with pytest.raises(ValueError, match="gemma2 ties its embeddings"):
+        TinyModelSpec(arch="gemma2")
 
 
 @pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3", "mistral"])
@@ -199,6 +209,11 @@ VLLM_CASES = [
                                                   tie_word_embeddings=True, norm_std=0.1,
                                                   head_dim=64)),
     ("qwen3-tied-kv1-hd64", TinyModelSpec(arch="qwen3", tie_word_embeddings=True, num_kv_heads=1, head_dim=64)),
+    # Gemma 2's caps made small enough to bite (5 and 3; it ships 50 and 30): a side
+    # that left either out (HF's SDPA path drops the attention cap) differs by ~1e-2.
+    ("gemma2-window8-caps-tied", TinyModelSpec(arch="gemma2", sliding_window=8, norm_std=0.1,
+                                               init_std=0.05, attn_softcap=5.0, final_softcap=3.0,
+                                               tie_word_embeddings=True)),
     # MoE: the experts' weights are wide enough (init 0.05) for routing to matter
     ("qwen3_moe-e6-k2", TinyModelSpec(arch="qwen3_moe", init_std=0.05, intermediate_size=64)),
     ("mixtral-e5-k2-tied", TinyModelSpec(arch="mixtral", num_experts=5, init_std=0.05,

@@ -61,11 +61,11 @@ def test_mistral_is_llamas_layout_and_keeps_its_window() -> None:
     assert dataclasses.replace(mistral, arch=llama.arch) == llama
     assert all(tp_layout(mistral, 2, r) == tp_layout(llama, 2, r) for r in range(2))
     assert hf_config(TinyModelSpec(arch="mistral", sliding_window=8)).sliding_window == 8
-    with pytest.raises(ValueError, match="sliding_window is a mistral and gemma option"):
+    with pytest.raises(ValueError, match="sliding_window is a mistral, gemma2 and gemma option"):
         TinyModelSpec(arch="llama", sliding_window=8)
 
 
-def test_gemma_3_adds_its_norms_replicated_and_refuses_soft_capping() -> None:
+def test_gemma_3_and_2_add_their_norms_replicated_and_gemma_3_refuses_soft_capping() -> None:
     """Gemma 3 is Qwen3's layout (q_norm/k_norm) plus pre/post-feedforward norms,
     whole on every TP rank; HF's file and the layout agree on every shape."""
     spec = TinyModelSpec(arch="gemma", sliding_window=8, num_kv_heads=1, tie_word_embeddings=True)
@@ -89,6 +89,18 @@ def test_gemma_3_adds_its_norms_replicated_and_refuses_soft_capping() -> None:
         setattr(bad, key, value)
         with pytest.raises(ValueError, match=f"Gemma 3 with {key}="):
             model_dims(bad)
+    # Gemma 2: Gemma 3's layout without q/k norms; its caps are followed, not refused.
+    spec2 = dataclasses.replace(spec, arch="gemma2", attn_softcap=5.0, final_softcap=3.0)
+    gemma2 = check_model(hf_config(spec2), 2)
+    assert gemma2.arch == "Gemma2ForCausalLM" and gemma2.ffn_norms and not gemma2.qk_norm
+    assert dataclasses.replace(gemma2, arch=gemma.arch, qk_norm=True) == gemma
+    assert all(tp_layout(gemma2, 2, r) == [t for t in tp_layout(gemma, 2, r)
+                                           if "_norm." not in t.name or "layernorm" in t.name]
+               for r in range(2))
+    bad = hf_config(spec2)
+    bad.attention_bias = True
+    with pytest.raises(ValueError, match="Gemma 2 with attention_bias=True"):
+        model_dims(bad)
 
 
 def test_moe_layouts_stack_the_experts_and_refuse_what_they_lack() -> None:

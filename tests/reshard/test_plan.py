@@ -26,6 +26,8 @@ SPECS = {
     "phi3-fused": TinyModelSpec(arch="phi3", vocab_size=1001),
     "gemma-kv1-tied-hd64": TinyModelSpec(arch="gemma", num_kv_heads=1, sliding_window=8,
                                          tie_word_embeddings=True, head_dim=64),
+    "gemma2-kv1-tied": TinyModelSpec(arch="gemma2", num_kv_heads=1, sliding_window=8,
+                                     tie_word_embeddings=True),
     # experts that do not divide the ranks: 6 over 4 shard as 2, 2, 2, 0; 5 over 2 as 3, 2
     "qwen3_moe-e6": TinyModelSpec(arch="qwen3_moe", num_experts=6, intermediate_size=64),
     "mixtral-e5-tied": TinyModelSpec(arch="mixtral", num_experts=5, experts_per_token=1,

@@ -142,7 +142,8 @@ def _sync_layout(model_dir: str, rollout, tp: int, dtype: str, master: str,  # n
            and after_naive.logprobs == after2.logprobs,
            "min_bytes": sync.plan.elements_received(dist.get_rank())
            * torch.empty((), dtype=getattr(torch, dtype)).element_size()}
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                               attn_implementation="eager").eval()  # Gemma 2's cap
     wire = getattr(torch, dtype)  # the weights vLLM holds: rounded to the wire dtype
     ref.load_state_dict({n: t.to(wire).float() for n, t in full.items()}, strict=False)
     ref.tie_weights()
@@ -185,7 +186,13 @@ SYNC_CASES = {
                                 norm_std=0.1), 2, 2, "float32", 0),
     # HF's fused qkv_proj and gate_up_proj, split across 4 TP ranks (kv heads replicated).
     "phi3-kv1-t4": (dict(arch="phi3", num_kv_heads=1, norm_std=0.1), 4, 4, "float32", 0),
-    # Gemma 3: four norms a layer (zero-centred: 1 + w), q/k norms, alternating windows.
+    # Gemma 2: four norms a layer (zero-centred: 1 + w), alternating windows, attention
+    # and logits soft-capped (caps 5 and 3: far below Gemma 2's 50 and 30, so they bite).
+    "gemma2-window-kv1-tied-hd64": (dict(arch="gemma2", num_kv_heads=1, sliding_window=8,
+                                         tie_word_embeddings=True, norm_std=0.1, head_dim=64,
+                                         attn_softcap=5.0, final_softcap=3.0),
+                                    2, 2, "float32", 0),
+    # Gemma 3: the same with q/k norms, uncapped, each layer type its RoPE.
     "gemma-window-kv1-tied-hd64": (dict(arch="gemma", num_kv_heads=1, sliding_window=8,
                                         tie_word_embeddings=True, norm_std=0.1, head_dim=64),
                                    2, 2, "float32", 0),

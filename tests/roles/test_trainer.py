@@ -38,6 +38,9 @@ SPECS = {  # odd vocab: uneven row shards (501 / 500 on 2 ranks)
     # Buffers no checkpoint holds, kept through the sharded build: two RoPE tables
     # (windowed and global layers) and the embedding scale.
     "gemma": dict(arch="gemma", tie_word_embeddings=True, sliding_window=8, norm_std=0.1),
+    # Gemma 2's soft-caps (small, so they bite): eager attention, capped logits.
+    "gemma2": dict(arch="gemma2", sliding_window=8, norm_std=0.1, attn_softcap=5.0,
+                   final_softcap=3.0, tie_word_embeddings=True),
     # Mixture-of-Experts from a per-expert checkpoint: 5 experts shard 3 / 2.
     "qwen3_moe": dict(arch="qwen3_moe", num_experts=5, intermediate_size=64, norm_std=0.1,
                       init_std=0.05),
@@ -289,7 +292,8 @@ def _check_logprobs(path: str, vocab: int, temperature: float) -> dict:
     from transformers import AutoModelForCausalLM
 
     with torch.no_grad():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     attn_implementation="eager")
         ref = plain_logprobs(model, batch, temperature)
     return dict(diff=float((logp - ref).abs().max()), largest_logits=mode.max_numel,
                 num_loss_tokens=batch.num_loss_tokens,
@@ -472,7 +476,7 @@ def _two_rank_checks(root: str) -> dict:
         init={name: _check_init(f"{root}/{name}") for name in SPECS},
         logprobs={name: _check_logprobs(f"{root}/{name}", vocab[name], t)
                   for name, t in [("qwen2", 1.0), ("llama", 0.7), ("qwen3", 1.0), ("gemma", 1.0),
-                                  ("qwen3_moe", 1.0)]},
+                                  ("qwen3_moe", 1.0), ("gemma2", 0.7)]},
         train_memory=_check_train_memory(qwen2, vocab["qwen2"]),
         guard=_check_guard(qwen2, vocab["qwen2"]),
         gotcha=_fsdp2_gotcha(qwen2, vocab["qwen2"]),
