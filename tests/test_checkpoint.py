@@ -449,3 +449,5 @@ def test_export_loads_in_vllm(two_ranks, root):
     for path in paths:
         assert results[path]["prompt_ids_equal"], path
         assert results[path]["max_abs_diff"] < 1e-4, (path, results[path]["max_abs_diff"])
+    moe = results[f"{root}/export_moe"]  # every token of every layer routed as HF routes it
+    assert moe["experts_routed"] > 4 * 16 * 2 and moe["experts_mismatch"] == 0, moe

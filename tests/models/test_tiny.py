@@ -197,10 +197,10 @@ def test_mistrals_window_limits_attention_in_transformers(tmp_path: Path) -> Non
 
 
 # vLLM cases: one engine each, all in one fresh process; a separate lm_head (mistral,
-# phi3: fused qkv and gate_up, qwen3_moe) and tied embeddings (gemma, qwen3, mixtral).
-# Qwen2 (untied) and Llama (tied) are the exported folders tests/test_checkpoint.py
-# serves in vLLM, and the untied qwen2 preset is every run test's model, its vLLM
-# log-probs checked against the trainer's there.
+# phi3: fused qkv and gate_up, qwen3_moe) and tied embeddings (gemma, gemma2, qwen3).
+# Qwen2 (untied), Llama (tied) and Mixtral (its router checked too) are the exported
+# folders tests/test_checkpoint.py serves in vLLM, and the untied qwen2 preset is every
+# run test's model, its vLLM log-probs checked against the trainer's there.
 # Mistral's 8-token window is shorter than every prompt but the shortest.
 VLLM_CASES = [
     ("mistral-window8", TinyModelSpec(arch="mistral", sliding_window=8)),
@@ -216,8 +216,6 @@ VLLM_CASES = [
                                                tie_word_embeddings=True)),
     # MoE: the experts' weights are wide enough (init 0.05) for routing to matter
     ("qwen3_moe-e6-k2", TinyModelSpec(arch="qwen3_moe", init_std=0.05, intermediate_size=64)),
-    ("mixtral-e5-k2-tied", TinyModelSpec(arch="mixtral", num_experts=5, init_std=0.05,
-                                         tie_word_embeddings=True)),
 ]
 
 
