@@ -27,7 +27,7 @@ from tests.test_faults import _argv, _steps, model_dir  # noqa: F401  (model_dir
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
-STEPS = 3
+STEPS = 2
 COLOCATED = ["--train.sharding=hybrid", "--train.shard_group_size=2",
              "--rollout.tensor_parallel_size=2"]
 SEPARATE = ["--placement=separate", "--rollout.num_ranks=1", "--rollout.tensor_parallel_size=1"]

@@ -258,8 +258,8 @@ def test_sync_is_exact_and_vllm_follows_training(sync_runs, name):
         assert o["naive_equal"], "naive path and reshard path disagree"
         for m in (o["m1"], o["m2"]):
             assert m["sync_bytes_received"] == o["min_bytes"]
-        if dtype == "float32":
-            assert o["max_diff"] < 1e-4, o
+        if dtype == "float32":  # vLLM against an HF forward on the gathered weights
+            assert o["max_diff"] < 1e-5, o
             assert o["greedy_equal"]
         else:  # bf16 compute against fp32 on the same rounded weights: ~1e-2 (a weight
             assert o["max_diff"] < 0.05, o  # packed wrongly gives ~1)
@@ -279,7 +279,7 @@ def test_sync_is_exact_from_replicated_and_hybrid_layouts(sync_runs, name):
         for m in (o["m1"], o["m2"]):
             assert m["sync_bytes_received"] == o["min_bytes"]
             assert (m["sync_bytes_received"] == 0) == (shard == 1)
-        assert o["max_diff"] < 1e-4 and o["greedy_equal"]
+        assert o["max_diff"] < 1e-5 and o["greedy_equal"]
 
 
 @pytest.mark.vllm
