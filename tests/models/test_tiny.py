@@ -124,6 +124,12 @@ def test_param_shapes_and_presets() -> None:
     assert "model.layers.0.self_attn.q_norm.weight" not in hf_param_shapes(gemma2)
     with pytest.raises(ValueError, match="gemma2 ties its embeddings"):
         TinyModelSpec(arch="gemma2")
+    qwen3_moe = hf_config(TinyModelSpec(arch="qwen3_moe", num_experts=5, experts_per_token=3))
+    mixtral = hf_config(TinyModelSpec(arch="mixtral", num_experts=5, experts_per_token=1))
+    assert (qwen3_moe.num_experts, qwen3_moe.num_experts_per_tok) == (5, 3)
+    assert (mixtral.num_local_experts, mixtral.num_experts_per_tok) == (5, 1)
+    with pytest.raises(ValueError, match="experts_per_token <= num_experts"):
+        TinyModelSpec(arch="mixtral", num_experts=2, experts_per_token=3)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3", "mistral"])
