@@ -26,6 +26,7 @@ and task; this module is the only place that knows which roles exist.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -187,6 +188,12 @@ class Job:
             import yaml
 
             (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            facts = self.actor.engine_facts
+            (self.out / "engine.json").write_text(json.dumps(facts, indent=1) + "\n")
+            log.info("vLLM engine: %s", ", ".join(f"{k}={v}" for k, v in facts.items()))
+            if cfg.rollout.async_scheduling == "true" and not facts["async_scheduling"]:
+                log.warning("rollout.async_scheduling=true: vLLM turned it off on this "
+                            "platform (vLLM's CPU platform always does)")
         set_collective_timeout(cfg.collective_timeout_s)  # the scorers' groups too
 
     def _scorers(self, cfg: RunConfig) -> tuple[list, list]:

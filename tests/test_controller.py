@@ -523,11 +523,20 @@ def _run_with_layer0_unsynced(model_dir: str, out_dir: str, overrides: dict) -> 
         return {**out, **{n: torch.empty(s, dtype=job.actor.syncer.wire_dtype) for n, s in skip.items()}}
 
     rollout.weight_targets = weight_targets
+    asked = []  # per generate call: which requests asked vLLM for log-probs, and how
+    generate = rollout.llm.generate
+
+    def recording_generate(requests, params, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        if params and params[0].top_k != 1:  # the step's samples, not greedy evaluation
+            asked.append([(p.logprobs, p.flat_logprobs) for p in params])
+        return generate(requests, params, **kwargs)
+
+    rollout.llm.generate = recording_generate
     try:
         job.run()
         return {"error": None}
     except RuntimeError as e:
-        return {"error": str(e), "history": job.controller.state.history}
+        return {"error": str(e), "history": job.controller.state.history, "asked": asked}
     finally:
         job.shutdown()
 
@@ -550,6 +559,13 @@ def test_broken_sync_trips_the_mismatch_alarm(model_dir, tmp_path, emulate) -> N
     assert out[0]["error"] == out[1]["error"]
     if not emulate:  # the alarm's step is recorded, flagged, then the run stops
         assert out[0]["history"][-1]["mismatch_alarm"] == 1.0
+        # One update per rollout, no staleness: vLLM returned log-probs (flat) only
+        # for the mismatch sample, the first completion of each group (K = 4).
+        for call in out[0]["asked"]:
+            assert call and call == [(0 if j % 4 == 0 else None, True)
+                                     for j in range(len(call))], call
+        assert all(0 < h["mismatch_tokens"] < h["num_tokens"] for h in out[0]["history"]
+                   if h["step"] > 0 and not h["skipped_degenerate"])
     # The steps before the alarm were healthy: fp32 sync gives ~1e-6.
     trained = [h for h in out[0]["history"] if h["step"] > 0 and not h["skipped_degenerate"]
                and "mismatch_alarm" not in h]

@@ -52,7 +52,8 @@ def written(model_dir, tmp_path_factory):  # noqa: ANN201
     trackers = ["--log.trackers=jsonl,tensorboard,wandb,mlflow"] if TRACKERS else []
     proc = run_torchrun(_args(model_dir, out, "--train.num_steps=2", "--eval.every=2",
                               "--eval.at_start=true", "--log.samples_every=1",
-                              "--log.samples_per_table=3", *trackers), 2,
+                              "--log.samples_per_table=3", "--rollout.async_scheduling=true",
+                              *trackers), 2,
                         timeout=300, env={"WANDB_MODE": "offline"})
     return proc, out
 
@@ -72,6 +73,11 @@ def test_train_writes_every_output(written) -> None:
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert (out / "metrics.png").stat().st_size > 0
     assert (out / "final" / "COMPLETE").is_file() and (out / "config.yaml").is_file()
+    # What vLLM resolved is on record; the CPU platform turns async scheduling off, said once.
+    engine = json.loads((out / "engine.json").read_text())
+    assert engine["vllm"] and engine["model_runner"] and engine["attention_backend"]
+    assert engine["async_scheduling"] is False and engine["max_num_seqs"] > 0
+    assert proc.stdout.count("rollout.async_scheduling=true: vLLM turned it off") == 1
     assert [s for s, _ in step_checkpoints(out / "checkpoints")] == [2]  # keep_checkpoints=1
     # The samples tables: the first 3 samples of each step (one prompt group), decoded.
     samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]

@@ -75,11 +75,13 @@ __all__ = [
 Metrics = dict[str, Tensor]
 # Metrics that are a micro-batch's share of a batch total: combine_metrics sums them.
 ADDITIVE_METRICS = frozenset({"loss", "pg_loss", "num_tokens", "num_seqs",
-                              "mismatch_split_tokens"})
+                              "mismatch_tokens", "mismatch_split_tokens"})
 # Token means over a subset of the loss tokens, weighted by that subset's count:
-# the mismatch split is measured on the sequences the drift scorer scored.
+# the mismatch on the tokens whose rollout log-probs vLLM returned, its split on
+# the sequences the drift scorer scored.
 _SUBSET_WEIGHTS = (("mismatch_numerics_", "mismatch_split_tokens"),
-                   ("mismatch_drift_", "mismatch_split_tokens"))
+                   ("mismatch_drift_", "mismatch_split_tokens"),
+                   ("mismatch_abs_", "mismatch_tokens"), ("mismatch_ratio_out", "mismatch_tokens"))
 
 
 def metric_weight(key: str) -> str:

@@ -13,6 +13,9 @@ their mismatch metrics out).
     mismatch_abs_max     its max
     mismatch_ratio_out   fraction of loss tokens whose probability ratio
                          exp(logp_train - logp_rollout) leaves [0.8, 1.25]
+    mismatch_tokens      the loss tokens they are measured on: those whose
+                         rollout log-prob vLLM returned (NaN marks the
+                         others; `policy.training.logprob_samples` says which)
 
 A healthy sync gives ~1e-6 in fp32 and ~1e-2 in bf16; a broken one (a
 layer not written, stale weights) gives values orders of magnitude larger.
@@ -56,8 +59,9 @@ RATIO_BAND = (0.8, 1.25)
 
 @torch.no_grad()
 def mismatch_metrics(logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor) -> dict[str, Tensor]:
-    """The three mismatch metrics (0-dim float32 tensors, 0 when the mask is empty)."""
-    mask = mask_BT.bool()
+    """The three mismatch metrics over the masked tokens whose rollout_logp is not
+    NaN (0-dim float32 tensors, 0 when there are none)."""
+    mask = mask_BT.bool() & ~rollout_logp_BT.isnan()
     diff = torch.where(mask, logp_BT.detach().float() - rollout_logp_BT.float(), 0.0)
     out = (diff < math.log(RATIO_BAND[0])) | (diff > math.log(RATIO_BAND[1]))
     return {
@@ -77,6 +81,8 @@ def with_mismatch_metrics(loss_fn: LossFn) -> LossFn:
             # the trainer computed them (several updates), else this update's.
             trainer = inputs.old_logp_BT if inputs.old_logp_BT is not None else inputs.logp_BT
             metrics.update(mismatch_metrics(trainer, inputs.rollout_logp_BT, inputs.mask_BT))
+            metrics["mismatch_tokens"] = (inputs.mask_BT.bool()
+                                          & ~inputs.rollout_logp_BT.isnan()).sum().float()
             if inputs.engine_logp_BT is not None:
                 engine = inputs.engine_logp_BT
                 scored = inputs.mask_BT.bool() & ~engine.isnan()  # NaN: not in the sample

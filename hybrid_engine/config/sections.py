@@ -117,6 +117,12 @@ class RolloutConfig:
         (), "Token ids that end a completion, besides the tokenizer's EOS."
     )
     enforce_eager: bool = _field(False, "Disable CUDA graphs / compilation in vLLM.")
+    async_scheduling: Literal["auto", "true", "false"] = _field(
+        "auto", "vLLM's async scheduling (the next step scheduled while the model runs); "
+        "'auto' = vLLM's choice. What vLLM resolved is in output_dir/engine.json.")
+    mismatch_sample: int = _field(
+        1, "Completions per prompt group whose sampled-token log-probs vLLM returns, for the "
+        "mismatch monitor alone; all when training reads them or samples may be stale.", ge=0)
     num_ranks: int = _field(
         0,
         "placement=separate: how many ranks only roll out (the last ones; the others only "

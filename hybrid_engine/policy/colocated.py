@@ -75,8 +75,8 @@ from hybrid_engine.parallel.batch_slices import gather_response_field
 from hybrid_engine.policy.ahead import Generated, timed
 from hybrid_engine.policy.memory import ReleasePolicy
 from hybrid_engine.policy.phases import Phases
-from hybrid_engine.policy.training import (completions_to_trajectories, sampling_overrides,
-                                           policy_train, train_batch)
+from hybrid_engine.policy.training import (completions_to_trajectories, logprob_samples,
+                                           policy_train, sampling_overrides, train_batch)
 from hybrid_engine.roles.base import Layout
 from hybrid_engine.preflight import check_model_for_run
 from hybrid_engine.roles.sync import WeightSync
@@ -165,13 +165,11 @@ class HybridActor:
         # all-reduces have no timeout); None on one rank or when a host runs its own.
         self._watchdog = None if watchdog.current() else watchdog.start(cfg.collective_timeout_s)
         host_groups = [] if self._owns_group else all_groups()
-        self.rank = dist.get_rank()
+        self.rank, world = dist.get_rank(), dist.get_world_size()
         self.model_path = str(resolve_model_path(cfg.model.path))
         # The model contract before anything is built (seconds, not an engine start).
-        check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size,
-                            dist.get_world_size())
+        check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size, world)
         t0 = time.perf_counter()
-        world = dist.get_world_size()
         train_cfg = resolve_train_config(cfg, model_dims_at(self.model_path), world, colocated=True,
                                          device=default_device())
         layout = ("replicated, DDP-style" if train_cfg.sharding == "replicate"
@@ -186,7 +184,8 @@ class HybridActor:
         adapter = cfg.model if cfg.model.lora_rank and cfg.sync.lora == "adapter" else None
         self.rollout = VLLMRollout(self.model_path, cfg.rollout, memory=cfg.memory,
                                    dtype=cfg.model.rollout_dtype, reserve_bytes=reserve,
-                                   lora_rank=adapter.lora_rank if adapter else 0)
+                                   lora_rank=adapter.lora_rank if adapter else 0,
+                                   logprob_samples=logprob_samples(cfg))
         self.syncer = WeightSync(self.trainer.module.config, cfg.sync,
                                  tp=cfg.rollout.tensor_parallel_size,
                                  wire_dtype=DTYPES[cfg.model.rollout_dtype],
@@ -243,6 +242,11 @@ class HybridActor:
     @property
     def released_bytes(self) -> int:
         return self.phases.released_bytes
+
+    @property
+    def engine_facts(self) -> dict:
+        """What vLLM resolved for this engine (`VLLMRollout.facts`)."""
+        return self.rollout.facts
 
     @contextlib.contextmanager
     def training(self) -> Iterator[HybridActor]:

@@ -51,7 +51,8 @@ import torch.distributed as dist
 
 from hybrid_engine.policy.ahead import Inflight, SerialWorker, timed
 from hybrid_engine.policy.inflight import InstallGate
-from hybrid_engine.policy.training import policy_train, sampling_overrides, train_batch
+from hybrid_engine.policy.training import (logprob_samples, policy_train, sampling_overrides,
+                                           train_batch)
 from hybrid_engine.algorithms.losses import LossFn
 from hybrid_engine.checkpoint import (export_adapter, export_hf, load_training_state,
                                       save_training_state)
@@ -147,6 +148,7 @@ class SeparatePolicy:
         is_trainer: whether this rank trains.
         trainer: the FSDP2 `Trainer` on trainer ranks, else None.
         rollout: the `VLLMRollout` on rollout ranks, else None.
+        engine_facts: what vLLM resolved (`VLLMRollout.facts`), on every rank.
         tokenizer, pad_id, model_path, rank: as in `HybridActor`.
     """
 
@@ -190,6 +192,8 @@ class SeparatePolicy:
         set_collective_timeout(cfg.collective_timeout_s,
                                [g for g in all_groups() if g not in host_groups])
         self._shared = _SharedRollout(self.rollout, cfg.rollout, src=self.num_trainers)
+        # What vLLM resolved, on every rank (the run's record is written by rank 0).
+        self.engine_facts = _from_rank(self.num_trainers, getattr(self.rollout, "facts", None))
         self._init_ahead(cfg)
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
@@ -224,7 +228,8 @@ class SeparatePolicy:
 
         self.rollout = VLLMRollout(self.model_path, cfg.rollout, memory=cfg.memory,
                                    dtype=cfg.model.rollout_dtype,
-                                   ranks=rollout_ranks, group=rollout_group)
+                                   ranks=rollout_ranks, group=rollout_group,
+                                   logprob_samples=logprob_samples(cfg))
         self.tokenizer = self.rollout.tokenizer
         return AutoConfig.from_pretrained(self.model_path)
 

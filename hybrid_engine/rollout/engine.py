@@ -55,7 +55,8 @@ class Completions:
         prompt_ids: per prompt, its token ids (after any truncation).
         token_ids: per completion, the sampled token ids.
         logprobs: per completion, the logprob of each sampled token under the
-            sampling distribution (temperature applied).
+            sampling distribution (temperature applied); NaN for a completion
+            whose log-probs were not asked for (`VLLMRollout.logprob_samples`).
         num_samples: K.
         installs: per completion, per token, how many weight installs happened
             in this call before the token was sampled (async_rollout.inflight_updates;
@@ -85,11 +86,19 @@ class VLLMRollout(WeightStaging):
         ranks: separate placement: the global ranks that build engines (this
             one among them, contiguous); None = every rank.
         group: a process group over `ranks` (gathers the replicas' completions).
+        logprob_samples: completions per prompt whose sampled-token log-probs
+            `generate` asks vLLM for (the first ones of each group; the others'
+            are NaN); None = all of them.
+
+    Attributes:
+        facts: the settings vLLM resolved (`vllm_compat.engine_facts`): the run
+            writes them to output_dir/engine.json.
     """
 
     def __init__(self, model_path: str, cfg: RolloutConfig, *, memory: MemoryConfig | None = None,
                  dtype: str = "bfloat16", ranks: Sequence[int] | None = None,
-                 group: object = None, reserve_bytes: int = 0, lora_rank: int = 0) -> None:
+                 group: object = None, reserve_bytes: int = 0, lora_rank: int = 0,
+                 logprob_samples: int | None = None) -> None:
         import torch.distributed as dist
 
         self.ranks = list(ranks) if ranks is not None else None
@@ -102,6 +111,7 @@ class VLLMRollout(WeightStaging):
                 f"the {'rollout ranks' if ranks is not None else 'world size'} {world}"
             )
         self.cfg, self.lora_rank = cfg, lora_rank
+        self.logprob_samples = logprob_samples
         # The adapter every request uses (`set_adapter`): None = the base weights alone.
         self.lora_request, self._lora_version = None, 0
         vllm_compat.prepare_process_env()
@@ -117,6 +127,7 @@ class VLLMRollout(WeightStaging):
         # An engine serving adapters never has its base weights rewritten: a release keeps them.
         self.backend.keep_weights = bool(lora_rank)
         self.llm = self._start_engine(model_path, dtype)
+        self.facts = vllm_compat.engine_facts(self.llm)
         self.tokenizer = self.llm.get_tokenizer()
         self._init_weights()
         self._kv_released = False  # release_memory() dropped the KV cache
@@ -137,6 +148,8 @@ class VLLMRollout(WeightStaging):
             kwargs.update(vllm_compat.lora_engine_kwargs(self.lora_rank))
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if cfg.async_scheduling != "auto":
+            kwargs["async_scheduling"] = cfg.async_scheduling == "true"
         undo = vllm_compat.restrict_world(self.ranks) if self.ranks is not None else (lambda: None)
         # vLLM runs about nine full garbage collections while it starts, then freezes
         # the heap itself; freezing what is alive already (torch, transformers, the
@@ -232,10 +245,15 @@ class VLLMRollout(WeightStaging):
             token_ids = self._gather_replicas(token_ids, torch.int64)
             logprobs = self._gather_replicas(logprobs, torch.float64)
             installs = None if installs is None else self._gather_replicas(installs, torch.int64)
-        if any(math.isnan(x) for lps in logprobs for x in lps):
+        if any(math.isnan(x) for i, lps in enumerate(logprobs) if self._wants_logprobs(i % k)
+               for x in lps):
             raise RuntimeError("sampled tokens have NaN log-probs: vLLM's weights are not valid "
                                "(discarded by a release and never rewritten?)")
         return Completions(prompt_ids, token_ids, logprobs, k, installs)
+
+    def _wants_logprobs(self, j: int) -> bool:
+        """Whether completion j of a group gets its sampled-token log-probs."""
+        return self.logprob_samples is None or j < self.logprob_samples
 
     def _check_can_sample(self) -> None:
         if self._kv_released:
@@ -312,6 +330,7 @@ class VLLMRollout(WeightStaging):
         from vllm import SamplingParams, TokensPrompt
 
         stop_strs = list(self.cfg.stop if stop is None else stop) or None
+        flat = vllm_compat.logprob_params()
         requests, params = [], []
         for i, (p, ids) in enumerate(zip(indices, prompt_ids, strict=True)):
             for j in range(k):
@@ -320,7 +339,8 @@ class VLLMRollout(WeightStaging):
                     n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                     top_k=self.cfg.top_k,
                     max_tokens=self.cfg.max_tokens if max_tokens is None else max_tokens[i],
-                    logprobs=0, stop=stop_strs, include_stop_str_in_output=include_stop_str,
+                    logprobs=0 if self._wants_logprobs(j) else None, **flat,
+                    stop=stop_strs, include_stop_str_in_output=include_stop_str,
                     stop_token_ids=list(self.cfg.stop_token_ids) or None,
                     seed=hash((self.cfg.seed, seed, p, j)) & 0x7FFFFFFF,
                     # Text only for stop strings: nothing reads it, and vLLM would
@@ -335,7 +355,7 @@ class VLLMRollout(WeightStaging):
         for out in outs:
             comp = out.outputs[0]
             token_ids.append(list(comp.token_ids))
-            logprobs.append([lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)])
+            logprobs.append(vllm_compat.token_logprobs(comp.logprobs, comp.token_ids))
         return token_ids, logprobs, None
 
     def _request_tag(self, kind: str) -> str:
@@ -380,13 +400,13 @@ class VLLMRollout(WeightStaging):
         limit = self.cfg.max_model_len - 1
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(sequences[i])[:limit]) for i in mine],
-            SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+            SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False,
+                           **vllm_compat.logprob_params()),
             use_tqdm=False, lora_request=self.lora_request) if mine else []
         scores = []
         for i, out in zip(mine, outs, strict=True):
             seq, start = list(sequences[i])[:limit], starts[i]
-            lps = [lp[t].logprob for t, lp in zip(seq[start:], out.prompt_logprobs[start:],
-                                                   strict=True)]
+            lps = vllm_compat.token_logprobs(out.prompt_logprobs[start:], seq[start:])
             scores.append(lps + [math.nan] * (len(sequences[i]) - len(seq)))
         if num_replicas > 1:
             from hybrid_engine.parallel.dist import all_gather_ragged
@@ -427,7 +447,7 @@ class VLLMRollout(WeightStaging):
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
         params = [SamplingParams(
             n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
-            max_tokens=int(m), logprobs=0, stop=stop_strs,
+            max_tokens=int(m), logprobs=0, **vllm_compat.logprob_params(), stop=stop_strs,
             stop_token_ids=list(self.cfg.stop_token_ids) or None, seed=int(seed),
             detokenize=stop_strs is not None) for m, seed in zip(max_tokens, seeds, strict=True)]
         run = EngineRun(self.llm, self._request_tag("partial"), requests, params,

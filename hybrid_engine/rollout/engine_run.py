@@ -49,8 +49,7 @@ class EngineRun:
         for out in self.engine.step():
             i, comp = self.index[out.request_id], out.outputs[0]
             self.tokens[i] += comp.token_ids
-            self.logps[i] += [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs,
-                                                             strict=True)]
+            self.logps[i] += vllm_compat.token_logprobs(comp.logprobs, comp.token_ids)
             self.finished[i] = out.finished
             new.append((i, len(comp.token_ids)))
         return new

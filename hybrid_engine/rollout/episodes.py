@@ -54,6 +54,7 @@ token to a context bounded by max_model_len.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -256,8 +257,10 @@ def _finish(env: MultiTurnEnvironment, ep: _Episode) -> Trajectory:
     if list(traj.loss_mask) != ep.policy_mask:
         raise RuntimeError(f"{name}.build_trajectory(): loss_mask is not True exactly on the "
                            f"policy's sampled tokens")
-    sampled = [lp for lp, m in zip(traj.rollout_logp, ep.policy_mask, strict=True) if m]
-    if [float(x) for x in sampled] != ep.policy_logp:
+    sampled = [float(lp) for lp, m in zip(traj.rollout_logp, ep.policy_mask, strict=True) if m]
+    if len(sampled) != len(ep.policy_logp) or any(  # NaN: log-probs not asked for
+            a != b and not (math.isnan(a) and math.isnan(b))
+            for a, b in zip(sampled, ep.policy_logp)):
         raise RuntimeError(f"{name}.build_trajectory(): rollout_logp differs from the "
                            f"sampling log-probs")
     traj.info.setdefault("num_turns", 0)

@@ -14,8 +14,9 @@ most once per process and the world restriction is undone by its caller.
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -200,6 +201,55 @@ def engine_loop(llm):  # noqa: ANN001, ANN201
     blocks; the request's output so far is whatever earlier steps returned).
     [0.32, public attribute and methods of the V1 LLMEngine]"""
     return llm.llm_engine
+
+
+def logprob_params() -> dict:
+    """SamplingParams keywords for log-prob requests: flat_logprobs=True where
+    this vLLM has it (a few flat lists per request in place of a dict and a
+    Logprob object per token, vllm#28171). [0.32]"""
+    from vllm import SamplingParams
+
+    return {"flat_logprobs": True} if "flat_logprobs" in SamplingParams.__struct_fields__ else {}
+
+
+def token_logprobs(entries, token_ids: Sequence[int]) -> list[float]:  # noqa: ANN001
+    """The log-prob of token_ids[i] at each position of vLLM's log-prob entries
+    (a completion's `logprobs` or a slice of `prompt_logprobs`, flat or one dict
+    per position); NaN everywhere when the request asked for none (entries None).
+    [0.32: FlatLogprobs' token_ids / logprobs lists]"""
+    if entries is None:
+        return [math.nan] * len(token_ids)
+    flat_ids = getattr(entries, "token_ids", None)
+    if flat_ids is not None and len(flat_ids) == len(token_ids) and flat_ids == list(token_ids):
+        return list(entries.logprobs)  # logprobs=0: the one entry per position is the token's
+    return [lp[t].logprob for t, lp in zip(token_ids, entries, strict=True)]
+
+
+def engine_facts(llm) -> dict:  # noqa: ANN001
+    """The settings vLLM resolved for this engine, for the run's record: version,
+    async scheduling, model runner, attention backend, CUDA-graph and compile
+    modes, batch limits, KV blocks. [0.26-0.32: vllm_config fields; the runner's
+    attn_groups, private]"""
+    import vllm
+
+    vc = llm.llm_engine.vllm_config
+    sc, cc = vc.scheduler_config, vc.compilation_config
+    runner = _runner(llm)
+    try:
+        attention = sorted({g.backend.get_name() for groups in runner.attn_groups for g in groups})
+    except AttributeError:
+        attention = None
+    return {
+        "vllm": vllm.__version__, "async_scheduling": bool(sc.async_scheduling),
+        "model_runner": type(runner).__name__, "attention_backend": attention,
+        "cudagraph_mode": str(getattr(cc, "cudagraph_mode", None)),
+        "compile_mode": str(getattr(cc, "mode", None)),
+        "cudagraph_capture_sizes": len(cc.cudagraph_capture_sizes or []),
+        "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "enforce_eager": vc.model_config.enforce_eager,
+        "prefix_caching": vc.cache_config.enable_prefix_caching,
+        "kv_blocks": vc.cache_config.num_gpu_blocks, "block_size": vc.cache_config.block_size,
+    }
 
 
 def model_dtype(llm) -> torch.dtype:  # noqa: ANN001

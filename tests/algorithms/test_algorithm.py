@@ -149,6 +149,31 @@ def test_mismatch_metrics_by_hand() -> None:
     assert float(m["mismatch_ratio_out"]) == pytest.approx(0.5)
 
 
+def test_the_mismatch_skips_tokens_without_rollout_logprobs_and_combines_by_their_count() -> None:
+    """Completions outside the mismatch sample carry NaN rollout log-probs: they
+    leave the metrics, and a micro-batch without sampled tokens does not dilute
+    the means when micro-batches combine."""
+    from hybrid_engine.algorithms.losses import LossInputs, combine_metrics, policy_loss_fn
+
+    fn = with_mismatch_metrics(policy_loss_fn(AlgorithmConfig()))
+    nan = float("nan")
+
+    def mb(rollout: list[float]) -> dict:
+        _, m = fn(LossInputs(logp_BT=torch.tensor([[-1.0, -1.0, -1.0]]),
+                             advantages_BT=torch.ones(1, 3), mask_BT=torch.tensor([[True] * 3]),
+                             rollout_logp_BT=torch.tensor([rollout])), None)
+        assert torch.isfinite(m["loss"])
+        return m
+
+    sampled, unsampled = mb([-1.5, nan, -1.1]), mb([nan, nan, nan])
+    assert float(sampled["mismatch_abs_mean"]) == pytest.approx(0.3)
+    assert float(sampled["mismatch_tokens"]) == 2.0 and float(unsampled["mismatch_tokens"]) == 0
+    both = combine_metrics([sampled, unsampled])
+    assert float(both["mismatch_abs_mean"]) == pytest.approx(0.3)
+    assert float(both["mismatch_abs_max"]) == pytest.approx(0.5)
+    assert float(both["mismatch_tokens"]) == 2.0 and float(both["num_tokens"]) == 6.0
+
+
 def test_with_mismatch_metrics_keeps_the_loss() -> None:
     from hybrid_engine.algorithms.losses import LossInputs, policy_loss_fn
 

@@ -84,12 +84,28 @@ def test_without_old_logprobs_only_the_first_update_measures_the_mismatch(
         calls.append(len(mini))
         n = float(len(calls))
         return {"loss": n, "mismatch_abs_mean": n, "mismatch_numerics_abs_mean": n,
-                "mismatch_split_tokens": 10.0}
+                "mismatch_tokens": 10.0, "mismatch_split_tokens": 10.0}
 
     m = updates.policy_updates(SimpleNamespace(step=0), make_trajs(NUM, 50), cfg, 0, step)
     assert len(calls) == 4 and m["loss"] == 2.5
     want = 1.0 if first_only else 2.5
     assert m["mismatch_abs_mean"] == m["mismatch_numerics_abs_mean"] == want
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({}, 1), ({"rollout.mismatch_sample": 3}, 3), ({"rollout.mismatch_sample": 0}, 0),
+    ({"algorithm.behaviour_logp": "rollout"}, None), ({"algorithm.tis_cap": 2.0}, None),
+    ({"algorithm.kl_coef": 0.1, "algorithm.kl_in_reward": True}, None),
+    ({"algorithm.kl_coef": 0.1}, 1),  # the KL loss term reads the reference, not vLLM
+    ({"async_rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout"}, None),
+])
+def test_vllm_returns_logprobs_for_all_completions_only_when_something_reads_them(
+        overrides, expected):
+    from hybrid_engine.config import apply_overrides
+    from hybrid_engine.config.recipes import get_recipe
+    from hybrid_engine.policy.training import logprob_samples
+
+    assert logprob_samples(apply_overrides(get_recipe("tiny_grpo_debug"), overrides)) == expected
 
 
 def test_training_on_trajectories_without_advantages_is_an_error():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from hybrid_engine.testing import run_ranks
@@ -25,6 +27,9 @@ def _sample(model_dir: str, tp: int, max_tokens: int) -> dict:
     first = rollout.generate(PROMPTS, seed=11)
     again = rollout.generate(PROMPTS, seed=11)
     other = rollout.generate(PROMPTS, seed=12)
+    rollout.logprob_samples = 1  # log-probs for the first completion of each group only
+    sample = rollout.generate(PROMPTS, seed=11)
+    rollout.logprob_samples = None
     # 300 prompts of 44 tokens: more than one engine step's token budget (4096 per
     # TP rank), so prompts wait for a later step; each keeps its own seeded draws.
     many = [f"{i:03d}" + "+1" * 20 + "=" for i in range(300)]
@@ -40,6 +45,9 @@ def _sample(model_dir: str, tp: int, max_tokens: int) -> dict:
         "prompt_ids": first.prompt_ids, "token_ids": first.token_ids, "logprobs": first.logprobs,
         "repeat_equal": again.token_ids == first.token_ids and again.logprobs == first.logprobs,
         "other_seed_differs": other.token_ids != first.token_ids, "errors": errors,
+        "sample_same": sample.token_ids == first.token_ids and all(
+            lp == first.logprobs[i] if i % 2 == 0 else all(math.isnan(x) for x in lp)
+            for i, lp in enumerate(sample.logprobs)),
         "big_batch_same": big_batch_same,
         "stopped": stopped,
     }
@@ -98,6 +106,7 @@ def test_spmd_sampling_matches_transformers(tmp_path, world_size, tp):
     for o in outs:
         assert len(o["token_ids"]) == len(PROMPTS) * 2
         assert o["repeat_equal"] and o["other_seed_differs"] and o["stopped"]
+        assert o["sample_same"]  # asking fewer log-probs samples the same tokens
         assert o["big_batch_same"]
         assert "more than rollout.max_model_len" in o["errors"]["reject"]
         diff = _reference_logprobs(model_dir, o["prompt_ids"],
