@@ -256,8 +256,18 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     """`to_empty` on device (storage for this rank's shards, filled by the load),
     then the buffers no checkpoint holds (rotary tables; Gemma's embedding scale)
     computed by transformers' own initialisation (`initialize_weights`), which
-    leaves alone every tensor marked initialised: here every parameter."""
+    leaves alone every tensor marked initialised: here every parameter.
+    A parameter shared by modules (tied embeddings) stays one parameter: on a
+    plain module, to_empty gives each module its own tensor, so they are re-tied."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, name))
     model.to_empty(device=device)
+    for (first, first_name), *others in owners.values():
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
     for p in model.parameters():
         p._is_hf_initialized = True
     for hf in _hf_models(model):

@@ -461,6 +461,17 @@ def _check_weights_hook(path: str, vocab: int) -> dict:
                 moved=max_diff(full_weights(run.trainer.module), before))
 
 
+def _check_tied_replicate(path: str, vocab: int) -> dict:
+    """A tied model under train.sharding=replicate (plain modules: materialising
+    them must not untie lm_head from the embedding) against FSDP2's full sharding."""
+    full = start_run(path, {"micro_batch_size": 2}, vocab=vocab).steps(2)
+    rep = start_run(path, {"micro_batch_size": 2}, vocab=vocab, sharding="replicate").steps(2)
+    model = rep.trainer.module
+    return dict(tied=model.lm_head.weight is model.model.embed_tokens.weight,
+                diff=max_diff(full_weights(model), full_weights(full.trainer.module)),
+                losses=(rep.losses, full.losses))
+
+
 def _two_rank_checks(root: str) -> dict:
     import torch.distributed as dist
 
@@ -483,6 +494,7 @@ def _two_rank_checks(root: str) -> dict:
         splits=_check_splits(qwen2, vocab["qwen2"]),
         profile=_check_profile(qwen2, vocab["qwen2"], f"{root}/profile"),
         weights_hook=_check_weights_hook(qwen2, vocab["qwen2"]),
+        tied_replicate=_check_tied_replicate(f"{root}/llama", vocab["llama"]),
     )
 
 
@@ -649,6 +661,13 @@ def test_micro_batch_split_does_not_change_the_update(two_ranks, variant):
         # clipping (1.0) binds in these steps, so `replicate` also checks the clip
         # that rides on fused AdamW's grad_scale (clip_and_step) against FSDP2's clip_grad_norm_
         assert max(base["grad_norms"][:3]) > 1.0
+
+
+def test_a_tied_model_stays_tied_under_replicate(two_ranks):
+    for out in two_ranks:
+        r = out["tied_replicate"]
+        assert r["tied"] and r["diff"] < WEIGHT_ATOL
+        assert r["losses"][0] == pytest.approx(r["losses"][1], rel=1e-6)
 
 
 def test_grad_op_gathers_and_reduces_once_per_step(two_ranks):
