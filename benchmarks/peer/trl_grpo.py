@@ -30,7 +30,8 @@ import sys
 import time
 import zlib
 
-WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64)}  # prompts per step, K, max new tokens
+# prompts per step, K, max new tokens; gpu and quick: bench_gpu.py's jobs
+WORKLOADS = {"w1": (4, 4, 16), "w2": (16, 4, 64), "gpu": (32, 8, 256), "quick": (4, 2, 8)}
 MAIN_REPO = str(__import__("pathlib").Path(__file__).resolve().parents[2])  # the prompts' package
 
 
@@ -53,6 +54,8 @@ def _args(argv=None) -> argparse.Namespace:
                         "forward per step for old log-probs (off by default: W1 has no such forward)")
     p.add_argument("--lr", type=float, default=1e-4, help="bench_step's recipe: 1e-4")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: NCCL, vLLM with CUDA graphs and TRL's own weight sync")
     return p.parse_args(argv)
 
 
@@ -67,7 +70,7 @@ def _shims(args: argparse.Namespace) -> None:
        (on by default; PEER_RELOAD_SHIM=0 shows the unpatched failure; see README.md)."""
     import trl.generation.vllm_generation as vg
 
-    extra = {"dtype": args.vllm_dtype, "enforce_eager": True}
+    extra = {"dtype": args.vllm_dtype, "enforce_eager": args.device == "cpu"}
     orig_llm = vg.LLM
 
     @functools.wraps(orig_llm)
@@ -77,7 +80,7 @@ def _shims(args: argparse.Namespace) -> None:
 
     vg.LLM = llm
 
-    if os.environ.get("PEER_RELOAD_SHIM", "1") == "1":
+    if args.device == "cpu" and os.environ.get("PEER_RELOAD_SHIM", "1") == "1":
         orig_sync = vg.VLLMGeneration.sync_weights
 
         def sync_weights(self):
@@ -181,8 +184,8 @@ def main(argv=None) -> None:
         use_vllm=True,
         vllm_mode="colocate",
         vllm_tensor_parallel_size=args.vllm_tp,
-        vllm_max_model_length=128 if max_tokens <= 64 else 1024,
-        vllm_gpu_memory_utilization=0.3,  # unused on CPU when VLLM_CPU_KVCACHE_SPACE is set
+        vllm_max_model_length=128 if max_tokens <= 64 else max_tokens + 64,
+        vllm_gpu_memory_utilization=0.35,  # unused on CPU when VLLM_CPU_KVCACHE_SPACE is set
         vllm_enable_sleep_mode=False,  # vLLM-CPU has no sleep mode
         # misc
         seed=args.seed,
@@ -191,8 +194,9 @@ def main(argv=None) -> None:
         report_to="none",
         disable_tqdm=True,
         dataloader_num_workers=0,
-        ddp_backend="gloo",
-        use_cpu=True,  # accelerate picks MULTI_CPU (DDP over gloo) only with cpu=True; else DistributedType.NO
+        ddp_backend="gloo" if args.device == "cpu" else "nccl",
+        # accelerate picks MULTI_CPU (DDP over gloo) only with cpu=True; else DistributedType.NO
+        use_cpu=args.device == "cpu",
     )
 
     out_lines: list[dict] = []
