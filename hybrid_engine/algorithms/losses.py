@@ -313,7 +313,8 @@ class LossInputs:
             None = rollout_logp_BT with behaviour_logp='rollout', else the
             on-policy single update: logp_BT.detach() (ratio 1 in value).
         ref_logp_BT: reference policy's log-probs; needed when the KL is in the loss.
-        entropy_BT: per-token entropy of the policy (grad); needed when entropy_coef != 0.
+        entropy_BT: per-token entropy of the policy (grad); needed when entropy_coef != 0
+            (else NaN outside the metric's sample is allowed).
         rollout_logp_BT: the rollout engine's sampled-token log-probs; needed with tis_cap.
         engine_logp_BT: the engine's log-probs of the same tokens under the weights
             the trainer holds now (metrics only: splits the mismatch), or None.
@@ -380,8 +381,9 @@ def _regularizers(
         metrics["kl"] = masked_mean(kl.detach(), mask)
         extra = extra + cfg.kl_coef * kl
     if inputs.entropy_BT is not None:
-        entropy = torch.where(mask, inputs.entropy_BT.float(), 0.0)
-        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+        known = mask & ~inputs.entropy_BT.isnan()  # NaN: outside the metric's sample
+        entropy = torch.where(known, inputs.entropy_BT.float(), 0.0)
+        metrics["entropy"] = masked_mean(entropy.detach(), known)
         if cfg.entropy_coef != 0:
             extra = extra - cfg.entropy_coef * entropy
     elif cfg.entropy_coef != 0:

@@ -6,6 +6,12 @@ hidden states are projected onto the vocabulary `logits_chunk_tokens` rows at
 a time (`token_logprobs`), and with autograd on each chunk is recomputed in
 backward, so peak logits memory is one chunk, not B x T x V.
 
+The entropy costs several more passes over each chunk's [C, V] logits, in
+forward and again in the recompute. The train step computes it for every
+token only when a loss term needs it (entropy_coef != 0); as a metric it
+takes every ENTROPY_METRIC_EVERY-th token (NaN elsewhere), and the
+reference computes none.
+
 Shape legend: B sequences, T positions, H hidden size, V vocabulary,
 N selected (loss) positions, C positions of one chunk.
 """
@@ -27,13 +33,15 @@ from hybrid_engine.parallel.params import reshard_all
 if TYPE_CHECKING:
     from hybrid_engine.trajectory import TrainBatch
 
-__all__ = ["batch_logprobs", "comm_device", "micro_batch_logprobs", "num_micro_batches",
-           "token_logprobs"]
+__all__ = ["ENTROPY_METRIC_EVERY", "batch_logprobs", "comm_device", "micro_batch_logprobs",
+           "num_micro_batches", "token_logprobs"]
+
+ENTROPY_METRIC_EVERY = 16  # the entropy metric's sample: every 16th token of each chunk
 
 
 def _chunk_logprobs(
     h_CH: Tensor, weight_VH: Tensor, targets_C: Tensor, temperature: float,
-    softcap: float | None = None,
+    softcap: float | None = None, entropy_every: int = 1,
 ) -> tuple[Tensor, Tensor]:
     logits_CV = (h_CH @ weight_VH.t()).float()
     if softcap is not None:  # before the temperature, as HF's forward and vLLM's logits
@@ -42,7 +50,13 @@ def _chunk_logprobs(
         logits_CV = logits_CV / temperature
     lse_C = logits_CV.logsumexp(-1)
     logp_C = logits_CV.gather(-1, targets_C[:, None]).squeeze(-1) - lse_C
-    entropy_C = lse_C - (logits_CV.softmax(-1) * logits_CV).sum(-1)
+    if entropy_every == 1:
+        return logp_C, lse_C - (logits_CV.softmax(-1) * logits_CV).sum(-1)
+    entropy_C = torch.full_like(lse_C, float("nan"))
+    if entropy_every > 1:  # a sample, for the metric: no gradient
+        rows_SV = logits_CV[::entropy_every].detach()
+        entropy_C[::entropy_every] = lse_C[::entropy_every].detach() - (
+            rows_SV.softmax(-1) * rows_SV).sum(-1)
     return logp_C, entropy_C
 
 
@@ -55,6 +69,7 @@ def token_logprobs(
     temperature: float = 1.0,
     entropy_grad: bool = False,
     softcap: float | None = None,
+    entropy_every: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """log softmax(h W^T / temperature)[target] and the entropy, chunk_tokens rows at a time.
 
@@ -72,15 +87,20 @@ def token_logprobs(
         entropy_grad: keep the entropy in the graph (entropy bonus); else detached.
         softcap: the model's final logit cap (Gemma 2): logits -> softcap *
             tanh(logits / softcap), before the temperature.
+        entropy_every: 1 = the entropy of every row; k > 1 = of every k-th row
+            of each chunk (no gradient), NaN on the others; 0 = none (all NaN).
+            entropy_grad needs 1.
 
     Returns:
         (logp_N, entropy_N), float32.
     """
+    if entropy_grad and entropy_every != 1:
+        raise ValueError("entropy_grad needs the entropy of every row (entropy_every=1)")
     grad = torch.is_grad_enabled() and (hidden_NH.requires_grad or weight_VH.requires_grad)
     logps, entropies = [], []
     for start in range(0, max(hidden_NH.shape[0], 1), chunk_tokens):
         args = (hidden_NH[start : start + chunk_tokens], weight_VH,
-                targets_N[start : start + chunk_tokens], temperature, softcap)
+                targets_N[start : start + chunk_tokens], temperature, softcap, entropy_every)
         if grad:
             logp_C, entropy_C = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
@@ -98,6 +118,7 @@ def micro_batch_logprobs(
     chunk_tokens: int,
     temperature: float = 1.0,
     entropy_grad: bool = False,
+    entropy_every: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """One forward of a micro-batch: log-prob and entropy of every loss token.
 
@@ -109,7 +130,7 @@ def micro_batch_logprobs(
         module: a model from `fsdp.build_fsdp_model` (forward returns hidden states).
         mb: the micro-batch (CPU or device tensors).
         device: where the model lives.
-        chunk_tokens, temperature, entropy_grad: see `token_logprobs`.
+        chunk_tokens, temperature, entropy_grad, entropy_every: see `token_logprobs`.
 
     Returns:
         (logp_BT, entropy_BT): float32 on device, logp_BT[b, t] = log
@@ -117,12 +138,13 @@ def micro_batch_logprobs(
     """
     autocast = compute_autocast(module)
     with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-        return _micro_batch_logprobs(module, mb, device, chunk_tokens, temperature, entropy_grad)
+        return _micro_batch_logprobs(module, mb, device, chunk_tokens, temperature, entropy_grad,
+                                     entropy_every)
 
 
 def _micro_batch_logprobs(module: torch.nn.Module, mb: TrainBatch, device: torch.device,
-                          chunk_tokens: int, temperature: float,
-                          entropy_grad: bool) -> tuple[Tensor, Tensor]:
+                          chunk_tokens: int, temperature: float, entropy_grad: bool,
+                          entropy_every: int) -> tuple[Tensor, Tensor]:
     tokens_BT = mb.tokens_BT.to(device)
     rows_N, cols_N = mb.loss_mask_BT.to(device).nonzero(as_tuple=True)
     # Target at column t is predicted by the output at t - 1 (t = 0 is never a target).
@@ -139,6 +161,7 @@ def _micro_batch_logprobs(module: torch.nn.Module, mb: TrainBatch, device: torch
         hidden_BKH[rows_N, cols_N - 1 - first], module.lm_head.weight, tokens_BT[rows_N, cols_N],
         chunk_tokens=chunk_tokens, temperature=temperature, entropy_grad=entropy_grad,
         softcap=getattr(module, "final_logit_softcap", None),  # `fsdp._build_meta_model`
+        entropy_every=entropy_every,
     )
     zeros_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32, device=device)
     return (zeros_BT.index_put((rows_N, cols_N), logp_N),
@@ -160,9 +183,10 @@ def comm_device(mesh: DeviceMesh) -> torch.device:
 @torch.no_grad()
 def batch_logprobs(
     module: FSDPModule, batch: TrainBatch, mesh: DeviceMesh, *, chunk_tokens: int,
-    temperature: float = 1.0,
+    temperature: float = 1.0, entropy_every: int = 1,
 ) -> tuple[Tensor, Tensor]:
-    """Log-probs and entropy of a whole batch, micro-batch by micro-batch, no grad.
+    """Log-probs and entropy of a whole batch, micro-batch by micro-batch, no grad
+    (entropy_every: see `token_logprobs`; 0 = none, NaN).
 
     Collective: every rank of mesh must call it (with its own batch). Ends
     with `reshard_all(module)` (see the module docstring).
@@ -181,8 +205,8 @@ def batch_logprobs(
             start, end = batch.bounds[i]
             mb = batch.rows(start, end)
             lp, ent = micro_batch_logprobs(
-                module, mb, device, chunk_tokens=chunk_tokens, temperature=temperature
-            )
+                module, mb, device, chunk_tokens=chunk_tokens, temperature=temperature,
+                entropy_every=entropy_every)
             width = mb.tokens_BT.shape[1]
             logp_BT[start:end, :width] = lp.cpu()
             entropy_BT[start:end, :width] = ent.cpu()

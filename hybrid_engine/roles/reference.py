@@ -96,7 +96,7 @@ class Reference:
         with adapters_disabled(self.module) if self.adapted else contextlib.nullcontext():
             logp_BT, _ = batch_logprobs(
                 self.module, batch, self.mesh, chunk_tokens=self.chunk_tokens,
-                temperature=self.temperature,
+                temperature=self.temperature, entropy_every=0,  # the KL needs no entropy
             )
         return logp_BT
 

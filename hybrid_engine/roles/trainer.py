@@ -50,7 +50,8 @@ from hybrid_engine.parallel import replicas
 from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh
 from hybrid_engine.parallel.lora import dropout_active
 from hybrid_engine.parallel.params import assert_sharded, reshard_all, sharded_named_parameters
-from hybrid_engine.roles.logprobs import (batch_logprobs, comm_device, micro_batch_logprobs,
+from hybrid_engine.roles.logprobs import (ENTROPY_METRIC_EVERY, batch_logprobs, comm_device,
+                                          micro_batch_logprobs,
                                           num_micro_batches)
 from hybrid_engine.roles.profile import OPTIMIZER_RANGE, maybe_profile
 from hybrid_engine.rollout import shm_allreduce
@@ -386,7 +387,7 @@ class Trainer:
             logp_BT, entropy_BT = micro_batch_logprobs(
                 self.module, mb, self.device, chunk_tokens=self.chunk_tokens,
                 temperature=self.temperature, entropy_grad=entropy_grad,
-            )
+                entropy_every=1 if entropy_grad else ENTROPY_METRIC_EVERY)
 
         def dev(x: Tensor | None) -> Tensor | None:
             return None if x is None else x.to(self.device)

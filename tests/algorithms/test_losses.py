@@ -181,6 +181,17 @@ def test_loss_fn_kl_and_entropy_terms(kl_in_reward):
         torch.testing.assert_close(logp.grad, _t([[0.025, 0.025]]))  # 0.1 * 0.5 / 2
 
 
+def test_the_entropy_metric_is_the_mean_over_its_sample():
+    """Without an entropy term the train step computes the entropy on a sample of
+    tokens (NaN elsewhere): the metric is their mean and the loss stays finite."""
+    nan = float("nan")
+    logp = torch.full((1, 4), math.log(0.5), requires_grad=True)
+    inputs = LossInputs(logp_BT=logp, entropy_BT=_t([[1.0, nan, 3.0, nan]]),
+                        advantages_BT=torch.ones(1, 4), mask_BT=torch.ones(1, 4, dtype=torch.bool))
+    loss, m = policy_loss_fn(AlgorithmConfig())(inputs)
+    assert m["entropy"].item() == pytest.approx(2.0) and torch.isfinite(loss)
+
+
 def test_loss_fn_missing_inputs_are_clear_errors():
     x = torch.zeros(1, 2)
     mask = torch.ones(1, 2, dtype=torch.bool)

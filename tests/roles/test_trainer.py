@@ -21,6 +21,7 @@ a plain transformers forward: < 1e-5 abs (measured <= 1e-6).
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -588,6 +589,21 @@ def test_token_logprobs_chunked_equals_full_with_gradients():
         torch.testing.assert_close(a, b)
     _, detached = token_logprobs(h, w, targets, chunk_tokens=10)
     assert not detached.requires_grad
+    # The metric's sample: every 4th row of each chunk of 10 (rows 0, 4, 8, 10, 14, ...),
+    # NaN elsewhere; log-probs and their gradients do not change.
+    logp_s, sampled = token_logprobs(h, w, targets, chunk_tokens=10, temperature=0.7,
+                                     entropy_every=4)
+    rows = torch.tensor([c + r for c in range(0, 37, 10) for r in range(0, 10, 4) if c + r < 37])
+    assert torch.equal(torch.where(~sampled.isnan())[0], rows)
+    torch.testing.assert_close(sampled[rows], full_entropy[rows].detach())
+    grads_s = torch.autograd.grad((coef * logp_s).sum(), (h, w))
+    plain = ((h @ w.t()) / 0.7).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    grads_lp = torch.autograd.grad((coef * plain).sum(), (h, w))
+    for a, b in zip(grads_s, grads_lp):
+        torch.testing.assert_close(a, b)
+    assert token_logprobs(h, w, targets, chunk_tokens=10, entropy_every=0)[1].isnan().all()
+    with pytest.raises(ValueError, match="entropy_every=1"):
+        token_logprobs(h, w, targets, chunk_tokens=10, entropy_grad=True, entropy_every=4)
     empty = token_logprobs(h[:0], w, targets[:0], chunk_tokens=10)
     assert empty[0].shape == (0,)
 
@@ -661,6 +677,13 @@ def test_micro_batch_split_does_not_change_the_update(two_ranks, variant):
         # clipping (1.0) binds in these steps, so `replicate` also checks the clip
         # that rides on fused AdamW's grad_scale (clip_and_step) against FSDP2's clip_grad_norm_
         assert max(base["grad_norms"][:3]) > 1.0
+
+
+def test_the_train_steps_entropy_metric_comes_from_its_sample(two_ranks):
+    """No entropy term: the step computes the entropy of every
+    ENTROPY_METRIC_EVERY-th token, enough for a finite, positive metric."""
+    for out in two_ranks:
+        assert 0 < out["splits"]["metrics"]["entropy"] < math.log(SPECS["qwen2"]["vocab_size"])
 
 
 def test_a_tied_model_stays_tied_under_replicate(two_ranks):
