@@ -360,7 +360,8 @@ def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
     all-gather buffers and every gradient through its reduce-scatter buffers,
     each step: on the 181M W1 step (2 ranks, bf16 compute, one Xeon) its train
     phase took 2.80 s where this takes 1.83 s (benchmarks/results/
-    step_w1_replicate_hsdp_* and step_w1_replicate_ddp_*)."""
+    step_w1_replicate_hsdp_* and step_w1_replicate_ddp_*). On one rank there is
+    nothing to average: the plain module, with no DDP hooks or buckets."""
     from torch.distributed._composable.replicate import replicate
 
     if checkpointing:
@@ -371,12 +372,13 @@ def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
     if init is not None:
         with torch.no_grad():
             init(model)
-    if any(p.requires_grad for p in model.parameters()):
-        # init_sync=False: every rank loaded the same file, nothing to broadcast;
-        # broadcast_buffers=False: the only buffers are the rotary tables.
+    if mesh.size() > 1 and any(p.requires_grad for p in model.parameters()):
+        # One rank: the plain module (nothing to average). init_sync=False: every rank
+        # loaded the same file, nothing to broadcast; broadcast_buffers=False: the only
+        # buffers are the rotary tables.
         replicate(model, device_id=device, process_group=mesh.get_group(),
                   init_sync=False, broadcast_buffers=False, gradient_as_bucket_view=True)
-        if grad_hook is not None and mesh.size() > 1:
+        if grad_hook is not None:
             grad_hook(model, mesh.get_group(), device)
     model.compute_autocast = compute if compute != master else None
     return model, stats

@@ -17,7 +17,8 @@ backward; without a backward it stays unsharded, `parameters()` then returns
 plain full tensors, and an optimizer, weight sync or checkpoint built from
 them silently misses those parameters. `train_step` reshards and asserts
 that the module's parameters are exactly the optimizer's DTensors.
-(train.sharding=replicate has no FSDP: plain parameters under DDP, bf16
+(train.sharding=replicate has no FSDP: plain parameters under DDP (on one
+rank no wrapper at all), bf16
 compute by torch.autocast around each micro-batch's forward and its
 vocabulary projection, `fsdp.compute_autocast`.)
 
@@ -363,8 +364,10 @@ class Trainer:
         reduction): one all-gather and one reduction per layer per optimizer step
         (replicate: no gather, one all-reduce). `full` reduces every micro-batch
         (its gradients never exist whole)."""
-        defer = self.train_cfg.sharding != "full" and not last
-        fsdp = isinstance(self.module, FSDPModule)  # replicate: DDP, nothing to reshard
+        # replicate: DDP, nothing to reshard; on one rank the plain module, nothing to defer
+        defer = (self.train_cfg.sharding != "full" and not last
+                 and hasattr(self.module, "set_requires_gradient_sync"))
+        fsdp = isinstance(self.module, FSDPModule)
         if defer:
             self.module.set_requires_gradient_sync(False)
             if fsdp:

@@ -811,7 +811,8 @@ def _parity_run(root: str, steps: int, sharding: str = "full",
     weights = full_weights(run.trainer.module)
     if dist.get_rank():
         return None
-    out = dict(losses=run.losses, grad_norms=run.grad_norms, weights=weights)
+    out = dict(losses=run.losses, grad_norms=run.grad_norms, weights=weights,
+               module=type(run.trainer.module).__name__)
     if dist.get_world_size() == 1:
         out["plain"] = plain_training(path, steps, spec.vocab_size)
     return _to_numpy(out)
@@ -832,7 +833,8 @@ def _parity_runs(root: str, steps: int, layouts: list[tuple[str, int]]) -> list[
 
 
 # world -> the layouts run on that many ranks (sharding, shard_group_size)
-PARITY_LAYOUTS = {1: [("full", 0)], 2: [("full", 0), ("grad_op", 0), ("replicate", 0)],
+PARITY_LAYOUTS = {1: [("full", 0), ("replicate", 0)],
+                  2: [("full", 0), ("grad_op", 0), ("replicate", 0)],
                   4: [("full", 0), ("hybrid", 2)]}
 
 
@@ -846,7 +848,9 @@ def test_one_two_four_ranks_match_a_plain_model(tmp_path):
     for world, layouts in PARITY_LAYOUTS.items():
         outs = run_ranks(_parity_runs, world, str(tmp_path), 3, layouts, timeout=240)[0]
         runs.update({f"{world} {name}": out for (name, _), out in zip(layouts, outs)})
-    assert len(runs) == 6
+    assert len(runs) == 7
+    # One rank, replicate: the plain module (no DDP wrapper), the same training.
+    assert runs["1 replicate"]["module"] == "Qwen2ForCausalLM"
     plain = runs["1 full"]["plain"]
     assert plain["losses"][-1] < plain["losses"][0]
     for w, r in runs.items():
