@@ -406,7 +406,7 @@ def summarize(ours: dict, trl: dict) -> dict:
            "train_over_floor": med["train_s"] / fl["train_s"],
            "step_over_floor": med["step_s"] / (fl["generate_s"] + fl["train_s"]),
            "generated_tok_s": statistics.median(r["tokens"] / r["generate_s"] for r in timed),
-           "peak_in_use_gib": {p: max(r[f"mem_{p}"]["in_use_gib"] for r in timed)
+           "in_use_after_gib": {p: max(r[f"mem_{p}"]["in_use_gib"] for r in timed)
                                for p in ("to_rollout", "generate", "to_train", "train")}}
     if trl.get("median_step_s"):
         out["trl_step_s"] = trl["median_step_s"]

@@ -43,7 +43,8 @@ class Trajectory:
         response_ids: R response token ids, including environment / tool
             tokens of a multi-turn episode.
         rollout_logp: R log-probs of each response token under the sampling
-            engine (0 on env tokens).
+            engine (0 on env tokens; NaN where the engine was not asked for
+            them, `policy.training.logprob_samples`).
         reward: scalar reward of the whole sequence.
         reward_components: named parts of the reward (for metrics).
         loss_mask: R bools, False on env / tool tokens; None = all True.

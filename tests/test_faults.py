@@ -255,6 +255,8 @@ def test_killed_rank_with_generation_ahead_stops_the_job_and_resume_reproduces(
     ref = _steps(ahead_reference)
     assert _steps(run.out) == ref
     assert [ref[s]["staleness_max"] for s in sorted(ref)] == [0.0, 1.0, 1.0, 1.0]
+    # Separate placement: rank 0 trains, yet records the rollout rank's engine.
+    assert json.loads((ahead_reference / "engine.json").read_text())["attention_backend"]
 
 
 def _summary(stdout: str) -> dict:

@@ -275,7 +275,10 @@ class HybridActor:
         self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
         seed: int = 0, sampling: Mapping[str, Any] | None = None, **kwargs: Any,
     ) -> Completions:
-        """K completions per prompt with sampled-token log-probs (collective).
+        """K completions per prompt with sampled-token log-probs (collective): for
+        every completion when training reads them, else for the first
+        rollout.mismatch_sample of each group, NaN for the others
+        (`policy.training.logprob_samples`).
 
         sampling: RolloutConfig fields replaced for this call ({"top_k": 1}:
         greedy, deterministic, its log-probs 0).

@@ -52,8 +52,7 @@ from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh
 from hybrid_engine.parallel.lora import dropout_active
 from hybrid_engine.parallel.params import assert_sharded, reshard_all, sharded_named_parameters
 from hybrid_engine.roles.logprobs import (ENTROPY_METRIC_EVERY, batch_logprobs, comm_device,
-                                          micro_batch_logprobs,
-                                          num_micro_batches)
+                                          micro_batch_logprobs, num_micro_batches)
 from hybrid_engine.roles.profile import OPTIMIZER_RANGE, maybe_profile
 from hybrid_engine.rollout import shm_allreduce
 

@@ -42,7 +42,7 @@ from hybrid_engine.rollout.weights import WeightStaging
 if TYPE_CHECKING:
     from vllm import LLM
 
-__all__ = ["Completions", "VLLMRollout"]
+__all__ = ["Completions", "VLLMRollout", "scheduling_kwargs"]
 
 _log = logging.getLogger(__name__)
 
@@ -72,6 +72,12 @@ class Completions:
     @property
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.token_ids)
+
+
+def scheduling_kwargs(cfg: RolloutConfig) -> dict:
+    """vLLM engine keywords of rollout.async_scheduling ('auto': none, vLLM decides)."""
+    return {} if cfg.async_scheduling == "auto" else {
+        "async_scheduling": cfg.async_scheduling == "true"}
 
 
 class VLLMRollout(WeightStaging):
@@ -148,8 +154,7 @@ class VLLMRollout(WeightStaging):
             kwargs.update(vllm_compat.lora_engine_kwargs(self.lora_rank))
         if dist.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
-        if cfg.async_scheduling != "auto":
-            kwargs["async_scheduling"] = cfg.async_scheduling == "true"
+        kwargs.update(scheduling_kwargs(cfg))
         undo = vllm_compat.restrict_world(self.ranks) if self.ranks is not None else (lambda: None)
         # vLLM runs about nine full garbage collections while it starts, then freezes
         # the heap itself; freezing what is alive already (torch, transformers, the

@@ -42,7 +42,7 @@ def test_the_quick_cpu_mode_measures_every_part(tmp_path) -> None:
     assert all(v["median_tok_s"] > 0 for v in ours["generation"].values())
     assert ours["engine"]["attention_backend"] and "async_scheduling" in ours["engine"]
     assert ours["train_profile"]["wall_s"] > 0 and ours["train_profile"]["top_ops_ms"]
-    assert s["peak_in_use_gib"]["train"] > 0
+    assert s["in_use_after_gib"]["train"] > 0
     assert "| generate |" in md.read_text() and "x floor" in md.read_text()
 
 

@@ -68,3 +68,15 @@ def test_the_cpu_backend_runs_two_compiled_vllm_helpers_eagerly() -> None:
     assert ids.tolist() == [0, 0, 7, 0, 0] and masked.tolist() == [True, False, False, True, True]
     logprobs = torch.tensor([[-0.1, -2.0, -0.5], [-3.0, -1.0, -1.0]])
     assert rank_fn(logprobs, torch.tensor([[-0.5], [-1.0]])).tolist() == [2, 2]
+
+
+def test_async_scheduling_reaches_the_engine_keywords() -> None:
+    """rollout.async_scheduling decides vLLM's async_scheduling ('auto': vLLM's own
+    choice). vLLM's CPU platform turns it off whatever it is asked, so the running
+    engine's record (engine.json, tests/test_train_cli.py) cannot show it here."""
+    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.rollout.engine import scheduling_kwargs
+
+    assert scheduling_kwargs(RolloutConfig()) == {}
+    assert scheduling_kwargs(RolloutConfig(async_scheduling="true")) == {"async_scheduling": True}
+    assert scheduling_kwargs(RolloutConfig(async_scheduling="false")) == {"async_scheduling": False}
