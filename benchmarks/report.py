@@ -33,6 +33,7 @@ SUITE = (
     ("bench_step.py", [], ["--quick"]),
     ("bench_kernels.py", [], ["--quick"]),
     ("bench_lora.py", ["--jobs", "2"], ["--quick"]),
+    ("bench_vocab.py", [], ["--quick"]),
 )
 
 
@@ -170,8 +171,21 @@ def _lora_row(r: dict) -> str:
             f"| {r['jobs']} x {r['repeats']} |")
 
 
+def _vocab_row(r: dict) -> str:
+    res = r["results"]
+    parts = "; ".join(
+        f"{d}: peak {x['fused']['peak_chunks']:.2f} vs {x['autograd']['peak_chunks']:.2f} fp32 "
+        f"chunks, time **{x['fused_over_autograd_s']['ratio']:.2f}** "
+        f"{_ci(x['fused_over_autograd_s']['ci95'])} of autograd's" for d, x in res.items())
+    floor = "; ".join(f"{d} {x['fused']['over_floor']:.2f}x" for d, x in res.items())
+    return (f"| vocabulary step, fused vs checkpointed autograd, N {r['tokens']}, H {r['hidden']}, "
+            f"V {r['vocab']} (`bench_vocab`) | {parts} | fused over the GEMM floor: {floor} "
+            f"| {r['jobs']} x {r['repeats']} |")
+
+
 HEADLINES = (("sync", _sync_row), ("step", _step_row), ("rollout", _rollout_row),
-             ("memory", _memory_row), ("kernels", _kernels_row), ("lora", _lora_row))
+             ("memory", _memory_row), ("kernels", _kernels_row), ("lora", _lora_row),
+             ("vocab", _vocab_row))
 
 
 def headline(summary: dict[str, dict]) -> str:

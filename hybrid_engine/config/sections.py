@@ -164,8 +164,8 @@ class TrainConfig:
     )
     logits_chunk_tokens: int = _field(
         1024,
-        "Token positions per chunk of the vocab projection in logprob computation "
-        "(full-vocab fp32 logits exist for one chunk at a time).",
+        "Token positions per chunk of the fused vocab projection (log-probs, entropy and "
+        "their backward): fp32 logits exist for one chunk at a time.",
         ge=1,
     )
     activation_checkpointing: bool = _field(

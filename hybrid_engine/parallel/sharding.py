@@ -105,7 +105,8 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
         act = tokens * (dims.num_layers * dims.hidden + per_layer) * c
     else:
         act = tokens * dims.num_layers * per_layer * c
-    act += min(t.logits_chunk_tokens, tokens) * dims.vocab * 4 * 3
+    # the fused vocabulary step's backward: two fp32 [chunk, vocab] buffers and one in c
+    act += min(t.logits_chunk_tokens, tokens) * dims.vocab * (8 + c)
     resident = 0
     if colocated:
         release = cfg.memory.release == "true"

@@ -3,11 +3,12 @@
 Job: the forward half every model role shares (trainer, reference, critic's
 batching): never hold full-vocab logits for a whole micro-batch. The final
 hidden states are projected onto the vocabulary `logits_chunk_tokens` rows at
-a time (`token_logprobs`), and with autograd on each chunk is recomputed in
-backward, so peak logits memory is one chunk, not B x T x V.
+a time (`token_logprobs`, fused in `vocab_projection`), and with autograd on
+each chunk is recomputed in backward, so peak logits memory is one chunk, not
+B x T x V.
 
-The entropy costs several more passes over each chunk's [C, V] logits, in
-forward and again in the recompute. The train step computes it for every
+The entropy costs two more passes over each chunk's [C, V] logits, and its
+gradient two in backward. The train step computes it for every
 token only when a loss term needs it (entropy_coef != 0); as a metric it
 takes every ENTROPY_METRIC_EVERY-th token (NaN elsewhere), and the
 reference computes none.
@@ -25,10 +26,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.utils.checkpoint import checkpoint
 
 from hybrid_engine.parallel.fsdp import compute_autocast, default_device
 from hybrid_engine.parallel.params import reshard_all
+from hybrid_engine.roles.vocab_projection import vocab_logprobs
 
 if TYPE_CHECKING:
     from hybrid_engine.trajectory import TrainBatch
@@ -37,27 +38,6 @@ __all__ = ["ENTROPY_METRIC_EVERY", "batch_logprobs", "comm_device", "micro_batch
            "num_micro_batches", "token_logprobs"]
 
 ENTROPY_METRIC_EVERY = 16  # the entropy metric's sample: every 16th token of each chunk
-
-
-def _chunk_logprobs(
-    h_CH: Tensor, weight_VH: Tensor, targets_C: Tensor, temperature: float,
-    softcap: float | None = None, entropy_every: int = 1,
-) -> tuple[Tensor, Tensor]:
-    logits_CV = (h_CH @ weight_VH.t()).float()
-    if softcap is not None:  # before the temperature, as HF's forward and vLLM's logits
-        logits_CV = torch.tanh(logits_CV / softcap) * softcap
-    if temperature != 1.0:
-        logits_CV = logits_CV / temperature
-    lse_C = logits_CV.logsumexp(-1)
-    logp_C = logits_CV.gather(-1, targets_C[:, None]).squeeze(-1) - lse_C
-    if entropy_every == 1:
-        return logp_C, lse_C - (logits_CV.softmax(-1) * logits_CV).sum(-1)
-    entropy_C = torch.full_like(lse_C, float("nan"))
-    if entropy_every > 1:  # a sample, for the metric: no gradient
-        rows_SV = logits_CV[::entropy_every].detach()
-        entropy_C[::entropy_every] = lse_C[::entropy_every].detach() - (
-            rows_SV.softmax(-1) * rows_SV).sum(-1)
-    return logp_C, entropy_C
 
 
 def token_logprobs(
@@ -73,10 +53,10 @@ def token_logprobs(
 ) -> tuple[Tensor, Tensor]:
     """log softmax(h W^T / temperature)[target] and the entropy, chunk_tokens rows at a time.
 
-    The matmul runs in the weight's dtype and the softmax in float32. With
-    autograd on, each chunk is checkpointed: only its inputs are saved and
-    its [C, V] logits are recomputed in backward, so neither pass ever holds
-    more than one chunk of logits.
+    The matmul runs in the compute dtype (autocast's, else the weight's) and
+    the rest in float32, fused (`vocab_projection.vocab_logprobs`): only h, W
+    and two floats per row are saved, and backward recomputes each chunk's
+    logits, so neither pass ever holds more than one chunk of them.
 
     Args:
         hidden_NH: [N, H] final hidden states at the positions that predict the targets.
@@ -96,18 +76,9 @@ def token_logprobs(
     """
     if entropy_grad and entropy_every != 1:
         raise ValueError("entropy_grad needs the entropy of every row (entropy_every=1)")
-    grad = torch.is_grad_enabled() and (hidden_NH.requires_grad or weight_VH.requires_grad)
-    logps, entropies = [], []
-    for start in range(0, max(hidden_NH.shape[0], 1), chunk_tokens):
-        args = (hidden_NH[start : start + chunk_tokens], weight_VH,
-                targets_N[start : start + chunk_tokens], temperature, softcap, entropy_every)
-        if grad:
-            logp_C, entropy_C = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            logp_C, entropy_C = _chunk_logprobs(*args)
-        logps.append(logp_C)
-        entropies.append(entropy_C if entropy_grad else entropy_C.detach())
-    return torch.cat(logps), torch.cat(entropies)
+    return vocab_logprobs(hidden_NH, weight_VH, targets_N, chunk_tokens=chunk_tokens,
+                          temperature=temperature, softcap=softcap, entropy_every=entropy_every,
+                          entropy_grad=entropy_grad)
 
 
 def micro_batch_logprobs(

@@ -608,6 +608,73 @@ def test_token_logprobs_chunked_equals_full_with_gradients():
     assert empty[0].shape == (0,)
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_the_fused_vocabulary_step_is_exact_at_a_real_vocabulary(softcap):
+    """Qwen2.5's vocabulary, a small hidden size: log-probs, entropy and both
+    gradients against a float64 reference. The fused path is within 1e-6 on
+    the values and never further from float64 than fp32 autograd over full
+    logits (which, summing 151,936 terms, is itself ~1e-5 off on gradients)."""
+    from hybrid_engine.roles.logprobs import token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    n, hidden, vocab = 48, 16, 151_936
+    h = torch.randn(n, hidden, generator=g).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.5).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    c_logp, c_entropy = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    def full(h, w):  # the whole [N, V] in autograd
+        z = h @ w.t()
+        if softcap:
+            z = torch.tanh(z / softcap) * softcap
+        logp_NV = (z / 0.8).log_softmax(-1)
+        return (logp_NV.gather(-1, targets[:, None]).squeeze(-1),
+                -(logp_NV.exp() * logp_NV).sum(-1))
+
+    def with_grads(logp, entropy, inputs):
+        loss = (c_logp.to(logp.dtype) * logp + c_entropy.to(logp.dtype) * entropy).sum()
+        return [logp, entropy, *torch.autograd.grad(loss, inputs)]
+
+    exact = [h.detach().double().requires_grad_(), w.detach().double().requires_grad_()]
+    exact = with_grads(*full(*exact), exact)
+    fp32 = with_grads(*full(h, w), (h, w))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
+                                                  lambda t: t):
+        logp, entropy = token_logprobs(h, w, targets, chunk_tokens=16, temperature=0.8,
+                                       softcap=softcap, entropy_grad=True)
+    fused = with_grads(logp, entropy, (h, w))
+
+    def err(a, ref):
+        return float((a.detach().double() - ref).norm() / ref.norm())
+
+    for name, ours, plain, ref in zip(["logp", "entropy", "grad h", "grad W"], fused, fp32, exact):
+        assert err(ours, ref) <= max(err(plain, ref), 1e-6), name
+    assert err(fused[0], exact[0]) < 1e-6 and err(fused[1], exact[1]) < 1e-6
+    # Saved for backward: h, W, the targets and two floats per token, no logits.
+    assert sum(saved) == h.numel() + w.numel() + 3 * n
+
+
+def test_the_fused_vocabulary_step_under_autocast_keeps_an_fp32_weights_gradient():
+    """An fp32 master under bf16 autocast (replicate's layout): the matmul runs in
+    bf16, the gradient comes back in fp32 and matches autograd's to bf16 accuracy."""
+    from hybrid_engine.roles.logprobs import token_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(24, 32, generator=g).requires_grad_()
+    w = (torch.randn(300, 32, generator=g) * 0.3).requires_grad_()
+    targets = torch.randint(0, 300, (24,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = token_logprobs(h, w, targets, chunk_tokens=7, entropy_every=0)
+        ref = (h @ w.t()).float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    grads = torch.autograd.grad(logp.sum(), (h, w))
+    grads_ref = torch.autograd.grad(ref.sum(), (h, w))
+    assert logp.dtype == torch.float32 and grads[1].dtype == torch.float32
+    torch.testing.assert_close(logp, ref, rtol=0, atol=1e-5)  # the same bf16 logits
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("arch", list(SPECS))
 def test_sharded_init_holds_exactly_the_file_rows(two_ranks, arch):
     for rank, out in enumerate(two_ranks):
