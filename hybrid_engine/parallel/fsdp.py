@@ -225,13 +225,15 @@ def _build_meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool)
 
 def apply_fsdp(
     model: PreTrainedModel, mesh: DeviceMesh, mp: MixedPrecisionPolicy, checkpointing: bool,
-    *, reshard_after_forward: bool = True,
+    *, reshard_after_forward: bool = True, compile_layers: bool = False,
 ) -> None:
     """`fully_shard` on every decoder layer, then the root. reshard_after_forward=False
     (train.sharding=grad_op) keeps each layer's parameters gathered from its forward
     to its backward: one all-gather per layer per pass instead of two."""
     if checkpointing:
         _wrap_checkpointing(model)
+    if compile_layers:
+        _compile_layers(model)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # Root group: embed_tokens, final norm, lm_head (one parameter when tied).
@@ -245,6 +247,19 @@ def _wrap_checkpointing(model: PreTrainedModel) -> None:
     layers = model.model.layers
     for i, layer in enumerate(layers):
         layers[i] = checkpoint_wrapper(layer)
+
+
+def _compile_layers(model: PreTrainedModel) -> None:
+    """Regional torch.compile (train.compile), after activation checkpointing and
+    before sharding, as torchtitan orders them. `Module.compile` compiles in place,
+    so parameter names and FSDP2's and DDP's hooks stay where they were (dynamo
+    runs those hooks eagerly). The layers share one code object, so every layer
+    reuses its graphs. Shapes are torch's automatic dynamic: the first
+    micro-batch's shape compiles static, the first other shape one dynamic graph
+    that serves every later length (measured on 2 cores: 82 s cold for the
+    3-step test's graphs, against 124 s all-dynamic and 112 s all-static)."""
+    for layer in model.model.layers:
+        layer.compile()
 
 
 def empty_model():  # noqa: ANN201 - a context manager
@@ -289,11 +304,10 @@ def build_fsdp_model(
     model_path: str,
     mesh: DeviceMesh,
     *,
-    master_dtype: str = "float32",
-    compute_dtype: str = "float32",
+    master_dtype: str = "float32", compute_dtype: str = "float32",
     activation_checkpointing: bool = False,
-    requires_grad: bool = True,
-    trust_remote_code: bool = False,
+    compile_layers: bool = False,  # train.compile: torch.compile each decoder layer
+    requires_grad: bool = True, trust_remote_code: bool = False,
     sharding: str = "full",
     shard_group_size: int = 0,
     grad_hook: Callable[[nn.Module, dist.ProcessGroup, torch.device], None] | None = None,
@@ -338,11 +352,11 @@ def build_fsdp_model(
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     if sharding == "replicate":
         return _build_replicated(model, folder, mesh, master, compute, activation_checkpointing,
-                                 grad_hook, init)
+                                 grad_hook, init, compile_layers=compile_layers)
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)
     size = {"hybrid": shard_group_size}.get(sharding, mesh.size())
     stats = shard_and_load(model, folder, fsdp_mesh(mesh, size), mp, init=init,
-                           checkpointing=activation_checkpointing,
+                           checkpointing=activation_checkpointing, compile_layers=compile_layers,
                            reshard_after_forward=sharding == "full")
     return model, stats
 
@@ -350,8 +364,8 @@ def build_fsdp_model(
 def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
                       master: torch.dtype, compute: torch.dtype,
                       checkpointing: bool, grad_hook: Callable | None = None,
-                      init: Callable[[nn.Module], None] | None = None,
-                      ) -> tuple[nn.Module, LoadStats]:
+                      init: Callable[[nn.Module], None] | None = None, *,
+                      compile_layers: bool = False) -> tuple[nn.Module, LoadStats]:
     """train.sharding=replicate: plain parameters, whole on every rank, gradients
     averaged by DDP (torch's composable `replicate`: buckets all-reduced while
     backward runs, the gradients views of the buckets) and compute_dtype through
@@ -366,6 +380,8 @@ def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
 
     if checkpointing:
         _wrap_checkpointing(model)
+    if compile_layers:
+        _compile_layers(model)
     device = default_device() if mesh.device_type == "cuda" else torch.device(mesh.device_type)
     materialize(model, device)
     stats = load_sharded_safetensors(model, folder)
@@ -394,7 +410,7 @@ def shard_and_load(model: nn.Module, folder: Path, mesh: DeviceMesh, mp: MixedPr
                    checkpointing: bool = False, device: torch.device | None = None,
                    load_into: nn.Module | None = None,
                    init: Callable[[nn.Module], None] | None = None,
-                   reshard_after_forward: bool = True) -> LoadStats:
+                   reshard_after_forward: bool = True, compile_layers: bool = False) -> LoadStats:
     """The one FSDP2 construction path of every model we train or score with
     (policy, reference, critic, reward model): a model built on the meta device
     is sharded (`apply_fsdp`), materialised shard-only (`materialize`, its
@@ -410,7 +426,8 @@ def shard_and_load(model: nn.Module, folder: Path, mesh: DeviceMesh, mp: MixedPr
     Returns:
         What this rank read from the files.
     """
-    apply_fsdp(model, mesh, mp, checkpointing, reshard_after_forward=reshard_after_forward)
+    apply_fsdp(model, mesh, mp, checkpointing, reshard_after_forward=reshard_after_forward,
+               compile_layers=compile_layers)
     if device is None:
         device = default_device() if mesh.device_type == "cuda" else torch.device(mesh.device_type)
     materialize(model, device)

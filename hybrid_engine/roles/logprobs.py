@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from hybrid_engine.parallel.fsdp import compute_autocast, default_device
 from hybrid_engine.parallel.params import reshard_all
+from hybrid_engine.roles.packing import pack
 from hybrid_engine.roles.vocab_projection import vocab_logprobs
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ def micro_batch_logprobs(
     temperature: float = 1.0,
     entropy_grad: bool = False,
     entropy_every: int = 1,
+    packing: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """One forward of a micro-batch: log-prob and entropy of every loss token.
 
@@ -102,6 +104,7 @@ def micro_batch_logprobs(
         mb: the micro-batch (CPU or device tensors).
         device: where the model lives.
         chunk_tokens, temperature, entropy_grad, entropy_every: see `token_logprobs`.
+        packing: the sequences packed into as few rows as fit (`packing.pack`).
 
     Returns:
         (logp_BT, entropy_BT): float32 on device, logp_BT[b, t] = log
@@ -110,26 +113,33 @@ def micro_batch_logprobs(
     autocast = compute_autocast(module)
     with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
         return _micro_batch_logprobs(module, mb, device, chunk_tokens, temperature, entropy_grad,
-                                     entropy_every)
+                                     entropy_every, packing)
 
 
 def _micro_batch_logprobs(module: torch.nn.Module, mb: TrainBatch, device: torch.device,
                           chunk_tokens: int, temperature: float, entropy_grad: bool,
-                          entropy_every: int) -> tuple[Tensor, Tensor]:
+                          entropy_every: int, packing: bool = False) -> tuple[Tensor, Tensor]:
     tokens_BT = mb.tokens_BT.to(device)
     rows_N, cols_N = mb.loss_mask_BT.to(device).nonzero(as_tuple=True)
     # Target at column t is predicted by the output at t - 1 (t = 0 is never a target).
-    first = int(cols_N.min()) - 1 if cols_N.numel() else 0
-    keep_K = torch.arange(first, tokens_BT.shape[1] - 1, device=device)
-    hidden_BKH = module(
-        input_ids=tokens_BT,
-        attention_mask=mb.attention_mask_BT.to(device),
-        position_ids=mb.position_ids_BT.to(device),
-        use_cache=False,
-        logits_to_keep=keep_K,
-    ).logits
+    if packing:
+        packed = pack(tokens_BT, mb.position_ids_BT.to(device), mb.seq_lens_B)
+        hidden_PTH = module(input_ids=packed.tokens_PT, position_ids=packed.position_ids_PT,
+                            use_cache=False).logits  # no mask: the position ids delimit
+        at_P, at_T = packed.index(rows_N, cols_N - 1)
+        hidden_NH = hidden_PTH[at_P, at_T]
+    else:
+        first = int(cols_N.min()) - 1 if cols_N.numel() else 0
+        keep_K = torch.arange(first, tokens_BT.shape[1] - 1, device=device)
+        hidden_NH = module(
+            input_ids=tokens_BT,
+            attention_mask=mb.attention_mask_BT.to(device),
+            position_ids=mb.position_ids_BT.to(device),
+            use_cache=False,
+            logits_to_keep=keep_K,
+        ).logits[rows_N, cols_N - 1 - first]
     logp_N, entropy_N = token_logprobs(
-        hidden_BKH[rows_N, cols_N - 1 - first], module.lm_head.weight, tokens_BT[rows_N, cols_N],
+        hidden_NH, module.lm_head.weight, tokens_BT[rows_N, cols_N],
         chunk_tokens=chunk_tokens, temperature=temperature, entropy_grad=entropy_grad,
         softcap=getattr(module, "final_logit_softcap", None),  # `fsdp._build_meta_model`
         entropy_every=entropy_every,
@@ -154,10 +164,11 @@ def comm_device(mesh: DeviceMesh) -> torch.device:
 @torch.no_grad()
 def batch_logprobs(
     module: FSDPModule, batch: TrainBatch, mesh: DeviceMesh, *, chunk_tokens: int,
-    temperature: float = 1.0, entropy_every: int = 1,
+    temperature: float = 1.0, entropy_every: int = 1, packing: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs and entropy of a whole batch, micro-batch by micro-batch, no grad
-    (entropy_every: see `token_logprobs`; 0 = none, NaN).
+    (entropy_every: see `token_logprobs`, 0 = none, NaN; packing: see
+    `micro_batch_logprobs`).
 
     Collective: every rank of mesh must call it (with its own batch). Ends
     with `reshard_all(module)` (see the module docstring).
@@ -177,7 +188,7 @@ def batch_logprobs(
             mb = batch.rows(start, end)
             lp, ent = micro_batch_logprobs(
                 module, mb, device, chunk_tokens=chunk_tokens, temperature=temperature,
-                entropy_every=entropy_every)
+                entropy_every=entropy_every, packing=packing)
             width = mb.tokens_BT.shape[1]
             logp_BT[start:end, :width] = lp.cpu()
             entropy_BT[start:end, :width] = ent.cpu()

@@ -239,8 +239,8 @@ class Trainer:
             model_path, self.mesh, master_dtype=model_cfg.master_dtype,
             compute_dtype=model_cfg.compute_dtype,
             activation_checkpointing=train_cfg.activation_checkpointing,
-            trust_remote_code=model_cfg.trust_remote_code, sharding=train_cfg.sharding,
-            shard_group_size=train_cfg.shard_group_size,
+            compile_layers=train_cfg.compile, trust_remote_code=model_cfg.trust_remote_code,
+            sharding=train_cfg.sharding, shard_group_size=train_cfg.shard_group_size,
             grad_hook=shm_allreduce.install if train_cfg.cpu_shm_allreduce else None,
             lora=model_cfg if model_cfg.lora_rank else None,
         )
@@ -276,7 +276,7 @@ class Trainer:
             loss_mask_BT; logp_BT[b, t] = log p(tokens[b, t] | tokens[b, :t]).
         """
         return batch_logprobs(self.module, batch, self.mesh, chunk_tokens=self.chunk_tokens,
-                              temperature=self.temperature)
+                              temperature=self.temperature, packing=self.train_cfg.packing)
 
     def train_step(
         self,
@@ -389,7 +389,8 @@ class Trainer:
             logp_BT, entropy_BT = micro_batch_logprobs(
                 self.module, mb, self.device, chunk_tokens=self.chunk_tokens,
                 temperature=self.temperature, entropy_grad=entropy_grad,
-                entropy_every=1 if entropy_grad else ENTROPY_METRIC_EVERY)
+                entropy_every=1 if entropy_grad else ENTROPY_METRIC_EVERY,
+                packing=self.train_cfg.packing)
 
         def dev(x: Tensor | None) -> Tensor | None:
             return None if x is None else x.to(self.device)

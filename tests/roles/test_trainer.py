@@ -473,6 +473,36 @@ def _check_tied_replicate(path: str, vocab: int) -> dict:
                 losses=(rep.losses, full.losses))
 
 
+def _check_packing(path: str, vocab: int) -> dict:
+    """train.packing against padded micro-batches: one micro-batch's log-probs and
+    gradients, then 3 steps (losses, gradient norms, weights); the rows the decoder
+    saw each way."""
+    from hybrid_engine.parallel.params import full_tensor, sharded_named_parameters
+    from hybrid_engine.roles.logprobs import micro_batch_logprobs
+
+    out = {}
+    for packing in (False, True):
+        run = start_run(path, {"micro_batch_size": 8}, vocab=vocab, num_seqs=16,
+                        packing=packing)
+        mb = run.batch.rows(*run.batch.bounds[0])
+        logp, _ = micro_batch_logprobs(run.trainer.module, mb, torch.device("cpu"),
+                                       chunk_tokens=CHUNK, packing=packing)
+        logp.sum().backward()
+        grads = {n: full_tensor(p.grad).clone() for n, p in
+                 sharded_named_parameters(run.trainer.module)}
+        run.trainer.module.zero_grad(set_to_none=True)
+        rows = []
+        hook = run.trainer.module.model.layers[0].register_forward_pre_hook(
+            lambda _, args, kwargs: rows.append(kwargs.get("hidden_states", args[0] if args
+                                                           else None).shape[0]),
+            with_kwargs=True)
+        run.steps(3)
+        hook.remove()
+        out[packing] = dict(logp=logp.detach(), grads=grads, losses=run.losses, rows=sum(rows),
+                            grad_norms=run.grad_norms, weights=full_weights(run.trainer.module))
+    return out
+
+
 def _two_rank_checks(root: str) -> dict:
     import torch.distributed as dist
 
@@ -496,6 +526,8 @@ def _two_rank_checks(root: str) -> dict:
         profile=_check_profile(qwen2, vocab["qwen2"], f"{root}/profile"),
         weights_hook=_check_weights_hook(qwen2, vocab["qwen2"]),
         tied_replicate=_check_tied_replicate(f"{root}/llama", vocab["llama"]),
+        packing=_check_packing(qwen2, vocab["qwen2"]),
+        packing_gemma2=_check_packing(f"{root}/gemma2", vocab["gemma2"]),
     )
 
 
@@ -692,6 +724,23 @@ def test_sharded_init_holds_exactly_the_file_rows(two_ranks, arch):
     assert sum(out["init"][arch]["local_numel"] for out in two_ranks) == stats.elements_total
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_packed_training_equals_padded(two_ranks, arch):
+    """train.packing: the sequences of each micro-batch packed into fewer rows (Gemma 2:
+    eager attention with sliding windows and soft-caps) give the padded path's
+    log-probs and gradients, and 3 steps of it its losses and weights."""
+    for out in two_ranks:
+        padded, packed = (out["packing" if arch == "qwen2" else "packing_gemma2"][k]
+                          for k in (False, True))
+        torch.testing.assert_close(packed["logp"], padded["logp"], rtol=0, atol=2e-6)
+        for name, g in padded["grads"].items():
+            torch.testing.assert_close(packed["grads"][name], g, rtol=1e-4, atol=1e-6)
+        assert packed["losses"] == pytest.approx(padded["losses"], rel=1e-6)
+        assert packed["grad_norms"] == pytest.approx(padded["grad_norms"], rel=1e-5)
+        assert max_diff(packed["weights"], padded["weights"]) < WEIGHT_ATOL
+        assert packed["rows"] < padded["rows"]  # the decoder saw fewer rows
+
+
 @pytest.mark.parametrize("arch", list(SPECS))
 def test_compute_logprobs_matches_transformers(two_ranks, arch):
     for out in two_ranks:
@@ -861,9 +910,10 @@ def test_profile_split_attributes_overlaps_once():
 
 
 def _parity_run(root: str, steps: int, sharding: str = "full",
-                shard_group_size: int = 0) -> dict | None:
-    """3 steps on this rank's rows; rank 0 returns losses, grad norms, full weights
-    (and, on a 1-rank run, the plain transformers reference too)."""
+                shard_group_size: int = 0, compile_layers: bool = False) -> dict | None:
+    """3 steps on this rank's rows; rank 0 returns losses, grad norms, full weights,
+    how many layers torch.compile wraps (and, on a 1-rank run, the plain
+    transformers reference too)."""
     import torch.distributed as dist
 
     from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
@@ -873,13 +923,16 @@ def _parity_run(root: str, steps: int, sharding: str = "full",
     if dist.get_rank() == 0:
         write_tiny_model(path, spec)
     dist.barrier()
-    run = start_run(path, {"micro_batch_size": 2}, vocab=spec.vocab_size,
-                    sharding=sharding, shard_group_size=shard_group_size).steps(steps)
+    run = start_run(path, {"micro_batch_size": 2}, vocab=spec.vocab_size, sharding=sharding,
+                    shard_group_size=shard_group_size, compile=compile_layers).steps(steps)
     weights = full_weights(run.trainer.module)
     if dist.get_rank():
         return None
+    compiled = sum(getattr(layer, "_compiled_call_impl", None) is not None
+                   for layer in run.trainer.module.model.layers)
     out = dict(losses=run.losses, grad_norms=run.grad_norms, weights=weights,
-               module=type(run.trainer.module).__name__)
+               module=type(run.trainer.module).__name__, compiled=compiled,
+               layers=len(run.trainer.module.model.layers))
     if dist.get_world_size() == 1:
         out["plain"] = plain_training(path, steps, spec.vocab_size)
     return _to_numpy(out)
@@ -893,31 +946,35 @@ def _to_numpy(x):
     return x.numpy() if isinstance(x, torch.Tensor) else x
 
 
-def _parity_runs(root: str, steps: int, layouts: list[tuple[str, int]]) -> list[dict | None]:
-    """`_parity_run` for each (sharding, shard_group_size), one after another on these
-    ranks (a launch costs seconds, a layout's 3 steps a fraction of one)."""
-    return [_parity_run(root, steps, sharding, size) for sharding, size in layouts]
+def _parity_runs(root: str, steps: int,
+                 layouts: list[tuple[str, int, bool]]) -> list[dict | None]:
+    """`_parity_run` for each (sharding, shard_group_size, compile), one after another
+    on these ranks (a launch costs seconds, a layout's 3 steps a fraction of one)."""
+    return [_parity_run(root, steps, *layout) for layout in layouts]
 
 
-# world -> the layouts run on that many ranks (sharding, shard_group_size)
-PARITY_LAYOUTS = {1: [("full", 0), ("replicate", 0)],
-                  2: [("full", 0), ("grad_op", 0), ("replicate", 0)],
-                  4: [("full", 0), ("hybrid", 2)]}
+# world -> the layouts run on that many ranks (sharding, shard_group_size, train.compile)
+PARITY_LAYOUTS = {1: [("full", 0, False), ("replicate", 0, False), ("full", 0, True)],
+                  2: [("full", 0, False), ("grad_op", 0, False), ("replicate", 0, False)],
+                  4: [("full", 0, False), ("hybrid", 2, False)]}
 
 
 @pytest.mark.slow
 def test_one_two_four_ranks_match_a_plain_model(tmp_path):
     """FSDP2 over 1, 2 and 4 ranks, and every other layout (grad_op and replicate on 2
-    ranks, hybrid as 2 shard groups of 2 on 4), vs a plain transformers model in one
-    process (the 1-rank run is FSDP2 over a 1-rank mesh; the reference is not FSDP).
+    ranks, hybrid as 2 shard groups of 2 on 4, train.compile on 1), vs a plain
+    transformers model in one process (the 1-rank run is FSDP2 over a 1-rank mesh; the reference is not FSDP).
     One launch per world size runs its layouts in turn."""
     runs = {}
     for world, layouts in PARITY_LAYOUTS.items():
-        outs = run_ranks(_parity_runs, world, str(tmp_path), 3, layouts, timeout=240)[0]
-        runs.update({f"{world} {name}": out for (name, _), out in zip(layouts, outs)})
-    assert len(runs) == 7
+        outs = run_ranks(_parity_runs, world, str(tmp_path), 3, layouts, timeout=300)[0]
+        runs.update({f"{world} {name}{' compiled' * compiled}": out
+                     for (name, _, compiled), out in zip(layouts, outs)})
+    assert len(runs) == 8
     # One rank, replicate: the plain module (no DDP wrapper), the same training.
     assert runs["1 replicate"]["module"] == "Qwen2ForCausalLM"
+    # train.compile: every decoder layer compiled, the same training as eager.
+    assert [r["compiled"] for r in runs.values()] == [0, 0, runs["1 full"]["layers"], 0, 0, 0, 0, 0]
     plain = runs["1 full"]["plain"]
     assert plain["losses"][-1] < plain["losses"][0]
     for w, r in runs.items():
