@@ -132,6 +132,7 @@ def _overrides(args: argparse.Namespace, world: int) -> dict:
         "rollout.max_tokens": args.max_tokens,
         "rollout.max_model_len": _max_model_len(args),
         "memory.kv_cache_gib": args.kv_bytes / 2**30,
+        "memory.release": "true",  # colocated: through a KV release and regrow, as measured
         "rollout.enforce_eager": args.eager,
         # One real optimizer step (grads + AdamW state allocated, sync re-packs),
         # but a step too small to move the fp32 weights: both kinds of job then

@@ -21,12 +21,17 @@ the ranks one copy is sharded over: M full/grad_op, 1 replicate):
                                 (full: the root group and two layers)
     whole grad  P m             gradients accumulated unsharded over the
                                 step's micro-batches (full: one layer's)
-    activations one micro-batch: tokens x L x (10 h + 4 I) x c (activation
-                checkpointing: tokens x L x h x c + one layer), plus a
-                logits chunk (tokens x vocab x 4 bytes x 3)
+    activations one micro-batch (at most a rank's sequences at max_model_len):
+                tokens x L x (10 h + 4 I) x c (activation checkpointing:
+                tokens x L x h x c + one layer), plus the fused vocabulary
+                step's backward (chunk x vocab x (8 + c))
     resident    colocated: the engine's weights (P / T in the rollout dtype)
                 and, on CPU unless memory.release=true, its KV cache (on GPU
                 the engine sizes its KV cache from what the trainer leaves)
+
+The first training phase adds states - parameters + gathered + whole grad
+(replicate: none beyond the states) + activations: memory.release=auto's
+estimate before it has measured anything (`first_phase_estimate`).
 
 The budget is `memory.budget` x RAM / ranks on this machine (GPU:
 x the device's memory), the smallest over the ranks (every rank decides
@@ -49,8 +54,8 @@ from hybrid_engine.reshard.layouts import ModelDims, hf_shapes, model_dims
 if TYPE_CHECKING:
     from hybrid_engine.config import RunConfig, TrainConfig
 
-__all__ = ["LayoutEstimate", "budget_bytes", "check_shard_group", "choose", "estimate", "model_dims_at", "resolve_train_config",
-           "shard_group_size"]
+__all__ = ["LayoutEstimate", "budget_bytes", "check_shard_group", "choose", "estimate",
+           "first_phase_estimate", "model_dims_at", "resolve_train_config", "shard_group_size"]
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +74,19 @@ class LayoutEstimate:
     whole_grad: int
     activations: int
     resident: int
+    params: int = 0  # of states: what the built trainer holds before its first step
 
     @property
     def total(self) -> int:
         return self.states + self.gathered + self.whole_grad + self.activations + self.resident
+
+    @property
+    def first_phase_growth(self) -> int:
+        """What the first training phase adds to the built trainer: the rest of its
+        states (gradients, AdamW's moments), gathered copies and activations
+        (replicate's whole gradients are its states' gradients: counted once)."""
+        whole = 0 if self.sharding == "replicate" else self.whole_grad
+        return self.states - self.params + self.gathered + whole + self.activations
 
     def describe(self) -> str:
         parts = (f"{self.states / _GIB:.2f} states + {self.gathered / _GIB:.2f} gathered + "
@@ -99,7 +113,9 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
     else:
         gathered, whole = p * c, p * m
     t = cfg.train
-    tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * cfg.rollout.max_model_len
+    rows = -(-t.prompts_per_step * cfg.rollout.num_samples_per_prompt // trainers)  # per rank
+    tokens = min(t.max_tokens_per_micro_batch or t.micro_batch_size * cfg.rollout.max_model_len,
+                 rows * cfg.rollout.max_model_len)  # a micro-batch holds at most a rank's rows
     per_layer = 10 * dims.hidden + 4 * dims.intermediate
     if t.activation_checkpointing:
         act = tokens * (dims.num_layers * dims.hidden + per_layer) * c
@@ -113,11 +129,11 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
         weights = p * _ITEMSIZE[cfg.model.rollout_dtype] // cfg.rollout.tensor_parallel_size
         kv = 0 if cuda or release else int(cfg.memory.kv_cache_gib * _GIB)
         resident = (0 if cuda and release else weights) + kv
-    states = 4 * p * m // size
+    states, params = 4 * p * m // size, p * m // size
     if cfg.model.lora_rank:  # the frozen base in c, the adapters' states and gradients in m
         a = _adapter_numel(shapes, cfg.model.lora_rank, cfg.model.lora_target_modules)
-        states, whole = (p * c + 4 * a * m) // size, a * m
-    return LayoutEstimate(sharding, size, states, gathered, whole, act, resident)
+        states, whole, params = (p * c + 4 * a * m) // size, a * m, (p * c + a * m) // size
+    return LayoutEstimate(sharding, size, states, gathered, whole, act, resident, params)
 
 
 def _adapter_numel(shapes: dict[str, tuple[int, int]], rank: int, targets: tuple[str, ...]) -> int:
@@ -147,6 +163,16 @@ def choose(dims: ModelDims, cfg: RunConfig, trainers: int, budget: int, *, coloc
             return e, why + (f" ({skipped})" if skipped else "")
     return ests[-1], (f"nothing fits the budget of {budget / _GIB:.2f} GiB per rank "
                       f"({ests[-1].describe()}); full needs the least")
+
+
+def first_phase_estimate(cfg: RunConfig, train: TrainConfig, dims: ModelDims, trainers: int, *,
+                         cuda: bool) -> int:
+    """Bytes the first training phase adds on a colocated rank under the resolved
+    layout `train` (`LayoutEstimate.first_phase_growth`): memory.release=auto's
+    decision before anything is measured."""
+    est = estimate(train.sharding, dims, replace(cfg, train=train), trainers, colocated=True,
+                   cuda=cuda, shard_group_size=train.shard_group_size)
+    return est.first_phase_growth
 
 
 def model_dims_at(model_path: str) -> ModelDims:

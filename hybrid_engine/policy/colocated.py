@@ -67,6 +67,7 @@ from hybrid_engine.parallel.dist import all_groups, init_distributed, set_collec
 from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_path
 from hybrid_engine.parallel.offload import OptimizerOffload
 from hybrid_engine.parallel.sharding import (
+    first_phase_estimate,
     model_dims_at,
     resolve_train_config,
     shard_group_size,
@@ -138,6 +139,17 @@ class DriftScorer:
             t.engine_logp = lps
 
 
+def _release_policy(cfg: RunConfig, trainer: Trainer, model_path: str) -> ReleasePolicy:
+    """memory.release per training phase; before the first is measured, its growth
+    is estimated from the trainer's resolved layout."""
+    world = dist.get_world_size()
+    first = first_phase_estimate(cfg, trainer.train_cfg, model_dims_at(model_path), world,
+                                 cuda=trainer.device.type == "cuda")
+    return ReleasePolicy(cfg.memory.release, budget=cfg.memory.budget,
+                         local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                         device=trainer.device, first_estimate=first)
+
+
 class HybridActor:
     """The policy in both layouts on this process's device; see the module docstring.
 
@@ -203,11 +215,8 @@ class HybridActor:
         # Trajectories sampled with the engine's current weights (id -> itself): the
         # drift scorer's free part of the split; a sync empties it.
         self.fresh: dict[int, Trajectory] = {}
-        self.phases = Phases(self.rollout, self._install_weights,
-                             self.offload, release=ReleasePolicy(
-                                 cfg.memory.release, budget=cfg.memory.budget,
-                                 local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-                                 device=self.trainer.device))
+        self.phases = Phases(self.rollout, self._install_weights, self.offload,
+                             release=_release_policy(cfg, self.trainer, self.model_path))
         if cfg.model.master_dtype != "float32":
             # vLLM loaded the file itself; the trainer holds it rounded to the master
             # dtype. The first generate syncs, so step 0 samples the trainer's weights.

@@ -12,12 +12,15 @@ so the engine releases only when the trainer would not fit beside it:
   CPU: the peak RSS (VmHWM, reset through /proc/self/clear_refs at the phase
   start) minus the RSS at its end; GPU: max_memory_allocated minus
   memory_allocated, the peak reset at the phase start. The largest seen so far.
+  Before the first phase it is the layout's estimate of what that phase adds,
+  the AdamW state included (`sharding.first_phase_estimate`), when the caller
+  gives one.
 - free, read before each training phase with the engine resident:
   CPU: `memory.budget` x RAM minus what the machine uses now, shared
   by this machine's ranks; GPU: `mem_get_info` plus the allocator's cached,
   unused bytes.
 
-Before anything is measured (the first training phase) the engine releases.
+With neither a measurement nor an estimate, the engine releases.
 The decision is collective (one all-reduce: every rank releases or none
 does) and logged at INFO whenever it changes. `true` / `false` always / never
 release, with no collective.
@@ -68,6 +71,8 @@ class ReleasePolicy:
 
     Args:
         mode: "auto", "true" or "false".
+        first_estimate: bytes the first training phase is expected to add (None:
+            release in it).
         budget: memory.budget (CPU: the fraction of RAM the job may use).
         local_ranks: this machine's ranks (they share its RAM).
         device: the trainer's device (cuda: GPU accounting, else CPU).
@@ -79,13 +84,15 @@ class ReleasePolicy:
     """
 
     def __init__(self, mode: str | bool, *, budget: float = 0.9, local_ranks: int = 1,
-                 device: torch.device | None = None, group: ProcessGroup | None = None) -> None:
+                 device: torch.device | None = None, group: ProcessGroup | None = None,
+                 first_estimate: int | None = None) -> None:
         mode = str(mode).lower() if isinstance(mode, bool) else mode
         if mode not in ("auto", "true", "false"):
             raise ValueError(f"memory.release must be 'auto', 'true' or 'false', got {mode!r}")
         self.mode, self.budget, self.local_ranks, self.group = mode, budget, local_ranks, group
         self.cuda = device is not None and device.type == "cuda"
         self.trainer_peak: int | None = None
+        self.first_estimate = first_estimate
         self.releasing: bool | None = None
         self._measuring = False
 
@@ -94,7 +101,9 @@ class ReleasePolicy:
         if self.mode != "auto":
             return self.mode == "true"
         free = self._free_bytes()
-        local = needs_release(self.trainer_peak, free)
+        measured = self.trainer_peak is not None
+        need = self.trainer_peak if measured else self.first_estimate
+        local = needs_release(need, free)
         flag = torch.tensor([int(local)])
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             if dist.get_backend(self.group) == "nccl":  # NCCL reduces device tensors only
@@ -102,12 +111,14 @@ class ReleasePolicy:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         release = bool(flag.item())
         if release != self.releasing:
-            peak = "not measured yet" if self.trainer_peak is None else \
-                f"{self.trainer_peak / 2**20:.0f} MiB"
-            log.info("memory.release=auto: %s (trainer peak on this rank %s; %.0f MiB "
+            what = ("unknown" if need is None else
+                    f"{need / 2**20:.0f} MiB above what it keeps, measured on this rank"
+                    if measured else f"{need / 2**20:.0f} MiB with its optimizer state, "
+                    "estimated from the layout")
+            log.info("memory.release=auto: %s (the training phase's growth: %s; %.0f MiB "
                      "free %s)", "the engine releases its memory for training" if release
                      else "the engine stays resident in training: the trainer fits beside it",
-                     peak, free / 2**20, "on the GPU" if self.cuda else
+                     what, free / 2**20, "on the GPU" if self.cuda else
                      f"in this rank's share of {self.budget:g} x RAM")
         self.releasing = release
         return release

@@ -53,6 +53,23 @@ def test_the_estimate_counts_what_each_layout_holds() -> None:
     assert ckpt.activations < full.activations
 
 
+def test_the_first_phase_adds_the_states_the_built_trainer_lacks() -> None:
+    """memory.release=auto's estimate before anything is measured: gradients and AdamW's
+    moments (the parameters exist already), gathered copies, whole gradients where
+    they are more than the states' (not under replicate) and activations."""
+    cfg = w1()
+    full, rep = (estimate(s, DIMS, cfg, 2, colocated=True, cuda=False)
+                 for s in ("full", "replicate"))
+    assert rep.params == P * 4 and full.params == P * 4 // 2
+    assert rep.first_phase_growth == 3 * P * 4 + P * 4 + rep.activations
+    assert full.first_phase_growth == (3 * P * 4 // 2 + full.gathered + full.whole_grad
+                                       + full.activations)
+    lora = estimate("replicate", DIMS, w1(**{"model.lora_rank": 8}), 2, colocated=True,
+                    cuda=False)
+    assert lora.first_phase_growth == lora.states - lora.params + lora.gathered + lora.activations
+    assert lora.first_phase_growth < rep.first_phase_growth - 2 * P * 4
+
+
 def test_lora_counts_a_frozen_base_and_the_adapters_states() -> None:
     """model.lora_rank: the base in compute dtype with no gradient or AdamW state,
     the adapters (r (in + out) per targeted weight) with all of theirs."""
