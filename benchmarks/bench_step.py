@@ -68,7 +68,7 @@ ONE profiled step (left out of every timing).
   counted) + 6 x lm_head parameters x loss tokens (the vocabulary projection
   only runs on completion positions); the trainer runs nothing else in the
   train phase (on-policy GRPO: no old/reference log-prob forward; the
-  checkpointed logits recompute is not a model FLOP). Attention score FLOPs
+  fused vocabulary step's recompute is not a model FLOP). Attention score FLOPs
   are left out: at these lengths (< 64 positions) they are < 1% (s / 12H).
   matmul_peak_flops: best of 5 GEMMs 2048^3 in the training compute dtype,
   measured per config in a separate process after its jobs (nothing else of

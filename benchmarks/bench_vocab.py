@@ -7,8 +7,7 @@ metric's sample, every 16th token) in float32, and the backward to h and W.
 Two implementations, each with chunks of C tokens:
 
 - autograd: each chunk through `torch.utils.checkpoint`, the logits, softmax
-  and entropy written as plain torch ops (the train step's path until the
-  fused one; the way most trainers chunk today);
+  and entropy written as plain torch ops (the way most trainers chunk);
 - fused: `hybrid_engine.roles.vocab_projection.vocab_logprobs`, which saves
   only h, W and two floats per token and recomputes each chunk in a
   hand-written backward.
