@@ -130,10 +130,16 @@ def dropout_active(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The base model's forward: every adapter bypassed inside the block."""
+    """The base model's forward: every adapter bypassed inside the block. What
+    trains stays as it was: PEFT's switch also freezes the adapters, and a
+    replicated (DDP) model whose first forward saw nothing trainable would refuse
+    to build its gradient buckets."""
     layers = [layer for _, layer in lora_modules(model)]
+    trainable = [(p, p.requires_grad) for layer in layers for p in layer.parameters()]
     for layer in layers:
         layer.enable_adapters(False)
+    for p, flag in trainable:
+        p.requires_grad_(flag)
     try:
         yield
     finally:
