@@ -9,7 +9,8 @@ after job (--jobs of each), the same model, prompts, sampling and seeds:
 - adapter: sync.lora=adapter: only the adapter elements each rank lacks move,
   and vLLM's LoRA kernels add them in every forward.
 
-Each job is the colocated hybrid actor as shipped (`make_policy`): WARMUP
+Each job is the colocated hybrid actor as shipped (`make_policy`), training
+with FSDP2 full sharding (so the sync moves what each rank lacks): WARMUP
 unmeasured steps (the first releases the KV cache, the second regrows it),
 then --repeats measured steps of generate (P prompts x K samples) -> train ->
 sync. Per step: generation tokens/s (the replicas' sampled tokens
@@ -78,7 +79,9 @@ def _config(args: argparse.Namespace, mode: str, model: str):  # noqa: ANN202
         "model.path": model, "rollout.tensor_parallel_size": args.tp or args.nproc,
         "rollout.max_tokens": args.max_tokens, "rollout.max_model_len": args.max_tokens + 64,
         "rollout.enforce_eager": True, "memory.kv_cache_gib": 0.5,
-        "train.micro_batch_size": 8, "train.lr": 1e-5, **lora})
+        "train.micro_batch_size": 8, "train.lr": 1e-5,
+        # sharded training, the sync's general case (replicated, nothing would move)
+        "train.sharding": "full", **lora})
 
 
 def _rank_job(args: argparse.Namespace) -> None:

@@ -9,7 +9,7 @@ order), the same model, prompts, sampling and seeds:
 - resident: the naive colocation: trainer and engine both stay resident
   (`memory.release=false`);
 - separate: `placement=separate` on the same N ranks: the first N/2 only
-  train (FSDP2 over N/2), the last N/2 only roll out (vLLM, T = N/2 unless
+  train (in the layout train.sharding=auto picks), the last N/2 only roll out (vLLM, T = N/2 unless
   --tp); reported for the trainer ranks and the rollout ranks apart.
 
 Each rank runs warmup steps, then one measured step of generate -> score (the

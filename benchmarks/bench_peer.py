@@ -16,7 +16,8 @@ Variants (`--variants`, any subset, run in this order within each round):
   forward per step), one vLLM engine per rank (TP 1, TRL's default);
 - trl_fast: the peer with what we use ourselves: bf16 autocast, no extra
   forward, each rank's sequences in one micro-batch;
-- ours: bench_step's defaults (FSDP2 full sharding, fp32, micro-batches of 4);
+- ours: the project's defaults, as bench_step runs them (bf16 compute over fp32
+  master weights, train.sharding=auto, packed micro-batches of 4 rows);
 - ours_fast: train.sharding=replicate (DDP), model.compute_dtype=bfloat16, one
   micro-batch (train.max_tokens_per_micro_batch=4096).
 

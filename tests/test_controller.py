@@ -307,6 +307,7 @@ def _config(model_dir: str, out_dir: str, overrides: dict):
         "rollout.num_samples_per_prompt": 4, "rollout.max_tokens": 8, "train.num_steps": 2,
         "train.prompts_per_step": 4, "train.lr": 1e-3, "checkpoint_every": 0,
         "eval.num_prompts": 4, "memory.emulate_gpu_sleep": True,
+        "model.compute_dtype": "float32",  # with the recipe's fp32 rollout: the same policy
         "memory.release": "true",  # every phase: the emulation acts every step
     }
     return apply_overrides(get_recipe("tiny_grpo_debug"), {**base, **overrides})
@@ -320,11 +321,14 @@ def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False
     _register_digits()
     job = Job(_config(model_dir, out_dir, overrides), resume=resume, progress=False)
     try:
-        before = {n: p.to_local().detach().clone()
+        def local(p):  # noqa: ANN001, ANN202  (a shard, or a replica's whole tensor)
+            return p.to_local() if hasattr(p, "to_local") else p
+
+        before = {n: local(p).detach().clone()
                   for n, p in job.actor.trainer.state_dict_shards().items()}
         summary = job.run()
         after = job.actor.trainer.state_dict_shards()
-        changed = max(float((after[n].to_local() - before[n]).abs().max()) for n in before)
+        changed = max(float((local(after[n]) - before[n]).abs().max()) for n in before)
         summary["max_weight_change"] = changed
         summary["critic"] = job.critic is not None
         summary["reference"] = any(type(getattr(s, "role", s)).__name__ == "ReferenceScorer"

@@ -87,15 +87,16 @@ def build_config(
 
 @recipe
 def tiny_grpo_debug() -> RunConfig:
-    """Smallest end-to-end run: tiny Qwen2 on 2 CPU ranks, fp32, a few steps.
+    """Smallest end-to-end run: tiny Qwen2 on 2 CPU ranks, a few steps.
 
-    TP 2 over 2 ranks exercises the cross-rank reshard path; fp32 everywhere
-    keeps vLLM and trainer logprobs within ~1e-6 so tests can be strict.
+    TP 2 over 2 ranks exercises the cross-rank reshard path. The project's
+    training defaults (bf16 compute over fp32 master weights, sharding=auto,
+    packing); fp32 vLLM weights so the sync's check compares them exactly.
     Prompts are raw text: a completion task for a base-style model.
     Launch with `torchrun --standalone --nproc-per-node=2`.
     """
     return RunConfig(
-        model=ModelConfig(path=TINY_MODEL_PATH, compute_dtype="float32", rollout_dtype="float32"),
+        model=ModelConfig(path=TINY_MODEL_PATH, rollout_dtype="float32"),
         rollout=RolloutConfig(
             tensor_parallel_size=2,
             num_samples_per_prompt=4,

@@ -172,13 +172,13 @@ class TrainConfig:
         False, "Recompute decoder-layer activations in backward to save memory."
     )
     packing: bool = _field(
-        False, "Pack each micro-batch's sequences into as few rows of its width as fit (position "
+        True, "Pack each micro-batch's sequences into as few rows of its width as fit (position "
         "ids restart per sequence, attention masked to it): no compute on padding.")
     compile: bool = _field(
         False, "torch.compile each decoder layer (inductor): one static graph for the first "
         "shape, one dynamic graph for every other length, compiled in the first steps.")
     sharding: Literal["full", "grad_op", "replicate", "hybrid", "auto"] = _field(
-        "full", "Training layout over the data-parallel ranks: FSDP2 'full' / 'grad_op', DDP "
+        "auto", "Training layout over the data-parallel ranks: FSDP2 'full' / 'grad_op', DDP "
         "'replicate', HSDP 'hybrid', or 'auto' (the first that fits memory.budget).")
     cpu_shm_allreduce: bool = _field(
         True, "sharding='replicate' on one CPU host: average gradients through vLLM-CPU's "

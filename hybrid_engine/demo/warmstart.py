@@ -335,8 +335,11 @@ def _train_and_export(base: Path, out: Path, cfg: WarmStartConfig) -> None:
     env = cfg.make_env(AutoTokenizer.from_pretrained(base))
     trainer = Trainer(
         str(base),
+        # FSDP2 full sharding and padded micro-batches, as when the quoted warm start
+        # was made (another layout sums in another order: another warm start).
         TrainConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
-                    lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip, num_steps=cfg.steps),
+                    lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip, num_steps=cfg.steps,
+                    sharding="full", packing=False),
         ModelConfig(master_dtype="float32", compute_dtype=cfg.compute_dtype),
         # torch's AdamW loop, as when the quoted demo's warm start was made: the
         # fused kernel rounds differently, and 600 steps turn that into another

@@ -52,10 +52,13 @@ import torch.distributed as dist
 from hybrid_engine.reshard.layouts import ModelDims, hf_shapes, model_dims
 
 if TYPE_CHECKING:
-    from hybrid_engine.config import RunConfig, TrainConfig
+    from torch.distributed import ProcessGroup
+
+    from hybrid_engine.config import ModelConfig, RunConfig, TrainConfig
 
 __all__ = ["LayoutEstimate", "budget_bytes", "check_shard_group", "choose", "estimate",
-           "first_phase_estimate", "model_dims_at", "resolve_train_config", "shard_group_size"]
+           "first_phase_estimate", "model_dims_at", "resolve_alone", "resolve_train_config",
+           "shard_group_size"]
 
 log = logging.getLogger(__name__)
 
@@ -208,12 +211,13 @@ def check_shard_group(cfg: TrainConfig, trainers: int) -> None:
 
 
 def resolve_train_config(cfg: RunConfig, dims: ModelDims, trainers: int, *, colocated: bool,
-                         device: torch.device, budget: int | None = None) -> TrainConfig:
+                         device: torch.device, budget: int | None = None,
+                         group: ProcessGroup | None = None) -> TrainConfig:
     """cfg.train with a concrete sharding (and shard_group_size) for `trainers` ranks.
 
-    Collective for sharding=auto with torch.distributed up (every rank of the
-    default group calls it: the smallest budget decides). budget overrides the
-    machine's (bytes per rank; tests).
+    Collective for sharding=auto with torch.distributed up (every rank of `group`,
+    None = the default group, calls it: the smallest budget decides). budget
+    overrides the machine's (bytes per rank; tests).
 
     Raises:
         ValueError: shard_group_size does not fit the trainer ranks.
@@ -226,14 +230,26 @@ def resolve_train_config(cfg: RunConfig, dims: ModelDims, trainers: int, *, colo
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()
                                    if dist.is_initialized() else 1))
         budget = budget_bytes(cfg.memory.budget, device, local)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
             box = torch.tensor([budget], dtype=torch.int64,
                                device=device if device.type == "cuda" else "cpu")
-            dist.all_reduce(box, op=dist.ReduceOp.MIN)
+            dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group)
             budget = int(box.item())
     est, why = choose(dims, cfg, trainers, budget, colocated=colocated,
                       cuda=device.type == "cuda")
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank(group) == 0:
         log.info("train.sharding=auto chose %s: %s", est.sharding, why)
     size = est.shard_group_size if est.sharding == "hybrid" else 0
     return replace(t, sharding=est.sharding, shard_group_size=size)
+
+
+def resolve_alone(model_path: str, train: TrainConfig, model: ModelConfig, group: ProcessGroup,
+                  device: torch.device) -> TrainConfig:
+    """`train` with sharding=auto resolved for a trainer built on its own (no engine
+    on its devices), over the ranks of `group`, at the default memory.budget
+    (collective over `group`)."""
+    from hybrid_engine.config import RunConfig
+
+    cfg = RunConfig(model=replace(model, path=model_path), train=train)
+    return resolve_train_config(cfg, model_dims_at(model_path), dist.get_world_size(group),
+                                colocated=False, device=device, group=group)

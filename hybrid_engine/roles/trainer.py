@@ -51,6 +51,7 @@ from hybrid_engine.parallel import replicas
 from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh
 from hybrid_engine.parallel.lora import dropout_active
 from hybrid_engine.parallel.params import assert_sharded, reshard_all, sharded_named_parameters
+from hybrid_engine.parallel.sharding import resolve_alone
 from hybrid_engine.roles.logprobs import (ENTROPY_METRIC_EVERY, batch_logprobs, comm_device,
                                           micro_batch_logprobs, num_micro_batches)
 from hybrid_engine.roles.profile import OPTIMIZER_RANGE, maybe_profile
@@ -212,7 +213,9 @@ class Trainer:
 
         Args:
             model_path: HF folder or id (usually model_cfg.path).
-            train_cfg: optimizer, schedule, clipping, activation checkpointing.
+            train_cfg: optimizer, schedule, clipping, activation checkpointing,
+                the layout (sharding='auto': resolved here over the mesh's ranks, as
+                for a trainer with no engine beside it).
             model_cfg: master_dtype (parameters, optimizer, gradient reduction)
                 and compute_dtype (forward/backward).
             mesh: 1-D data-parallel mesh; None = the whole default group.
@@ -224,17 +227,17 @@ class Trainer:
         if logits_chunk_tokens < 1 or temperature <= 0:
             raise ValueError(f"need logits_chunk_tokens >= 1 and temperature > 0, got "
                              f"{logits_chunk_tokens}, {temperature}")
-        if train_cfg.sharding == "auto":
-            raise ValueError("train.sharding='auto' must be resolved before the trainer is "
-                             "built (hybrid_engine.parallel.sharding.resolve_train_config)")
+        self.mesh = mesh if mesh is not None else dp_mesh()
+        self.device = comm_device(self.mesh)
+        if train_cfg.sharding == "auto":  # built on its own: the layout that fits
+            train_cfg = resolve_alone(model_path, train_cfg, model_cfg, self.mesh.get_group(),
+                                      self.device)
         self.train_cfg, self.model_path = train_cfg, model_path
         self.lora = model_cfg.lora_rank > 0  # adapters on a frozen base (`parallel/lora.py`)
         # Called right before the optimizer writes the weights (forward and backward
         # only read them): separate placement's sync behind the next step waits there.
         self.before_weights_change: Callable[[], None] | None = None
         self.chunk_tokens, self.temperature = logits_chunk_tokens, temperature
-        self.mesh = mesh if mesh is not None else dp_mesh()
-        self.device = comm_device(self.mesh)
         self.module, self.load_stats = build_fsdp_model(
             model_path, self.mesh, master_dtype=model_cfg.master_dtype,
             compute_dtype=model_cfg.compute_dtype,

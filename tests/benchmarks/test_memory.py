@@ -73,8 +73,9 @@ def test_bench_memory_quick(tmp_path) -> None:
         assert phases[(train, ph)]["kv_cache_bytes"] == 0 == phases[(train, ph)]["engine_weights_bytes"]
         assert phases[(rollout, ph)]["kv_cache_bytes"] == kv[rollout]
         assert phases[(rollout, ph)]["trainer_params_bytes"] == 0
-    # One trainer rank holds the whole model's shards: twice a colocated rank's.
-    assert phases[(train, "train")]["trainer_params_bytes"] == 2 * phases[("colocated", "train")][
-        "trainer_params_bytes"]
+    # The tiny model fits every rank whole (train.sharding=auto picks replicate): the
+    # lone trainer rank of separate holds what a colocated rank holds.
+    assert phases[(train, "train")]["trainer_params_bytes"] == phases[("colocated", "train")][
+        "trainer_params_bytes"] == 4 * sum(math.prod(s) for s in hf_param_shapes(PRESETS["tiny"]).values())
     assert list(tmp_path.glob("memory_*.png")) and list(tmp_path.glob("memory_*.md"))
     assert "whole-step peak RSS/rank MB" in next(tmp_path.glob("memory_*.md")).read_text()

@@ -135,7 +135,7 @@ def test_every_old_key_still_works_with_a_one_line_notice(monkeypatch, caplog):
 def test_describe_shows_the_given_configs_values():
     rows = dict((k, v) for k, v, _ in describe(get_recipe("tiny_grpo_debug")))
     assert rows["rollout.max_tokens"] == "16"
-    assert rows["model.compute_dtype"] == "'float32'"
+    assert rows["model.rollout_dtype"] == "'float32'"  # the recipe's, not the default
 
 
 def test_no_required_field_defaults_to_none():

@@ -17,13 +17,13 @@ VARYING = ("_s", "mem_", "sync_", "tok_s", "mismatch_drift", "mismatch_numerics"
 
 
 def train(model: Path, reward: Path, out: Path, nproc: int, *extra: str):  # noqa: ANN201
-    """3 steps of tiny_grpo_debug (8 new tokens, eval at steps 0 and 3, checkpoint at 2),
-    the engine released every step with GPU sleep emulated, plus extra."""
+    """3 steps of tiny_grpo_debug in fp32 (8 new tokens, eval at steps 0 and 3,
+    checkpoint at 2), the engine released every step with GPU sleep emulated, plus extra."""
     return run_job(
         ["train", "--recipe=tiny_grpo_debug", "--no-progress",
          f"--model.path={model}", f"--output_dir={out}", "--eval.num_prompts=4",
          "--rollout.max_tokens=8", "--train.num_steps=3", "--eval.every=3",
-         "--eval.at_start=true",
+         "--eval.at_start=true", "--model.compute_dtype=float32",
          "--checkpoint_every=2", f"--env.reward_fn={reward}:reward",
          # Colocated twins release every step: emulate GPU sleep (weights lost) there too.
          "--memory.emulate_gpu_sleep=true", "--memory.release=true", *extra],

@@ -216,6 +216,7 @@ def test_emulated_sleep_catches_a_forgotten_invalidation(tmp_path) -> None:
 def _bf16_master_case(model_dir: str) -> dict:
     import torch
 
+    from hybrid_engine.parallel.params import full_tensor
     from hybrid_engine.policy.colocated import HybridActor
 
     actor = HybridActor.from_pretrained(model_dir, overrides={
@@ -226,7 +227,7 @@ def _bf16_master_case(model_dir: str) -> dict:
         actor.generate(PROMPTS, num_samples=1)  # step 0's rollout
         name = "model.embed_tokens.weight"
         engine = dict(actor.rollout._model().named_parameters())[name]
-        trainer = dict(actor.trainer.state_dict_shards())[name].full_tensor()
+        trainer = full_tensor(dict(actor.trainer.state_dict_shards())[name])
         rows = min(engine.shape[0], trainer.shape[0])
         return {"equal": torch.equal(engine[:rows].float(), trainer[:rows].float())}
     finally:

@@ -40,10 +40,13 @@ def test_lora_with_adapter_sync_trains_checkpoints_and_exports_the_adapter(
     assert first[1]["kl"] == 0  # the adapters start at B = 0: the policy is the base
     assert any(r["kl"] > 0 for r in trained[1:])  # then the reference stays the base
     # fp32: every verified sync installed the adapters, whose model the engine samples
-    # (its weights kept through every release), and only adapter bytes moved.
+    # (its weights kept through every release), and only adapter bytes moved: none, as
+    # train.sharding=auto replicates (the reference, the base under the trainer's own
+    # adapters, scores before any training forward builds DDP's buckets).
+    assert "train.sharding=auto chose replicate" in proc.stdout
     assert all(r["mismatch_abs_max"] < 1e-4 for r in first[1:])
     dims = model_dims(AutoConfig.from_pretrained(model_dir))
-    least = 4 * min_elements(dims, LoraDims(4, LORA_TARGETS), 2, 2, 2, 0)  # fp32, TP 2, full
+    least = 4 * min_elements(dims, LoraDims(4, LORA_TARGETS), 2, 2, 1, 0)  # fp32, TP 2, replicas
     assert [r["sync_bytes_received"] for r in trained] == [least] * len(trained)
     (step, ckpt), = step_checkpoints(out / "checkpoints")
     saved = dcp.FileSystemReader(ckpt / "dcp").read_metadata().state_dict_metadata

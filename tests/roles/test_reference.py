@@ -31,7 +31,8 @@ def _reference_checks(root: str) -> dict:
         write_tiny_model(root, TinyModelSpec(arch="qwen2", vocab_size=VOCAB))
     dist.barrier()
     model_cfg = ModelConfig(compute_dtype="float32")
-    trainer = Trainer(root, TrainConfig(lr=1e-3), model_cfg, logits_chunk_tokens=CHUNK)
+    trainer = Trainer(root, TrainConfig(lr=1e-3, sharding="full"), model_cfg,
+                      logits_chunk_tokens=CHUNK)
     reference = Reference(root, model_cfg, logits_chunk_tokens=CHUNK)
     batch = rank_batch(make_trajs(8, VOCAB))
     initial = trainer.compute_logprobs(batch)[0]

@@ -109,12 +109,14 @@ class Run:
 
 def start_run(path: str, batch_kw: dict, *, vocab: int, num_seqs: int = 8,
               compute_dtype: str = "float32", model_kw: dict | None = None, **train_kw) -> Run:
-    """Builds a Trainer (AdamW lr LR, clip 1.0, PPO clip-higher; model_kw: more
+    """Builds a Trainer (AdamW lr LR, clip 1.0, PPO clip-higher, FSDP2 full sharding
+    and padded micro-batches unless train_kw says otherwise; model_kw: more
     ModelConfig fields) and this rank's batch."""
     from hybrid_engine.algorithms import policy_loss_fn
     from hybrid_engine.config import AlgorithmConfig, ModelConfig, TrainConfig
     from hybrid_engine.roles.trainer import Trainer
 
+    train_kw = {"sharding": "full", "packing": False, **train_kw}
     trainer = Trainer(path, TrainConfig(lr=LR, grad_clip=1.0, **train_kw),
                       ModelConfig(compute_dtype=compute_dtype, **(model_kw or {})),
                       logits_chunk_tokens=CHUNK)
@@ -284,7 +286,7 @@ def _check_logprobs(path: str, vocab: int, temperature: float) -> dict:
     from hybrid_engine.config import ModelConfig, TrainConfig
     from hybrid_engine.roles.trainer import Trainer
 
-    trainer = Trainer(path, TrainConfig(), ModelConfig(compute_dtype="float32"),
+    trainer = Trainer(path, TrainConfig(sharding="full"), ModelConfig(compute_dtype="float32"),
                       logits_chunk_tokens=CHUNK, temperature=temperature)
     batch = rank_batch(make_trajs(16, vocab, seed=1))
     mode = LargestAllocation(last_dim=vocab)
@@ -402,8 +404,10 @@ def _check_splits(path: str, vocab: int) -> dict:
     from hybrid_engine.config import ModelConfig, TrainConfig
     from hybrid_engine.roles.trainer import Trainer
 
-    loop = Trainer(path, TrainConfig(), ModelConfig(), fused_adamw=False).optimizer
-    out["fused_adamw"] = (base.trainer.optimizer.defaults["fused"], loop.defaults["fused"])
+    loop = Trainer(path, TrainConfig(), ModelConfig(), fused_adamw=False)  # the defaults
+    out["fused_adamw"] = (base.trainer.optimizer.defaults["fused"],
+                          loop.optimizer.defaults["fused"])
+    out["default_sharding"] = (loop.train_cfg.sharding, _is_sharded(loop.module))
     return out
 
 
@@ -859,6 +863,9 @@ def test_train_step_metrics_and_falling_loss(two_ranks):
     m = out["metrics"]
     assert m["lr"] == pytest.approx(LR) and m["skipped"] == 0.0
     assert out["fused_adamw"] == (True, False)  # fused by default; the loop on request
+    # sharding=auto by default, resolved by a trainer built on its own: the tiny
+    # model's replicas fit the default budget, so plain (unsharded) parameters.
+    assert out["default_sharding"] == ("replicate", False)
     assert m["num_seqs"] == 8 and m["num_micro_batches"] == 1 and m["grad_norm"] > 0
     assert m["tokens"] >= m["num_tokens"] > 0 and m["train_step_s"] > 0
     for name in ("bf16", "replicate_bf16"):
