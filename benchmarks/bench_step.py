@@ -5,10 +5,10 @@ What runs: for each config (model preset, N ranks, placement) `--jobs` (or @JOBS
 a user changes for a real run: bf16 rollout (`model.rollout_dtype=bfloat16`),
 the weight sync bench_sync times (`sync.method=reshard`, `sync.bucket_mb=64`),
 `sync.verify=false`, no checkpoints, no evals. Training stays as the recipe
-sets it: fp32 master weights AND fp32 compute (`model.compute_dtype=float32`),
-AdamW lr 1e-4, micro-batches of 4 sequences, enforce_eager, 0.25 GiB KV
-cache, max_model_len 128. Colocated: every rank trains (FSDP2) and rolls out
-(vLLM, TP = min(2, N)); separate (`--configs PRESET:N:separate`): the first
+sets it, the project's defaults: bf16 compute over fp32 master weights,
+`train.sharding=auto`, micro-batches of 4 packed rows (`train.packing`), AdamW lr
+1e-4, enforce_eager, 0.25 GiB KV cache, max_model_len 128. Colocated: every rank
+trains (in the layout sharding=auto chose) and rolls out (vLLM, TP = min(2, N)); separate (`--configs PRESET:N:separate`): the first
 N/2 ranks train, the last N/2 roll out. The reward is one of 1024 levels in
 [0, 1] hashed from a call counter and the completion, so every group carries
 signal and every step trains (a random-init model never solves the task, and
@@ -37,7 +37,7 @@ is reported as the mean over k + 1 consecutive steps, against the synchronous co
 level-2 sleep every train phase, CUDA graphs, half the device for vLLM and micro-batches
 of 16384 tokens, as in `results/gpu_loop_qwen2_180m_h100_202611.md`; with a GPU the jobs
 run on it and the floors' GEMM peak and copy bandwidth are measured on it, e.g.
-`--workload gpu --jobs 2 --steps 6 --set model.compute_dtype=bfloat16 --configs
+`--workload gpu --jobs 2 --steps 6 --configs
 qwen2-180m:1 qwen2-180m:1+async_rollout.max_staleness=1+algorithm.behaviour_logp=rollout`.
 
 Measured, per job: `--warmup` steps (left out), `--steps` timed steps, then
@@ -51,6 +51,11 @@ ONE profiled step (left out of every timing).
   overhead_s = step wall - sum of the phases, per step.
 - Every statistic is `_stats.describe` over all timed steps of all jobs
   (median, IQR); per-step values are kept in the result file.
+- Against the first config (before/after): each config's median step over the
+  first's with a 95% bootstrap CI (jobs, then steps); and, with >= 2 warm-up
+  steps, steps 1 and 2 against the steady state (their sum minus two of the
+  job's median timed steps) next to the job's start-up (its wall clock outside
+  the training loop: imports, model load, engine start, exit).
 - Train split: the profiled step's trainer `train_step` runs under
   torch.profiler (`HYBRID_ENGINE_PROFILE_TRAIN`, see roles/profile.py):
   optimizer = gradient clipping + AdamW; comm = wall time while a gloo
@@ -135,6 +140,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -411,7 +417,9 @@ def _run_job(args: argparse.Namespace, preset: str, nproc: int, placement: str,
            "--recipe=tiny_grpo_debug", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": str(_threads(nproc)),
            PROFILE_ENV: f"{num_steps}:{out / 'profile'}"}
+    t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    wall_s = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{preset} N={nproc} {placement} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
     import yaml
@@ -422,7 +430,24 @@ def _run_job(args: argparse.Namespace, preset: str, nproc: int, placement: str,
                          f"got {[r['step'] for r in rows]}")
     profiles = [json.loads(f.read_text()) for f in sorted((out / "profile").glob("*.json"))]
     config = yaml.safe_load((out / "config.yaml").read_text())
-    return {"rows": rows, "config": config, "profiles": profiles}
+    return {"rows": rows, "config": config, "profiles": profiles, "wall_s": wall_s}
+
+
+def _first_steps(jobs: list[dict], timed: list[list[dict]]) -> dict:
+    """Steps 1 and 2 against the steady state, per job: their wall clock (step 1's
+    from the loop's start: the engine and the trainer are built before it), the
+    seconds they take beyond two timed-median steps, and the job's start-up (its
+    wall clock minus the loop's: imports, model load, engine start, exit)."""
+    firsts, extras, starts = [], [], []
+    for job, steps in zip(jobs, timed, strict=True):
+        e = [r["elapsed_s"] for r in job["rows"]]
+        first = [e[0], e[1] - e[0]]
+        firsts.append(first)
+        extras.append(sum(first) - 2 * _stats.describe([r["step_wall_s"] for r in steps])["median"])
+        starts.append(job["wall_s"] - e[-1])
+    return {"first_steps_s_jobs": firsts,
+            "first_two_extra_s": _stats.describe(extras)["median"],
+            "start_s": _stats.describe(starts)["median"]}
 
 
 def _timed(job: dict, warmup: int, steps: int) -> list[dict]:
@@ -515,6 +540,7 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
     if ahead["partial"]:  # what the engine sampled in the step, not the trained samples' tokens
         row["generated_tok_s"] = row["partial_sampled_tokens"] / row["generate_s"]
     row["step_s_jobs"] = step_jobs
+    row.update(_first_steps(jobs, timed) if args.warmup >= 2 else {})
     row["resolved_config"] = _same_config(jobs)
     return row
 
@@ -730,6 +756,29 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _versus_first(rows: list[dict]) -> str:
+    """Every config against the first (ratios of median steps and train phases,
+    95% hierarchical-bootstrap CI over jobs then steps; sets step_over_first and
+    its CI in each row), and its steps 1-2 against the steady state."""
+    head = ("| config | step s | step / first config [95% CI] | train s / first config | "
+            "steps 1, 2 s (median job) | steps 1-2 beyond 2 steady steps s | start-up s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    base = rows[0]
+    for r in rows:
+        r["step_over_first"] = _stats.ratio(r["step_s_jobs"], base["step_s_jobs"])
+        same = len(r["step_s_jobs"]) == len(base["step_s_jobs"])  # the bootstrap pairs jobs
+        r["step_over_first_ci"] = (_stats.ratio_ci(r["step_s_jobs"], base["step_s_jobs"],
+                                                   paired=False) if same else None)
+        ci = "[{:.3f}, {:.3f}]".format(*r["step_over_first_ci"]) if same else "(unequal jobs)"
+        firsts = sorted(r.get("first_steps_s_jobs", []), key=sum)
+        first = "{:.2f}, {:.2f}".format(*firsts[len(firsts) // 2]) if firsts else "-"
+        lines.append(
+            f"| {r['config_name']} | {r['step_s']:.3f} | {r['step_over_first']:.3f} {ci} | "
+            f"{r['train_s'] / base['train_s']:.3f} | {first} | "
+            f"{r.get('first_two_extra_s', float('nan')):.2f} | {r.get('start_s', float('nan')):.1f} |")
+    return "\n".join(lines)
+
+
 def _floors(rows: list[dict]) -> str:
     """Per config: each phase against its floor (the step's floor is their sum)."""
     head = ("| config | generate s (floor: bytes / FLOPs) | train s (floor) | sync s (floor) | "
@@ -828,6 +877,8 @@ def main(argv=None) -> None:
             rows.append(row)
     table = _table(rows)
     print(table)
+    versus = _versus_first(rows)
+    print(versus)
     ahead = _ahead_table(rows)
     if ahead:
         print(ahead)
@@ -863,7 +914,8 @@ def main(argv=None) -> None:
         result_header(__file__, argv) +
         f"Workload {args.workload}: {prompts} prompts x K={k} completions x {max_tokens} new "
         f"tokens per step; recipe tiny_grpo_debug with bf16 rollout, reshard sync (64 MiB "
-        f"buckets), fp32 training, full sharding, memory.release=auto, unless a config's "
+        f"buckets), the training defaults (bf16 compute, fp32 master weights, sharding=auto, "
+        f"packing), memory.release=auto, unless a config's "
         f"settings say otherwise; fresh jobs per config as in the table, {args.warmup} warm-up "
         f"+ {args.steps} timed steps each, then one profiled step (train split). step s: wall "
         "clock between consecutive steps' ends, median (IQR) over all timed steps of all jobs; "
@@ -874,7 +926,11 @@ def main(argv=None) -> None:
         f"({GEMM_N}^3, training dtype, the rank's threads, measured in this run). Ranks share "
         "the machine's cores (OMP threads = cores // N); with more ranks than cores they "
         f"time-share them. Headline: {names[rows.index(head)]}.\n\n"
-        f"{table}{ahead}{partial}\n\n![phases]({chart.name})\n\nEach phase against its floor (generate: the "
+        f"{table}\n\nEach config against the first (ratios of median steps, 95% bootstrap "
+        "CI over jobs then steps; steps 1 and 2: wall clock, step 1's from the loop's start, "
+        "after the engine and trainer are built; beyond: their sum minus two of the job's "
+        "median timed steps; start-up: the job's wall clock outside the loop):\n\n"
+        f"{versus}{ahead}{partial}\n\n![phases]({chart.name})\n\nEach phase against its floor (generate: the "
         "larger of every weight of the TP shard read once per decode step (max new tokens) "
         "and 2 x parameters FLOPs per sampled token at the rollout ranks' GEMM peak in the "
         "rollout dtype; sync: every installed byte read from the master weights and written "
@@ -887,6 +943,8 @@ def main(argv=None) -> None:
     # generation ahead: the step that counts (a colocated burst's steps alternate, so its
     # step_s alone, a median of single steps, would mislead) and its ratio to k = 0
     summary.update({key: head[key] for key in AHEAD_HEADLINE_KEYS if key in head})
+    summary.update({key: head[key] for key in ("step_over_first", "step_over_first_ci",
+                                                "first_two_extra_s", "start_s") if key in head})
     print(json.dumps({**summary, "workload": args.workload, "configs": rows,
                       "result": str(path), "chart": str(chart)}))
 

@@ -93,6 +93,26 @@ def test_wall_steps_are_differences_of_step_ends_and_skip_warmup_and_profiled() 
     assert [r["step_wall_s"] for r in timed] == [4 - 1, 9 - 4, 16 - 9]
 
 
+def test_first_steps_and_every_config_against_the_first() -> None:
+    """Steps 1 and 2 against two median timed steps, the start-up outside the loop,
+    and each config's median step over the first config's, with a bootstrap CI."""
+    rows = [{"step": i, "elapsed_s": e} for i, e in enumerate([5.0, 8.0, 10.0, 12.0, 14.0, 16.0], 1)]
+    job = {"rows": rows, "wall_s": 40.0}
+    timed = [bench_step._timed(job, warmup=2, steps=3)]  # steps 3-5: 2 s each
+    first = bench_step._first_steps([job], timed)
+    assert first == {"first_steps_s_jobs": [[5.0, 3.0]], "first_two_extra_s": 4.0,
+                     "start_s": 24.0}
+    base = {"config_name": "a", "step_s": 2.0, "train_s": 1.0,
+            "step_s_jobs": [[2.0, 2.1, 1.9]] * 2, **first}
+    fast = {**base, "config_name": "b", "step_s": 1.0, "train_s": 0.4,
+            "step_s_jobs": [[1.0, 1.1, 0.9]] * 2}
+    table = bench_step._versus_first([base, fast])
+    assert base["step_over_first"] == 1.0 and fast["step_over_first"] == 0.5
+    lo, hi = fast["step_over_first_ci"]
+    assert lo <= 0.5 <= hi < 1
+    assert "| b | 1.000 | 0.500 [" in table and "| 0.400 | 5.00, 3.00 | 4.00 | 24.0 |" in table
+
+
 def test_train_flops_count_the_body_on_all_tokens_and_the_head_on_loss_tokens() -> None:
     p = bench_step._param_counts("qwen2-180m")
     assert p["lm_head"] == 32000 * 768 and p["body"] == p["total"] - 2 * 32000 * 768
@@ -286,7 +306,8 @@ def test_quick_schema_and_consistency(quick) -> None:
         _check_row(r)
     # --quick's N=2 config carries an override: it reaches the job's resolved config
     assert rows[1]["overrides"] == ["train.sharding=grad_op"]
-    assert [r["resolved_config"]["train"]["sharding"] for r in rows] == ["full", "grad_op"]
+    assert [r["resolved_config"]["train"]["sharding"] for r in rows] == ["auto", "grad_op"]
+    assert rows[0]["step_over_first"] == 1.0 and rows[1]["step_over_first"] > 0
     for key in ACCEPTANCE:  # --quick: the headline is the last config
         assert result[key] == rows[-1][key], key
 
@@ -303,6 +324,8 @@ def test_quick_result_file_and_chart(quick) -> None:
     assert '"resolved_config"' in text and '"tokens_per_step"' in text
     assert "top 10 ops by self time" in text and "- tiny:1 (train floor " in text
     assert "Each phase against its floor" in text and "| tiny:1 | " in text
+    assert "Each config against the first" in text and "| tiny:1 | " in text
+    assert "| tiny:2+train.sharding=grad_op | " in text
     assert Path(result["chart"]).stat().st_size > 0
 
 
