@@ -127,27 +127,35 @@ KILL_PHASES = ("rollout", "train", "sync", "save")
 
 
 def _faulty_runs(model_dir: Path, root: Path, faults: dict[str, str], *extra: str,
-                 resume: tuple[str, ...] = ()) -> dict[str, SimpleNamespace]:
+                 resume: tuple[str, ...] = (), relaunch: tuple[str, ...] = ()
+                 ) -> dict[str, SimpleNamespace]:
     """One job per {name: fault}, two at a time (each mostly waits for its peers to
-    notice), the ones named in `resume` resumed after their fault. Per name: proc, down_after
+    notice), the ones named in `resume` resumed after their fault; those also in
+    `relaunch` under torchrun on the killed launch's fixed --master_port at once,
+    before its shared-memory segments could age. Per name: proc, down_after
     (seconds from the fault to the job's exit; None if the fault never fired), out
     (its folder), latest and tmp_left (its newest complete checkpoint and whether a
     .tmp- folder was left, both before the resume), shm_left (the /dev/shm segments
-    made since it started that no process maps once it is gone) and resumed (the
-    resume's proc)."""
+    made since it started that no process maps once it, and a relaunch, are gone)
+    and resumed (the resume's proc)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from hybrid_engine.testing import free_port
 
     def run(name: str) -> SimpleNamespace:
         out, stamp = root / name / "run", root / name / "fault_at"
         stamp.parent.mkdir()
-        started = time.time()
-        proc = _train(model_dir, out, *extra, fault=faults[name], stamp=stamp)
+        started, port = time.time(), free_port()
+        proc = _train(model_dir, out, *extra, fault=faults[name], stamp=stamp, master_port=port)
         exited = time.time()
         ckpts = out / "checkpoints"
-        r = SimpleNamespace(proc=proc, out=out, resumed=None, shm_left=_shm_left(started),
+        r = SimpleNamespace(proc=proc, out=out, resumed=None,
                             down_after=exited - float(stamp.read_text()) if stamp.exists() else None,
                             latest=latest_checkpoint(ckpts), tmp_left=bool(list(ckpts.glob("*.tmp-*"))))
-        if name in resume:
+        if name in relaunch:
+            r.resumed = _train(model_dir, out, *extra, "--resume", master_port=port)
+        r.shm_left = _shm_left(started)
+        if name in resume and name not in relaunch:
             r.resumed = _run(model_dir, out, *extra, "--resume")
         return r
 
@@ -175,9 +183,11 @@ RESUMED_PHASES = ("sync", "save")
 
 @pytest.fixture(scope="module")
 def killed_runs(model_dir, tmp_path_factory) -> dict[str, SimpleNamespace]:
-    """Rank 1 SIGKILLed in step 3's phase, once per phase; RESUMED_PHASES resumed."""
+    """Rank 1 SIGKILLed in step 3's phase, once per phase; RESUMED_PHASES resumed,
+    the sync's by a relaunch on the same port."""
     return _faulty_runs(model_dir, tmp_path_factory.mktemp("killed"),
-                        {phase: f"{phase}:3" for phase in KILL_PHASES}, resume=RESUMED_PHASES)
+                        {phase: f"{phase}:3" for phase in KILL_PHASES}, resume=RESUMED_PHASES,
+                        relaunch=("sync",))
 
 
 DEAD_BOUND_S = 10  # a dead peer's survivors are gone within this, whatever they wait in
@@ -204,7 +214,11 @@ def _assert_died_line(run: SimpleNamespace, phase: str | None) -> None:
 def test_killed_rank_stops_the_job_and_resume_reproduces(reference, killed_runs, phase) -> None:
     """The survivor leaves within 10 s with one line naming the dead rank and
     its phase, even waiting in vLLM's shared-memory all-reduce (rollout, sync),
-    and removes the job's /dev/shm segments (the dead rank's too)."""
+    and removes the job's /dev/shm segments (the dead rank's too). The sync's
+    resume reuses the killed launch's fixed --master_port at once (no
+    --standalone: torchrun's run id is "none"): the killed launch's segments are
+    too young for the sweep, and the new launch must not collide with them (was
+    `create shm ... errno: 17`)."""
     run = killed_runs[phase]
     _assert_died_line(run, {"rollout": "generate"}.get(phase, phase))
     # Step 3 never completed: step 2's checkpoint is the newest complete one
@@ -215,6 +229,7 @@ def test_killed_rank_stops_the_job_and_resume_reproduces(reference, killed_runs,
     if phase not in RESUMED_PHASES:
         return
     assert run.resumed.returncode == 0, run.resumed.stdout[-3000:]
+    assert "errno: 17" not in run.resumed.stdout
     assert _steps(run.out) == _steps(reference)
     assert not list(ckpts.glob("*.tmp-*"))  # the killed save's folder was swept
 
@@ -418,24 +433,6 @@ def test_ranks_exit_when_their_launcher_dies_at_start_up(model_dir, tmp_path) ->
     assert errors and all("the launcher (torchrun" in e for e in errors), proc.stdout[-3000:]
     assert down_after < 20, proc.stdout[-3000:]
     assert processes_mentioning(str(out)) == []
-
-
-def test_relaunch_on_the_same_port_right_after_a_kill(model_dir, tmp_path) -> None:
-    """A fixed --master_port (no --standalone: torchrun's run id is "none") used
-    again at once after a rank was killed: the killed launch's shared-memory
-    segments are too young for the sweep, and the new launch must not collide
-    with them (was `create shm ... errno: 17`)."""
-    from hybrid_engine.testing import free_port
-
-    port = free_port()
-    # Killed in its first train step: the engines (and their segments) exist by then.
-    first = _train(model_dir, tmp_path / "first", fault="train:1", master_port=port,
-                   stamp=tmp_path / "killed_at")
-    assert first.returncode != 0, first.stdout[-3000:]
-    second = _train(model_dir, tmp_path / "second", "--train.num_steps=1", "--eval.at_end=false",
-                    master_port=port)
-    assert second.returncode == 0, second.stdout[-3000:]
-    assert "errno: 17" not in second.stdout
 
 
 def test_a_second_job_on_the_same_output_dir_is_refused(model_dir, tmp_path) -> None:
