@@ -6,7 +6,7 @@ a user changes for a real run: bf16 rollout (`model.rollout_dtype=bfloat16`),
 the weight sync bench_sync times (`sync.method=reshard`, `sync.bucket_mb=64`),
 `sync.verify=false`, no checkpoints, no evals. Training stays as the recipe
 sets it, the project's defaults: bf16 compute over fp32 master weights,
-`train.sharding=auto`, micro-batches of 4 packed rows (`train.packing`), AdamW lr
+`train.sharding=auto`, micro-batches of up to 32 sequences, packed, AdamW lr
 1e-4, enforce_eager, 0.25 GiB KV cache, max_model_len 128. Colocated: every rank
 trains (in the layout sharding=auto chose) and rolls out (vLLM, TP = min(2, N)); separate (`--configs PRESET:N:separate`): the first
 N/2 ranks train, the last N/2 roll out. The reward is one of 1024 levels in

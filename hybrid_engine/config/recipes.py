@@ -105,7 +105,9 @@ def tiny_grpo_debug() -> RunConfig:
             enforce_eager=True,
         ),
         memory=MemoryConfig(kv_cache_gib=0.25),
-        train=TrainConfig(lr=1e-4, num_steps=3, prompts_per_step=4, micro_batch_size=4),
+        # Up to 32 sequences per micro-batch: a small step's rows in one (under
+        # replicate each more micro-batch adds a pass over the whole gradient).
+        train=TrainConfig(lr=1e-4, num_steps=3, prompts_per_step=4, micro_batch_size=32),
         # Tiny buckets so even a tiny model's sync goes through several of them.
         sync=SyncConfig(bucket_mb=0.25, verify=True),
         env=EnvConfig(chat_template="none"),
