@@ -756,26 +756,32 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _step_over_first(rows: list[dict]) -> None:
+    """Sets each row's step_over_first (its median step over the first config's) and
+    step_over_first_ci (95% hierarchical-bootstrap CI over jobs then steps; None
+    when the job counts differ, since the bootstrap pairs jobs)."""
+    base = rows[0]["step_s_jobs"]
+    for r in rows:
+        r["step_over_first"] = _stats.ratio(r["step_s_jobs"], base)
+        r["step_over_first_ci"] = (_stats.ratio_ci(r["step_s_jobs"], base, paired=False)
+                                   if len(r["step_s_jobs"]) == len(base) else None)
+
+
 def _versus_first(rows: list[dict]) -> str:
-    """Every config against the first (ratios of median steps and train phases,
-    95% hierarchical-bootstrap CI over jobs then steps; sets step_over_first and
-    its CI in each row), and its steps 1-2 against the steady state."""
+    """The table of every config against the first (`_step_over_first`, and the
+    train phases' ratio), with its steps 1-2 against the steady state."""
     head = ("| config | step s | step / first config [95% CI] | train s / first config | "
             "steps 1, 2 s (median job) | steps 1-2 beyond 2 steady steps s | start-up s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    base = rows[0]
     for r in rows:
-        r["step_over_first"] = _stats.ratio(r["step_s_jobs"], base["step_s_jobs"])
-        same = len(r["step_s_jobs"]) == len(base["step_s_jobs"])  # the bootstrap pairs jobs
-        r["step_over_first_ci"] = (_stats.ratio_ci(r["step_s_jobs"], base["step_s_jobs"],
-                                                   paired=False) if same else None)
-        ci = "[{:.3f}, {:.3f}]".format(*r["step_over_first_ci"]) if same else "(unequal jobs)"
+        ci = r["step_over_first_ci"]
+        ci = "[{:.3f}, {:.3f}]".format(*ci) if ci else "(unequal jobs)"
         firsts = sorted(r.get("first_steps_s_jobs", []), key=sum)
         first = "{:.2f}, {:.2f}".format(*firsts[len(firsts) // 2]) if firsts else "-"
+        extra = f"{r['first_two_extra_s']:.2f} | {r['start_s']:.1f}" if firsts else "- | -"
         lines.append(
             f"| {r['config_name']} | {r['step_s']:.3f} | {r['step_over_first']:.3f} {ci} | "
-            f"{r['train_s'] / base['train_s']:.3f} | {first} | "
-            f"{r.get('first_two_extra_s', float('nan')):.2f} | {r.get('start_s', float('nan')):.1f} |")
+            f"{r['train_s'] / rows[0]['train_s']:.3f} | {first} | {extra} |")
     return "\n".join(lines)
 
 
@@ -877,6 +883,7 @@ def main(argv=None) -> None:
             rows.append(row)
     table = _table(rows)
     print(table)
+    _step_over_first(rows)
     versus = _versus_first(rows)
     print(versus)
     ahead = _ahead_table(rows)

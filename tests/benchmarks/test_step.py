@@ -106,11 +106,14 @@ def test_first_steps_and_every_config_against_the_first() -> None:
             "step_s_jobs": [[2.0, 2.1, 1.9]] * 2, **first}
     fast = {**base, "config_name": "b", "step_s": 1.0, "train_s": 0.4,
             "step_s_jobs": [[1.0, 1.1, 0.9]] * 2}
+    bench_step._step_over_first([base, fast])
     table = bench_step._versus_first([base, fast])
     assert base["step_over_first"] == 1.0 and fast["step_over_first"] == 0.5
     lo, hi = fast["step_over_first_ci"]
     assert lo <= 0.5 <= hi < 1
     assert "| b | 1.000 | 0.500 [" in table and "| 0.400 | 5.00, 3.00 | 4.00 | 24.0 |" in table
+    one_warmup = {k: v for k, v in fast.items() if k not in first}  # no steps 1-2 figures
+    assert bench_step._versus_first([base, one_warmup]).endswith("| 0.400 | - | - | - |")
 
 
 def test_train_flops_count_the_body_on_all_tokens_and_the_head_on_loss_tokens() -> None:
