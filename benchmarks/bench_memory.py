@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import math
 import os
@@ -142,41 +141,13 @@ class _Sampler:
         self.spans.append((name, a, time.perf_counter() - self.t0))
 
 
-def _packed_bytes(model) -> int:  # noqa: ANN001
-    """Bytes of the weights vLLM-CPU packed away from its parameters.
-
-    vLLM's CPU GEMM dispatch gives each linear (and embedding) layer a
-    `cpu_linear` closure. A closure over `handler` holds a oneDNN packed copy
-    of the weight: an opaque object, counted as the layer's TP-local out x in
-    x itemsize. A closure over a `packed_weight` or `zen_weight` tensor counts
-    that tensor, unless it is the layer's own parameter (counted already).
-    The plain fallback (F.linear on the parameter) adds nothing.
-    """
-    import torch
-
-    total = 0
-    for mod in model.modules():
-        fn = getattr(mod, "cpu_linear", None)
-        if fn is None or not inspect.isfunction(fn):
-            continue
-        held = inspect.getclosurevars(fn).nonlocals
-        own = {p.untyped_storage().data_ptr() for p in mod.parameters(recurse=False) if p.numel()}
-        for v in held.values():
-            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in own:
-                total += v.untyped_storage().nbytes()
-        if "handler" in held:
-            rows = getattr(mod, "output_size_per_partition", None) or mod.num_embeddings_per_partition
-            cols = getattr(mod, "input_size_per_partition", None) or mod.embedding_dim
-            total += rows * cols * mod.weight.element_size()
-    return total
-
-
 def _tracked_bytes(actor, packed: int) -> dict[str, int]:  # noqa: ANN001
     """Bytes of what each layout holds right now (this rank's shards; 0 for a
     layout this rank does not hold, under separate placement)."""
     tr, engine = actor.trainer, actor.rollout
     out = {"trainer_params": 0, "trainer_grads": 0, "trainer_optim": 0,
-           "engine_weights": engine.weight_bytes() if engine is not None else 0,
+           # the plain tensors: weight_bytes() counts the packed copies too
+           "engine_weights": engine.weight_bytes() - packed if engine is not None else 0,
            "engine_packed": packed,
            "kv_cache": engine.kv_cache_bytes() if engine is not None else 0}
     if tr is None:
@@ -201,6 +172,7 @@ def _rank_job(args: argparse.Namespace) -> None:
     from hybrid_engine.policy.training import completions_to_trajectories
     from hybrid_engine.config import RunConfig, apply_overrides
     from hybrid_engine.job import make_policy
+    from hybrid_engine.rollout import vllm_compat
 
     mode, model, kv_bytes = args.rank_job.split("|")
     cfg = apply_overrides(RunConfig(), {
@@ -213,7 +185,7 @@ def _rank_job(args: argparse.Namespace) -> None:
         "placement": "separate" if mode == "separate" else "colocated"})
     actor = make_policy(cfg)
     engine = actor.rollout
-    packed = _packed_bytes(engine._model()) if engine is not None else 0
+    packed = vllm_compat.cpu_packed_bytes(engine._model()) if engine is not None else 0
     prompts = _prompts(args.prompts)
     sampler = _Sampler()
     rows: dict[str, dict] = {}

@@ -139,7 +139,8 @@ class DriftScorer:
             t.engine_logp = lps
 
 
-def _release_policy(cfg: RunConfig, trainer: Trainer, model_path: str) -> ReleasePolicy:
+def _release_policy(cfg: RunConfig, trainer: Trainer, rollout: VLLMRollout,
+                    model_path: str) -> ReleasePolicy:
     """memory.release per training phase; before the first is measured, its growth
     is estimated from the trainer's resolved layout."""
     world = dist.get_world_size()
@@ -147,7 +148,9 @@ def _release_policy(cfg: RunConfig, trainer: Trainer, model_path: str) -> Releas
                                  cuda=trainer.device.type == "cuda")
     return ReleasePolicy(cfg.memory.release, budget=cfg.memory.budget,
                          local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                         device=trainer.device, first_estimate=first)
+                         device=trainer.device, first_estimate=first,
+                         engine=lambda: (rollout.weight_bytes(), rollout.kv_cache_bytes()),
+                         trainer=trainer.kept_bytes)
 
 
 class HybridActor:
@@ -216,7 +219,8 @@ class HybridActor:
         # drift scorer's free part of the split; a sync empties it.
         self.fresh: dict[int, Trajectory] = {}
         self.phases = Phases(self.rollout, self._install_weights, self.offload,
-                             release=_release_policy(cfg, self.trainer, self.model_path))
+                             release=_release_policy(cfg, self.trainer, self.rollout,
+                                                     self.model_path))
         if cfg.model.master_dtype != "float32":
             # vLLM loaded the file itself; the trainer holds it rounded to the master
             # dtype. The first generate syncs, so step 0 samples the trainer's weights.

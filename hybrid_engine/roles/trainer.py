@@ -267,6 +267,25 @@ class Trainer:
         return 2 * sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes
                        for p in self.module.parameters() if p.requires_grad)
 
+    def kept_bytes(self) -> int:
+        """Bytes this rank's trainer keeps between phases: its parameters, gradients
+        and optimizer state (local shards, each storage once). Replicated over
+        ranks, DDP keeps every gradient in its buckets even while the gradients
+        are None: counted as one gradient per trainable parameter."""
+        def storage(t: Tensor) -> tuple[int, int]:
+            st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+            return st.data_ptr(), st.nbytes()
+
+        params = list(self.module.parameters())
+        buckets = self.train_cfg.sharding == "replicate" and self.mesh.size() > 1
+        tensors = params + [v for state in self.optimizer.state.values()
+                            for v in state.values() if isinstance(v, Tensor) and v.dim()]
+        if not buckets:
+            tensors += [p.grad for p in params if p.grad is not None]
+        seen = dict(storage(t) for t in tensors)
+        grads = sum(p.nbytes for p in params if p.requires_grad) if buckets else 0
+        return sum(seen.values()) + grads
+
     def state_dict_shards(self) -> dict[str, DTensor]:
         """Checkpoint name -> this rank's Shard(0) DTensor parameter (no copy; tied once)."""
         return dict(sharded_named_parameters(self.module))

@@ -79,10 +79,17 @@ class CpuBackend:
         if lose:
             self._discard_weights(llm)
         _log.info("rollout released %.1f MiB of KV cache; vLLM-CPU has no sleep mode, so its "
-                  "weights (%.1f MiB) stay resident%s", freed / 2**20,
-                  sum(p.nbytes for p in vllm_compat.model(llm).parameters()) / 2**20,
+                  "weights (%.1f MiB with their packed GEMM copies) stay resident%s",
+                  freed / 2**20, self.weight_bytes(vllm_compat.model(llm)) / 2**20,
                   " (overwritten with NaN: memory.emulate_gpu_sleep)" if lose else "")
         return freed, lose
+
+    @staticmethod
+    def weight_bytes(model: torch.nn.Module) -> int:
+        """The engine's weights on this rank: its parameters plus the copies
+        vLLM-CPU's GEMMs pack away from them (`vllm_compat.cpu_packed_bytes`)."""
+        return (sum(p.nbytes for p in model.parameters())
+                + vllm_compat.cpu_packed_bytes(model))
 
     def wake_weights(self, llm) -> None:  # noqa: ANN001
         """Nothing to map on CPU: the weights never left."""

@@ -115,6 +115,13 @@ class CudaBackend:
                   freed / 2**20, level, "to host memory" if level == 1 else "dropped")
         return freed, level == 2
 
+    def weight_bytes(self, model: torch.nn.Module) -> int:
+        """The engine's weights on this device (0 while asleep: level 1 moved them
+        to host memory, level 2 dropped them)."""
+        if self._weights_asleep:
+            return 0
+        return sum(p.nbytes for p in model.parameters())
+
     def wake_weights(self, llm) -> None:  # noqa: ANN001
         """Maps the weights again before a sync writes them (their contents are
         still lost); a no-op when awake, so a step wakes them once."""

@@ -508,9 +508,10 @@ class VLLMRollout(WeightStaging):
         return grown
 
     def weight_bytes(self) -> int:
-        """Bytes of vLLM's parameters on this rank as torch sees them (the GEMM
-        copies vLLM-CPU packs away are not torch tensors and not counted)."""
-        return sum(p.nbytes for p in self._model().parameters())
+        """Bytes of the engine's weights on this rank, the copies vLLM-CPU's
+        GEMMs pack away from the parameters included (on a GPU: 0 while they
+        sleep)."""
+        return self.backend.weight_bytes(self._model())
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache holds on this rank now (0 while released on CPU)."""

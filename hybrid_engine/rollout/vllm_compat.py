@@ -23,7 +23,8 @@ import torch
 from hybrid_engine.rollout import cpu_shm
 
 __all__ = [
-    "VLLM_VERSION", "attention_head_sizes", "cache_config", "check_version", "dispatch_cpu_gemm", "eager_cpu_helpers",
+    "VLLM_VERSION", "attention_head_sizes", "cache_config", "check_version", "cpu_packed_bytes",
+    "dispatch_cpu_gemm", "eager_cpu_helpers",
     "engine_loop", "is_cpu",
     "isolate_cpu_shm_names", "kv_cache_tensors", "model", "model_dtype", "prepare_process_env",
     "reload_weights", "restrict_world", "set_weight_attrs", "shm_all_gather", "shm_allreduce",
@@ -290,6 +291,35 @@ def dispatch_cpu_gemm(layer: torch.nn.Module, *, remove_weight: bool) -> None:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     dispatch_cpu_unquantized_gemm(layer, remove_weight=remove_weight)
+
+
+def cpu_packed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weight copies vLLM-CPU's GEMM dispatch holds outside the
+    module's parameters (not torch-visible as parameters). [0.32, private]
+
+    Each linear (and vocab-parallel) layer gets a `cpu_linear` closure: one
+    over `handler` holds a oneDNN packed copy (an opaque object, counted as
+    the layer's TP-local out x in x itemsize); one over a `packed_weight`
+    (sgl) or `zen_weight` tensor counts that tensor unless it is the layer's
+    own parameter. The plain fallback (F.linear on the parameter) adds nothing.
+    """
+    import inspect
+
+    total = 0
+    for mod in model.modules():
+        fn = getattr(mod, "cpu_linear", None)
+        if fn is None or not inspect.isfunction(fn):
+            continue
+        held = inspect.getclosurevars(fn).nonlocals
+        own = {p.untyped_storage().data_ptr() for p in mod.parameters(recurse=False) if p.numel()}
+        for v in held.values():
+            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in own:
+                total += v.untyped_storage().nbytes()
+        if "handler" in held:
+            rows = getattr(mod, "output_size_per_partition", None) or mod.num_embeddings_per_partition
+            cols = getattr(mod, "input_size_per_partition", None) or mod.embedding_dim
+            total += rows * cols * mod.weight.element_size()
+    return total
 
 
 EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
