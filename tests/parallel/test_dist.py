@@ -42,11 +42,13 @@ def test_collective_timeout_covers_every_group() -> None:
     assert 1.5 < r0["waited_s"] < 6.0
 
 
-def _ragged_case() -> dict:
+def _ragged_case(model_dir: str) -> dict:
     import torch
     import torch.distributed as dist
 
+    from hybrid_engine.config import ModelConfig, TrainConfig
     from hybrid_engine.parallel.dist import all_gather_ragged
+    from hybrid_engine.parallel.sharding import resolve_alone
 
     rank = dist.get_rank()
     out = {}
@@ -62,17 +64,29 @@ def _ragged_case() -> dict:
         out["mixed"] = ""
     except ValueError as e:
         out["mixed"] = str(e)
+    # train.sharding=auto for a trainer built on ranks 0 and 2 alone: its one
+    # collective is over their group (over the world, rank 1 would never join)
+    group = dist.new_group([0, 2])
+    if rank != 1:
+        out["alone"] = resolve_alone(model_dir, TrainConfig(), ModelConfig(), group,
+                                     torch.device("cpu")).sharding
     return out
 
 
-def test_all_gather_ragged_moves_any_rows_as_tensors() -> None:
+def test_all_gather_ragged_moves_any_rows_as_tensors(tmp_path) -> None:
     """Results between ranks as tensors: every rank gets every rank's rows, in order,
-    bit for bit, whatever their count and lengths (none, empty rows) and dtype."""
+    bit for bit, whatever their count and lengths (none, empty rows) and dtype. In
+    the same ranks, a trainer's sharding=auto resolves over its own group."""
     import torch
+
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
 
     want = [[torch.arange(3), torch.arange(0), torch.arange(5) * -1.5], [],
             [torch.arange(7) / 3]]
-    for got in run_ranks(_ragged_case, 3, timeout=120):
+    model = str(write_tiny_model(tmp_path / "tiny", PRESETS["tiny"]))
+    results = run_ranks(_ragged_case, 3, model, timeout=120)
+    assert [r.get("alone") for r in results] == ["replicate", None, "replicate"]
+    for got in results:
         for name, dtype in [("f32", torch.float32), ("i64", torch.int64),
                             ("bf16", torch.bfloat16), ("f64", torch.float64)]:
             rows = got[name]
