@@ -13,7 +13,9 @@ Parts, each in its own process (one vLLM engine per process), each with its
 own deadline (the whole run fits about 9 minutes of GPU time):
 - ours: copy and bf16 GEMM ceilings measured here; a warm-up step, then
   --steps timed steps, each phase timed (to_rollout includes the weight sync),
-  with the device memory in use at each phase's end and the allocator's peak;
+  with the device memory in use at each phase's end and the allocator's peak,
+  and the engine's weights and KV cache as memory.release=auto counts them
+  beside what the release freed;
   generation variants on the same engine (what ours asks now: log-probs for
   one completion per group, flat; every completion's log-probs as dicts; as
   flat lists; none; none with the garbage collector off; twice the
@@ -240,8 +242,12 @@ def _steps(args: argparse.Namespace, actor, alg) -> list[dict]:  # noqa: ANN001
             _prompts(args, step), num_samples=k, seed=step), args)
         row["tokens"] = out.num_tokens
         trajs = _rewarded(actor, alg, out, step)
+        row["engine_weights_bytes"] = actor.rollout.weight_bytes()
+        row["engine_kv_bytes"] = actor.rollout.kv_cache_bytes()
         _phase(row, "to_train", actor.phases.to_train, args)
+        row["released_bytes"] = actor.phases.released_bytes  # CUDA: mem_get_info's change
         m = _phase(row, "train", lambda: actor.train_step(trajs), args)
+        row["trainer_kept_bytes"] = actor.trainer.kept_bytes()
         row["mismatch_abs_mean"] = m.get("mismatch_abs_mean")
         row["step_s"] = sum(row[f"{p}_s"] for p in ("to_rollout", "generate", "to_train", "train"))
         rows.append(row)
@@ -408,6 +414,11 @@ def summarize(ours: dict, trl: dict) -> dict:
            "generated_tok_s": statistics.median(r["tokens"] / r["generate_s"] for r in timed),
            "in_use_after_gib": {p: max(r[f"mem_{p}"]["in_use_gib"] for r in timed)
                                for p in ("to_rollout", "generate", "to_train", "train")}}
+    # The figures memory.release=auto logs against independent measurements: the
+    # engine's weights + KV cache against what its release freed (CUDA: the whole
+    # engine sleeps; CPU: the KV cache only).
+    out["engine_over_released"] = statistics.median(
+        (r["engine_weights_bytes"] + r["engine_kv_bytes"]) / r["released_bytes"] for r in timed)
     if trl.get("median_step_s"):
         out["trl_step_s"] = trl["median_step_s"]
         out["ours_over_trl"] = med["step_s"] / trl["median_step_s"]
@@ -428,6 +439,8 @@ def _table(s: dict, ours: dict) -> str:
     gen = ours["generation"]
     lines += ["", "| generation variant | tok/s (median) |", "|---|---|"]
     lines += [f"| {k} | {v['median_tok_s']:.0f} |" for k, v in gen.items()]
+    lines += ["", f"The engine's weights and KV cache as counted, over what its release "
+              f"freed (mem_get_info on CUDA): {s['engine_over_released']:.3f}."]
     if "ours_over_trl" in s:
         lines += ["", f"TRL's median step: {s['trl_step_s']:.3f} s; ours / TRL = "
                       f"{s['ours_over_trl']:.2f}."]
