@@ -85,7 +85,7 @@ class MemoryFigures:
 
     def describe(self, where: str) -> str:
         def mib(n: int | None) -> str:
-            return "?" if n is None else f"{n / 2**20:.0f}"
+            return "?" if n is None else f"{n / 2**20:.{0 if abs(n) >= 10 * 2**20 else 1}f}"
 
         engine = ("unknown" if self.engine_weights is None else
                   f"{mib(self.engine_weights + (self.engine_kv or 0))} MiB (weights "
