@@ -270,14 +270,16 @@ class Trainer:
     def kept_bytes(self) -> int:
         """Bytes this rank's trainer keeps between phases: its parameters, gradients
         and optimizer state (local shards, each storage once). Replicated over
-        ranks, DDP keeps every gradient in its buckets even while the gradients
-        are None: counted as one gradient per trainable parameter."""
+        ranks, DDP keeps every gradient in its buckets from the first backward
+        on, even while the gradients are None: then counted as one gradient per
+        trainable parameter."""
         def storage(t: Tensor) -> tuple[int, int]:
             st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
             return st.data_ptr(), st.nbytes()
 
         params = list(self.module.parameters())
-        buckets = self.train_cfg.sharding == "replicate" and self.mesh.size() > 1
+        buckets = (self.train_cfg.sharding == "replicate" and self.mesh.size() > 1
+                   and self._calls > 0)
         tensors = params + [v for state in self.optimizer.state.values()
                             for v in state.values() if isinstance(v, Tensor) and v.dim()]
         if not buckets:
