@@ -418,7 +418,8 @@ def summarize(ours: dict, trl: dict) -> dict:
     # engine's weights + KV cache against what its release freed (CUDA: the whole
     # engine sleeps; CPU: the KV cache only).
     out["engine_over_released"] = statistics.median(
-        (r["engine_weights_bytes"] + r["engine_kv_bytes"]) / r["released_bytes"] for r in timed)
+        (r["engine_weights_bytes"] + r["engine_kv_bytes"]) / r["released_bytes"] for r in timed
+        if r["released_bytes"]) if any(r["released_bytes"] for r in timed) else None
     if trl.get("median_step_s"):
         out["trl_step_s"] = trl["median_step_s"]
         out["ours_over_trl"] = med["step_s"] / trl["median_step_s"]
@@ -439,8 +440,9 @@ def _table(s: dict, ours: dict) -> str:
     gen = ours["generation"]
     lines += ["", "| generation variant | tok/s (median) |", "|---|---|"]
     lines += [f"| {k} | {v['median_tok_s']:.0f} |" for k, v in gen.items()]
-    lines += ["", f"The engine's weights and KV cache as counted, over what its release "
-              f"freed (mem_get_info on CUDA): {s['engine_over_released']:.3f}."]
+    if s["engine_over_released"] is not None:
+        lines += ["", f"The engine's weights and KV cache as counted, over what its release "
+                  f"freed (mem_get_info on CUDA): {s['engine_over_released']:.3f}."]
     if "ours_over_trl" in s:
         lines += ["", f"TRL's median step: {s['trl_step_s']:.3f} s; ours / TRL = "
                       f"{s['ours_over_trl']:.2f}."]

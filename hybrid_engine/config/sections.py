@@ -511,8 +511,8 @@ class MemoryConfig:
 
     release: Literal["auto", "true", "false"] = _field(
         "auto", "Release the engine's memory while the trainer runs: 'true' always, 'auto' "
-        "when the trainer's measured peak (first: its layout's estimate) would not fit beside "
-        "it, 'false' never.")
+        "when a training phase's measured growth (first: estimated) would not fit beside it, "
+        "'false' never.")
     budget: float = _field(
         0.9, "Fraction of RAM (GPU: device memory) the job may use; decides release=auto and "
         "train.sharding=auto.", gt=0, le=1)

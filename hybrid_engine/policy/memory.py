@@ -7,16 +7,15 @@ so the engine releases only when the trainer would not fit beside it:
     release  iff  phase_growth * 1.1 + 64 MiB  >  free
 
 - phase_growth: how far a training phase raised this rank's memory above
-  its level at the phase's start, measured: CPU: the peak RSS (VmHWM, reset
-  through /proc/self/clear_refs at the start) minus the RSS at the start;
-  GPU: max_memory_allocated minus memory_allocated at the start, the peak
-  reset there. The first phase also creates the optimizer state, which
-  then stays: its growth counts only until a second phase is measured,
-  then the largest of the phases since. Before any, the layout's estimate
-  of the first phase's growth (`sharding.first_phase_estimate`), when the
-  caller gives one. On CPU, memory the phase freed but the C allocator
-  kept is reused by the next phase without growing the RSS: counted as
-  used, not as growth.
+  its level at the phase's start, less what the trainer kept from it (the
+  optimizer state the first phase creates, counted as used from then on),
+  measured: CPU: the peak RSS (VmHWM, reset through /proc/self/clear_refs
+  at the start) minus the RSS at the start; GPU: max_memory_allocated minus
+  memory_allocated at the start, the peak reset there. The largest so far.
+  Before any, the layout's estimate of the first phase's growth, optimizer
+  state included (`sharding.first_phase_estimate`), when the caller gives
+  one. On CPU, memory a phase freed but the C allocator kept is reused by
+  the next phase without growing the RSS: counted as used, not as growth.
 - free, read before each training phase with the engine resident:
   CPU: `memory.budget` x RAM minus what the machine uses now, shared
   by this machine's ranks; GPU: `mem_get_info` plus the allocator's cached,
@@ -30,8 +29,9 @@ does) and logged at INFO whenever it changes, with this rank's figures
 - engine resident: the engine's weights (vLLM-CPU's packed GEMM copies
   included) and its KV cache, from its tensors; its runtime buffers and
   loaded code (tens of MiB) are not counted;
-- trainer keeps: parameters, gradients (DDP's gradient buckets under
-  replicate) and optimizer state, this rank's shards, from its tensors;
+- trainer keeps: the policy's parameters, gradients (DDP's gradient
+  buckets under replicate) and optimizer state, this rank's shards, from
+  its tensors (a critic or a separate reference model is not counted);
 - phase growth, measured or estimated, and free, as above.
 
 tests/policy/test_memory.py checks each against RSS deltas of a real engine
@@ -79,25 +79,27 @@ class MemoryFigures:
     engine_weights: int | None  # the engine's weights, packed GEMM copies included
     engine_kv: int | None       # its KV cache now
     trainer_kept: int | None    # parameters, gradients, optimizer state
-    phase_growth: int | None    # a phase's rise above its start, or the first's estimate
+    phase_growth: int | None    # a phase's rise above its start less what it kept, or
+                                # the first phase's estimate
     measured: bool              # phase_growth measured (else the layout's estimate)
     free: int                   # what the trainer may still take
 
-    def describe(self, where: str) -> str:
+    def describe(self, where: str, *, packed: bool = True) -> str:
+        """The log's words; packed: the engine may hold packed GEMM copies (CPU)."""
         def mib(n: int | None) -> str:
             return "?" if n is None else f"{n / 2**20:.{0 if abs(n) >= 10 * 2**20 else 1}f}"
 
         engine = ("unknown" if self.engine_weights is None else
                   f"{mib(self.engine_weights + (self.engine_kv or 0))} MiB (weights "
-                  f"{mib(self.engine_weights)} with packed GEMM copies, KV cache "
-                  f"{mib(self.engine_kv)})")
+                  f"{mib(self.engine_weights)}{' with packed GEMM copies' if packed else ''}, "
+                  f"KV cache {mib(self.engine_kv)})")
         growth = ("unknown" if self.phase_growth is None else
-                  f"{mib(self.phase_growth)} MiB above its start, measured on this rank"
-                  if self.measured else f"{mib(self.phase_growth)} MiB (optimizer state "
-                  "included), estimated from the layout")
+                  f"{mib(self.phase_growth)} MiB above its start and what it keeps, measured "
+                  "on this rank" if self.measured else f"{mib(self.phase_growth)} MiB "
+                  "(optimizer state included), estimated from the layout")
         return (f"engine resident {engine}; trainer keeps {mib(self.trainer_kept)} MiB "
-                f"(parameters, gradients, optimizer state); a training phase grows "
-                f"{growth}; free {mib(self.free)} MiB {where}")
+                f"(the policy's parameters, gradients, optimizer state); a training phase "
+                f"grows {growth}; free {mib(self.free)} MiB {where}")
 
 
 def _status_kib(field: str) -> int:
@@ -123,7 +125,8 @@ class ReleasePolicy:
         trainer: () -> bytes the trainer keeps between phases, for the log.
 
     Attributes:
-        growths: each measured phase's growth above its start (bytes), in order.
+        growths: each measured phase's growth above its start less what the
+            trainer kept from it (bytes), in order.
         releasing: the last decision.
         figures: what the last decision saw (`MemoryFigures`), None before any.
     """
@@ -144,13 +147,12 @@ class ReleasePolicy:
         self.figures: MemoryFigures | None = None
         self._engine, self._trainer = engine, trainer
         self._start: int | None = None  # this phase's level at its start (measuring)
+        self._kept = 0  # what the trainer kept at the phase's start
 
     @property
     def phase_growth(self) -> int | None:
         """The measured growth the rule uses (module doc), None before any phase."""
-        if not self.growths:
-            return None
-        return max(self.growths[1:]) if len(self.growths) > 1 else self.growths[0]
+        return max(self.growths) if self.growths else None
 
     def should_release(self) -> bool:
         """Before a training phase (collective in auto mode): release the engine?"""
@@ -168,7 +170,7 @@ class ReleasePolicy:
                      else f"in this rank's share of {self.budget:g} x RAM")
             log.info("memory.release=auto: %s (%s)", "the engine releases its memory for "
                      "training" if release else "the engine stays resident in training: the "
-                     "trainer fits beside it", fig.describe(where))
+                     "trainer fits beside it", fig.describe(where, packed=not self.cuda))
         self.releasing = release
         return release
 
@@ -185,6 +187,7 @@ class ReleasePolicy:
         """The training layout begins (after any release): the growth counts from here."""
         if self.mode != "auto":
             return
+        self._kept = self._trainer() if self._trainer is not None else 0
         try:
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -204,7 +207,8 @@ class ReleasePolicy:
             return
         peak = (torch.cuda.max_memory_allocated() if self.cuda
                 else _status_kib("VmHWM") * 1024)
-        self.growths.append(max(0, peak - self._start))
+        kept = self._trainer() - self._kept if self._trainer is not None else 0
+        self.growths.append(max(0, peak - self._start - max(0, kept)))
         self._start = None
 
     def _free_bytes(self) -> int:
