@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_sizes import parse_source
+
 PACKAGE = Path(__file__).resolve().parents[1] / "hybrid_engine"
 VLLM_FOLDER = "rollout/"
 VLLM_COMPAT = "rollout/vllm_compat.py"
@@ -25,7 +27,7 @@ VLLM_INTERNALS = {"llm_engine", "engine_core", "model_executor", "driver_worker"
 
 
 def _modules() -> dict[str, ast.Module]:
-    return {str(p.relative_to(PACKAGE)): ast.parse(p.read_text(), str(p))
+    return {str(p.relative_to(PACKAGE)): parse_source(p.read_text())
             for p in sorted(PACKAGE.rglob("*.py"))}
 
 

@@ -316,10 +316,23 @@ def cpu_packed_bytes(model: torch.nn.Module) -> int:
             if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in own:
                 total += v.untyped_storage().nbytes()
         if "handler" in held:
-            rows = getattr(mod, "output_size_per_partition", None) or mod.num_embeddings_per_partition
-            cols = getattr(mod, "input_size_per_partition", None) or mod.embedding_dim
+            rows, cols = _local_weight_shape(mod)
             total += rows * cols * mod.weight.element_size()
     return total
+
+
+def _local_weight_shape(mod: torch.nn.Module) -> tuple[int, int]:
+    """A linear or vocab-parallel layer's TP-local weight shape, whether or not its
+    parameter was emptied: column/row-parallel (per partition), replicated (whole,
+    e.g. a MoE router), or vocab-parallel. [0.32]"""
+    if mod.weight.numel():
+        return tuple(mod.weight.shape)
+    for rows, cols in (("output_size_per_partition", "input_size_per_partition"),
+                       ("num_embeddings_per_partition", "embedding_dim"),
+                       ("output_size", "input_size")):
+        if getattr(mod, rows, None) and getattr(mod, cols, None):
+            return getattr(mod, rows), getattr(mod, cols)
+    raise AttributeError(f"{type(mod).__name__}: no weight shape to count its packed copy by")
 
 
 EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
