@@ -50,6 +50,7 @@ class CpuBackend:
         self.keep_weights = False  # an engine serving adapters: no emulated loss (the engine sets it)
         self._kv_sizes: list[int] = []
         self._kv_storage_list: list[torch.UntypedStorage] = []
+        self._packed_bytes: int | None = None  # weight_bytes' packed copies, counted once
         vllm_compat.isolate_cpu_shm_names()
         vllm_compat.eager_cpu_helpers()
         watchdog.add_cleanup(cpu_shm.unlink_job_segments)  # a rank that aborts leaves none
@@ -84,12 +85,13 @@ class CpuBackend:
                   " (overwritten with NaN: memory.emulate_gpu_sleep)" if lose else "")
         return freed, lose
 
-    @staticmethod
-    def weight_bytes(model: torch.nn.Module) -> int:
+    def weight_bytes(self, model: torch.nn.Module) -> int:
         """The engine's weights on this rank: its parameters plus the copies
-        vLLM-CPU's GEMMs pack away from them (`vllm_compat.cpu_packed_bytes`)."""
-        return (sum(p.nbytes for p in model.parameters())
-                + vllm_compat.cpu_packed_bytes(model))
+        vLLM-CPU's GEMMs pack away from them (`vllm_compat.cpu_packed_bytes`,
+        counted once: a re-pack keeps every copy's size)."""
+        if self._packed_bytes is None:
+            self._packed_bytes = vllm_compat.cpu_packed_bytes(model)
+        return sum(p.nbytes for p in model.parameters()) + self._packed_bytes
 
     def wake_weights(self, llm) -> None:  # noqa: ANN001
         """Nothing to map on CPU: the weights never left."""
