@@ -182,7 +182,7 @@ class TrainConfig:
         "'replicate', HSDP 'hybrid', or 'auto' (the first that fits memory.budget).")
     cpu_shm_allreduce: bool = _field(
         True, "sharding='replicate' on one CPU host: average gradients through vLLM-CPU's "
-        "shared-memory all-reduce instead of gloo's TCP loopback.")
+        "shared-memory all-reduce instead of gloo's TCP loopback (gloo where the build has none).")
     shard_group_size: int = _field(
         0,
         "sharding='hybrid' (and 'auto'): ranks per shard group; must divide the trainer "

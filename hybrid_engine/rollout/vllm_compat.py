@@ -392,12 +392,15 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict) -> None:
 
 def has_shm_allreduce() -> bool:
     """Whether vLLM's CPU build has its shared-memory collectives (the ops its TP
-    groups use: torch.ops._C.init_shm_manager / shm_allreduce). [0.32, private]"""
-    try:
-        import vllm._C  # noqa: F401  (registers torch.ops._C)
-    except ImportError:
-        return False
-    return hasattr(torch.ops._C, "init_shm_manager") and hasattr(torch.ops._C, "shm_allreduce")
+    groups use: torch.ops._C.init_shm_manager / shm_allreduce). The library is
+    the one vLLM loads for this CPU (vllm._C, _C_AVX512 or _C_AVX2, each
+    registering torch.ops._C): importing another would abort the process on a
+    second registration of the namespace. [0.32, private]"""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    ops = getattr(torch.ops, "_C", None)
+    return hasattr(ops, "init_shm_manager") and hasattr(ops, "shm_allreduce")
 
 
 def shm_manager(name: str, world: int, rank: int, threads: int,

