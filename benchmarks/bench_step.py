@@ -366,6 +366,16 @@ def _sync_floor_s(row: dict, config: dict, bandwidth: float) -> float:
         / bandwidth
 
 
+def _compute_dtype(config: dict) -> str:
+    """The job's training compute dtype as it ran ("auto" resolved on this device)."""
+    import torch
+
+    from hybrid_engine.parallel.precision import resolve_compute_dtype
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_compute_dtype(config["model"]["compute_dtype"], device)
+
+
 def _matmul_peak(threads: int, dtype: str) -> float:
     """Best FLOP/s of a GEMM_N^3 matmul in dtype on `threads` threads, or on the
     GPU (own process)."""
@@ -869,7 +879,7 @@ def main(argv=None) -> None:
                       file=sys.stderr, flush=True)
                 jobs.append(_run_job(args, preset, n, placement, sets,
                                      work / f"c{c}-{preset}-n{n}-{placement}-j{j}", work))
-            dtype = jobs[0]["config"]["model"]["compute_dtype"]
+            dtype = _compute_dtype(jobs[0]["config"])
             peak = _matmul_peak(_threads(n), dtype)  # after the jobs: nothing else runs
             rollout_dtype = jobs[0]["config"]["model"]["rollout_dtype"]
             rollout_peak = peak if rollout_dtype == dtype else _matmul_peak(_threads(n),

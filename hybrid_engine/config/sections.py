@@ -58,10 +58,10 @@ class ModelConfig:
     master_dtype: Dtype = _field(
         "float32", "dtype of the master weights (FSDP2 shards, or replicated) and optimizer state."
     )
-    compute_dtype: Dtype = _field(
-        "bfloat16",
-        "dtype of training forward/backward (FSDP2 MixedPrecisionPolicy param_dtype; "
-        "train.sharding=replicate: torch.autocast); gradients are reduced in master_dtype.",
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = _field(
+        "auto",
+        "dtype of training forward/backward (FSDP2 param_dtype; replicate: autocast); auto = "
+        "bfloat16 where the device has bf16 GEMMs (CUDA, AVX512-BF16, AMX), else float32.",
     )
     rollout_dtype: Dtype = _field(
         "bfloat16", "dtype of the vLLM weights; weight sync casts master -> this."

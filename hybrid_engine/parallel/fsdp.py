@@ -51,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from hybrid_engine.parallel.params import LoadStats, assert_sharded, load_sharded_safetensors
+from hybrid_engine.parallel.precision import resolve_compute_dtype
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -319,7 +320,8 @@ def build_fsdp_model(
         model_path: local HF folder (or hub id) with config.json and safetensors.
         mesh: 1-D data-parallel mesh.
         master_dtype: dtype of the sharded parameters (and of gradient reduction).
-        compute_dtype: dtype of the all-gathered parameters in forward/backward.
+        compute_dtype: dtype of the all-gathered parameters in forward/backward
+            ("auto": `parallel/precision.py`).
         activation_checkpointing: recompute decoder layers in backward.
         requires_grad: False freezes every parameter (reference model).
         trust_remote_code: passed to transformers.
@@ -340,7 +342,8 @@ def build_fsdp_model(
         is a HiddenStatesHead), and what this rank read from the files.
     """
     folder = resolve_model_path(model_path)
-    master, compute = DTYPES[master_dtype], DTYPES[compute_dtype]
+    master = DTYPES[master_dtype]
+    compute = DTYPES[resolve_compute_dtype(compute_dtype, mesh.device_type)]
     model = _build_meta_model(folder, compute if lora else master, trust_remote_code)
     model.requires_grad_(requires_grad)
     init = None

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from hybrid_engine.parallel.precision import resolve_compute_dtype
 from hybrid_engine.reshard.layouts import ModelDims, hf_shapes, model_dims
 
 if TYPE_CHECKING:
@@ -109,7 +110,8 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
     p = sum(r * c for r, c in shapes.values())
     layer = _layer_numel(shapes, "model.layers.0.")
     root = p - dims.num_layers * layer
-    m, c = _ITEMSIZE[cfg.model.master_dtype], _ITEMSIZE[cfg.model.compute_dtype]
+    compute = resolve_compute_dtype(cfg.model.compute_dtype, "cuda" if cuda else "cpu")
+    m, c = _ITEMSIZE[cfg.model.master_dtype], _ITEMSIZE[compute]
     size = {"replicate": 1, "hybrid": shard_group_size}.get(sharding, trainers)
     if sharding == "full":
         gathered, whole = (root + 2 * layer) * c, layer * m

@@ -34,6 +34,7 @@ from hybrid_engine.algorithms.value_loss import value_loss
 from hybrid_engine.parallel.fsdp import (DTYPES, attn_implementation, dp_mesh, empty_model,
                                          resolve_model_path, shard_and_load)
 from hybrid_engine.parallel.params import reshard_all
+from hybrid_engine.parallel.precision import resolve_compute_dtype
 from hybrid_engine.roles.logprobs import comm_device, num_micro_batches
 from hybrid_engine.roles.trainer import build_optimizer, clip_and_step
 
@@ -98,7 +99,8 @@ def build_value_model(
                                          trust_remote_code=trust_remote_code)
         model = ValueModel(backbone, config.hidden_size, dtype)
     model.eval()  # no dropout: values() and train_step() must agree exactly
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=dtype)
+    compute = DTYPES[resolve_compute_dtype(compute_dtype, mesh.device_type)]
+    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=dtype)
     # The backbone loads through a holder whose names are the checkpoint's ("model.*").
     holder = nn.Module()
     holder.model = model.model

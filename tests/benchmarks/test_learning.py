@@ -79,8 +79,6 @@ def test_parse_config_and_bad_configs_fail_in_one_line() -> None:
     assert out.returncode == 2 and "config names must differ" in out.stderr
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
 def _check_demo_outputs(out: Path, summary: dict, cache: Path) -> None:
     assert summary["steps"] == 4 and summary["world_size"] == 2
     assert 0 < summary["step_s_median"] < summary["wall_s"]
@@ -100,6 +98,8 @@ def _check_demo_outputs(out: Path, summary: dict, cache: Path) -> None:
     assert {"reward/math", "reward/format", "advantage"} <= samples[0].keys()
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) -> None:
     runs = tmp_path / "runs"
     cmd = [sys.executable, "benchmarks/bench_learning.py", "--seeds", "3", "--steps", "4",

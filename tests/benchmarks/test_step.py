@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_engine.parallel.precision import resolve_compute_dtype
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_step  # noqa: E402
@@ -291,7 +293,8 @@ def _check_row(r: dict) -> None:
     assert all(r[f"{ph}_{kind}_s"] >= 0 for ph in ("generate", "score", "train", "sync")
                for kind in ("user", "sys"))
     cfg = r["resolved_config"]
-    assert cfg["model"]["rollout_dtype"] == "bfloat16" and cfg["model"]["compute_dtype"] == r["compute_dtype"]
+    assert cfg["model"]["rollout_dtype"] == "bfloat16"
+    assert resolve_compute_dtype(cfg["model"]["compute_dtype"], "cpu") == r["compute_dtype"]
     sync = cfg["sync"]
     assert (sync["method"], sync["bucket_mb"], sync["verify"]) == ("reshard", 64, False)
     assert cfg["rollout"]["num_samples_per_prompt"] == 4 and cfg["train"]["prompts_per_step"] == 4

@@ -174,7 +174,7 @@ def test_no_required_field_defaults_to_none():
         ("memory.kv_cache_gib", 0.0, "memory.kv_cache_gib must be > 0"),
         ("rollout.prompt_too_long", "drop", "rollout.prompt_too_long must be one of"),
         ("rollout.seed", -1, "rollout.seed must be >= 0"),
-        ("model.compute_dtype", "fp16", "model.compute_dtype must be one of 'bfloat16', 'float32'"),
+        ("model.compute_dtype", "fp16", "model.compute_dtype must be one of 'auto', 'bfloat16', 'float32'"),
         ("model.trust_remote_code", 1, "model.trust_remote_code: expected bool"),
         ("algorithm.loss_agg", "sum", "algorithm.loss_agg must be one of"),
         ("algorithm.clip_low", -0.1, "algorithm.clip_low must be >= 0"),

@@ -1,0 +1,77 @@
+"""model.compute_dtype=auto (parallel/precision.py): bf16 where the device has bf16
+GEMMs (CUDA with bf16, a CPU with AVX512-BF16 or AMX), fp32 elsewhere; the
+trainer's layouts and the memory estimate use the resolved dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_engine.parallel import precision
+from hybrid_engine.testing import run_ranks
+
+
+def _cpu(monkeypatch, avx512_bf16: bool, amx: bool) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+
+
+@pytest.mark.parametrize("avx512_bf16,amx,want", [(True, False, "bfloat16"),
+                                                  (False, True, "bfloat16"),
+                                                  (False, False, "float32")])
+def test_auto_follows_the_cpus_bf16_instructions(monkeypatch, avx512_bf16, amx, want) -> None:
+    _cpu(monkeypatch, avx512_bf16, amx)
+    assert precision.resolve_compute_dtype("auto", "cpu") == want
+    for name in ("bfloat16", "float32"):  # a dtype asked for is kept, whatever the CPU
+        assert precision.resolve_compute_dtype(name, "cpu") == name
+
+
+def test_auto_on_cuda_asks_torch_for_bf16(monkeypatch) -> None:
+    _cpu(monkeypatch, False, False)
+    for supported, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda s=supported: s)
+        assert precision.resolve_compute_dtype("auto", "cuda") == want
+
+
+def test_the_estimate_counts_the_resolved_dtype(monkeypatch) -> None:
+    from hybrid_engine.config import RunConfig
+    from hybrid_engine.models.tiny import PRESETS, hf_config
+    from hybrid_engine.parallel.sharding import estimate
+    from hybrid_engine.reshard.layouts import model_dims
+
+    dims, cfg = model_dims(hf_config(PRESETS["tiny"])), RunConfig()
+    gathered = {}
+    for native in (True, False):
+        _cpu(monkeypatch, native, False)
+        gathered[native] = estimate("replicate", dims, cfg, 2, colocated=True,
+                                    cuda=False).gathered
+    assert gathered[False] == 2 * gathered[True]  # fp32 compute copies: twice bf16's
+
+
+def _built(root: str, native: bool) -> dict:
+    """The compute dtype of each layout built with compute_dtype=auto on a CPU
+    with (native) or without bf16 instructions: replicate's autocast, FSDP2's
+    gathered weights as a forward sees them."""
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+    from hybrid_engine.parallel.fsdp import build_fsdp_model, compute_autocast, dp_mesh
+
+    torch.cpu._is_avx512_bf16_supported = lambda: native
+    torch.cpu._is_amx_tile_supported = lambda: False
+    path = write_tiny_model(f"{root}/tiny", PRESETS["tiny"])
+    mesh = dp_mesh()
+    rep, _ = build_fsdp_model(str(path), mesh, compute_dtype="auto", sharding="replicate")
+    full, _ = build_fsdp_model(str(path), mesh, compute_dtype="auto", sharding="full")
+    seen = []
+    layer = full.model.layers[0].self_attn.q_proj
+    layer.register_forward_pre_hook(lambda m, _: seen.append(m.weight.dtype))
+    full(input_ids=torch.tensor([[1, 2, 3]]))
+    return {"replicate": compute_autocast(rep), "full": seen[0]}
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_trainer_layouts_compute_in_the_resolved_dtype(tmp_path, native) -> None:
+    (out,) = run_ranks(_built, 1, str(tmp_path), native)
+    if native:
+        assert out == {"replicate": torch.bfloat16, "full": torch.bfloat16}
+    else:  # fp32 master weights computed in fp32: no autocast at all
+        assert out == {"replicate": None, "full": torch.float32}
