@@ -320,8 +320,7 @@ def build_fsdp_model(
         model_path: local HF folder (or hub id) with config.json and safetensors.
         mesh: 1-D data-parallel mesh.
         master_dtype: dtype of the sharded parameters (and of gradient reduction).
-        compute_dtype: dtype of the all-gathered parameters in forward/backward
-            ("auto": `parallel/precision.py`).
+        compute_dtype: dtype of gathered parameters in forward/backward ("auto": precision.py).
         activation_checkpointing: recompute decoder layers in backward.
         requires_grad: False freezes every parameter (reference model).
         trust_remote_code: passed to transformers.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from hybrid_engine.parallel.precision import native_bf16
 from hybrid_engine.testing import run_ranks
 
 
@@ -262,7 +263,9 @@ def test_sync_is_exact_and_vllm_follows_training(sync_runs, name):
             assert o["max_diff"] < 1e-5, o
             assert o["greedy_equal"]
         else:  # bf16 compute against fp32 on the same rounded weights: ~1e-2 (a weight
-            assert o["max_diff"] < 0.05, o  # packed wrongly gives ~1)
+            # packed wrongly gives ~1); a CPU without bf16 instructions runs vLLM's bf16
+            # layers through torch's bf16 ops (no oneDNN, no AMX): mixtral measured 0.17
+            assert o["max_diff"] < (0.05 if native_bf16("cpu") else 0.25), o
 
 
 @pytest.mark.vllm
