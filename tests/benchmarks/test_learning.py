@@ -80,20 +80,20 @@ def test_parse_config_and_bad_configs_fail_in_one_line() -> None:
 
 
 def _check_demo_outputs(out: Path, summary: dict, cache: Path) -> None:
-    assert summary["steps"] == 4 and summary["world_size"] == 2
+    assert summary["steps"] == 2 and summary["world_size"] == 2
     assert 0 < summary["step_s_median"] < summary["wall_s"]
     assert summary["acc_start"] is not None and summary["acc_end"] is not None
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]
     assert {"reward/math", "reward/format"} <= rows[1].keys()  # the math + format rewards
     assert len(list(cache.glob("task-*/t*.parquet"))) == 2  # the train and test files
-    assert "eval/accuracy" in rows[-1] and rows[-1]["step"] == 4  # the final policy is evaluated
+    assert "eval/accuracy" in rows[-1] and rows[-1]["step"] == 2  # the final policy is evaluated
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert (out / "metrics.png").stat().st_size > 0
     assert (out / "final" / "COMPLETE").is_file()
     # A samples table every 2 steps: the chat-templated prompt, each reward component.
     samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
-    assert sorted({r["step"] for r in samples}) == [2, 4] and len(samples) == 16
+    assert sorted({r["step"] for r in samples}) == [2] and len(samples) == 8
     assert samples[0]["prompt"].startswith("<|im_start|>user\n")
     assert {"reward/math", "reward/format", "advantage"} <= samples[0].keys()
 
@@ -102,8 +102,8 @@ def _check_demo_outputs(out: Path, summary: dict, cache: Path) -> None:
 @pytest.mark.slow
 def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) -> None:
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "benchmarks/bench_learning.py", "--seeds", "3", "--steps", "4",
-           "--warm-start-steps", "5", "--nproc", "2", "--window", "2", "--minutes", "3",
+    cmd = [sys.executable, "benchmarks/bench_learning.py", "--seeds", "3", "--steps", "2",
+           "--warm-start-steps", "2", "--nproc", "2", "--window", "1", "--minutes", "3",
            "--threshold", "0", "--tag", "_t", "--note", "a note",
            f"--runs-dir={runs}", f"--cache-dir={tmp_path / 'cache'}",
            f"--out-dir={tmp_path / 'out'}", "--set", "eval.every=2",
@@ -117,16 +117,16 @@ def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) 
     base, k1 = result["configs"]["base"], result["configs"]["k1"]
     assert base["staleness_mean"] == 0 and k1["staleness_mean"] > 0  # its overrides applied
     assert base["seeds"] == k1["seeds"] == [3]
-    assert "step_over_baseline_ci" in k1  # --window 2: two whole windows of 4 steps (10: none)
+    assert "step_over_baseline_ci" in k1  # --window 1: two whole windows of 2 steps (10: none)
     assert k1["reached_threshold"] == 1  # --threshold 0: reached at the first eval
-    assert "warm start: 5 steps" in (runs / "base-s3.log").read_text()  # --warm-start-steps
+    assert "warm start: 2 steps" in (runs / "base-s3.log").read_text()  # --warm-start-steps
     assert "warm start: cache hit" in (runs / "k1-s3.log").read_text()  # the demo's cache
     assert k1["step_over_baseline_per_seed"][0] == pytest.approx(
         k1["step_s_mean"] / base["step_s_mean"])
     for name in ("base", "k1"):
         cfg = yaml.safe_load((runs / f"{name}-s3" / "config.yaml").read_text())
         assert cfg["seed"] == 3 and cfg["rollout"]["seed"] == 3  # the seed, for every run
-        assert cfg["eval"]["every"] == 2 and cfg["train"]["num_steps"] == 4  # --set, --steps
+        assert cfg["eval"]["every"] == 2 and cfg["train"]["num_steps"] == 2  # --set, --steps
         assert cfg["rollout"]["tensor_parallel_size"] == 2  # --nproc
         assert cfg["max_wall_s"] == 180  # --minutes
     _check_demo_outputs(runs / "base-s3", json.loads((runs / "base-s3.json").read_text()),
@@ -135,7 +135,7 @@ def test_bench_learning_runs_the_demo_per_seed_and_config_and_resumes(tmp_path) 
     assert not NOISE.findall(log), log[-3000:]
     report = Path(result["report"])
     assert report.name.startswith("learning_cpu_t_") and report.with_suffix(".png").is_file()
-    assert "| k1 | 3 | 4 |" in report.read_text() and "a note" in report.read_text()
+    assert "| k1 | 3 | 2 |" in report.read_text() and "a note" in report.read_text()
     # --resume reads the finished runs (no new log) and reruns only what failed.
     stamp = (runs / "k1-s3.log").stat().st_mtime_ns
     again = subprocess.run([*cmd[:-1], "--resume"], cwd=ROOT, capture_output=True, text=True,
