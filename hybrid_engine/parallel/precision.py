@@ -32,6 +32,7 @@ def resolve_compute_dtype(name: str, device_type: str) -> str:
     dtype = "bfloat16" if native_bf16(device_type) else "float32"
     if (device_type, dtype) not in _logged:
         _logged.add((device_type, dtype))
-        why = "" if dtype == "bfloat16" else " (this CPU has neither AVX512-BF16 nor AMX)"
+        why = "" if dtype == "bfloat16" else {
+            "cpu": " (this CPU has neither AVX512-BF16 nor AMX)"}.get(device_type, " (no bf16)")
         log.info("model.compute_dtype=auto: %s on %s%s", dtype, device_type, why)
     return dtype
