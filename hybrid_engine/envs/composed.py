@@ -25,6 +25,7 @@ every rank alike, never a silent NaN in the advantages.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,6 +35,8 @@ from hybrid_engine.envs.reward_pool import Call, Outcome, RewardPool
 from hybrid_engine.envs.rewards import RewardTerm
 
 __all__ = ["RewardsEnv"]
+
+log = logging.getLogger(__name__)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -88,6 +91,7 @@ class RewardsEnv:
                  pool: RewardPool, on_timeout: float = 0.0, reward_model: Any = None) -> None:
         self.base_env, self.terms, self.tokenizer = base_env, list(terms), tokenizer
         self.pool, self.on_timeout, self.reward_model = pool, on_timeout, reward_model
+        self._warned_timeouts = False
         self.eos_id = eos_token_id(tokenizer)
         names = "+".join(t.name for t in self.terms)
         self.name = f"{getattr(base_env, 'name', type(base_env).__name__)} (rewards {names})"
@@ -131,6 +135,20 @@ class RewardsEnv:
                 trajs[i].info["reward_timeouts"] = timeouts
                 if "math" in parts and "correct" not in parts:
                     trajs[i].info["correct"] = parts["math"]
+        self._warn_if_all_timed_out(trajs)
+
+    def _warn_if_all_timed_out(self, trajs: Sequence[Any]) -> None:
+        """Once per run, from rank 0: every sample of a batch had a call time out,
+        which only the reward/timeouts metric would otherwise show."""
+        if self._warned_timeouts or not trajs or not all(t.info["reward_timeouts"] for t in trajs):
+            return
+        self._warned_timeouts = True
+        if _rank_world()[0] == 0:
+            log.warning("env.rewards: every sample of this batch (%d) had a reward call time out "
+                        "after env.reward_timeout_s=%g s and scored env.reward_on_timeout=%g, "
+                        "so its groups carry no learning signal: a reward function that hangs, "
+                        "or a timeout too short for it (reward/timeouts counts them)",
+                        len(trajs), self.pool.timeout_s, self.on_timeout)
 
     def _reward_model_scores(self, trajs: Sequence[Any]) -> list[float | None]:
         """The reward model's score of every trajectory (collective), or Nones."""

@@ -5,12 +5,25 @@ with its arguments) in one of `workers` spawned processes (pebble's
 ProcessPool) and returns one `Outcome` per call, in order:
 
     ok       the value it returned
-    timeout  it ran past timeout_s: its worker process was killed (and replaced)
+    timeout  it ran past timeout_s, or the batch stalled (below): its worker
+             process was killed (and replaced)
     error    it raised (also SystemExit) or its worker died: "Type: message"
+
+The calls of one `run` are timed out together: once timeout_s passes with no
+call of the batch returning (a call that timed out is no progress), every call
+still running or queued times out at once. A function that hangs on every
+input so costs about one timeout per batch, not one per call and worker
+restart; a batch that keeps returning is never cut, and the clock starts when
+its first call starts (a worker's start is not timed).
 
 A worker runs a call in its main thread, so libraries whose own timeouts use
 signals (math-verify) work. With workers=0 calls run in this process, in
 order, with no timeout.
+
+Workers do not import the parent's `__main__`: a script that starts a job at
+module level, without an `if __name__ == "__main__":` guard (as embedding
+scripts often are), would otherwise run again inside every worker. They load
+only the reward functions their calls name.
 
 Invariant: no worker outlives the pool: `close()` stops them, and each one
 is killed by the kernel when its rank dies (PR_SET_PDEATHSIG).
@@ -20,8 +33,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import multiprocessing
 import signal
+import sys
+import time
+import types
+from multiprocessing import popen_spawn_posix
+from multiprocessing.context import SpawnContext, SpawnProcess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,13 +91,49 @@ def _worker_init(specs: Sequence[str]) -> None:
             pass
 
 
+class _MainWithoutScript(types.ModuleType):
+    """The parent's `__main__` as the spawn machinery sees it: no file, no spec, so
+    a worker imports nothing in its place. Every other attribute is the real
+    module's, so other threads that look one up meanwhile (pickle) are unaffected."""
+
+    def __init__(self, main: types.ModuleType) -> None:
+        super().__init__("__main__")
+        self.__file__, self._main = None, main
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._main, name)
+
+
+class _PopenWithoutMain(popen_spawn_posix.Popen):
+    def _launch(self, process_obj: Any) -> None:
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = _MainWithoutScript(main)  # read by the preparation data
+        try:
+            super()._launch(process_obj)
+        finally:
+            sys.modules["__main__"] = main
+
+
+class _WorkerProcess(SpawnProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> popen_spawn_posix.Popen:  # noqa: N802 (multiprocessing's name)
+        return _PopenWithoutMain(process_obj)
+
+
+class _WorkerContext(SpawnContext):
+    """spawn, with workers that do not import the parent's `__main__`."""
+
+    Process = _WorkerProcess
+
+
 class RewardPool:
     """Worker processes for reward calls (see the module docstring).
 
     Args:
         workers: processes (0: run calls in this process, no timeouts).
-        timeout_s: the most one call may run (0: no limit); a worker's start
-            (imports, loading `preload`) is not timed.
+        timeout_s: the most one call may run, and the longest a batch may go
+            without a call returning (0: no limit); a worker's start (imports,
+            loading `preload`) is not timed.
         preload: the specs each worker loads as it starts.
     """
 
@@ -96,7 +149,7 @@ class RewardPool:
 
             self._pool = ProcessPool(max_workers=self.workers, initializer=_worker_init,
                                      initargs=(self.preload,),
-                                     context=multiprocessing.get_context("spawn"))
+                                     context=_WorkerContext())
 
     def run(self, calls: Sequence[Call]) -> list[Outcome]:
         """One outcome per call, in order."""
@@ -104,12 +157,30 @@ class RewardPool:
             return [_run(c) for c in calls]
         self.start()
         futures = [self._pool.submit(_run, self.timeout_s or None, c) for c in calls]
+        if self.timeout_s:
+            self._stop_when_stalled(futures)
         return [self._outcome(f) for f in futures]
+
+    def _stop_when_stalled(self, futures: Sequence[concurrent.futures.Future]) -> None:
+        """Waits for futures; once timeout_s passes with none returning (timeouts
+        do not count), cancels the rest: pebble kills the workers running them."""
+        pending, last = set(futures), None
+        while pending:
+            done, pending = concurrent.futures.wait(
+                pending, timeout=0.1, return_when=concurrent.futures.FIRST_COMPLETED)
+            now = time.monotonic()
+            returned = any(not isinstance(f.exception(), TimeoutError) for f in done)
+            if returned or (last is None and (done or any(f.running() for f in pending))):
+                last = now
+            if last is not None and now - last > self.timeout_s:
+                for f in pending:
+                    f.cancel()
+                return
 
     def _outcome(self, future: concurrent.futures.Future) -> Outcome:
         try:
             return future.result()
-        except concurrent.futures.TimeoutError:
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
             return Outcome("timeout")
         except Exception as e:  # the worker died (os._exit, a crash) or the result did not pickle
             return Outcome("error", f"{type(e).__name__}: {e}")

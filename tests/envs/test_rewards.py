@@ -43,6 +43,13 @@ def batch(prompts, completions, answers, level):
 def short_batch(prompts, completions, answers):
     return [1.0]
 
+def hangs(prompt, completion, answer):
+    time.sleep(3600)
+
+def slow(prompt, completion, answer):
+    time.sleep(0.4)
+    return 1.0
+
 def hangs_on_7(prompt, completion, answer):
     if prompt.startswith("7+"):
         time.sleep(3600)
@@ -180,6 +187,57 @@ def test_a_stuck_call_is_killed_at_its_timeout_and_scores_the_timeout_value(file
     env.close()
     gone, alive = psutil.wait_procs(list(workers), timeout=10)
     assert not alive, alive
+
+
+def test_a_batch_that_stalls_times_out_together_and_warns_once(files, caplog) -> None:
+    """A function that hangs on every input costs about one timeout per batch, not
+    one per call (10 calls, 1 worker, 1 s: 10+ s one by one); every sample timed
+    out is said once, not left to the metric."""
+    env = _env(files, "hangs", reward_workers=1, reward_timeout_s=1.0, reward_on_timeout=-0.5)
+    for _ in range(2):
+        trajs = _trajs(env, [str(2 * i) for i in range(10)])
+        t0 = time.monotonic()
+        env.score(trajs)
+        assert time.monotonic() - t0 < 5  # one timeout (and at most one worker restart)
+        assert [t.reward for t in trajs] == [-0.5] * 10
+        assert trajectory_metrics(trajs)["reward/timeouts"] == 10.0
+    said = [r for r in caplog.records if "every sample of this batch (10)" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    env.close()
+
+
+def test_a_batch_that_keeps_returning_is_not_cut(files) -> None:
+    """10 calls of 0.4 s on 1 worker take 4 s, four times the 1 s timeout: each
+    returns within it, so none times out."""
+    env = _env(files, "slow", reward_workers=1, reward_timeout_s=1.0, reward_on_timeout=-0.5)
+    trajs = _trajs(env, [str(2 * i) for i in range(10)])
+    env.score(trajs)
+    assert [t.reward for t in trajs] == [1.0] * 10
+    env.close()
+
+
+_UNGUARDED = """
+from hybrid_engine.envs.reward_pool import Call, RewardPool
+print("the script's body ran", flush=True)
+pool = RewardPool(2, 30.0, preload=[{spec!r}])
+print([o.kind for o in pool.run([Call({spec!r}, ("p", "c", "a")) for _ in range(4)])], flush=True)
+pool.close()
+"""
+
+
+def test_workers_do_not_run_a_script_without_a_main_guard(files, tmp_path) -> None:
+    """A spawned worker would import the parent's __main__ and run its body again
+    (there: start another job); the workers load only the reward functions."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED.format(spec=f"{files / 'r.py'}:length"))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["the script's body ran", "['ok', 'ok', 'ok', 'ok']"], \
+        proc.stdout + proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize(("name", "needles"), [
