@@ -125,6 +125,42 @@ def test_bad_reward(model_dir, tmp_path, kind, expected) -> None:
     assert not (out / "checkpoints").exists()  # failed in step 1, before any save
 
 
+_UNGUARDED_SCRIPT = """
+from hybrid_engine.cli import main
+print("the script's body ran", flush=True)
+main({argv!r})
+"""
+
+
+def test_an_unguarded_script_with_a_hanging_reward_under_torchrun(model_dir, tmp_path) -> None:
+    """A script that starts a job at module level (no __main__ guard) under torchrun
+    with 2 ranks, and a reward function that never returns (2 s timeout): the reward
+    workers do not run the script again, and each step of 16 samples costs about one
+    timeout, not one per sample (96-99 s for this run, one by one). The wall time is
+    logged, not asserted (the issue's bound: under 30 s)."""
+    import time
+
+    from hybrid_engine.testing import run_torchrun
+
+    (tmp_path / "reward.py").write_text("import time\n\ndef reward(prompt, completion, answer):"
+                                        "\n    time.sleep(3600)\n")
+    out = tmp_path / "run"
+    script = tmp_path / "embed.py"
+    script.write_text(_UNGUARDED_SCRIPT.format(argv=_argv(
+        model_dir, out, f"--env.reward_fn={tmp_path / 'reward.py'}:reward",
+        "--env.reward_timeout_s=2", "--train.num_steps=2", "--checkpoint_every=0")))
+    t0 = time.monotonic()
+    proc = run_torchrun([str(script)], 2, timeout=240, check=False)
+    print(f"an unguarded script, 2 ranks, 2 steps of 16 samples, hanging reward: "
+          f"{time.monotonic() - t0:.1f} s from launch to exit")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.stdout.count("the script's body ran") == 2, proc.stdout[-3000:]  # once per rank
+    assert proc.stdout.count("had a reward call time out") == 1, proc.stdout[-3000:]
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/timeouts"] for r in rows if r["step"] > 0] == [16.0, 16.0]
+    assert (out / "final" / "config.json").is_file()
+
+
 def test_a_prompt_too_long_is_truncated_and_counted(model_dir, tmp_path) -> None:
     """With rollout.prompt_too_long=truncate (reject's refusals: tests/test_preflight.py
     before any engine, tests/rollout/test_engine.py as it samples)."""
