@@ -45,9 +45,18 @@ def reset() -> None:
     _requested = None
 
 
+def _peer_left_with_error() -> bool:
+    """Whether a peer has said it leaves with an error of its own: the SIGTERM that
+    torchrun then sends is no user's request to stop, and not worth a line."""
+    from hybrid_engine.parallel import watchdog
+
+    wd = watchdog.current()
+    return wd is not None and wd.peer_reported_error()
+
+
 def _request(signum: int, frame: Any) -> None:  # noqa: ARG001
     global _requested
-    if _requested is None:
+    if _requested is None and not _peer_left_with_error():
         log.warning("rank %s got %s: stopping after the current step (checkpoint when "
                     "checkpointing is on, then final/), exit code 0",
                     os.environ.get("RANK", "0"), signal.Signals(signum).name)

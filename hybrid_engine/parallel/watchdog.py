@@ -224,10 +224,16 @@ def left_with_error(msg: str) -> None:
 
 def stop() -> None:
     """Stops the watchdog after telling the peers this rank is done (a clean
-    shutdown is not a silent rank)."""
+    shutdown is not a silent rank). Called while an exception is being handled
+    (a job that failed to start shuts its engine down before the error reaches
+    the CLI), it says this rank leaves with that error: its peers, waiting in a
+    collective it will never join, then leave silently instead of showing the
+    closed connection as a traceback."""
     global _ACTIVE
     wd, _ACTIVE = _ACTIVE, None
     if wd is not None:
+        if wd.error is None and (exc := sys.exc_info()[1]) is not None:
+            wd.error = str(exc) or type(exc).__name__
         wd.close()
 
 

@@ -169,3 +169,38 @@ def test_pid_1_is_the_launcher_only_when_it_is_torchrun(tmp_path) -> None:
     assert not parent(8, "/bin/bash run.sh")
     assert parent(12345, None)  # unreadable: the benefit of the doubt
     assert not watchdog._looks_like_launcher(1, proc=str(tmp_path / "none"))  # unreadable PID 1: init
+
+
+def test_a_rank_that_stops_while_failing_says_it_left_with_an_error(caplog) -> None:
+    """A job that fails to start shuts its engine down (stopping the watchdog) before
+    the error reaches the CLI: the stop says the error, so the peers leave silently
+    (not with the closed collective's traceback), and torchrun's SIGTERM to them that
+    follows is no stop request worth a line."""
+    import os
+    import signal
+
+    from hybrid_engine.parallel import signals
+
+    store = dist.HashStore()
+    watchdog._ACTIVE = Watchdog(0, 2, 20.0, interval_s=1000.0, store=store, thread=False)
+    try:
+        raise ValueError("log.trackers: wandb did not start")
+    except ValueError:
+        watchdog.stop()
+    assert json.loads(store.get("hybrid_engine/watchdog/0")) == {
+        "done": True, "error": "log.trackers: wandb did not start"}
+    watchdog._ACTIVE = peer = Watchdog(1, 2, 20.0, interval_s=1000.0, store=store, thread=False)
+    try:
+        with signals.stop_on_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert signals.requested() == signal.SIGTERM  # still recorded
+    finally:
+        watchdog._ACTIVE = None
+        peer.close()
+    assert "stopping after the current step" not in caplog.text
+    watchdog._ACTIVE = Watchdog(0, 2, 20.0, interval_s=1000.0, store=dist.HashStore(),
+                                thread=False)
+    watchdog.stop()  # no exception in flight: a clean finish
+    with signals.stop_on_signals():  # no watchdog: a user's stop, said
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert "stopping after the current step" in caplog.text
