@@ -127,7 +127,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     def train(cfg: RunConfig, cleanup: list) -> dict:
         job = Job(cfg, resume=args.resume, progress=not args.no_progress,
-                  overwrite=args.overwrite)
+                  overwrite=args.overwrite, allow_model_change=args.allow_model_change)
         cleanup.append(job.shutdown)  # vLLM's teardown; ends the process group too
         return job.run()
 
@@ -233,6 +233,7 @@ def _relaunch(args: argparse.Namespace, overrides: list[str]) -> int:
     argv += [f"--config={args.config}"] if args.config else []
     argv += [f"--checkpoint={args.checkpoint}"] if getattr(args, "checkpoint", None) else []
     argv += [flag for flag, key in (("--resume", "resume"), ("--overwrite", "overwrite"),
+                                    ("--allow-model-change", "allow_model_change"),
                                     ("--no-progress", "no_progress")) if getattr(args, key, False)]
     return launch_local(args.nproc, [*argv, *overrides], verbose=args.verbose)
 
@@ -341,7 +342,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                "the last stdout line is a JSON summary.")
     _add_config_flags(tr)
     tr.add_argument("--resume", action="store_true",
-                    help="continue from the newest complete checkpoint in output_dir/checkpoints")
+                    help="continue from the newest complete checkpoint in output_dir/checkpoints "
+                         "(refused when it was made from another model than model.path)")
+    tr.add_argument("--allow-model-change", action="store_true",
+                    help="with --resume: continue a run made from another architecture or "
+                         "weights on purpose, with a warning (the tensors must still have the "
+                         "checkpoint's shapes; LoRA against full training stays refused)")
     tr.add_argument("--overwrite", action="store_true",
                     help="start over in an output_dir holding an earlier run's checkpoints "
                          "(deletes them, its metrics and its final model)")

@@ -123,16 +123,18 @@ class Job:
         progress: show a tqdm bar on rank 0.
         overwrite: start over in an output_dir that holds an earlier run's
             checkpoints (they, its metrics and its final model are deleted).
+        allow_model_change: resume a run made from another model (architecture
+            or weights) with a warning instead of refusing it (`preflight`).
 
     Raises:
         ValueError: bad input (see `preflight`), found alike on every rank.
     """
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, progress: bool = True,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, allow_model_change: bool = False) -> None:
         preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                  resume=resume, overwrite=overwrite)
+                  resume=resume, overwrite=overwrite, allow_model_change=allow_model_change)
         torch.manual_seed(cfg.seed)
         self.cfg, self.out = cfg, Path(cfg.output_dir)
         self.output_dir = OutputDir(self.out)

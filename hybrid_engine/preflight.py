@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hybrid_engine.checkpoint import latest_checkpoint, step_checkpoints
+from hybrid_engine.checkpoint import check_resume_model, latest_checkpoint, step_checkpoints
 from hybrid_engine.config import EnvConfig, RunConfig, check_registered
 
 __all__ = ["check_gpu", "check_head_size", "check_kv_cache", "check_lora_targets",
@@ -39,9 +39,12 @@ log = logging.getLogger(__name__)
 
 
 def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume: bool,
-              overwrite: bool, writes_output: bool = True) -> None:
+              overwrite: bool, writes_output: bool = True,
+              allow_model_change: bool = False) -> None:
     """Runs every check below (the output folder's only when the job writes one);
-    the first failure raises.
+    the first failure raises. On resume, the newest checkpoint's record of the
+    model the run was made from must match cfg.model (`check_resume_model`;
+    another architecture or weights only warn with allow_model_change).
 
     Raises:
         ValueError: what is wrong and which key or file to fix.
@@ -53,6 +56,9 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
         check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
         check_trackers(cfg.log.trackers)
     hf = check_model_folder(resolve_model_path(cfg.model.path))
+    if writes_output and resume:
+        check_resume_model(Path(cfg.output_dir), cfg.model.path, cfg.model.lora_rank,
+                           allow_change=allow_model_change)
     trainers = world_size
     if cfg.placement == "separate":
         from hybrid_engine.parallel.dist import split_ranks
@@ -228,9 +234,11 @@ def check_model_folder(folder: Path) -> Any:
         json.loads((folder / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"model folder {str(folder)!r}: config.json is unreadable: {e}") from None
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         hf = AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as e:
         raise ValueError(f"model folder {str(folder)!r}: config.json is not a transformers "
                          f"config: {e}") from None
     model_dims(hf)  # unsupported architecture: lists the supported ones

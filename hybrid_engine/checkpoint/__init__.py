@@ -28,7 +28,10 @@ Layout of a checkpoint folder:
     dcp/            DCP shards + metadata: "model", "optim" (+ "critic_model",
                     "critic_optim"), keyed by HF parameter names
     rng/rank{r}.pt  torch CPU (+ CUDA), python `random` and numpy states of rank r
-    meta.json       world size, trainer step + scheduler (+ critic's), extra
+    meta.json       world size, trainer step + scheduler (+ critic's), extra,
+                    origin: the model the run was made from (`origin.run_origin`:
+                    architecture, config, weights sha256, LoRA rank), which
+                    --resume checks first (`origin.check_resume_model`)
     MANIFEST.json   {file: [bytes, crc32]} of every file above
     COMPLETE        written last
 """
@@ -38,11 +41,13 @@ from hybrid_engine.checkpoint.folders import (COMPLETE_MARKER, CheckpointWriteEr
                                               checkpoint_problem, latest_checkpoint,
                                               prune_checkpoints, step_checkpoint_path,
                                               step_checkpoints)
+from hybrid_engine.checkpoint.origin import check_resume_model
 from hybrid_engine.checkpoint.state import load_training_state, save_training_state
 
 __all__ = [
     "COMPLETE_MARKER",
     "CheckpointWriteError",
+    "check_resume_model",
     "checkpoint_problem",
     "export_adapter",
     "export_hf",

@@ -4,13 +4,13 @@ schedules, step counts, every rank's RNG states and the controller's `extra`.
 Job: `save_training_state` writes it with torch.distributed.checkpoint (every
 rank its own shards) into an atomic folder (`folders.commit`);
 `load_training_state` restores it in place, checking first that the folder is
-complete and undamaged and that the model has the checkpoint's shapes.
+complete and undamaged and that the model has the checkpoint's shapes. Its
+meta.json also records what the run was made from (`origin.run_origin`), which
+`preflight` checks on --resume before any engine starts.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import io
 import json
 import logging
@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 
 from hybrid_engine.checkpoint.folders import (WRITE_ERRORS, agree, check_complete, commit,
                                               group_rank, tmp_folder)
+from hybrid_engine.checkpoint.origin import folder_digest, run_origin, weights_digest
 from hybrid_engine.parallel.dist import train_group
 from hybrid_engine.parallel.params import reshard_all
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from hybrid_engine.roles.critic import Critic
     from hybrid_engine.roles.trainer import Trainer
 
-__all__ = ["load_training_state", "save_training_state"]
+__all__ = ["load_training_state", "save_training_state", "weights_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,13 @@ def _check_base(path: Path, saved: dict | None, trainer: Trainer) -> None:
     """A LoRA checkpoint resumes only on the base it was trained on, and only into a
     LoRA policy (and a full one only into a full one)."""
     lora = getattr(trainer, "lora", False)
-    if (saved is not None) != lora:
-        raise ValueError(f"{path} holds {'LoRA adapters' if saved else 'a fully trained model'}"
-                         f", but this run has model.lora_rank={'0' if not lora else '> 0'}: "
+    if saved is not None and not lora:
+        raise ValueError(f"{path} holds LoRA adapters, but this run has model.lora_rank=0: "
                          "resume with the model settings the run started with")
-    if saved is not None and saved["sha256"] != weights_digest(trainer.model_path):
+    if saved is None and lora:
+        raise ValueError(f"{path} holds a fully trained model, but this run trains LoRA "
+                         "adapters (model.lora_rank > 0): resume with model.lora_rank=0")
+    if saved is not None and saved["sha256"] != folder_digest(trainer.model_path):
         raise ValueError(f"{path} holds LoRA adapters of the base model {saved['path']!r}, "
                          f"whose weights differ from those of model.path="
                          f"{trainer.model_path!r}: resume with that base model")
@@ -181,6 +184,7 @@ def _write_rest(folder: Path, trainer: Trainer, critic: Critic | None, extra: di
                 "step": critic.step, "scheduler": critic.scheduler.state_dict()},
             "extra": extra,
             "lora_base": _base_of(trainer),
+            "origin": _origin(trainer),
         }
         (folder / "meta.json").write_text(json.dumps(meta, indent=1))
 
@@ -190,22 +194,26 @@ def _base_of(trainer: Trainer) -> dict | None:
     and the SHA-256 of its weight files; None for a fully trained policy."""
     if not getattr(trainer, "lora", False):
         return None
-    return {"path": str(trainer.model_path), "sha256": weights_digest(trainer.model_path)}
+    return {"path": str(trainer.model_path), "sha256": folder_digest(trainer.model_path)}
 
 
-@functools.cache
-def weights_digest(model_path: str) -> str:
-    """SHA-256 over a model folder's safetensors files (names and bytes, in name
-    order), read in 16 MiB pieces; once per process and folder."""
-    from hybrid_engine.parallel.fsdp import resolve_model_path
+def _origin(trainer: Trainer) -> dict | None:
+    """`origin.run_origin` of the policy's model (None, with a warning, when its
+    folder cannot be read any more: the save goes on, a resume then cannot check)."""
+    try:
+        return run_origin(str(trainer.model_path), _lora_rank(trainer))
+    except (OSError, ValueError) as e:
+        logger.warning("checkpoint: the model the run was made from is not recorded: %s", e)
+        return None
 
-    digest = hashlib.sha256()
-    for file in sorted(resolve_model_path(model_path).glob("*.safetensors")):
-        digest.update(file.name.encode())
-        with file.open("rb") as f:
-            while piece := f.read(16 * 2**20):
-                digest.update(piece)
-    return digest.hexdigest()
+
+def _lora_rank(trainer: Trainer) -> int:
+    """The rank of a LoRA policy's adapters; 0 for a fully trained policy."""
+    if not getattr(trainer, "lora", False):
+        return 0
+    from hybrid_engine.parallel.lora import ADAPTER_NAME, lora_modules
+
+    return next((layer.r[ADAPTER_NAME] for _, layer in lora_modules(trainer.module)), 0)
 
 
 def save_training_state(
