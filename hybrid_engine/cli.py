@@ -87,12 +87,20 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     from hybrid_engine.models.tiny import PRESETS, write_tiny_model
 
     if args.preset not in PRESETS:
-        raise SystemExit(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
+        print(f"error: unknown preset {args.preset!r}; available: {', '.join(PRESETS)}",
+              file=sys.stderr)
+        return 2
     spec = PRESETS[args.preset]
     changes = {k: v for k, v in (("arch", args.arch), ("seed", args.seed),
                                  ("tie_word_embeddings", args.tie),
                                  ("num_experts", args.experts)) if v is not None}
-    spec = dataclasses.replace(spec, **changes)
+    try:
+        spec = dataclasses.replace(spec, **changes)
+    except ValueError as e:  # e.g. --experts below the routing's top-k
+        print(f"error: tiny-model --preset={args.preset}"
+              + "".join(f" --{k}={v}" for k, v in (("arch", args.arch), ("experts", args.experts))
+                        if v is not None) + f": {e}", file=sys.stderr)
+        return 2
     path = write_tiny_model(args.path, spec)
     print(json.dumps({"path": str(path), "num_params": spec.num_params, **dataclasses.asdict(spec)}))
     return 0

@@ -63,10 +63,15 @@ def _load_config(path: str):  # noqa: ANN202 - a transformers config
         raise ValueError(f"--config {path}: not a readable JSON config ({e})") from None
     if not isinstance(d, dict) or "model_type" not in d:
         raise ValueError(f"--config {path}: no model_type (not a HF config.json?)")
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not d.get("architectures") and d["model_type"] in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        d["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[d["model_type"]]]  # as HF's would
     try:
         return AutoConfig.for_model(d.pop("model_type"), **d)
-    except ValueError as e:
-        raise ValueError(f"--config {path}: {e}") from None
+    except (ValueError, TypeError, StrictDataclassError) as e:
+        raise ValueError(f"--config {path}: {' '.join(str(e).split())}") from None
 
 
 def plan_report(args: argparse.Namespace) -> dict:

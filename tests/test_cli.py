@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -90,6 +91,14 @@ def test_tiny_model_writes_a_mixture_of_experts(tmp_path):
     assert config["model_type"] == "mixtral" and config["num_local_experts"] == 3
 
 
-def test_unknown_preset_is_a_clear_error(tmp_path):
-    out = _cli("tiny-model", str(tmp_path / "m"), "--preset", "huge")
-    assert out.returncode != 0 and "unknown preset 'huge'" in out.stderr
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--arch", "mixtral", "--experts", "1"], "--experts=1: need 1 <= experts_per_token"),
+])
+def test_bad_tiny_model_flags_are_one_error_line(tmp_path, capsys, argv, message):
+    from hybrid_engine import cli
+
+    assert cli.main(["tiny-model", str(tmp_path / "m"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "m").exists()

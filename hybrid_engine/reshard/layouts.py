@@ -137,9 +137,13 @@ def model_dims(config: Any) -> ModelDims:
         raise ValueError(f"{arch or config.model_type}: a Mixture-of-Experts with shared experts "
                          "is not supported (the resharding planner has no layout for them); "
                          f"supported MoE: {', '.join(MOE_ARCHITECTURES)}")
+    if not arch:
+        raise ValueError(f"the config (model_type {getattr(config, 'model_type', None)!r}) names "
+                         "no architecture: add \"architectures\": [one of "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}]")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"unsupported architecture {arch or config.model_type!r}; supported: "
+            f"unsupported architecture {arch!r}; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     heads = config.num_attention_heads

@@ -112,12 +112,23 @@ def test_plan_command_refuses_sizes_that_do_not_fit(capsys, config_json, args, m
     assert err.startswith("error: ") and message in err
 
 
+def test_plan_reads_the_architecture_from_model_type_alone(capsys, tmp_path):
+    """A config.json with only model_type plans as transformers' causal LM of that type."""
+    (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama"}))
+    code, out, err = _plan_cli(capsys, "--config", str(tmp_path / "llama.json"))
+    assert code == 0 and "floor of one sync" in out, err
+
+
 def test_plan_command_refuses_a_bad_config(capsys, tmp_path):
     cfg = hf_config(SPECS["qwen2"]).to_dict()
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "gpt2.json").write_text(json.dumps(cfg))
     (tmp_path / "nomodel.json").write_text("{}")
+    (tmp_path / "text.json").write_text(json.dumps({**cfg, "hidden_size": "abc"}))
+    (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert"}))
     for path, message in [(tmp_path / "gpt2.json", "unsupported architecture"),
+                          (tmp_path / "text.json", "field 'hidden_size': TypeError"),
+                          (tmp_path / "bert.json", "unsupported architecture 'BertLMHeadModel'"),
                           (tmp_path / "nomodel.json", "no model_type"),
                           (tmp_path / "missing.json", "not a readable JSON config")]:
         code, out, err = _plan_cli(capsys, "--config", str(path))
