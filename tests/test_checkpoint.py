@@ -15,6 +15,8 @@ start-up is paid once:
   (RLIMIT_FSIZE, as on a full disk) raises one CheckpointWriteError on both
   ranks, leaves no .tmp- folder and the previous checkpoint loads.
 - a save before the first optimizer step leaves the next step bitwise unchanged.
+- every checkpoint's meta.json records the model its run was made from
+  (architecture, config, weights sha256, LoRA rank: what --resume checks first).
 - export of a trained untied and a tied model: the HF folder's tensors equal the
   full tensors bitwise, and its logits equal the FSDP model's (max diff 0).
 """
@@ -285,6 +287,17 @@ def _check_save_before_training(path: str, vocab: int, root: str) -> dict:
     return {"differ": _same(*runs)}
 
 
+def _save_lora(path: str, root: str) -> None:
+    """A LoRA policy's checkpoint before any step (its record: the adapters' rank)."""
+    from hybrid_engine.checkpoint import save_training_state
+    from hybrid_engine.config import ModelConfig, TrainConfig
+    from hybrid_engine.roles.trainer import Trainer
+
+    trainer = Trainer(path, TrainConfig(**TRAIN_KW),
+                      ModelConfig(compute_dtype="float32", lora_rank=6), logits_chunk_tokens=16)
+    save_training_state(f"{root}/lora", trainer=trainer)
+
+
 def _two_rank_checks(root: str) -> dict:
     import torch.distributed as dist
 
@@ -303,6 +316,7 @@ def _two_rank_checks(root: str) -> dict:
         integrity=_check_integrity(f"{root}/untied", vocab["untied"], f"{root}/integrity"),
         layouts=_check_layouts(f"{root}/untied", vocab["untied"], f"{root}/layouts"),
         fresh=_check_save_before_training(f"{root}/untied", vocab["untied"], f"{root}/fresh"),
+        lora=_save_lora(f"{root}/untied", root),
     )
 
 
@@ -363,6 +377,28 @@ def test_step_after_load_equals_continuing(two_ranks, name):
         rt = r["roundtrip"][name]
         assert rt["resumed"] == rt["continued"]  # (policy loss, critic loss), bitwise
         assert rt["weights_equal"] == []
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_a_checkpoint_records_the_model_it_was_made_from(two_ranks, root, name):
+    """What --resume compares before any engine starts (tests/test_resume_model.py)."""
+    import json
+    from pathlib import Path
+
+    from hybrid_engine.checkpoint.origin import weights_digest
+    from hybrid_engine.models.tiny import TinyModelSpec
+
+    model = f"{root}/{name}"
+    origin = json.loads(Path(f"{root}/rt_{name}/ckpt/meta.json").read_text())["origin"]
+    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+            "mixtral": "MixtralForCausalLM"}[SPECS[name]["arch"]]
+    assert (origin["architecture"], origin["path"], origin["lora_rank"]) == (arch, model, 0)
+    assert origin["sha256"] == weights_digest(model)
+    assert origin["config"]["vocab_size"] == TinyModelSpec(**SPECS[name]).vocab_size
+    assert list(origin["files"]) == ["model.safetensors"]
+    if name == "untied":
+        lora = json.loads(Path(f"{root}/lora/meta.json").read_text())["origin"]
+        assert (lora["lora_rank"], lora["sha256"]) == (6, origin["sha256"])
 
 
 def test_replicated_layout_saves_and_resumes_in_any_layout(two_ranks):
