@@ -66,7 +66,13 @@ from hybrid_engine.roles.base import (Algorithm, Checkpointer, Environment, Layo
                                       Pending, Policy, Scorer, layout_of)
 from hybrid_engine.trajectory import stamp_version
 
-__all__ = ["Controller"]
+__all__ = ["Controller", "FinalEvaluationFailed"]
+
+
+class FinalEvaluationFailed(ValueError):
+    """The evaluation after the last step failed on bad input (an evaluation set
+    smaller than eval.num_prompts, a reward that raises): the training is sound,
+    and the last step was saved when checkpointing is on."""
 
 _log = logging.getLogger(__name__)
 _REFILL_SEED_OFFSET = 7_919_999  # a refill round's sampling seed offset (far from any step count)
@@ -295,11 +301,21 @@ class Controller:
                     self._save(t_start)
             if reason != "signal" and cfg.eval.at_end and not (every and s.step % every == 0) \
                     and s.step:  # the final weights, unless just evaluated
-                self._record(s.step, self.evaluate())
+                self._final_evaluation(t_start)
             if reason == "signal" and cfg.checkpoint_every and s.step % cfg.checkpoint_every:
                 self._save(t_start)  # the finished steps are not lost
         s.wall_s += time.monotonic() - t_start
         return {"steps": s.step, "stop_reason": reason, "wall_s": s.wall_s, "history": s.history}
+
+    def _final_evaluation(self, t_start: float) -> None:
+        """Evaluates the final weights; on bad input, saves the last step first
+        (unless just saved) and raises FinalEvaluationFailed."""
+        try:
+            self._record(self.state.step, self.evaluate())
+        except ValueError as e:
+            if self.cfg.checkpoint_every and self.state.step % self.cfg.checkpoint_every:
+                self._save(t_start)
+            raise FinalEvaluationFailed(f"the final evaluation failed: {e}") from e
 
     def _record(self, step: int, m: dict[str, float]) -> None:
         abort = self.guards.check(step, m)  # flags m; the same answer on every rank

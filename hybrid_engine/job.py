@@ -42,7 +42,7 @@ from hybrid_engine.checkpoint import (
     COMPLETE_MARKER, checkpoint_problem, latest_checkpoint, prune_checkpoints,
     step_checkpoint_path, step_checkpoints)
 from hybrid_engine.config import RunConfig, flatten, to_dict
-from hybrid_engine.controller import Controller
+from hybrid_engine.controller import Controller, FinalEvaluationFailed
 from hybrid_engine.evaluation import Evaluator
 from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.parallel.dist import set_collective_timeout
@@ -251,6 +251,10 @@ class Job:
         """Runs the controller, exports the final policy and plots; returns the summary."""
         try:
             summary = self.controller.run()
+        except FinalEvaluationFailed as e:  # the trained policy is kept all the same
+            final = self._export()
+            raise ValueError(f"{e} ({final} is written; the last step's checkpoint too when "
+                             "checkpointing is on)") from None
         finally:
             if self.bar is not None:
                 self.bar.close()

@@ -161,6 +161,28 @@ def test_an_unguarded_script_with_a_hanging_reward_under_torchrun(model_dir, tmp
     assert (out / "final" / "config.json").is_file()
 
 
+def test_a_failed_final_evaluation_keeps_final_and_the_last_checkpoint(model_dir, tmp_path) -> None:
+    """A reward that raises only once the 2 training steps are scored (its 9th call
+    in each rank's worker: 8 samples per rank per step) fails the final evaluation:
+    one error line, and the trained policy is kept: final/ and step 2's checkpoint
+    (checkpoint_every=3 would not have saved it)."""
+    (tmp_path / "reward.py").write_text(
+        "calls = 0\n\ndef reward(prompt, completion, answer):\n    global calls\n"
+        "    calls += 1\n    if calls > 16:\n        raise ValueError('eval set broke me')\n"
+        "    return float(len(completion) % 2)\n")
+    out = tmp_path / "run"
+    proc = _job(model_dir, out, f"--env.reward_fn={tmp_path / 'reward.py'}:reward",
+                "--train.num_steps=2", "--checkpoint_every=3", "--eval.at_end=true")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-3000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and "the final evaluation failed" in errors[0], text[-3000:]
+    assert "eval set broke me" in errors[0] and "final is written" in errors[0], errors
+    assert "Traceback" not in text, text[-3000:]
+    assert (out / "final" / "config.json").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+
+
 def test_a_prompt_too_long_is_truncated_and_counted(model_dir, tmp_path) -> None:
     """With rollout.prompt_too_long=truncate (reject's refusals: tests/test_preflight.py
     before any engine, tests/rollout/test_engine.py as it samples)."""

@@ -198,6 +198,21 @@ def test_eval_and_checkpoint_cadence() -> None:
     assert evals == [0, 2, 4, 5] and summary["steps"] == 5
 
 
+def test_a_final_evaluation_that_fails_saves_the_last_step_first(monkeypatch) -> None:
+    """Bad input found only by the evaluation after the last step (a reward that
+    raises on its prompts): the last step, not on the checkpoint cadence, is saved
+    before the error, so the training is not lost (the job then exports final/)."""
+    from hybrid_engine.controller import Controller, FinalEvaluationFailed
+
+    def fails(self) -> dict:  # noqa: ANN001
+        raise ValueError("asked for 64 evaluation problems, found only 7")
+
+    monkeypatch.setattr(Controller, "evaluate", fails)
+    log, error, _ = _fast_run({"train.num_steps": 3, "eval.at_end": True, "checkpoint_every": 2})
+    assert isinstance(error, FinalEvaluationFailed) and "found only 7" in str(error)
+    assert [c for c in log.calls if c.startswith("save")] == ["save 2", "save 3"]
+
+
 def test_stop_on_target_reward_ema() -> None:
     # FakeEnv's reward is the prompt's parity: step 1's mean is 0.5, the EMA's first value
     _, summary, _ = _fast_run({"train.num_steps": 10, "target_reward_ema": 0.5})
