@@ -548,18 +548,39 @@ def test_a_damaged_newest_checkpoint_yields_to_the_one_before(model_dir, referen
     assert len(kept) == 3 and kept[2].startswith("step_00000004.damaged-"), kept
 
 
+def _files_of(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for d in ("checkpoints", "final")
+            for p in sorted((out / d).rglob("*")) if p.is_file()}
+
+
 def test_resume_refuses_another_models_checkpoint(model_dir, reference, tmp_path) -> None:
+    """A Llama of the run's Qwen2 shapes (no q/k/v biases) is refused before any engine
+    starts, leaving the checkpoints and final/ as they were (in-process, every case:
+    tests/test_resume_model.py); with --allow-model-change a model of another shape
+    is warned about, then refused by the load's shape check."""
     from hybrid_engine.models.tiny import PRESETS, write_tiny_model
 
+    llama = write_tiny_model(tmp_path / "llama", dataclasses.replace(PRESETS["tiny"], arch="llama"))
     spec = dataclasses.replace(PRESETS["tiny"], intermediate_size=PRESETS["tiny"].intermediate_size * 2)
     other = write_tiny_model(tmp_path / "wider", spec)
     for name in ("reward.py", "train.jsonl", "eval.jsonl"):
         shutil.copy(model_dir.parent / name, tmp_path / name)
     out = tmp_path / "run"
     shutil.copytree(reference, out)
-    proc = _run(other, out, "--resume")
+    before = _files_of(out)
+    proc = _run(llama, out, "--resume")
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert errors[0].startswith(f"error: --resume: the run in {out} was made from a "
+                                "Qwen2ForCausalLM (model.path="), errors[0]
+    assert f"not the LlamaForCausalLM at model.path={str(llama)!r}" in errors[0]
+    assert _files_of(out) == before
+    proc = _run(other, out, "--resume", "--allow-model-change")
     errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stdout[-3000:]
+    assert proc.stdout.count("--allow-model-change: the run in") == 1, proc.stdout[-3000:]
+    assert "intermediate_size 256 there, 512 here" in proc.stdout
     assert "was saved from a model of another shape" in errors[0]
     assert "mlp.up_proj.weight" in errors[0] or "mlp.gate_proj.weight" in errors[0]
 
