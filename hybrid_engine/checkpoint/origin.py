@@ -129,8 +129,8 @@ def _difference(saved: dict, here: dict, model_path: str) -> str | None:
     files are not the recorded ones), or None."""
     if saved["architecture"] != here["architecture"]:
         return "another architecture"
-    changed = [f"{k} {saved['config'].get(k)} there, {v} here"
-               for k, v in here["config"].items() if saved["config"].get(k) != v]
+    changed = [f"{k} {saved['config'][k]} there, {v} here"
+               for k, v in here["config"].items() if saved["config"].get(k, v) != v]
     if changed:
         return ", ".join(changed)
     if (saved["folder"], saved["files"]) == (here["folder"], here["files"]):
