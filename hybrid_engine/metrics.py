@@ -158,6 +158,13 @@ class MetricsSink:
         if not _rank0():
             return
         self.dir.mkdir(parents=True, exist_ok=True)
+        from hybrid_engine.tracking import Trackers
+
+        # The servers first: a tracker that does not start leaves the run folder's files as
+        # they were.
+        self.trackers = Trackers(self.log.trackers, self.dir, run_name or self.dir.resolve().name,
+                                 config or {}, resume=resume is not None,
+                                 timeout_s=self.log.tracker_timeout_s)
         if "jsonl" in self.log.trackers:
             _keep_rows_before(self.path, resume)
             if self.log.samples_every or self.samples_path.exists():
@@ -166,10 +173,6 @@ class MetricsSink:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.dir / "tb"), purge_step=resume)
-        from hybrid_engine.tracking import Trackers
-
-        self.trackers = Trackers(self.log.trackers, self.dir, run_name or self.dir.resolve().name,
-                                 config or {}, resume=resume is not None)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         if not _rank0():

@@ -6,8 +6,9 @@ kernel drops the lock when the process dies, so a crash leaves no stale
 lock); `sweep_unfinished` removes the folders a dead job's save or export
 left (`<name>.tmp-*`) and puts back a complete folder moved aside by a commit
 that died between its renames; `clear` deletes an earlier run's outputs
-(--overwrite); `unlock` releases the folder, removing it when the job made
-it and failed before writing anything.
+(--overwrite); `unlock` releases the folder; a job that failed to start leaves
+it as it found it (the lock file it made removed, and the folder too when
+the job made it and wrote nothing else).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class OutputDir:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.made = not self.path.exists()
+        self._new = _new_folders(self.path)  # what mkdir will make: path and its new parents
+        self._had_lock = (self.path / ".lock").exists()
         self._lock: IO[str] | None = lock_output_dir(self.path)  # before anything is touched
 
     def sweep_unfinished(self) -> None:
@@ -59,15 +61,20 @@ class OutputDir:
 
     def unlock(self, *, remove_if_unused: bool = False) -> None:
         """Releases the lock; with remove_if_unused (the job failed to start), the
-        folder goes too when this job made it and the lock file is all it holds."""
+        lock file goes too when this job made it, and so do the folder and the
+        parents this job made when nothing else is in them."""
         if self._lock is None:
             return
+        if remove_if_unused and not self._had_lock:
+            # Unlinked while held: a job that opens the path now gets a new file
+            # (`lock_output_dir` checks it locked the file at the path).
+            (self.path / ".lock").unlink(missing_ok=True)
         self._lock.close()  # closing the file releases the flock
         self._lock = None
-        if remove_if_unused and self.made and [p.name for p in self.path.iterdir()] == [".lock"]:
-            (self.path / ".lock").unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # another job may have just taken it
-                self.path.rmdir()
+        if remove_if_unused:
+            for folder in self._new:  # innermost first; rmdir refuses one that is not empty
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
 
 
 def sweep_unfinished(out: Path) -> None:
@@ -91,6 +98,37 @@ def sweep_unfinished(out: Path) -> None:
             log.info("removed %s: an earlier job's unfinished save or export", tmp)
 
 
+def _new_folders(path: Path) -> list[Path]:
+    """path and those of its parents that do not exist yet, innermost first."""
+    new, p = [], path.absolute()
+    while not p.exists() and p != p.parent:
+        new.append(p)
+        p = p.parent
+    return new
+
+
+def _open_locked(path: Path) -> IO[str] | None:
+    """The lock file at path, opened and flocked (exclusive, without waiting);
+    None when another job holds it. A file unlinked between the open and the
+    flock (a job that failed to start removes the one it made) is not the one
+    at path: it is opened again."""
+    while True:
+        f = path.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            return None
+        try:
+            here = os.stat(path)
+        except FileNotFoundError:
+            here = None
+        held = os.fstat(f.fileno())
+        if here is not None and (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
+            return f
+        f.close()
+
+
 def lock_output_dir(out: Path) -> IO[str] | None:
     """Rank 0 takes an exclusive flock on out/.lock for the job's life (the
     kernel drops it when the process dies, so a crash leaves no stale lock);
@@ -99,10 +137,9 @@ def lock_output_dir(out: Path) -> IO[str] | None:
     held, msg = None, ""
     if not dist.is_initialized() or dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-        f = (out / ".lock").open("a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        f = _open_locked(out / ".lock")
+        if f is None:
+            f = (out / ".lock").open("a+")
             f.seek(0)
             who = f.read().strip() or "another job"
             f.close()

@@ -54,7 +54,7 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     cfg.validate_for_run()
     if writes_output:
         check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
-        check_trackers(cfg.log.trackers)
+        check_trackers(cfg.log.trackers, timeout_s=cfg.log.tracker_timeout_s)
     hf = check_model_folder(resolve_model_path(cfg.model.path))
     if writes_output and resume:
         check_resume_model(Path(cfg.output_dir), cfg.model.path, cfg.model.lora_rank,
@@ -99,18 +99,23 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
             log.warning(warning)
 
 
-def check_trackers(trackers: tuple[str, ...]) -> None:
-    """Refuses a tracker whose library is not installed.
+def check_trackers(trackers: tuple[str, ...], *, timeout_s: float = 30.0) -> None:
+    """Refuses a tracker whose library is not installed, and one that needs a server
+    it cannot use (`tracking.check_servers`: a W&B login, an answer within
+    timeout_s). Every rank asks the server once, so each spends the same bounded
+    time and reaches the same verdict.
 
     Raises:
-        ValueError: log.trackers names wandb or mlflow and it cannot be imported.
+        ValueError: log.trackers names wandb or mlflow and it cannot be imported,
+            or its server cannot be used (the message names its offline mode).
     """
-    from hybrid_engine.tracking import EXTERNAL
+    from hybrid_engine.tracking import EXTERNAL, check_servers
 
     for name in trackers:
         if name in EXTERNAL and importlib.util.find_spec(name) is None:
             raise ValueError(f"log.trackers has {name}, which is not installed: pip install "
                              f"'hybrid_engine[trackers]' (or leave {name} out of log.trackers)")
+    check_servers(trackers, timeout_s)
 
 
 def check_dataset(env: EnvConfig) -> list | None:

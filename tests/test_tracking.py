@@ -1,24 +1,35 @@
 """Where metrics and samples go (`log` section): the samples table, its cadence and
 rows, the trackers that are picked, W&B (offline) and MLflow (a file store)
 receiving the config, the metrics and the tables and continuing on resume, and
-the refusals. All in-process; the 2-rank `train` run of tests/test_train_cli.py
-checks the same on real ranks."""
+the refusals: among them servers that cannot be used (real localhost sockets: a
+closed port, and one that accepts but never answers), refused before any engine
+and bounded by log.tracker_timeout_s, leaving the run folder as it was. All
+in-process but one `train` command; the 2-rank `train` run of
+tests/test_train_cli.py checks the same on real ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
+import socket
 import struct
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from hybrid_engine.config import LogConfig, RunConfig, apply_overrides
 from hybrid_engine.metrics import MetricsSink
+from hybrid_engine.output_dir import OutputDir
+from hybrid_engine.preflight import check_trackers
+from hybrid_engine.testing import run_cli
 from hybrid_engine.tracking import samples_table
 from hybrid_engine.trajectory import Trajectory
+from tests.test_preflight import _refusal
 
 EXTRA = pytest.mark.skipif(
     not (importlib.util.find_spec("wandb") and importlib.util.find_spec("mlflow")),
@@ -233,3 +244,160 @@ def test_wandb_and_mlflow_receive_config_metrics_and_samples(tmp_path, monkeypat
     # The store was this run's: nothing of it stays in the environment (child processes,
     # a next run in this process).
     assert os.environ["MLFLOW_TRACKING_URI"] == ""
+
+
+# --- servers that cannot be used ---------------------------------------------------
+
+
+def _closed_port() -> int:
+    """A localhost port nothing listens on (bound, read, closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _silent_server() -> Iterator[str]:
+    """The URL of a localhost server that accepts connections (the kernel's
+    backlog) and never answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _files(folder: Path) -> dict[str, bytes | None]:
+    """Everything under folder: {relative path: a file's bytes, None for a folder}."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(folder.rglob("*"))}
+
+
+def _earlier_run(folder: Path) -> dict[str, bytes | None]:
+    """An earlier run's files in folder (a checkpoint, metrics); returns `_files`."""
+    (folder / "checkpoints" / "step_2").mkdir(parents=True)
+    (folder / "checkpoints" / "step_2" / "model.safetensors").write_bytes(b"w" * 16)
+    (folder / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+    return _files(folder)
+
+
+@EXTRA
+def test_an_mlflow_server_that_is_down_is_refused_before_any_engine(model_dir, tmp_path,
+                                                                    monkeypatch) -> None:
+    """Through the train command's preflight, in seconds (MLflow's own retries took
+    about 5 minutes after the engine had started), with MLflow's offline mode named."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
+    t0 = time.monotonic()
+    message = _refusal(model_dir, tmp_path / "run", "--log.trackers=jsonl,mlflow")
+    assert time.monotonic() - t0 < 30, message
+    assert "log.trackers has mlflow, but MLFLOW_TRACKING_URI=http://127.0.0.1:" in message
+    assert "did not answer within log.tracker_timeout_s=30 s" in message
+    assert message.endswith("unset MLFLOW_TRACKING_URI to log to the run's own file store "
+                            "(<output_dir>/mlruns)") and "\n" not in message
+
+
+@EXTRA
+def test_tracker_timeout_s_bounds_a_server_that_never_answers(tmp_path, monkeypatch) -> None:
+    """log.tracker_timeout_s=2: the preflight's request and the start itself end near
+    it (MLflow's defaults: 8 tries of up to 120 s each); the failed start leaves an
+    earlier run's folder as it was and MLflow's variables as they were."""
+    before = _earlier_run(tmp_path)
+    with _silent_server() as url:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=rf"MLFLOW_TRACKING_URI={url} did not answer within "
+                                             r"log.tracker_timeout_s=2 s \(timed out\)"):
+            check_trackers(("mlflow",), timeout_s=2)
+        assert 1.5 < time.monotonic() - t0 < 12
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=r"log.trackers: mlflow did not start \("
+                                             r"log.tracker_timeout_s=2 bounds .*; unset "
+                                             r"MLFLOW_TRACKING_URI .*: MlflowException: .*timed"):
+            MetricsSink(tmp_path, LogConfig(trackers=("jsonl", "mlflow"), tracker_timeout_s=2),
+                        resume=3)
+        assert time.monotonic() - t0 < 2 + 15
+    assert _files(tmp_path) == before  # no trackers.json, metrics.jsonl untouched
+    assert not {"MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"} & set(os.environ)
+
+
+@EXTRA
+def test_wandb_online_needs_a_login_and_its_server(tmp_path, monkeypatch) -> None:
+    """WANDB_MODE unset: without WANDB_API_KEY or a ~/.netrc entry for its host,
+    and with one but the server down, preflight refuses naming WANDB_MODE=offline;
+    offline needs neither."""
+    for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    host = f"127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://{host}")
+    with pytest.raises(ValueError, match=r"log.trackers has wandb, but no W&B login was found "
+                                         r"for http://127.0.0.1:\d+ \(WANDB_API_KEY, .*\): log "
+                                         r"in, or set WANDB_MODE=offline to log without"):
+        check_trackers(("jsonl", "wandb"))
+    (tmp_path / ".netrc").write_text(f"machine {host}\n  login user\n  password {'a' * 40}\n")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=rf"W&B's server http://{host} did not answer within "
+                                         r"log.tracker_timeout_s=30 s \(.*refused\): start it, "
+                                         r"or set WANDB_MODE=offline"):
+        check_trackers(("jsonl", "wandb"))
+    assert time.monotonic() - t0 < 10
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_trackers(("jsonl", "wandb"))
+
+
+@EXTRA
+def test_a_wandb_start_is_bounded_and_leaves_nothing(tmp_path, monkeypatch) -> None:
+    """A W&B server that never answers, past the preflight: wandb.init gives up at
+    log.tracker_timeout_s=3 (W&B's own init_timeout is 90 s) and the run folder
+    keeps no wandb/ of the run that did not start."""
+    import wandb
+
+    wandb.teardown()  # wandb reads its environment once a process: an earlier test's offline
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
+    out = tmp_path / "run"
+    out.mkdir()
+    before = _earlier_run(out)
+    with _silent_server() as url:
+        monkeypatch.setenv("WANDB_BASE_URL", url)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=r"log.trackers: wandb did not start \(log."
+                                             r"tracker_timeout_s=3 bounds .*; set WANDB_MODE="
+                                             r"offline .*\): CommError: "):
+            MetricsSink(out, LogConfig(trackers=("jsonl", "wandb"), tracker_timeout_s=3),
+                        resume=3)
+        assert time.monotonic() - t0 < 60
+    assert _files(out) == before
+    wandb.teardown()  # nor this test's online one for the next
+
+
+def test_a_job_that_does_not_start_leaves_the_folder_as_it_found_it(tmp_path) -> None:
+    """`OutputDir.unlock(remove_if_unused=True)`: the lock file it made goes, and
+    the folders it made when empty; an earlier run's files and lock stay."""
+    OutputDir(tmp_path / "new" / "run").unlock(remove_if_unused=True)
+    assert list(tmp_path.iterdir()) == []
+    before = _earlier_run(tmp_path / "old")
+    folder = OutputDir(tmp_path / "old")
+    assert (tmp_path / "old" / ".lock").is_file()
+    folder.unlock(remove_if_unused=True)
+    assert _files(tmp_path / "old") == before
+    OutputDir(tmp_path / "old").unlock()  # a job that ran: its lock file stays
+    OutputDir(tmp_path / "old").unlock(remove_if_unused=True)
+    assert (tmp_path / "old" / ".lock").is_file()
+
+
+@EXTRA
+def test_train_with_an_mlflow_server_that_is_down(model_dir, tmp_path) -> None:
+    """`hybrid-engine train` (1 rank): one error line, no traceback, no folder made."""
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = run_cli(["train", "--recipe=tiny_grpo_debug", "--no-progress",
+                    f"--model.path={model_dir}", f"--output_dir={out}",
+                    "--log.trackers=jsonl,mlflow"], timeout=120,
+                   env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{_closed_port()}"})
+    took = time.monotonic() - t0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert "unset MLFLOW_TRACKING_URI" in errors[0] and "Traceback" not in proc.stderr
+    assert not out.exists()
+    print(f"error line after {took:.1f} s")

@@ -572,6 +572,9 @@ class LogConfig:
     trackers: tuple[str, ...] = _field(
         ("jsonl", "tensorboard"), "Where metrics and samples go, any of jsonl (metrics.jsonl, "
         "samples.jsonl, metrics.png), tensorboard, wandb, mlflow.")
+    tracker_timeout_s: float = _field(
+        30.0, "Seconds W&B and MLflow may take to answer as they start (checked before the "
+        "engine starts; past it the run stops with an error naming their offline mode).", gt=0)
 
     def __post_init__(self) -> None:
         _validate_fields(self)
