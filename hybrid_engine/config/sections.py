@@ -361,8 +361,9 @@ class EnvConfig:
         "no timeouts).", ge=0)
     reward_timeout_s: float = _field(
         60.0, "Seconds one reward function call may run; past it, its worker is killed and it "
-        "scores env.reward_on_timeout (0 = no limit). A batch's calls time out together: once "
-        "none has returned for this long, all still pending do.", ge=0)
+        "scores env.reward_on_timeout (0 = no limit). A step's calls also time out together: "
+        "when none has returned for this long, those running stop; at a second such stall, all "
+        "left do.", ge=0)
     reward_on_timeout: float = _field(
         0.0, "The value of a reward function call that timed out (counted in reward/timeouts).")
     min_digits: int = _field(1, "arithmetic: fewest digits of a generated operand.", ge=1)

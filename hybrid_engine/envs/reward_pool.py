@@ -9,12 +9,13 @@ ProcessPool) and returns one `Outcome` per call, in order:
              process was killed (and replaced)
     error    it raised (also SystemExit) or its worker died: "Type: message"
 
-The calls of one `run` are timed out together: once timeout_s passes with no
-call of the batch returning (a call that timed out is no progress), every call
-still running or queued times out at once. A function that hangs on every
-input so costs about one timeout per batch, not one per call and worker
-restart; a batch that keeps returning is never cut, and the clock starts when
-its first call starts (a worker's start is not timed).
+The calls of one `run` are also timed out together. A stall, timeout_s with
+no call of the batch returning (a call that timed out is no progress), stops
+the calls running then; a second stall in the same batch stops every call
+left, running or queued. A function that hangs on every input so costs about
+two timeouts per batch, not one per call and worker restart; one that hangs
+on one sample costs that sample only; a batch that keeps returning is never
+cut. The clock starts when a call starts (a worker's start is not timed).
 
 A worker runs a call in its main thread, so libraries whose own timeouts use
 signals (math-verify) work. With workers=0 calls run in this process, in
@@ -132,8 +133,8 @@ class RewardPool:
     Args:
         workers: processes (0: run calls in this process, no timeouts).
         timeout_s: the most one call may run, and the longest a batch may go
-            without a call returning (0: no limit); a worker's start (imports,
-            loading `preload`) is not timed.
+            without a call returning, twice (0: no limit); a worker's start
+            (imports, loading `preload`) is not timed.
         preload: the specs each worker loads as it starts.
     """
 
@@ -162,20 +163,24 @@ class RewardPool:
         return [self._outcome(f) for f in futures]
 
     def _stop_when_stalled(self, futures: Sequence[concurrent.futures.Future]) -> None:
-        """Waits for futures; once timeout_s passes with none returning (timeouts
-        do not count), cancels the rest: pebble kills the workers running them."""
-        pending, last = set(futures), None
+        """Waits for futures. A stall (timeout_s with none returning; timeouts do not
+        count) stops the calls running then; a second stall in the batch stops all
+        that are left. pebble kills the workers of the running ones it stops."""
+        pending, last, stalls = set(futures), None, 0
         while pending:
             done, pending = concurrent.futures.wait(
                 pending, timeout=0.1, return_when=concurrent.futures.FIRST_COMPLETED)
             now = time.monotonic()
-            returned = any(not isinstance(f.exception(), TimeoutError) for f in done)
-            if returned or (last is None and (done or any(f.running() for f in pending))):
+            if any(not f.cancelled() and not isinstance(f.exception(), TimeoutError)
+                   for f in done):
                 last = now
+            elif last is None and (done or any(f.running() for f in pending)):
+                last = now  # the clock starts with the first call, not the workers' start
             if last is not None and now - last > self.timeout_s:
-                for f in pending:
+                stalls += 1
+                for f in [f for f in pending if stalls > 1 or f.running()]:
                     f.cancel()
-                return
+                last = None  # from the next call's start: a restarting worker is not timed
 
     def _outcome(self, future: concurrent.futures.Future) -> Outcome:
         try:

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybrid_engine.envs.user_code import load_function
 
-__all__ = ["BUILTIN_REWARDS", "RewardTerm", "function_term", "parse_rewards"]
+__all__ = ["BUILTIN_REWARDS", "RewardTerm", "check_columns", "function_term", "parse_rewards"]
 
 BUILTIN_REWARDS = {
     "math": "hybrid_engine.envs.verifiers:math_reward",
@@ -53,6 +55,7 @@ class RewardTerm:
         batched: called once per batch with lists, not once per sample.
         columns: the row columns it receives (None: all of them).
         settings: fixed keyword arguments (format's pattern).
+        required: the columns it names without a default (each row must have them).
     """
 
     name: str
@@ -61,6 +64,7 @@ class RewardTerm:
     batched: bool = False
     columns: frozenset[str] | None = frozenset()
     settings: dict = field(default_factory=dict)
+    required: frozenset[str] = frozenset()
 
 
 def _split_weight(item: str) -> tuple[str, float]:
@@ -101,7 +105,42 @@ def function_term(spec: str, weight: float = 1.0, *, name: str = "", settings: d
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
     named = frozenset(p.name for p in params[3:]
                       if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) - set(settings)
-    return RewardTerm(name, weight, spec, batched, None if takes_all else named, settings)
+    if params:
+        _check_call(fn, spec, key, batched, {**dict.fromkeys(named), **settings})
+    required = frozenset(p.name for p in params[3:] if p.default is p.empty and p.kind in (
+        p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) - set(settings)
+    return RewardTerm(name, weight, spec, batched, None if takes_all else named, settings,
+                      required)
+
+
+def check_columns(terms: Sequence[RewardTerm], columns: Iterable[str], where: str) -> None:
+    """Every column a term requires is among a dataset row's columns.
+
+    Raises:
+        ValueError: naming the term, the missing column and where the row is.
+    """
+    have = set(columns)
+    for term in terms:
+        missing = sorted(term.required - have)
+        if missing:
+            raise ValueError(f"env.rewards term {term.name!r} ({term.spec}) takes column "
+                             f"{missing[0]!r}, which {where} does not have (its columns: "
+                             f"{', '.join(sorted(have)) or 'none besides prompt and answer'})")
+
+
+def _check_call(fn: Any, spec: str, key: str, batched: bool, kwargs: dict) -> None:
+    """fn takes the call a term makes: (prompt, completion, answer, **columns), or
+    the batched form's lists.
+
+    Raises:
+        ValueError: the signature cannot take it (found now, not at the first step).
+    """
+    try:
+        inspect.signature(fn).bind("p", "c", "a", **kwargs)
+    except TypeError as e:
+        form = ("(prompts, completions, answers, **columns), each a list" if batched
+                else "(prompt, completion, answer, **columns)")
+        raise ValueError(f"{key}: {spec!r} cannot be called as a reward {form}: {e}") from None
 
 
 def parse_rewards(text: str, *, format_pattern: str = "") -> list[RewardTerm]:
