@@ -10,6 +10,7 @@ Generated mode: training problem i is drawn from a `random.Random` seeded by
 Dataset mode: the rows of `DatasetSpec.path` (memory-mapped, `envs.dataset`)
 served by an `EpochCursor` over row indices; evaluation problems are the rows
 of `DatasetSpec.eval_path`, or, without one, the held-out share of `path`.
+`split` computes the same division from the prompts alone, for the preflight.
 
 Invariant: training and evaluation problems are disjoint -- by file when an
 eval file is given, else by a stable hash of the prompt's text (a prompt is
@@ -23,6 +24,7 @@ import random
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,7 +32,7 @@ import numpy as np
 from hybrid_engine.envs.dataset import DatasetSpec, EpochCursor, Example, Records, prompt_text
 from hybrid_engine.envs.user_code import load_function
 
-__all__ = ["ProblemBank", "is_held_out"]
+__all__ = ["ProblemBank", "Split", "is_held_out", "split"]
 
 _HELD_OUT_BUCKETS = 16  # 1/16 of the problem space is held out for evaluation
 # Problems remembered for their answers: more than a step's prompts, its refills,
@@ -41,6 +43,46 @@ _RECENT = 8192
 def is_held_out(prompt: str) -> bool:
     """True for the held-out (evaluation) share of prompts; stable across runs."""
     return zlib.crc32(prompt.encode("utf-8")) % _HELD_OUT_BUCKETS == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """How a dataset divides into training and evaluation problems, as the bank
+    divides it (`split`).
+
+    Attributes:
+        num_rows: rows of the training file(s).
+        num_train: of them, the training rows.
+        trained: one per distinct evaluation problem, in the bank's order: whether
+            its prompt is also a training prompt (never, for the held-out share).
+    """
+
+    num_rows: int
+    num_train: int
+    trained: np.ndarray
+
+
+def split(train: Records, evaluation: Records | None) -> Split:
+    """The split `ProblemBank` makes of these tables (evaluation None: the held-out
+    share of train), from every row's prompt alone, so a malformed prompt in any
+    row (a chat role that is not one) is found here, naming its file and row."""
+    if evaluation is None:
+        held: set[str] = set()
+        num_train = 0
+        for text in train.prompt_texts():
+            if is_held_out(text):
+                held.add(text)
+            else:
+                num_train += 1
+        return Split(len(train), num_train, np.zeros(len(held), dtype=bool))
+    trained = {hash(t) for t in train.prompt_texts()}  # hashes: 8 bytes a row, not the texts
+    seen: set[str] = set()
+    flags = []
+    for text in evaluation.prompt_texts():
+        if text not in seen:
+            seen.add(text)
+            flags.append(hash(text) in trained)
+    return Split(len(train), len(train), np.array(flags, dtype=bool))
 
 
 class ProblemBank:
@@ -154,6 +196,13 @@ class ProblemBank:
     def recalled(self, key: str) -> Example | None:
         """The problem handed out with prompt `key`, if it is recent."""
         return self._recent.get(key)
+
+    def origin(self, ex: Example) -> str | None:
+        """Where a dataset problem is, for a message ('env.dataset_path=..., row i');
+        None for a generated one."""
+        if ex.source is None or ex.source[0] not in self.tables:
+            return None
+        return self.tables[ex.source[0]].where(ex.source[1])
 
     # --- state -----------------------------------------------------------------
 

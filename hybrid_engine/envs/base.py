@@ -133,6 +133,13 @@ class ProblemEnv(abc.ABC):
         read it: its ids decoded), if it was handed out recently."""
         return self.bank.recalled(prompt_text)
 
+    def prompt_origin(self, prompt_ids: Sequence[int]) -> str | None:
+        """Where a prompt handed out recently came from, for a message: its
+        dataset file and row ('env.dataset_path=..., row i'); None for a
+        generated prompt or one this environment did not hand out."""
+        ex = self.bank.recalled(decode(self.tokenizer, list(prompt_ids)))
+        return None if ex is None else self.bank.origin(ex)
+
     def answer_for(self, prompt_text: str) -> str:
         """Reference answer of a prompt this environment issued.
 

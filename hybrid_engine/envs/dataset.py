@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -120,19 +121,112 @@ def open_table(path: str, key: str = "env.dataset_path") -> datasets.Dataset:
             raise ValueError(f"{key}={path!r}: the dataset has no rows")
     bars = not datasets.utils.are_progress_bars_disabled()
     datasets.disable_progress_bars()  # one per rank and file would flood the console
+    verbosity = datasets.utils.logging.get_verbosity()
+    # datasets logs a bad file itself (once per rank); the error below says it once.
+    datasets.utils.logging.set_verbosity(logging.CRITICAL + 1)
     try:
         table = datasets.load_dataset(builder, data_files=files, split="train")
-    except Exception as exc:  # a malformed file: the library says where
+    except Exception as exc:  # a malformed file: find where
         if all(_blank(f) for f in files):
             raise ValueError(f"{key}={path!r}: the dataset has no rows") from None
-        raise ValueError(f"{key}={path!r}: cannot read {builder} data: "
-                         f"{type(exc).__name__}: {str(exc)[:500]}") from None
+        raise ValueError(f"{key}={path!r}{unreadable(files, builder, exc, path)}") from None
     finally:
+        datasets.utils.logging.set_verbosity(verbosity)
         if bars:
             datasets.enable_progress_bars()
     if len(table) == 0:
         raise ValueError(f"{key}={path!r}: the dataset has no rows")
     return table
+
+
+def unreadable(files: list[str], builder: str, exc: BaseException, path: str) -> str:
+    """What follows `key=path` in the error about files `datasets` could not read:
+    the first bad line of the first bad file (json: each line parsed on its own;
+    csv: each file through pandas), else the library's reason.
+
+    Args:
+        files: the files of path, in order.
+        builder: the `datasets` builder that failed (a value of FORMATS).
+        exc: what it raised.
+        path: the configured path (a file named by it is not named again).
+    """
+    for f in files:
+        where = _bad_json(f) if builder == "json" else _bad_csv(f) if builder == "csv" else None
+        if where is not None:
+            return f"{'' if f == path else f', file {f!r}'}{where}"
+    cause = exc.__cause__ or exc  # DatasetGenerationError wraps the reader's own error
+    return f": cannot read {builder} data: {type(cause).__name__}: {str(cause)[:500]}"
+
+
+def _bad_json(file: str) -> str | None:
+    """', line N, column C: ...' of the first line of a json/jsonl file that is
+    not a JSON object (a .json file may also be one JSON document); None: it parses."""
+    if file.endswith(".json"):
+        data = Path(file).read_bytes()
+        try:
+            json.loads(data)
+            return None
+        except ValueError as e:
+            if data.lstrip()[:1] == b"[":  # one document: a list of rows
+                return _json_error(e, None)
+    with open(file, "rb") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip(b"\r\n"))
+            except ValueError as e:
+                return _json_error(e, n)
+            if not isinstance(row, dict):
+                return (f", line {n}: a row must be a JSON object {{\"column\": value, ...}}, "
+                        f"got {line.strip()[:80].decode(errors='replace')}")
+    return None
+
+
+def _json_error(e: ValueError, line: int | None) -> str:
+    """An error of json.loads on one line (line) or on a whole document (None)."""
+    if not isinstance(e, json.JSONDecodeError):
+        return f", line {line or '?'}: not UTF-8 text ({e})"
+    return f", line {line or e.lineno}, column {e.colno}: not valid JSON ({e.msg})"
+
+
+def _bad_csv(file: str) -> str | None:
+    """pandas' reason (naming the line) when it cannot read a csv file; None: it can."""
+    import pandas as pd
+
+    try:
+        pd.read_csv(file)
+    except Exception as e:  # the parser's error names the line
+        return f": pandas cannot read it: {type(e).__name__}: {str(e).strip()[:300]}"
+    return None
+
+
+def rows_in(file: str) -> int:
+    """The rows `datasets` reads from one file (in the order it reads them)."""
+    kind = FORMATS[Path(file).suffix]
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(file).metadata.num_rows
+    if kind == "arrow":
+        import pyarrow as pa
+
+        with pa.memory_map(file) as source:
+            return sum(b.num_rows for b in pa.ipc.open_stream(source))
+    if kind == "csv":
+        import pandas as pd
+
+        return len(pd.read_csv(file))
+    if file.endswith(".json"):
+        try:
+            doc = json.loads(Path(file).read_bytes())
+            if isinstance(doc, dict):  # columns: {"prompt": [...], "answer": [...]}
+                return len(next(iter(doc.values()), []))
+            return len(doc)
+        except ValueError:
+            pass  # JSON lines
+    with open(file, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
 
 
 def _blank(file: str) -> bool:
@@ -177,6 +271,8 @@ class Records:
         self.path, self.key, self.source = path, key, source
         self.prompt_key, self.answer_key, self.preprocess = prompt_key, answer_key, preprocess
         self.table = open_table(path, key)
+        self.files = data_files(path, key)
+        self._file_rows: list[int] | None = None  # counted when a message needs them
         self[0]  # a missing column is found now, naming the columns that exist
 
     def __len__(self) -> int:
@@ -202,7 +298,16 @@ class Records:
                 yield prompt_text(self._prompt(_get({top: value}, self.prompt_key), i))
                 i += 1
 
-    def _where(self, i: int) -> str:
+    def where(self, i: int) -> str:
+        """Row i for a message: 'key=path, row i', and when path names several
+        files, the file and its row ('key=path, file f, row j')."""
+        if len(self.files) > 1:
+            if self._file_rows is None:
+                self._file_rows = [rows_in(f) for f in self.files]
+            for f, n in zip(self.files, self._file_rows, strict=True):
+                if i < n:
+                    return f"{self.key}={self.path!r}, file {f!r}, row {i}"
+                i -= n
         return f"{self.key}={self.path!r}, row {i}"
 
     def _example(self, row: dict, i: int) -> Example:
@@ -211,13 +316,13 @@ class Records:
             try:
                 row = dict(self.preprocess(dict(row)))
             except Exception as exc:  # the user's function: name it and the row
-                raise ValueError(f"{self._where(i)}: env.preprocess raised "
+                raise ValueError(f"{self.where(i)}: env.preprocess raised "
                                  f"{type(exc).__name__}: {exc}") from exc
             prompt_key, answer_key = "prompt", "answer"
         try:
             prompt, answer = _get(row, prompt_key), _get(row, answer_key)
         except KeyError as missing:
-            raise ValueError(f"{self._where(i)}: no column {missing.args[0]!r}; the columns "
+            raise ValueError(f"{self.where(i)}: no column {missing.args[0]!r}; the columns "
                              f"are {', '.join(_columns(row))}") from None
         extras = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
         return Example(self._prompt(prompt, i), self._answer(answer, i), extras,
@@ -230,16 +335,16 @@ class Records:
             for m in prompt:
                 if not (isinstance(m, Mapping) and isinstance(m.get("content"), str)
                         and m.get("role") in ROLES):
-                    raise ValueError(f"{self._where(i)}: a chat message must be {{'role': one of "
+                    raise ValueError(f"{self.where(i)}: a chat message must be {{'role': one of "
                                      f"{', '.join(ROLES)}, 'content': str}}, got {m!r}")
             return tuple({"role": m["role"], "content": m["content"]} for m in prompt)
-        raise ValueError(f"{self._where(i)}: the prompt must be a non-empty string or a list of "
+        raise ValueError(f"{self.where(i)}: the prompt must be a non-empty string or a list of "
                          f"chat messages, got {prompt!r:.200}")
 
     def _answer(self, answer: Any, i: int) -> str:
         # bool is an int subclass; an answer of `true` is almost surely a mistake.
         if answer is None or isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            raise ValueError(f"{self._where(i)}: the answer must be a string or a number, got "
+            raise ValueError(f"{self.where(i)}: the answer must be a string or a number, got "
                              f"{answer!r:.200}")
         return str(answer).strip()
 

@@ -37,6 +37,7 @@ from hybrid_engine import console
 from hybrid_engine.config import MemoryConfig, RolloutConfig
 from hybrid_engine.rollout import vllm_compat
 from hybrid_engine.rollout.engine_run import EngineRun
+from hybrid_engine.rollout.prompt_limit import PromptTooLong
 from hybrid_engine.rollout.weights import WeightStaging
 
 if TYPE_CHECKING:
@@ -184,7 +185,11 @@ class VLLMRollout(WeightStaging):
     def prompt_ids(self, prompts: Sequence[str | Sequence[int]],
                     max_tokens: Sequence[int] | None = None) -> list[list[int]]:
         """Token ids of each prompt, checked against max_model_len minus that
-        prompt's max_tokens (rollout.max_tokens when max_tokens is None)."""
+        prompt's max_tokens (rollout.max_tokens when max_tokens is None).
+
+        Raises:
+            PromptTooLong: a prompt past it under rollout.prompt_too_long=reject.
+        """
         out = []
         for i, p in enumerate(prompts):
             ids = self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
@@ -194,11 +199,9 @@ class VLLMRollout(WeightStaging):
                 limit, what = self.cfg.max_model_len - max_tokens[i], f"max_tokens={max_tokens[i]}"
             if len(ids) > limit:
                 if self.cfg.prompt_too_long == "reject":
-                    raise ValueError(
-                        f"prompt {i} has {len(ids)} tokens, more than rollout.max_model_len - "
-                        f"{what} = {limit} (set "
-                        f"rollout.prompt_too_long=truncate to keep its last tokens)"
-                    )
+                    raise PromptTooLong(i, f"{len(ids)} tokens, more than rollout.max_model_len - "
+                                        f"{what} = {limit} (set rollout.prompt_too_long=truncate "
+                                        "to keep its last tokens)")
                 ids = ids[-limit:]
                 self.num_truncated += 1
             out.append(ids)

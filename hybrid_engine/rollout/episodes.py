@@ -59,6 +59,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from hybrid_engine.rollout.prompt_limit import PromptTooLong
 from hybrid_engine.trajectory import Trajectory
 
 if TYPE_CHECKING:
@@ -164,6 +165,8 @@ def collect(
 
     Raises:
         ValueError: num_samples < 1.
+        PromptTooLong: a prompt with no room for its completion (rollout.prompt_too_long=
+            reject), named by where env got it when env has `prompt_origin(ids)`.
         RuntimeError: a multi-turn env broke the protocol (see the module docstring).
     """
     if num_samples < 1:
@@ -174,7 +177,7 @@ def collect(
         turn_stop = stop if stop is not None else getattr(env, "turn_stop", TOOL_CALL_STOP)
         trajs = _collect_multi_turn(rollout, env, prompt_ids, num_samples, seed, turn_stop)
     else:
-        out = rollout.generate(prompt_ids, num_samples=num_samples, seed=seed)
+        out = _first_turn(rollout, env, prompt_ids, num_samples=num_samples, seed=seed)
         trajs = [
             Trajectory(
                 prompt_ids=list(out.prompt_ids[i // num_samples]), response_ids=list(tokens),
@@ -192,14 +195,28 @@ def collect(
     return trajs
 
 
+def _first_turn(rollout: _Rollout, env: Any, prompt_ids: list[list[int]],
+                **kwargs: Any) -> Completions:
+    """rollout.generate(prompt_ids, **kwargs); a prompt too long for it is named by
+    where env got it (`prompt_origin`: a dataset's file and row), when env knows."""
+    try:
+        return rollout.generate(prompt_ids, **kwargs)
+    except PromptTooLong as e:
+        origin = getattr(env, "prompt_origin", None)  # environments on a ProblemBank
+        where = origin(prompt_ids[e.index]) if origin is not None else None
+        if where is None:
+            raise
+        raise PromptTooLong(e.index, e.detail, where) from None
+
+
 def _collect_multi_turn(
     rollout: _Rollout, env: MultiTurnEnvironment, prompt_ids: list[list[int]], k: int, seed: int,
     turn_stop: Sequence[str],
 ) -> list[Trajectory]:
     cfg = rollout.cfg
     stops = list(dict.fromkeys([*cfg.stop, *turn_stop]))  # ordered, no duplicates
-    first = rollout.generate(prompt_ids, num_samples=k, seed=turn_seed(seed, 0), stop=stops,
-                             include_stop_str=True)
+    first = _first_turn(rollout, env, prompt_ids, num_samples=k, seed=turn_seed(seed, 0),
+                        stop=stops, include_stop_str=True)
     episodes = []
     for i in range(len(prompt_ids) * k):
         prompt = list(first.prompt_ids[i // k])  # as generated from (after any truncation)

@@ -91,7 +91,7 @@ def test_a_bad_row_names_the_file_and_the_row(tmp_path, row, needle):
 @pytest.mark.parametrize(("name", "content", "needle"), [
     ("missing.jsonl", None, "no dataset file there"),
     ("d.txt", "x", "unknown file type '.txt'"),
-    ("d.jsonl", '{"prompt": "x", "answer": \n', "cannot read json data"),
+    ("d.jsonl", '{"prompt": "x", "answer": \n', "line 1, column 27: not valid JSON"),
     ("empty.jsonl", "", "no rows"),
     ("fake.parquet", "not parquet", "cannot read parquet data"),
 ])
@@ -102,6 +102,53 @@ def test_a_bad_file_is_one_clear_error(tmp_path, name, content, needle):
     with pytest.raises(ValueError, match=needle) as info:
         Records(str(path))
     assert str(path) in str(info.value)
+
+
+def test_a_malformed_line_is_named_by_file_and_line_and_said_once(tmp_path, capfd):
+    """`datasets` says only 'An error occurred' (and logs its own report): the
+    error names the file and the line, and nothing else is printed."""
+    lines = [json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) for i in range(100)]
+    lines[49] = '{"prompt": "49+49=" "answer": "98"}'
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    capfd.readouterr()
+    with pytest.raises(ValueError) as info:
+        Records(str(path))
+    assert str(info.value) == (f"env.dataset_path={str(path)!r}, line 50, column 21: not valid "
+                               "JSON (Expecting ',' delimiter)")
+    out, err = capfd.readouterr()
+    assert "Failed" not in out + err and "line 50" not in out + err
+    lines[49] = "[1, 2]"  # JSON, but not a row
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl', line 50: a row must be a JSON object"):
+        Records(str(path))
+
+
+def test_a_bad_file_among_several_is_named_and_so_is_a_bad_rows_file(tmp_path):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    _write(folder / "a.jsonl", ROWS[:3])
+    (folder / "b.jsonl").write_text(json.dumps(ROWS[3]) + "\n\n{oops\n")
+    with pytest.raises(ValueError) as info:
+        Records(str(folder))
+    assert f"{str(folder)!r}, file {str(folder / 'b.jsonl')!r}, line 3, column 2" in str(
+        info.value)
+    chat = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+            for r in ROWS]
+    _write(folder / "a.jsonl", chat[:3])
+    (folder / "b.jsonl").write_text(json.dumps(chat[3]) + "\n\n" + json.dumps(
+        {"prompt": [{"role": "robot", "content": "beep"}], "answer": "1"}) + "\n")
+    records = Records(str(folder))  # row 0 is fine; the robot is row 4 of 5 (b's row 1)
+    assert records.where(4) == f"env.dataset_path={str(folder)!r}, file " \
+                               f"{str(folder / 'b.jsonl')!r}, row 1"
+    with pytest.raises(ValueError, match=r"b.jsonl', row 1: a chat message must be"):
+        list(records.prompt_texts())
+    csv = tmp_path / "d.csv"
+    csv.write_text("prompt,answer\n" + "".join(
+        f"{i}+{i}=,{2 * i}\n" if i != 49 else "49+49=,98,extra\n" for i in range(100)))
+    with pytest.raises(ValueError, match=r"d.csv': pandas cannot read it: ParserError: .*"
+                                         r"Expected 2 fields in line 51, saw 3"):
+        Records(str(csv))
 
 
 def test_a_zero_row_parquet_is_refused(tmp_path):
