@@ -24,16 +24,20 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid_engine.checkpoint import check_resume_model, latest_checkpoint, step_checkpoints
-from hybrid_engine.config import EnvConfig, RunConfig, check_registered
+from hybrid_engine.config import EnvConfig, EvalConfig, RunConfig, check_registered
+
+if TYPE_CHECKING:
+    from hybrid_engine.envs.bank import Split
+    from hybrid_engine.envs.dataset import Example, Records
 
 __all__ = ["check_gpu", "check_head_size", "check_kv_cache", "check_lora_targets",
            "check_model_folder",
            "check_model_for_run", "check_output_dir", "check_reward_model_folder",
            "check_prompts", "check_rollout_limits", "check_safetensors", "preflight",
-           "warnings_for"]
+           "warnings_for", "DatasetRows", "check_dataset", "check_eval_split"]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +89,7 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
 
     Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,  # e.g. group sizes
               max_tokens=cfg.rollout.max_tokens, prompts_per_step=cfg.train.prompts_per_step)
-    examples = check_dataset(cfg.env)
+    examples = check_dataset(cfg.env, cfg.eval)
     r = cfg.rollout
     check_prompts(cfg.env, resolve_model_path(cfg.model.path), examples,
                   r.max_model_len - r.max_tokens if r.prompt_too_long == "reject" else None)
@@ -118,12 +122,27 @@ def check_trackers(trackers: tuple[str, ...], *, timeout_s: float = 30.0) -> Non
     check_servers(trackers, timeout_s)
 
 
-def check_dataset(env: EnvConfig) -> list | None:
+class DatasetRows(list):
+    """The first rows of the training data (up to 1000 `Example`s), with what a
+    pass over every row found: `split` (`envs.bank.Split`) and `records` (the
+    training `Records`, whose `where(i)` names a row's file)."""
+
+    def __init__(self, rows: list[Example], split: Split, records: Records) -> None:
+        super().__init__(rows)
+        self.split, self.records = split, records
+
+
+def check_dataset(env: EnvConfig, evaluation: EvalConfig | None = None) -> DatasetRows | None:
     """Opens env.dataset_path (and env.eval_dataset_path): every file readable, of
     one known format, with rows; the first row of each has its prompt and answer
-    (through env.preprocess when set). Returns the first rows of the training
-    data (up to 1000), for `warnings_for`; None without a dataset."""
+    (through env.preprocess when set); every row's prompt is text or chat
+    messages of known roles; the split into training and evaluation problems
+    leaves rows to train on and, when `evaluation` runs, eval.num_prompts
+    evaluation problems (`check_eval_split`). Returns the first rows of the
+    training data (up to 1000), for `check_prompts` and `warnings_for`; None
+    without a dataset."""
     from hybrid_engine.envs import dataset_spec
+    from hybrid_engine.envs.bank import split
     from hybrid_engine.envs.dataset import Records
     from hybrid_engine.envs.user_code import load_function
 
@@ -132,13 +151,40 @@ def check_dataset(env: EnvConfig) -> list | None:
         return None
     fn = load_function(spec.preprocess, "env.preprocess") if spec.preprocess else None
     keys = {"prompt_key": spec.prompt_key, "answer_key": spec.answer_key, "preprocess": fn}
+    held = None
     if spec.eval_path:
-        Records(spec.eval_path, key="env.eval_dataset_path", **keys)
+        held = Records(spec.eval_path, key="env.eval_dataset_path", **keys)
     train = Records(spec.path, **keys)
-    return [train[i] for i in range(min(len(train), 1000))]
+    parts = split(train, held)
+    check_eval_split(env, parts, evaluation if evaluation and evaluation.enabled() else None)
+    return DatasetRows([train[i] for i in range(min(len(train), 1000))], parts, train)
 
 
-def check_prompts(env: EnvConfig, folder: Path, examples: list | None,
+def check_eval_split(env: EnvConfig, parts: Split, evaluation: EvalConfig | None) -> None:
+    """The dataset's split (`envs.bank.Split`) leaves rows to train on and, with
+    `evaluation` (None: no evaluation runs), eval.num_prompts distinct evaluation
+    problems (0: at least one), as the run's evaluations will ask for them."""
+    if not parts.num_train:
+        raise ValueError(f"env.dataset_path={env.dataset_path!r}: all {parts.num_rows} rows fall "
+                         "in the 1/16 held out for evaluation (chosen by a hash of each prompt), "
+                         "so none is left to train on: give more rows, or the evaluation "
+                         "problems in env.eval_dataset_path")
+    if evaluation is None:
+        return
+    found, want = len(parts.trained), evaluation.num_prompts
+    where = (f"env.eval_dataset_path={env.eval_dataset_path!r}" if env.eval_dataset_path else
+             f"the 1/16 of env.dataset_path={env.dataset_path!r} held out for evaluation "
+             f"(chosen by a hash of each prompt; {parts.num_rows - parts.num_train} of its "
+             f"{parts.num_rows} rows)")
+    if found < max(want, 1):
+        raise ValueError(
+            f"eval.num_prompts={want} asks for {want or 'all'} evaluation problems, but {where} "
+            f"holds {found} distinct ones: lower eval.num_prompts (0 = all of them), give the "
+            "evaluation problems in env.eval_dataset_path, or evaluate never "
+            "(eval.at_start=false, eval.at_end=false, eval.every=0)")
+
+
+def check_prompts(env: EnvConfig, folder: Path, examples: DatasetRows | None,
                   max_prompt_len: int | None = None) -> None:
     """The chat template settings with the model's tokenizer: the template file
     exists, nothing set is ignored, and it renders the first dataset rows (a
@@ -157,18 +203,19 @@ def check_prompts(env: EnvConfig, folder: Path, examples: list | None,
         try:
             n = len(fmt.ids(tok, ex.prompt))
         except ValueError as e:
-            raise ValueError(f"env.dataset_path={env.dataset_path!r}, row {i}: {e}") from None
+            raise ValueError(f"{examples.records.where(i)}: {e}") from None
         if max_prompt_len is not None and n > max_prompt_len:
             raise ValueError(
-                f"env.dataset_path={env.dataset_path!r}, row {i}: its prompt has {n} tokens, "
+                f"{examples.records.where(i)}: its prompt has {n} tokens, "
                 f"more than rollout.max_model_len - rollout.max_tokens = {max_prompt_len} (set "
                 "rollout.prompt_too_long=truncate to keep its last tokens)")
 
 
-def warnings_for(cfg: RunConfig, examples: list | None) -> list[str]:
+def warnings_for(cfg: RunConfig, examples: DatasetRows | None) -> list[str]:
     """What the run accepts but is likely a mistake (preflight logs each once,
-    from rank 0): a setting the chosen configuration ignores, and a dataset
-    whose answers cannot give the environment's reward a signal."""
+    from rank 0): a setting the chosen configuration ignores, a dataset whose
+    answers cannot give the environment's reward a signal, and evaluation
+    problems that are also trained on (`eval_overlap`)."""
     out = []
     t = cfg.train
     if t.shard_group_size and t.sharding not in ("hybrid", "auto"):
@@ -182,7 +229,25 @@ def warnings_for(cfg: RunConfig, examples: list | None) -> list[str]:
         out.append(f"env.dataset_path={cfg.env.dataset_path!r}: {which} answers are "
                    "empty, so the environment's answer check scores every sample 0 and no step "
                    "has a learning signal: fill in the answers, or score with env.reward_fn")
+    if examples and cfg.eval.enabled() and (overlap := eval_overlap(cfg, examples.split)):
+        out.append(overlap)
     return out
+
+
+def eval_overlap(cfg: RunConfig, parts: Split) -> str | None:
+    """The warning when evaluation problems the run asks for (the first
+    eval.num_prompts of env.eval_dataset_path) are training prompts too (the same
+    file, or the same prompts): None when none is."""
+    n = cfg.eval.num_prompts or len(parts.trained)
+    both = int(parts.trained[:n].sum())
+    if not both:
+        return None
+    e = cfg.env
+    which = f"all {n}" if both == n else f"{both} of the {n}"
+    return (f"env.eval_dataset_path={e.eval_dataset_path!r}: {which} evaluation prompts are also "
+            f"training prompts of env.dataset_path={e.dataset_path!r}, so the evaluation "
+            "measures problems the run trains on: give held-out problems, or leave "
+            "env.eval_dataset_path empty to hold out 1/16 of env.dataset_path")
 
 
 def check_reward_model_folder(folder: Path) -> None:

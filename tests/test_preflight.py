@@ -239,7 +239,7 @@ def test_bad_yaml_file(model_dir, tmp_path, content, expected) -> None:
     (None, "does not exist"),
     ([], "the dataset has no rows"),
     (['{"prompt": "1+1=", "answer": "2"}', "", '{"prompt": "2+2=" "answer": "4"}'],
-     ["data.jsonl'", "cannot read json data"]),
+     ["data.jsonl', line 3, column 19: not valid JSON (Expecting ',' delimiter)"]),
     (['{"question": "1+1=", "answer": "2"}'],
      ["data.jsonl', row 0: no column 'prompt'; the columns are question, answer"]),
 ])
@@ -412,3 +412,84 @@ def test_ignored_settings_and_answerless_data_are_warned_about_once(model_dir, t
     (tmp_path / "reward.py").write_text("def reward(p, c, a):\n    return 0.0\n")
     assert _warnings(model_dir, tmp_path / "run", f"--env.dataset_path={data}",
                      f"--env.reward_fn={tmp_path / 'reward.py'}:reward") == []
+
+
+# --- every dataset row, and the split into training and evaluation problems ------------
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_too_few_evaluation_problems_are_refused_before_any_engine(model_dir, tmp_path) -> None:
+    """A 100-row file holds about 7 rows out for evaluation; eval.at_end asked for 64
+    after the last step (the run was lost then): refused now, naming the keys. A
+    run that never evaluates, or asks for no more than there are, is accepted."""
+    from hybrid_engine.envs.bank import is_held_out
+
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(100)]
+    held = sum(is_held_out(r["prompt"]) for r in rows)
+    path = _jsonl(tmp_path / "d.jsonl", rows)
+    _has(_refusal(model_dir, tmp_path / "run", f"--env.dataset_path={path}",
+                  "--eval.at_end=true", "--eval.num_prompts=64"),
+         [f"eval.num_prompts=64 asks for 64 evaluation problems, but the 1/16 of "
+          f"env.dataset_path={str(path)!r} held out for evaluation (chosen by a hash of each "
+          f"prompt; {held} of its 100 rows) holds {held} distinct ones: lower eval.num_prompts",
+          "env.eval_dataset_path"])
+    evals = _jsonl(tmp_path / "e.jsonl", rows[:3] + rows[:2])  # 3 distinct prompts
+    _has(_refusal(model_dir, tmp_path / "run", f"--env.dataset_path={path}",
+                  f"--env.eval_dataset_path={evals}", "--eval.every=5", "--eval.num_prompts=4"),
+         f"env.eval_dataset_path={str(evals)!r} holds 3 distinct ones")
+    assert _warnings(model_dir, tmp_path / "run", f"--env.dataset_path={path}",
+                     "--eval.num_prompts=64") == []  # the recipe never evaluates
+    assert _warnings(model_dir, tmp_path / "run", f"--env.dataset_path={path}",
+                     "--eval.at_end=true", f"--eval.num_prompts={held}") == []
+
+
+def test_a_dataset_held_out_whole_is_refused(model_dir, tmp_path) -> None:
+    from hybrid_engine.envs.bank import is_held_out
+
+    prompts = [p for p in (f"Q{i}:" for i in range(400)) if is_held_out(p)][:3]
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": p, "answer": "1"} for p in prompts])
+    _has(_refusal(model_dir, tmp_path / "run", f"--env.dataset_path={path}"),
+         [f"env.dataset_path={str(path)!r}: all 3 rows fall in the 1/16 held out for "
+          "evaluation", "none is left to train on", "env.eval_dataset_path"])
+
+
+def test_a_bad_chat_role_past_the_first_rows_is_found_before_any_engine(model_dir,
+                                                                        tmp_path) -> None:
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)}
+            for i in range(2000)]
+    rows[1500]["prompt"].insert(0, {"role": "robot", "content": "beep"})
+    path = _jsonl(tmp_path / "chat.jsonl", rows)
+    _has(_refusal(model_dir, tmp_path / "run", f"--env.dataset_path={path}"),
+         [f"env.dataset_path={str(path)!r}, row 1500: a chat message must be", "'robot'"])
+    evals, ok = _jsonl(tmp_path / "e.jsonl", rows[1499:1502]), _jsonl(tmp_path / "ok.jsonl",
+                                                                      rows[:8])
+    _has(_refusal(model_dir, tmp_path / "run", f"--env.dataset_path={ok}",
+                  f"--env.eval_dataset_path={evals}"),
+         f"env.eval_dataset_path={str(evals)!r}, row 1: a chat message must be")
+
+
+def test_an_eval_file_of_training_prompts_is_warned_about_once(model_dir, tmp_path) -> None:
+    """The same file, or a copy of it, as env.eval_dataset_path: every evaluation
+    prompt is trained on. Held-out problems: no warning."""
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
+    path = _jsonl(tmp_path / "d.jsonl", rows)
+    copy = _jsonl(tmp_path / "copy.jsonl", rows)
+    for evals in (path, copy):
+        (warning,) = _warnings(model_dir, tmp_path / "run", f"--env.dataset_path={path}",
+                               f"--env.eval_dataset_path={evals}", "--eval.at_end=true",
+                               "--eval.num_prompts=8")
+        assert warning.startswith(f"env.eval_dataset_path={str(evals)!r}: all 8 evaluation "
+                                  f"prompts are also training prompts of env.dataset_path=")
+    part = _jsonl(tmp_path / "part.jsonl", rows[:2] + [{"prompt": "7*7=", "answer": "49"}])
+    (warning,) = _warnings(model_dir, tmp_path / "run", f"--env.dataset_path={path}",
+                           f"--env.eval_dataset_path={part}", "--eval.at_end=true",
+                           "--eval.num_prompts=0")
+    assert "2 of the 3 evaluation prompts are also training prompts" in warning
+    held = _jsonl(tmp_path / "held.jsonl", [{"prompt": "7*7=", "answer": "49"}])
+    assert _warnings(model_dir, tmp_path / "run", f"--env.dataset_path={path}",
+                     f"--env.eval_dataset_path={held}", "--eval.at_end=true",
+                     "--eval.num_prompts=1") == []
