@@ -187,7 +187,8 @@ def check_servers(names: Sequence[str], timeout_s: float) -> None:
             _check_answers("wandb", base, f"W&B's server {base}", timeout_s)
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if "mlflow" in names and uri.split(":", 1)[0].lower() in ("http", "https"):
-        _check_answers("mlflow", uri, f"MLFLOW_TRACKING_URI={uri}", timeout_s)
+        shown = re.sub(r"//[^/@]*@", "//", uri)  # no user:password in the message
+        _check_answers("mlflow", uri, f"MLFLOW_TRACKING_URI={shown}", timeout_s)
 
 
 def _wandb_online_url() -> str | None:
