@@ -129,7 +129,7 @@ def open_table(path: str, key: str = "env.dataset_path") -> datasets.Dataset:
     except Exception as exc:  # a malformed file: find where
         if all(_blank(f) for f in files):
             raise ValueError(f"{key}={path!r}: the dataset has no rows") from None
-        raise ValueError(f"{key}={path!r}{unreadable(files, builder, exc, path)}") from None
+        raise ValueError(f"{key}={path!r}{_unreadable(files, builder, exc, path)}") from None
     finally:
         datasets.utils.logging.set_verbosity(verbosity)
         if bars:
@@ -139,7 +139,7 @@ def open_table(path: str, key: str = "env.dataset_path") -> datasets.Dataset:
     return table
 
 
-def unreadable(files: list[str], builder: str, exc: BaseException, path: str) -> str:
+def _unreadable(files: list[str], builder: str, exc: BaseException, path: str) -> str:
     """What follows `key=path` in the error about files `datasets` could not read:
     the first bad line of the first bad file (json: each line parsed on its own;
     csv: each file through pandas), else the library's reason.
@@ -201,7 +201,7 @@ def _bad_csv(file: str) -> str | None:
     return None
 
 
-def rows_in(file: str) -> int:
+def _rows_in(file: str) -> int:
     """The rows `datasets` reads from one file (in the order it reads them)."""
     kind = FORMATS[Path(file).suffix]
     if kind == "parquet":
@@ -303,7 +303,7 @@ class Records:
         files, the file and its row ('key=path, file f, row j')."""
         if len(self.files) > 1:
             if self._file_rows is None:
-                self._file_rows = [rows_in(f) for f in self.files]
+                self._file_rows = [_rows_in(f) for f in self.files]
             for f, n in zip(self.files, self._file_rows, strict=True):
                 if i < n:
                     return f"{self.key}={self.path!r}, file {f!r}, row {i}"

@@ -1,7 +1,9 @@
 """`VLLMRollout.prompt_ids`: a prompt longer than max_model_len minus its new-token
 limit is refused (rollout.prompt_too_long=reject) or cut to its last tokens and
 counted (truncate), against the config in force for the call (evaluation swaps
-in its own max_tokens). No engine is started: the check runs before sampling."""
+in its own max_tokens); a dataset prompt refused as it is sampled is named by
+its file and row (`episodes.collect` asks the environment). No engine is
+started: the check runs before sampling."""
 
 from __future__ import annotations
 
