@@ -50,8 +50,7 @@ def _peer_left_with_error() -> bool:
     torchrun then sends is no user's request to stop, and not worth a line."""
     from hybrid_engine.parallel import watchdog
 
-    wd = watchdog.current()
-    return wd is not None and wd.peer_reported_error()
+    return watchdog.peer_left_with_error()
 
 
 def _request(signum: int, frame: Any) -> None:  # noqa: ARG001

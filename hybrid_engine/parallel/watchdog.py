@@ -62,8 +62,8 @@ from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["Watchdog", "add_cleanup", "current", "left_with_error", "phase", "settle", "start",
-           "stop", "watch_launcher"]
+__all__ = ["Watchdog", "add_cleanup", "current", "left_with_error", "peer_left_with_error",
+           "phase", "settle", "start", "stop", "watch_launcher"]
 
 log = logging.getLogger("hybrid_engine.watchdog")
 
@@ -214,12 +214,35 @@ _CLOSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe
 def left_with_error(msg: str) -> None:
     """Says in the store that this rank reports `msg` itself and will exit: once
     its process is gone its peers leave silently instead of reporting a death.
-    A no-op without a running watchdog."""
+    Before the watchdog starts (a preflight error), the default group's store
+    carries it, for `peer_left_with_error`."""
     wd = _ACTIVE
     if wd is not None:
         wd.error = msg
         with contextlib.suppress(Exception):
             wd.store.set(wd._key(wd.rank), json.dumps({"done": True, "error": msg}))
+    elif (store := _group_store()) is not None:
+        with contextlib.suppress(Exception):
+            store.set(f"{_KEY}{dist.get_rank()}", json.dumps({"done": True, "error": msg}))
+
+
+def peer_left_with_error() -> bool:
+    """Whether a peer has said it leaves with an error of its own (`left_with_error`),
+    through the watchdog or, before it started, the default group's store."""
+    if _ACTIVE is not None and _ACTIVE.peer_reported_error():
+        return True
+    store = _group_store()
+    with contextlib.suppress(Exception):
+        keys = [f"{_KEY}{r}" for r in range(dist.get_world_size()) if r != dist.get_rank()]
+        return any(store.check([k]) and json.loads(store.get(k)).get("error") for k in keys)
+    return False
+
+
+def _group_store() -> dist.Store | None:
+    """The default process group's store (None without one, or on one rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.distributed_c10d._get_default_store()
 
 
 def stop() -> None:

@@ -204,3 +204,20 @@ def test_a_rank_that_stops_while_failing_says_it_left_with_an_error(caplog) -> N
     with signals.stop_on_signals():  # no watchdog: a user's stop, said
         os.kill(os.getpid(), signal.SIGTERM)
     assert "stopping after the current step" in caplog.text
+
+
+def _preflight_error_case() -> bool:
+    """Rank 0 fails before any watchdog (a preflight error): rank 1, told by torchrun's
+    SIGTERM, sees that its peer left with an error of its own."""
+    from hybrid_engine.parallel import watchdog as wd
+
+    if dist.get_rank() == 0:
+        wd.left_with_error("env.rewards: the weight of 'math' must be a number")
+    dist.barrier()
+    return wd.peer_left_with_error()
+
+
+def test_an_error_before_the_watchdog_reaches_the_peers() -> None:
+    from hybrid_engine.testing import run_ranks
+
+    assert run_ranks(_preflight_error_case, 2, timeout=60) == [False, True]  # rank 0: itself
