@@ -14,7 +14,8 @@ Invariant: the order is a pure function of (seed, epoch), and the cursor's
 state is just (epoch, position): a cursor restored from `state_dict()` yields
 exactly the indices the saved one would have yielded next. A bad file, a
 missing column or a malformed row is a `ValueError` naming the file (and the
-row, and the columns that exist).
+line that does not parse, or the row -- counted in its own file when a path
+names several -- and the columns that exist).
 """
 
 from __future__ import annotations
