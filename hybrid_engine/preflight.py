@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from hybrid_engine.envs.bank import Split
     from hybrid_engine.envs.dataset import Example, Records
 
-__all__ = ["check_gpu", "check_head_size", "check_kv_cache", "check_lora_targets",
+__all__ = ["check_gpu", "check_head_size", "check_inputs", "check_layout", "check_kv_cache", "check_lora_targets",
            "check_model_folder",
            "check_model_for_run", "check_output_dir", "check_reward_model_folder",
            "check_prompts", "check_rollout_limits", "check_safetensors", "preflight",
@@ -46,23 +46,64 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
               overwrite: bool, writes_output: bool = True,
               allow_model_change: bool = False) -> None:
     """Runs every check below (the output folder's only when the job writes one);
-    the first failure raises. On resume, the newest checkpoint's record of the
-    model the run was made from must match cfg.model (`check_resume_model`;
-    another architecture or weights only warn with allow_model_change).
+    the first failure raises. What needs only the config, the files and the
+    functions it names comes first (`check_inputs`, seconds), then the model and
+    the layout (vLLM's imports among them). On resume, the newest checkpoint's
+    record of the model the run was made from must match cfg.model
+    (`check_resume_model`; another architecture or weights only warn with
+    allow_model_change).
 
     Raises:
         ValueError: what is wrong and which key or file to fix.
     """
     from hybrid_engine.parallel.fsdp import resolve_model_path
 
-    cfg.validate_for_run()
-    if writes_output:
-        check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
-        check_trackers(cfg.log.trackers, timeout_s=cfg.log.tracker_timeout_s)
-    hf = check_model_folder(resolve_model_path(cfg.model.path))
+    examples = check_inputs(cfg, resume=resume, overwrite=overwrite, writes_output=writes_output)
+    folder = resolve_model_path(cfg.model.path)
+    hf = check_model_folder(folder)
     if writes_output and resume:
         check_resume_model(Path(cfg.output_dir), cfg.model.path, cfg.model.lora_rank,
                            allow_change=allow_model_change)
+    if writes_output:
+        check_trackers(cfg.log.trackers, timeout_s=cfg.log.tracker_timeout_s)
+    check_layout(cfg, hf, world_size=world_size, local_world_size=local_world_size)
+    r = cfg.rollout
+    check_prompts(cfg.env, folder, examples,
+                  r.max_model_len - r.max_tokens if r.prompt_too_long == "reject" else None)
+    if cfg.env.reward_model_path:
+        check_reward_model_folder(Path(cfg.env.reward_model_path))
+    if int(os.environ.get("RANK", "0")) == 0:
+        for warning in warnings_for(cfg, examples):
+            log.warning(warning)
+
+
+def check_inputs(cfg: RunConfig, *, resume: bool, overwrite: bool,
+                 writes_output: bool = True) -> list | None:
+    """The checks that need only the config, the files it names and the
+    functions they hold: the config, the registered names, the algorithm's
+    settings, the reward terms (each function loads and takes a sample's
+    arguments), the output folder and the dataset files. Returns the first
+    dataset rows (`check_dataset`)."""
+    cfg.validate_for_run()
+    check_registered(cfg)  # names of estimators, losses, envs: lists the registered ones
+    from hybrid_engine.algorithms.algorithm import Algorithm
+    from hybrid_engine.envs import reward_terms
+
+    Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,  # e.g. group sizes
+              max_tokens=cfg.rollout.max_tokens, prompts_per_step=cfg.train.prompts_per_step)
+    terms = reward_terms(cfg.env)  # names, weights, each function loads and takes a sample
+    if writes_output:
+        check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
+    examples = check_dataset(cfg.env, cfg.eval)
+    if examples:
+        from hybrid_engine.envs.rewards import check_columns
+
+        check_columns(terms, examples[0].extras, f"env.dataset_path={cfg.env.dataset_path!r}")
+    return examples
+
+
+def check_layout(cfg: RunConfig, hf: Any, *, world_size: int, local_world_size: int) -> None:
+    """The model against the parallel layout, the memory and the installed vLLM."""
     trainers = world_size
     if cfg.placement == "separate":
         from hybrid_engine.parallel.dist import split_ranks
@@ -84,23 +125,6 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
         from hybrid_engine.rollout.vllm_compat import lora_engine_kwargs
 
         lora_engine_kwargs(cfg.model.lora_rank)  # refuses a rank above vLLM's largest
-    check_registered(cfg)  # names of estimators, losses, envs: lists the registered ones
-    from hybrid_engine.algorithms.algorithm import Algorithm
-
-    Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,  # e.g. group sizes
-              max_tokens=cfg.rollout.max_tokens, prompts_per_step=cfg.train.prompts_per_step)
-    examples = check_dataset(cfg.env, cfg.eval)
-    r = cfg.rollout
-    check_prompts(cfg.env, resolve_model_path(cfg.model.path), examples,
-                  r.max_model_len - r.max_tokens if r.prompt_too_long == "reject" else None)
-    from hybrid_engine.envs import reward_terms
-
-    reward_terms(cfg.env)  # names, weights, and that each function loads
-    if cfg.env.reward_model_path:
-        check_reward_model_folder(Path(cfg.env.reward_model_path))
-    if int(os.environ.get("RANK", "0")) == 0:
-        for warning in warnings_for(cfg, examples):
-            log.warning(warning)
 
 
 def check_trackers(trackers: tuple[str, ...], *, timeout_s: float = 30.0) -> None:

@@ -331,10 +331,19 @@ def test_bad_task_data_and_rewards(model_dir, tmp_path, args, expected) -> None:
     ("def other(p, c, a):\n    return 0.0\n", "reward.py:reward", "has no function 'reward'"),
     ("import no_such_module\n", "reward.py:reward",
      ["importing", "ModuleNotFoundError: No module named 'no_such_module'"]),
+    ("def reward(prompt, completion):\n    return 0.0\n", "reward.py:reward",
+     ["cannot be called as a reward (prompt, completion, answer, **columns)",
+      "too many positional arguments"]),
+    ("def reward(prompts, completions, answers, *, level):\n    return [0.0]\n",
+     "reward.py:reward", ["takes column 'level'", "good.jsonl' does not have"]),
 ])
 def test_bad_reward_fn_file(model_dir, tmp_path, source, spec, expected) -> None:
+    """Found from the file and the signature alone, before any engine (a wrong
+    signature was a TypeError in the first step's scoring)."""
     (tmp_path / "reward.py").write_text(source)
-    _has(_refusal(model_dir, tmp_path / "run", f"--env.reward_fn={tmp_path / spec}"), expected)
+    (tmp_path / "good.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    _has(_refusal(model_dir, tmp_path / "run", f"--env.reward_fn={tmp_path / spec}",
+                  f"--env.dataset_path={tmp_path / 'good.jsonl'}"), expected)
 
 
 def test_output_dir_is_a_file(model_dir, tmp_path) -> None:

@@ -30,5 +30,5 @@ def test_unknown_env_lists_names_and_closest():
 def test_make_env_passes_dataset_path(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "x", "answer": }\n')
-    with pytest.raises(ValueError, match=r"d\.jsonl'?: cannot read json data"):
+    with pytest.raises(ValueError, match=r"d\.jsonl', line 1, column 27: not valid JSON"):
         make_env(EnvConfig(name="arithmetic", dataset_path=str(path)), build_tokenizer())
