@@ -40,7 +40,7 @@ def _job(model: Path | str, out: Path, *extra: str):  # noqa: ANN202
 
 
 def _assert_one_error(proc, out: Path, expected: str | list[str], *,  # noqa: ANN001
-                      launched: bool = True) -> str:
+                      launched: bool = True, earlier_final: bool = False) -> str:
     """Exit code 2; on stderr exactly one error line (rank 0's) holding expected,
     the report line last (if the launcher started the ranks), and no traceback
     anywhere (torchrun's is in the report); no half-written checkpoint or final
@@ -61,7 +61,8 @@ def _assert_one_error(proc, out: Path, expected: str | list[str], *,  # noqa: AN
         Path(report.group(1)).unlink()
     elif not job:  # refused before any rank started: the error line is all
         assert proc.stderr.splitlines() == errors, proc.stderr[-3000:]
-    assert not list(out.glob("checkpoints/*.tmp-*")) and not (out / "final").exists()
+    assert not list(out.glob("checkpoints/*.tmp-*")) and not list(out.glob("final.tmp-*"))
+    assert earlier_final or not (out / "final").exists()
     return errors[0]
 
 
@@ -89,6 +90,66 @@ def test_bad_config(model_dir, tmp_path, args, expected, launched) -> None:
     out = tmp_path / "run"
     _assert_one_error(_train(model_dir, out, *args), out, expected, launched=launched)
     assert not out.exists()
+
+
+def _late_inputs(model_dir: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """The inputs found only after the engine had started (15-40 s in), each
+    (extra args, expected in the error line); a 'run' folder holds a full run's
+    step-1 checkpoint record, with a final/ of its own."""
+    import shutil
+
+    from hybrid_engine.checkpoint import COMPLETE_MARKER, step_checkpoint_path
+    from hybrid_engine.checkpoint.origin import run_origin
+
+    (tmp / "sig.py").write_text("def reward(prompt, completion):\n    return 0.0\n")
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(1200)]
+    rows[1100] = {"prompt": [{"role": "robot", "content": "beep"}], "answer": "1"}
+    (tmp / "roles.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from hybrid_engine.envs.bank import is_held_out
+
+    held = [q for q in (f"Q{i}:" for i in range(400)) if is_held_out(q)][:3]
+    (tmp / "three.jsonl").write_text("".join(json.dumps({"prompt": q, "answer": "1"}) + "\n"
+                                             for q in held))
+    ckpt = step_checkpoint_path(tmp / "full" / "checkpoints", 1)
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"step": 1, "extra": {"step": 1},
+                                                "origin": run_origin(str(model_dir), 0)}))
+    (ckpt / COMPLETE_MARKER).write_text("ok\n")
+    shutil.copytree(model_dir, tmp / "full" / "final")
+    return {
+        "weight": (["--env.rewards=math:abc"], "the weight of 'math' must be a number"),
+        "missing file": ([f"--env.rewards={tmp / 'none.py'}:fn"], "does not exist"),
+        "signature": ([f"--env.reward_fn={tmp / 'sig.py'}:reward"], "cannot be called as a reward"),
+        "all held out": ([f"--env.dataset_path={tmp / 'three.jsonl'}"], "held out"),
+        "lora onto full": (["--model.lora_rank=4", "--resume"], "trained the full model"),
+        "role past row 1000": ([f"--env.dataset_path={tmp / 'roles.jsonl'}"], "row 1100"),
+    }
+
+
+def test_inputs_that_need_no_engine_are_refused_before_one(model_dir, tmp_path) -> None:
+    """Each is one error line from the preflight of 2 ranks under the launcher: no
+    traceback, no /dev/shm entry or process left, the earlier run's checkpoint and
+    final/ untouched. The time from launch to exit is logged (the issue's bound:
+    8 s on the 2-core machine), not asserted."""
+    import time
+
+    from hybrid_engine.testing import processes_mentioning
+
+    shm_before = set(Path("/dev/shm").iterdir())
+    times = {}
+    for name, (extra, expected) in _late_inputs(model_dir, tmp_path).items():
+        out = tmp_path / "full" if "--resume" in extra else tmp_path / name.replace(" ", "_")
+        before = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*"))
+        t0 = time.monotonic()
+        proc = _train(model_dir, out, *extra)
+        times[name] = time.monotonic() - t0
+        _assert_one_error(proc, out, expected, earlier_final="--resume" in extra)
+        assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) \
+            == before, name  # nothing made, nothing of the earlier run touched
+        assert not processes_mentioning(str(out)), name
+    assert set(Path("/dev/shm").iterdir()) <= shm_before
+    print("launch to the error line, 2 ranks: "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
 
 
 def test_verbose_shows_torchruns_report(model_dir, tmp_path) -> None:
