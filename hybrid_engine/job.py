@@ -197,6 +197,7 @@ class Job:
                 log.warning("rollout.async_scheduling=true: vLLM turned it off on this "
                             "platform (vLLM's CPU platform always does)")
         set_collective_timeout(cfg.collective_timeout_s)  # the scorers' groups too
+        self.output_dir.drop_cleared()  # built: an --overwrite's earlier outputs go now
 
     def _scorers(self, cfg: RunConfig) -> tuple[list, list]:
         """(scorers, learners) the algorithm needs: the drift scorer, the reference,

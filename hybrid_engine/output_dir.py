@@ -5,8 +5,9 @@ the job's life (a second job on the folder is refused, not interleaved; the
 kernel drops the lock when the process dies, so a crash leaves no stale
 lock); `sweep_unfinished` removes the folders a dead job's save or export
 left (`<name>.tmp-*`) and puts back a complete folder moved aside by a commit
-that died between its renames; `clear` deletes an earlier run's outputs
-(--overwrite); `unlock` releases the folder; a job that failed to start leaves
+that died between its renames; `clear` moves an earlier run's outputs
+aside (--overwrite), deleted once the new job is built and put back if it is
+not; `unlock` releases the folder; a job that failed to start leaves
 it as it found it (the lock file it made removed, and the folder too when
 the job made it and wrote nothing else).
 """
@@ -24,13 +25,14 @@ from typing import IO
 
 import torch.distributed as dist
 
-__all__ = ["OUTPUTS", "OutputDir", "lock_output_dir", "sweep_unfinished"]
+__all__ = ["OUTPUTS", "OutputDir", "lock_output_dir", "restore_cleared", "sweep_unfinished"]
 
 log = logging.getLogger("hybrid_engine.train")
 
 # What a run writes into its folder (cleared by --overwrite), besides .lock.
 OUTPUTS = ("checkpoints", "final", "final_adapter", "tb", "metrics.jsonl", "metrics.png",
            "samples.jsonl", "config.yaml")
+OVERWRITTEN = ".overwritten"  # where --overwrite keeps them until the new job has started
 
 
 class OutputDir:
@@ -48,16 +50,22 @@ class OutputDir:
             sweep_unfinished(self.path)
 
     def clear(self) -> None:
-        """--overwrite: rank 0 deletes an earlier run's outputs (collective)."""
+        """--overwrite: rank 0 moves an earlier run's outputs aside, into
+        `.overwritten/` (collective); `drop_cleared` deletes them once the job is
+        built, and a job that fails to start puts them back (`unlock`)."""
         if not dist.is_initialized() or dist.get_rank() == 0:
+            aside = self.path / OVERWRITTEN
+            aside.mkdir(exist_ok=True)
             for name in OUTPUTS:
-                target = self.path / name
-                if target.is_dir():
-                    shutil.rmtree(target, ignore_errors=True)
-                else:
-                    target.unlink(missing_ok=True)
+                if (self.path / name).exists():
+                    os.replace(self.path / name, aside / name)
         if dist.is_initialized():
             dist.barrier()
+
+    def drop_cleared(self) -> None:
+        """Rank 0 deletes what `clear` moved aside: the new run has started."""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            shutil.rmtree(self.path / OVERWRITTEN, ignore_errors=True)
 
     def unlock(self, *, remove_if_unused: bool = False) -> None:
         """Releases the lock; with remove_if_unused (the job failed to start), the
@@ -65,6 +73,8 @@ class OutputDir:
         parents this job made when nothing else is in them."""
         if self._lock is None:
             return
+        if remove_if_unused:
+            restore_cleared(self.path)  # rank 0 holds the lock; a no-op elsewhere
         if remove_if_unused and not self._had_lock:
             # Unlinked while held: a job that opens the path now gets a new file
             # (`lock_output_dir` checks it locked the file at the path).
@@ -77,12 +87,33 @@ class OutputDir:
                     folder.rmdir()
 
 
+def restore_cleared(out: Path) -> None:
+    """Puts back what an --overwrite moved aside for a job that did not start (it
+    failed, or died, before `drop_cleared`); what that job wrote goes first."""
+    aside = out / OVERWRITTEN
+    if not aside.is_dir():
+        return
+    for moved in sorted(aside.iterdir()):
+        target = out / moved.name
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
+        os.replace(moved, target)
+    aside.rmdir()
+    log.warning("put back the earlier run's outputs in %s: the job that was to overwrite "
+                "them did not start", out)
+
+
 def sweep_unfinished(out: Path) -> None:
     """Removes the unfinished folders an earlier job on out left when it died
     mid-save or mid-export (`<name>.tmp-*`; never loaded, see `checkpoint/folders.py`).
     A `<name>.old-*` whose `<name>` is gone (a death between the two renames of
     a commit) is the previous complete folder: it is moved back, not removed.
+    An earlier run's outputs that an --overwrite moved aside and its job never
+    started are put back (`restore_cleared`).
     Call with out's lock held, so no running job owns them."""
+    restore_cleared(out)
     for folder in (out, out / "checkpoints"):
         if not folder.is_dir():
             continue
