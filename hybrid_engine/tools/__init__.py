@@ -1,0 +1,32 @@
+"""Tools for agentic RL: Python functions the model calls, and parsers of its calls.
+
+`functions`: `load_tools(spec)` -> `Tool`s (name, fn, the JSON schema a chat
+template takes), `validate_call` / `validate_arguments`, `call_tool`.
+`parsers`: `tool_parser(name)` -> a `ToolParser` whose `parse(text)` gives a
+`ParsedTurn` (content, `ToolCall`s, errors); hermes, mistral and llama3_json
+are registered.
+
+Invariant: light and low (transformers at most, lazily; never vLLM, rollout/,
+policy/ or roles/), so an environment or a tool worker process can import it.
+"""
+
+from hybrid_engine.tools.functions import (
+    Tool,
+    call_tool,
+    load_tools,
+    make_tool,
+    validate_arguments,
+    validate_call,
+)
+from hybrid_engine.tools.parsers import (
+    PARSERS,
+    ParsedTurn,
+    ToolCall,
+    ToolParser,
+    register_tool_parser,
+    tool_parser,
+)
+
+__all__ = ["PARSERS", "ParsedTurn", "Tool", "ToolCall", "ToolParser", "call_tool",
+           "load_tools", "make_tool", "register_tool_parser", "tool_parser",
+           "validate_arguments", "validate_call"]
