@@ -98,7 +98,10 @@ def test_tiny_model_writes_a_mixture_of_experts(tmp_path):
 def test_bad_tiny_model_flags_are_one_error_line(tmp_path, capsys, argv, message):
     from hybrid_engine import cli
 
-    assert cli.main(["tiny-model", str(tmp_path / "m"), *argv]) == 2
+    # The command itself (cli.main would also quieten the libraries through this
+    # process's environment, which later tests' subprocesses inherit).
+    args = cli._parser().parse_args(["tiny-model", str(tmp_path / "m"), *argv])
+    assert cli._cmd_tiny_model(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "m").exists()

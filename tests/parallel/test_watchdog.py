@@ -197,12 +197,16 @@ def test_a_rank_that_stops_while_failing_says_it_left_with_an_error(caplog) -> N
     finally:
         watchdog._ACTIVE = None
         peer.close()
+        signals.reset()
     assert "stopping after the current step" not in caplog.text
     watchdog._ACTIVE = Watchdog(0, 2, 20.0, interval_s=1000.0, store=dist.HashStore(),
                                 thread=False)
     watchdog.stop()  # no exception in flight: a clean finish
-    with signals.stop_on_signals():  # no watchdog: a user's stop, said
-        os.kill(os.getpid(), signal.SIGTERM)
+    try:
+        with signals.stop_on_signals():  # no watchdog: a user's stop, said
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signals.reset()  # the request outlives the context: later runs in this process start clean
     assert "stopping after the current step" in caplog.text
 
 
