@@ -93,8 +93,9 @@ class PhaseTimer:
 def trajectory_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     """Reward mean/std, accuracy (mean of the "correct" component when the
     environment gives one), response length, each reward component's mean,
-    reward/timeouts (reward calls killed at their timeout, a count) and
-    prompts_truncated (prompts the rollout cut to fit max_model_len)."""
+    reward/timeouts (reward calls killed at their timeout, a count),
+    prompts_truncated (prompts the rollout cut to fit max_model_len) and, for a
+    chat environment's episodes, the tool metrics (`_tool_metrics`)."""
     n = max(len(trajs), 1)
     rewards = [t.reward for t in trajs]
     mean = sum(rewards) / n
@@ -111,11 +112,27 @@ def trajectory_metrics(trajs: Sequence[Any]) -> dict[str, float]:
         out[f"reward/{k}"] = sum(t.reward_components.get(k, 0.0) for t in trajs) / n
     if any("reward_timeouts" in t.info for t in trajs):
         out["reward/timeouts"] = float(sum(t.info.get("reward_timeouts", 0) for t in trajs))
+    if any("num_tool_calls" in t.info for t in trajs):  # a chat environment's episodes
+        out.update(_tool_metrics(trajs))
     # A reward-model environment keeps the task's correctness in info (not in the reward).
     correct = [t.info.get("correct", t.reward_components.get("correct")) for t in trajs]
     if trajs and all(c is not None for c in correct):
         out["accuracy"] = sum(float(c) for c in correct) / n
     return out
+
+
+def _tool_metrics(trajs: Sequence[Any]) -> dict[str, float]:
+    """tool/calls, tool/errors, tool/timeouts (per episode), turns per episode,
+    observation tokens per episode, and the share of episodes cut by their budget."""
+    n = max(len(trajs), 1)
+
+    def mean(key: str) -> float:
+        return sum(float(t.info.get(key, 0)) for t in trajs) / n
+
+    return {"tool/calls": mean("num_tool_calls"), "tool/errors": mean("num_tool_errors"),
+            "tool/timeouts": mean("num_tool_timeouts"), "turns_mean": mean("num_turns"),
+            "observation_tokens_mean": mean("observation_tokens"),
+            "over_budget": mean("over_budget")}
 
 
 def staleness_metrics(trajs: Sequence[Any], step: int, k: int) -> dict[str, float]:

@@ -92,6 +92,10 @@ def check_inputs(cfg: RunConfig, *, resume: bool, overwrite: bool,
     Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,  # e.g. group sizes
               max_tokens=cfg.rollout.max_tokens, prompts_per_step=cfg.train.prompts_per_step)
     terms = reward_terms(cfg.env)  # names, weights, each function loads and takes a sample
+    if cfg.env.tools:
+        from hybrid_engine.tools.functions import load_tools
+
+        load_tools(cfg.env.tools)  # each loads, with a schema from its hints; names unique
     if writes_output:
         check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
     examples = check_dataset(cfg.env, cfg.eval)
@@ -222,10 +226,11 @@ def check_prompts(env: EnvConfig, folder: Path, examples: DatasetRows | None,
     fmt = prompt_format(env)
     tok = AutoTokenizer.from_pretrained(folder)
     fmt.check(tok)
+    extra = check_template_lists_tools(env, fmt, tok) if env.tools else 0
     rows = examples if max_prompt_len is not None else (examples or [])[:8]
     for i, ex in enumerate(rows or ()):
         try:
-            n = len(fmt.ids(tok, ex.prompt))
+            n = len(fmt.ids(tok, ex.prompt)) + extra
         except ValueError as e:
             raise ValueError(f"{examples.records.where(i)}: {e}") from None
         if max_prompt_len is not None and n > max_prompt_len:
@@ -233,6 +238,22 @@ def check_prompts(env: EnvConfig, folder: Path, examples: DatasetRows | None,
                 f"{examples.records.where(i)}: its prompt has {n} tokens, "
                 f"more than rollout.max_model_len - rollout.max_tokens = {max_prompt_len} (set "
                 "rollout.prompt_too_long=truncate to keep its last tokens)")
+
+
+def check_template_lists_tools(env: EnvConfig, fmt: Any, tokenizer: Any) -> int:
+    """With env.tools, the chat template in effect shows the model the tools: it
+    renders a conversation differently with tools= than without. Returns the
+    tokens the tools add to a prompt."""
+    from hybrid_engine.tools.functions import load_tools
+
+    schemas = [t.schema for t in load_tools(env.tools)]
+    convo = [{"role": "user", "content": "1+1="}]
+    with_tools = fmt.render(tokenizer, convo, tools=schemas)
+    if with_tools == fmt.render(tokenizer, convo):
+        raise ValueError(f"env.tools={env.tools!r}: the chat template ({env.chat_template}) "
+                         "ignores tools=, so the model would never see them: use the model's "
+                         "tool-calling template (env.chat_template=PATH.jinja)")
+    return len(fmt.ids(tokenizer, convo, tools=schemas)) - len(fmt.ids(tokenizer, convo))
 
 
 def warnings_for(cfg: RunConfig, examples: DatasetRows | None) -> list[str]:

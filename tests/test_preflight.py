@@ -502,3 +502,29 @@ def test_an_eval_file_of_training_prompts_is_warned_about_once(model_dir, tmp_pa
     assert _warnings(model_dir, tmp_path / "run", f"--env.dataset_path={path}",
                      f"--env.eval_dataset_path={held}", "--eval.at_end=true",
                      "--eval.num_prompts=1") == []
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--env.tool_parser=hermess"], ["env.tool_parser", "did you mean 'hermes'"]),
+    (["--env.tools={tmp}/none.py:add"], ["env.tools", "does not exist"]),
+    (["--env.tools={tmp}/t.py:untyped"], ["env.tools", "untyped"]),
+    (["--env.tools={tmp}/t.py:add,{tmp}/u.py:add"], ["env.tools", "two tools are named 'add'"]),
+    (["--env.max_turns=0"], "env.max_turns"),
+    (["--env.name=arithmetic"], "calls no tools: set env.name=tools"),
+    (["--env.chat_template=auto"], ["ignores tools=", "env.chat_template"]),  # plain ChatML
+    ([], "a multi-turn chat needs a chat template; env.chat_template=none"),  # the recipe's
+])
+def test_bad_tool_settings(model_dir, tmp_path, args, expected) -> None:
+    """Each refused from the config, the files and the template alone, before any engine."""
+    (tmp_path / "t.py").write_text(
+        "def add(a: int, b: int) -> int:\n    \"\"\"Adds.\n\n    Args:\n        a: One.\n"
+        "        b: Two.\n    \"\"\"\n    return a + b\n\n\ndef untyped(a, b):\n    return a\n")
+    (tmp_path / "u.py").write_text((tmp_path / "t.py").read_text())
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["--env.name=tools", f"--env.tools={tmp_path}/t.py:add",
+            f"--env.dataset_path={tmp_path}/d.jsonl"]
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    expected = [e.replace("{tmp}", str(tmp_path)) for e in
+                ([expected] if isinstance(expected, str) else expected)]
+    _has(_refusal(model_dir, tmp_path / "run", *base, *args), expected)

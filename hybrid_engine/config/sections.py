@@ -39,6 +39,7 @@ _ADVANTAGES = "hybrid_engine.algorithms.advantages:ADVANTAGES"
 _POLICY_LOSSES = "hybrid_engine.algorithms.losses:POLICY_LOSSES"
 _KL_ESTIMATORS = "hybrid_engine.algorithms.kl:KL_ESTIMATORS"
 _ENVS = "hybrid_engine.envs:ENVS"
+_TOOL_PARSERS = "hybrid_engine.tools.parsers:PARSERS"
 
 
 # --------------------------------------------------------------------------
@@ -360,12 +361,34 @@ class EnvConfig:
         1, "Worker processes per rank for reward functions (0 = in the rank's own process, "
         "no timeouts).", ge=0)
     reward_timeout_s: float = _field(
-        60.0, "Seconds one reward function call may run; past it, its worker is killed and it "
-        "scores env.reward_on_timeout (0 = no limit). A step's calls also time out together: "
-        "when none has returned for this long, those running stop; at a second such stall, all "
-        "left do.", ge=0)
+        60.0, "Seconds a reward call may run (past it: killed, scores env.reward_on_timeout; "
+        "0 = no limit), and a step's calls may go with none returning (twice: all left stop).",
+        ge=0)
     reward_on_timeout: float = _field(
         0.0, "The value of a reward function call that timed out (counted in reward/timeouts).")
+    tools: str = _field(
+        "", "tools: the functions the model may call, 'file.py:fn1,fn2' or 'module:fn' (their "
+        "JSON schemas, from type hints and docstrings, go to the chat template as tools=).")
+    tool_parser: str = _field(
+        "hermes", "How the model's tool calls are read from its turns (its chat template's "
+        "format).", registry=_TOOL_PARSERS)
+    tool_workers: int = _field(
+        2, "Worker processes per rank that run tool calls (0 = in the rank's own process, no "
+        "timeouts).", ge=0)
+    tool_timeout_s: float = _field(
+        10.0, "Seconds one tool call may run; past it, its worker is killed and the call's "
+        "result is an error (counted in tool/timeouts; 0 = no limit).", ge=0)
+    tool_error_penalty: float = _field(
+        0.0, "tools: reward part tool_errors = -this per failed call (unknown tool, bad "
+        "arguments, raised, timed out); 0 = none.", ge=0)
+    max_turns: int = _field(
+        4, "Most model turns (tool calls: the calculator's) of a multi-turn episode.", ge=1)
+    max_episode_tokens: int = _field(
+        0, "Chat environments: most response tokens of an episode, sampled and observed; 0 = "
+        "bounded by rollout.max_model_len only.", ge=0)
+    at_budget: Literal["keep", "zero"] = _field(
+        "keep", "What an episode cut at max_episode_tokens scores: 'keep' its reward so far, "
+        "'zero' nothing.")
     min_digits: int = _field(1, "arithmetic: fewest digits of a generated operand.", ge=1)
     max_digits: int = _field(
         3, "arithmetic: most digits of a generated operand (at most 4000: Python converts "
@@ -394,6 +417,10 @@ class EnvConfig:
                              f"template ({pre}chat_template=none)")
         self.template_kwargs()
         self._check_rewards()
+        if self.tools and self.name != "tools" and ":" not in self.name:
+            raise ValueError(f"{_prefix(self)}tools is set but {_prefix(self)}name="
+                             f"{self.name!r} calls no tools: set {_prefix(self)}name=tools (or "
+                             "your ChatTask, file.py:Class)")
 
     def _check_rewards(self) -> None:
         pre = _prefix(self)

@@ -77,13 +77,18 @@ class PromptFormat:
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
         return msgs
 
-    def ids(self, tokenizer: Any, prompt: Prompt) -> list[int]:
-        """A prompt's token ids (see the module docstring).
+    def ids(self, tokenizer: Any, prompt: Prompt, *,
+            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """A prompt's token ids (see the module docstring); tools: the JSON schemas
+        the template lists for the model (`apply_chat_template(tools=...)`).
 
         Raises:
             ValueError: chat messages without a template in effect, or a template
                 that fails to render them.
         """
+        if tools:
+            return self._encode(tokenizer, self.render(tokenizer, self.messages(prompt),
+                                                       tools=tools, generation_prompt=True))
         jinja = self.jinja(tokenizer)
         if jinja is None:
             if not isinstance(prompt, str):
@@ -100,3 +105,67 @@ class PromptFormat:
             raise ValueError(f"the chat template ({self.template}) failed to render a prompt: "
                              f"{type(e).__name__}: {e}") from e
         return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+    def render(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
+               tools: Sequence[Mapping[str, Any]] | None = None,
+               generation_prompt: bool = False) -> str:
+        """The template's text of a conversation (messages as given: no system
+        prompt added).
+
+        Raises:
+            ValueError: no template in effect, or it fails to render them.
+        """
+        jinja = self.jinja(tokenizer)
+        if jinja is None:
+            raise ValueError("a multi-turn chat needs a chat template; "
+                             + ("env.chat_template=none" if self.template == "none"
+                                else "the tokenizer has none (set env.chat_template=PATH)"))
+        try:
+            return tokenizer.apply_chat_template(
+                [dict(m) for m in messages], tools=list(tools) if tools else None,
+                chat_template=jinja, add_generation_prompt=generation_prompt, tokenize=False,
+                **self.template_kwargs)
+        except Exception as e:  # jinja2's TemplateError and whatever a template raises
+            raise ValueError(f"the chat template ({self.template}) failed to render a "
+                             f"conversation: {type(e).__name__}: {e}") from e
+
+    def continuation_ids(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                         new: Sequence[Mapping[str, Any]], sampled_text: str, *,
+                         tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The ids that follow a sampled assistant turn when `new` messages (tool
+        results, a user's reply) and the next generation prompt are appended: what
+        the template adds past `messages` (whose last one is that assistant turn),
+        preceded by the end of the assistant turn the model did not sample itself
+        (e.g. the newline after `<|im_end|>`). The sampled tokens are never
+        re-encoded: only these new ids are.
+
+        Args:
+            messages: the conversation so far, its last message the assistant's turn.
+            new: the messages to append.
+            sampled_text: the assistant turn as sampled (decoded), for its ending.
+
+        Raises:
+            ValueError: a template that renders earlier messages differently once
+                more follow (not append-only), so no continuation exists.
+        """
+        before = self.render(tokenizer, messages, tools=tools)
+        after = self.render(tokenizer, [*messages, *new], tools=tools, generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError(f"the chat template ({self.template}) renders the conversation "
+                             "differently once more messages follow it, so a turn's tokens "
+                             "cannot be kept as sampled: use an append-only template")
+        end = self._turn_end(tokenizer, tools)
+        kept = next((n for n in range(len(end), 0, -1) if sampled_text.endswith(end[:n])), 0)
+        return self._encode(tokenizer, end[kept:] + after[len(before):])
+
+    def _turn_end(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None) -> str:
+        """What the template writes right after an assistant message's content."""
+        mark = "\x00turn-end\x00"
+        text = self.render(tokenizer, [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": mark}], tools=tools)
+        return text[text.rindex(mark) + len(mark):]
+
+    @staticmethod
+    def _encode(tokenizer: Any, text: str) -> list[int]:
+        out = tokenizer.encode(text, add_special_tokens=False)
+        return list(getattr(out, "ids", out))

@@ -107,8 +107,11 @@ class RewardsEnv:
         return getattr(self.base_env, name)
 
     def close(self) -> None:
-        """Stops the reward workers."""
+        """Stops the reward workers, and what the task started (its tool workers)."""
         self.pool.close()
+        close = getattr(self.base_env, "close", None)
+        if close is not None:
+            close()
 
     def score(self, trajs: Sequence[Any]) -> None:
         """Fills reward, reward_components and info["reward_timeouts"] of every
@@ -158,8 +161,10 @@ class RewardsEnv:
         return [float(t.reward) for t in trajs]
 
     def _sample(self, traj: Any) -> tuple[str, str, str | None, dict]:
-        """(prompt text, completion up to EOS, reference answer, row columns)."""
+        """(prompt text, completion up to EOS (a multi-turn episode: its final answer),
+        reference answer, row columns)."""
         prompt = decode(self.tokenizer, traj.info.get("source_prompt_ids", traj.prompt_ids))
+        final_text = getattr(self.base_env, "final_text", None)  # a multi-turn episode's answer
         ids = list(traj.response_ids)
         if self.eos_id in ids:
             ids = ids[: ids.index(self.eos_id)]
@@ -169,7 +174,8 @@ class RewardsEnv:
             answer = None
         example_for = getattr(self.base_env, "example_for", None)
         ex = example_for(prompt) if example_for is not None else None
-        return prompt, decode(self.tokenizer, ids), answer, dict(ex.extras) if ex else {}
+        completion = final_text(traj) if final_text else decode(self.tokenizer, ids)
+        return prompt, completion, answer, dict(ex.extras) if ex else {}
 
     def _score_share(self, share: Sequence[Any], rm: Sequence[float | None]) -> list[tuple]:
         """[(components, weighted total, timeouts)] of this rank's trajectories.

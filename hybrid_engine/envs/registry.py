@@ -37,7 +37,30 @@ __all__ = ["ENVS", "ArithmeticEnv", "PromptFormat", "RewardError", "ToolEnv", "d
 
 EnvFactory = Callable[["EnvConfig", Any], "Environment"]
 
-ENVS: Registry[EnvFactory] = Registry("environment")
+
+
+class _EnvRegistry(Registry[EnvFactory]):
+    """Registered environments, and 'file.py:Class' / 'module:Class': a user's
+    `envs.agent.ChatTask` run as a `ChatEnv`."""
+
+    def get(self, name: str) -> EnvFactory:
+        if ":" not in name or name in self:
+            return super().get(name)
+        from hybrid_engine.envs.user_code import load_function
+
+        task_class = load_function(name, "env.name")
+        if not isinstance(task_class, type):
+            raise ValueError(f"env.name={name!r} names a {type(task_class).__name__}, not a "
+                             "class (a ChatTask: reset(row) and step(messages))")
+        missing = [m for m in ("reset", "step") if not callable(getattr(task_class, m, None))]
+        if missing:
+            raise ValueError(f"env.name={name!r}: {task_class.__name__} has no "
+                             f"{' or '.join(missing)} (a ChatTask: reset(row) -> messages and "
+                             "step(messages) -> (new messages, done, reward parts))")
+        return lambda cfg, tokenizer: _chat_env(cfg, tokenizer, task_class())
+
+
+ENVS: _EnvRegistry = _EnvRegistry("environment")
 
 
 def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
@@ -126,4 +149,36 @@ def _arithmetic(cfg: EnvConfig, tokenizer: Any) -> Environment:
 @register_env("tool")
 def _tool(cfg: EnvConfig, tokenizer: Any) -> Environment:
     return ToolEnv(tokenizer, seed=cfg.seed, dataset=dataset_spec(cfg),
-                   prompt_format=prompt_format(cfg))
+                   prompt_format=prompt_format(cfg), max_turns=cfg.max_turns)
+
+
+@register_env("tools")
+def _tools(cfg: EnvConfig, tokenizer: Any) -> Environment:
+    """The model calls env.tools in its own format (`envs.agent.ToolTask`)."""
+    from hybrid_engine.envs.agent import ToolTask
+    from hybrid_engine.envs.reward_pool import RewardPool
+    from hybrid_engine.tools.functions import load_tools
+
+    if not cfg.tools:
+        raise ValueError("env.name=tools needs env.tools (the functions the model may call, "
+                         "'file.py:fn1,fn2')")
+    tools = load_tools(cfg.tools)
+    pool = RewardPool(cfg.tool_workers, cfg.tool_timeout_s, preload=[t.spec for t in tools])
+    task = ToolTask(tools, pool, prompt_format=prompt_format(cfg),
+                    error_penalty=cfg.tool_error_penalty)
+    return _chat_env(cfg, tokenizer, task, tools=tools, name="tools")
+
+
+def _chat_env(cfg: EnvConfig, tokenizer: Any, task: Any, *, tools: list | None = None,
+              name: str = "") -> Environment:
+    """A ChatTask as the run's environment (`envs.agent.ChatEnv`)."""
+    from hybrid_engine.envs.agent import ChatEnv
+    from hybrid_engine.tools.functions import load_tools
+    from hybrid_engine.tools.parsers import tool_parser
+
+    if tools is None:
+        tools = load_tools(cfg.tools) if cfg.tools else []
+    return ChatEnv(tokenizer, task, dataset=dataset_spec(cfg), parser=tool_parser(cfg.tool_parser),
+                   tools=tools, max_turns=cfg.max_turns, max_episode_tokens=cfg.max_episode_tokens,
+                   at_budget=cfg.at_budget, seed=cfg.seed, prompt_format=prompt_format(cfg),
+                   name=name or cfg.name)

@@ -32,3 +32,12 @@ def test_make_env_passes_dataset_path(tmp_path):
     path.write_text('{"prompt": "x", "answer": }\n')
     with pytest.raises(ValueError, match=r"d\.jsonl', line 1, column 27: not valid JSON"):
         make_env(EnvConfig(name="arithmetic", dataset_path=str(path)), build_tokenizer())
+
+
+def test_max_turns_reaches_the_calculator() -> None:
+    from hybrid_engine.config import EnvConfig
+    from hybrid_engine.envs import make_env
+    from hybrid_engine.models.tokenizer import build_tokenizer
+
+    assert make_env(EnvConfig(name="tool", max_turns=7, chat_template="none"),
+                    build_tokenizer()).max_turns == 7
