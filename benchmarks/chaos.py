@@ -212,7 +212,7 @@ def trial(i: int, rng: random.Random, model: Path, work: Path, steps: int, ref: 
     row["shm_left_at_exit"] = len(_shm() - shm_before)
     row["sound_ckpts"], bad, row["tmp_folders"] = _checkpoints(out)
     row["damaged_ckpts"] = bad
-    resumable = (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step_*"))
+    resumable = row["sound_ckpts"] > 0  # a kill mid-save leaves only a .tmp- folder
     cmd = _command(model, out, steps, _free_port(), *(["--resume"] if resumable else ["--overwrite"]))
     rc = _start(cmd, work / f"trial{i:02d}.resume.log").wait(timeout=900)
     row["resumed"] = resumable
