@@ -349,7 +349,7 @@ class EnvConfig:
         "environment's reward function; '' = the environment's own reward.",
     )
     rewards: str = _field(
-        "", "Weighted reward terms 'NAME[:WEIGHT],...': math, format, task (the env's "
+        "", "Weighted reward terms 'NAME[:WEIGHT],...': math, format, code, task (the env's "
         "own), reward_model, or file.py:function; '' = the env's own.")
     reward_fn: str = _field(
         "", "A user reward 'file.py:function' or 'module:function' as the whole reward "

@@ -1,7 +1,7 @@
 """What `env.rewards` names: weighted reward terms.
 
 Job: parse 'math:1.0,format:0.1,my.py:fn:0.5' into `RewardTerm`s, each a
-built-in reward (math, format), the environment's own (`task`), a reward model
+built-in reward (math, format, code), the environment's own (`task`), a reward model
 (`reward_model`, the model at env.reward_model_path) or a user function
 ('file.py:function' / 'module:function'), with a weight (default 1.0).
 
@@ -36,6 +36,7 @@ __all__ = ["BUILTIN_REWARDS", "RewardTerm", "check_columns", "function_term", "p
 BUILTIN_REWARDS = {
     "math": "hybrid_engine.envs.verifiers:math_reward",
     "format": "hybrid_engine.envs.verifiers:format_reward",
+    "code": "hybrid_engine.envs.code_reward:code_reward",
 }
 """Built-in function terms: name -> the function a reward worker loads."""
 
@@ -143,6 +144,17 @@ def _check_call(fn: Any, spec: str, key: str, batched: bool, kwargs: dict) -> No
         raise ValueError(f"{key}: {spec!r} cannot be called as a reward {form}: {e}") from None
 
 
+def _default_settings(name: str, format_pattern: str) -> dict[str, Any]:
+    """A built-in term's fixed arguments unless the caller gives them."""
+    if name == "format":
+        return {"pattern": format_pattern}
+    if name == "code":
+        from hybrid_engine.tools.sandbox import Sandbox
+
+        return {"sandbox": Sandbox(), "budget_s": 0.0}
+    return {}
+
+
 def parse_rewards(text: str, *, format_pattern: str = "",
                   settings: Mapping[str, Mapping[str, Any]] | None = None) -> list[RewardTerm]:
     """The terms of an env.rewards value (see the module docstring).
@@ -151,7 +163,7 @@ def parse_rewards(text: str, *, format_pattern: str = "",
         text: the env.rewards value.
         format_pattern: format's regex ('' = its default).
         settings: fixed keyword arguments of built-in terms, by name (code's
-            sandbox and budget_s).
+            sandbox and budget_s; default: a local `Sandbox()`, no budget).
 
     Raises:
         ValueError: an empty item, a weight that is not a number, a name that
@@ -167,9 +179,7 @@ def parse_rewards(text: str, *, format_pattern: str = "",
         if name in MODEL_TERMS:
             terms.append(RewardTerm(name, weight))
         elif name in BUILTIN_REWARDS:
-            fixed = dict((settings or {}).get(name, {}))
-            if name == "format":
-                fixed["pattern"] = format_pattern
+            fixed = {**_default_settings(name, format_pattern), **(settings or {}).get(name, {})}
             terms.append(function_term(BUILTIN_REWARDS[name], weight, name=name, settings=fixed))
         elif ":" in name and name.rsplit(":", 1)[1].isidentifier():
             terms.append(function_term(name, weight))
