@@ -22,8 +22,8 @@ __all__ = ["python", "result_text"]
 
 def python(code: str, sandbox: Sandbox = Sandbox()) -> str:  # noqa: B008 (frozen, shared)
     """Runs a Python 3 program in a fresh process and returns what it prints (its
-    stdout, and its stderr when it fails). Nothing is kept between calls, there is
-    no network, and a program that runs too long is stopped.
+    stdout, and its stderr when it fails). Nothing is kept between calls, the
+    network may be unavailable, and a program that runs too long is stopped.
 
     Args:
         code: The whole program; print the values you want to see.

@@ -233,8 +233,11 @@ def _collect(proc: subprocess.Popen, report_fd: int, limits: SandboxLimits, star
                 truncated = True
                 break
     report: dict = {}
-    for line in bytes(bufs[report_fd]).decode().splitlines():
-        report.update(json.loads(line))
+    for line in bytes(bufs[report_fd]).decode(errors="replace").splitlines():
+        try:
+            report.update(json.loads(line))
+        except ValueError:  # cut by a kill mid-line
+            pass
     out = bytes(bufs[proc.stdout.fileno()][:cap])
     return out, bytes(bufs[proc.stderr.fileno()][:cap - len(out)]), report, timed_out, truncated
 
@@ -256,15 +259,14 @@ def _result(out: bytes, err: bytes, report: dict, timed_out: bool, truncated: bo
 
 
 def _clean_up(proc: subprocess.Popen | None, report: dict, workdir: str) -> None:
-    """Kills every process of the run and removes every file it left."""
+    """Kills every process of the run and removes every file it left. The
+    supervisor is reaped last: until then its pid, which is the group's id and
+    makes the uid, cannot be another run's."""
     if proc is not None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait()
-        for pipe in (proc.stdout, proc.stderr):
-            pipe.close()
         # Its init's exit ends once the kernel has killed the rest of its pid namespace.
         kill_until_gone(pgid=proc.pid)
         uid, iso = report.get("uid"), report.get("isolation", ())
@@ -273,6 +275,9 @@ def _clean_up(proc: subprocess.Popen | None, report: dict, workdir: str) -> None
                 kill_until_gone(uid=uid)
             if "mount" not in iso:
                 remove_files_of(uid, (*sandbox_init.PRIVATE_DIRS, tempfile.gettempdir()))
+        proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            pipe.close()
     shutil.rmtree(workdir, ignore_errors=True)
 
 

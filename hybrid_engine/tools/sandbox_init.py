@@ -6,20 +6,20 @@ new session, with the program's stdout and stderr as its own. Three processes:
     supervisor  this one: root, or the user with a user namespace of its own.
                 Unshares the network, mount and pid namespaces where the OS
                 permits; in the mount namespace puts a private tmpfs on the
-                working directory and on each world-writable directory, and
+                working directory and on each of PRIVATE_DIRS, and
                 makes the interpreter reachable by the sandbox's uid.
     init        pid 1 of the new pid namespace: waits for the program and
                 reports how it ended. When init dies the kernel kills every
                 process left in the namespace.
     program     resource limits; as root, its own uid (UID_BASE + the
-                supervisor's pid, unique while it runs) and no groups; no new
+                supervisor's pid, unique until the caller reaps the
+                supervisor, after its cleanup) and no groups; no new
                 privileges; killed when init dies. Runs `python -s -u main.py`
                 in the working directory, stdin from the file `.stdin`.
 
 Reports, one JSON line each on the report fd: {"isolation": [...], "uid": ...}
 before the program starts, then {"exit": code} or {"signal": n}, or
-{"error": text} when the sandbox itself failed. `ARGS = {"sweep_uid": uid}`
-instead kills every process of that uid (a run without a pid namespace).
+{"error": text} when the sandbox itself failed.
 
 Invariant: the standard library only (it runs before any site-packages), and
 none of the user's code runs before its limits and uid are in place.
@@ -275,23 +275,8 @@ def _init(args: dict, iso: set[str], uid: int | None) -> NoReturn:
     os._exit(0)
 
 
-def _sweep(uid: int) -> None:
-    """Kills every process of uid: as that uid, kill(-1) until none is left."""
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-    for _ in range(10_000):
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-
-
 def main() -> None:
     args = json.loads(sys.argv[1])
-    if "sweep_uid" in args:
-        _sweep(args["sweep_uid"])
-        return
     report = args["report_fd"]
     _call("prctl", _PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != args["parent"]:  # the sandbox died before the line above
