@@ -141,8 +141,8 @@ def _named_functions(spec: str, key: str) -> list[tuple[str, str]]:
         if not sep and out:
             where = out[-1][0]
         if not where or not name.isidentifier():
-            raise ValueError(f"{key}={spec!r}: {item!r} must look like 'path/to/file.py:fn1,fn2' "
-                             "or 'package.module:fn'")
+            raise ValueError(f"{key}={spec!r}: {item!r} must look like 'path/to/file.py:fn1,fn2', "
+                             f"'package.module:fn' or a built-in name ({', '.join(BUILTIN_TOOLS)})")
         out.append((where, name))
     return out
 
@@ -242,8 +242,9 @@ def call_tool(tool: Tool, arguments: dict[str, Any]) -> str:
     """The tool's result as text: a str as is, anything else as JSON.
 
     The tool's settings are passed with the arguments. Exceptions of the
-    function (and a result json.dumps cannot encode) are not caught: the caller, which runs tools in its worker pool, reports them.
-    Validate the arguments first (`validate_arguments`).
+    function (and a result json.dumps cannot encode) are not caught: the caller,
+    which runs tools in its worker pool, reports them. Validate the arguments
+    first (`validate_arguments`).
     """
     result = tool.fn(**arguments, **tool.settings)
     return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
