@@ -349,8 +349,8 @@ class EnvConfig:
         "environment's reward function; '' = the environment's own reward.",
     )
     rewards: str = _field(
-        "", "Weighted reward terms 'NAME[:WEIGHT],...': math, format, task (the env's own), "
-        "reward_model, or file.py:function; '' = the env's own.")
+        "", "Weighted reward terms 'NAME[:WEIGHT],...': math, format, code, task (the env's "
+        "own), reward_model, or file.py:function; '' = the env's own.")
     reward_fn: str = _field(
         "", "A user reward 'file.py:function' or 'module:function' as the whole reward "
         "(env.rewards=SPEC:1.0); '' = the env's own.")
@@ -367,8 +367,8 @@ class EnvConfig:
     reward_on_timeout: float = _field(
         0.0, "The value of a reward function call that timed out (counted in reward/timeouts).")
     tools: str = _field(
-        "", "tools: the functions the model may call, 'file.py:fn1,fn2' or 'module:fn' (their "
-        "JSON schemas, from type hints and docstrings, go to the chat template as tools=).")
+        "", "tools: the functions the model may call, 'file.py:fn1,fn2', 'module:fn' or python "
+        "(their JSON schemas, from hints and docstrings, go to the chat template as tools=).")
     tool_parser: str = _field(
         "hermes", "How the model's tool calls are read from its turns (its chat template's "
         "format).", registry=_TOOL_PARSERS)
@@ -381,6 +381,19 @@ class EnvConfig:
     tool_error_penalty: float = _field(
         0.0, "tools: reward part tool_errors = -this per failed call (unknown tool, bad "
         "arguments, raised, timed out); 0 = none.", ge=0)
+    sandbox_url: str = _field(
+        "", "Where the python tool and the code reward run code: '' = a local sandboxed "
+        "process; else a SandboxFusion-compatible /run_code URL.")
+    sandbox_timeout_s: float = _field(
+        5.0, "Sandbox: wall-clock seconds of one run (and its CPU seconds); past them every "
+        "process of the run is killed.", gt=0)
+    sandbox_memory_mb: int = _field(
+        1024, "Sandbox: address space of each process of a run, MiB.", ge=16)
+    sandbox_output_kb: int = _field(
+        256, "Sandbox: stdout + stderr of a run, KiB; past it the run is stopped and its output "
+        "cut there.", ge=1)
+    sandbox_processes: int = _field(
+        32, "Sandbox: processes and threads of a run at once (a fork bomb stops there).", ge=1)
     max_turns: int = _field(
         4, "Most model turns (tool calls: the calculator's) of a multi-turn episode.", ge=1)
     max_episode_tokens: int = _field(
@@ -417,6 +430,7 @@ class EnvConfig:
                              f"template ({pre}chat_template=none)")
         self.template_kwargs()
         self._check_rewards()
+        self._check_sandbox()
         if self.tools and self.name != "tools" and ":" not in self.name:
             raise ValueError(f"{_prefix(self)}tools is set but {_prefix(self)}name="
                              f"{self.name!r} calls no tools: set {_prefix(self)}name=tools (or "
@@ -441,6 +455,21 @@ class EnvConfig:
         except re.error as e:
             raise ValueError(f"{pre}format_pattern={self.format_pattern!r} is not a regex: "
                              f"{e}") from None
+
+    def _check_sandbox(self) -> None:
+        """A sandbox run ends (timeout_s + about a second) before the worker that
+        waits for it is killed, so the model reads what the program printed."""
+        pre, need = _prefix(self), self.sandbox_timeout_s + 2
+        uses = [("tool_timeout_s", "the python tool", "python" in
+                 [t.strip() for t in self.tools.split(",")]),
+                ("reward_timeout_s", "the code reward", "code" in
+                 [t.split(":", 1)[0].strip() for t in self.rewards.split(",")])]
+        for key, user, used in uses:
+            timeout = getattr(self, key)
+            if used and timeout and timeout < need:
+                raise ValueError(f"{pre}{key}={timeout:g} must be at least "
+                                 f"{pre}sandbox_timeout_s + 2 = {need:g} with {user}: a call "
+                                 "must outlast one sandbox run, or its worker is killed first")
 
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs as {name: value}, each value read as a YAML scalar

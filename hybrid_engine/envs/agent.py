@@ -313,7 +313,7 @@ class ToolTask:
                 out.append({"role": "tool", "name": c["name"], "content": f"error: {problem}",
                             "error": "arguments"})
             else:
-                todo.append((len(out), Call(tool.spec, (), dict(c["arguments"]))))
+                todo.append((len(out), Call(tool.spec, (), {**c["arguments"], **tool.settings})))
                 out.append(None)
         for (i, call), got in zip(todo, self.pool.run([c for _, c in todo]), strict=True):
             name = calls[i]["name"]

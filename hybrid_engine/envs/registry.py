@@ -31,9 +31,10 @@ from hybrid_engine.envs.tool import ToolEnv
 if TYPE_CHECKING:
     from hybrid_engine.config import EnvConfig
     from hybrid_engine.roles.base import Environment
+    from hybrid_engine.tools.sandbox import Sandbox
 
 __all__ = ["ENVS", "ArithmeticEnv", "PromptFormat", "RewardError", "ToolEnv", "dataset_spec",
-           "make_env", "prompt_format", "register_env", "reward_terms"]
+           "make_env", "prompt_format", "register_env", "reward_terms", "sandbox"]
 
 EnvFactory = Callable[["EnvConfig", Any], "Environment"]
 
@@ -121,7 +122,22 @@ def reward_terms(cfg: EnvConfig) -> list:
 
     if cfg.reward_fn:
         return [function_term(cfg.reward_fn, key="env.reward_fn")]
-    return parse_rewards(cfg.rewards, format_pattern=cfg.format_pattern) if cfg.rewards else []
+    if not cfg.rewards:
+        return []
+    # code's cases stop before the worker's timeout (env.reward_timeout_s) would kill it
+    budget_s = max(cfg.reward_timeout_s - 1.5, 0.0) if cfg.reward_timeout_s else 0.0
+    return parse_rewards(cfg.rewards, format_pattern=cfg.format_pattern,
+                         settings={"code": {"sandbox": sandbox(cfg), "budget_s": budget_s}})
+
+
+def sandbox(cfg: EnvConfig) -> Sandbox:
+    """Where the python tool and the code reward run code: a `tools.sandbox.Sandbox`
+    with the env.sandbox_* limits (its url: a service instead of a local process)."""
+    from hybrid_engine.tools.sandbox import Sandbox, SandboxLimits
+
+    return Sandbox(SandboxLimits(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb,
+                                 output_kb=cfg.sandbox_output_kb,
+                                 processes=cfg.sandbox_processes), url=cfg.sandbox_url)
 
 
 def dataset_spec(cfg: EnvConfig) -> DatasetSpec | None:
@@ -162,7 +178,7 @@ def _tools(cfg: EnvConfig, tokenizer: Any) -> Environment:
     if not cfg.tools:
         raise ValueError("env.name=tools needs env.tools (the functions the model may call, "
                          "'file.py:fn1,fn2')")
-    tools = load_tools(cfg.tools)
+    tools = load_tools(cfg.tools, settings={"sandbox": sandbox(cfg)})
     pool = RewardPool(cfg.tool_workers, cfg.tool_timeout_s, preload=[t.spec for t in tools])
     task = ToolTask(tools, pool, prompt_format=prompt_format(cfg),
                     error_penalty=cfg.tool_error_penalty)
@@ -177,7 +193,7 @@ def _chat_env(cfg: EnvConfig, tokenizer: Any, task: Any, *, tools: list | None =
     from hybrid_engine.tools.parsers import tool_parser
 
     if tools is None:
-        tools = load_tools(cfg.tools) if cfg.tools else []
+        tools = load_tools(cfg.tools, settings={"sandbox": sandbox(cfg)}) if cfg.tools else []
     return ChatEnv(tokenizer, task, dataset=dataset_spec(cfg), parser=tool_parser(cfg.tool_parser),
                    tools=tools, max_turns=cfg.max_turns, max_episode_tokens=cfg.max_episode_tokens,
                    at_budget=cfg.at_budget, seed=cfg.seed, prompt_format=prompt_format(cfg),

@@ -1,7 +1,7 @@
 """What `env.rewards` names: weighted reward terms.
 
 Job: parse 'math:1.0,format:0.1,my.py:fn:0.5' into `RewardTerm`s, each a
-built-in reward, the environment's own (`task`), a reward model
+built-in reward (math, format, code), the environment's own (`task`), a reward model
 (`reward_model`, the model at env.reward_model_path) or a user function
 ('file.py:function' / 'module:function'), with a weight (default 1.0).
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ __all__ = ["BUILTIN_REWARDS", "RewardTerm", "check_columns", "function_term", "p
 BUILTIN_REWARDS = {
     "math": "hybrid_engine.envs.verifiers:math_reward",
     "format": "hybrid_engine.envs.verifiers:format_reward",
+    "code": "hybrid_engine.envs.code_reward:code_reward",
 }
 """Built-in function terms: name -> the function a reward worker loads."""
 
@@ -54,7 +55,7 @@ class RewardTerm:
             '' for task and reward_model.
         batched: called once per batch with lists, not once per sample.
         columns: the row columns it receives (None: all of them).
-        settings: fixed keyword arguments (format's pattern).
+        settings: fixed keyword arguments (format's pattern, code's sandbox).
         required: the columns it names without a default (each row must have them).
     """
 
@@ -143,8 +144,26 @@ def _check_call(fn: Any, spec: str, key: str, batched: bool, kwargs: dict) -> No
         raise ValueError(f"{key}: {spec!r} cannot be called as a reward {form}: {e}") from None
 
 
-def parse_rewards(text: str, *, format_pattern: str = "") -> list[RewardTerm]:
+def _default_settings(name: str, format_pattern: str) -> dict[str, Any]:
+    """A built-in term's fixed arguments unless the caller gives them."""
+    if name == "format":
+        return {"pattern": format_pattern}
+    if name == "code":
+        from hybrid_engine.tools.sandbox import Sandbox
+
+        return {"sandbox": Sandbox(), "budget_s": 0.0}
+    return {}
+
+
+def parse_rewards(text: str, *, format_pattern: str = "",
+                  settings: Mapping[str, Mapping[str, Any]] | None = None) -> list[RewardTerm]:
     """The terms of an env.rewards value (see the module docstring).
+
+    Args:
+        text: the env.rewards value.
+        format_pattern: format's regex ('' = its default).
+        settings: fixed keyword arguments of built-in terms, by name (code's
+            sandbox and budget_s; default: a local `Sandbox()`, no budget).
 
     Raises:
         ValueError: an empty item, a weight that is not a number, a name that
@@ -160,8 +179,8 @@ def parse_rewards(text: str, *, format_pattern: str = "") -> list[RewardTerm]:
         if name in MODEL_TERMS:
             terms.append(RewardTerm(name, weight))
         elif name in BUILTIN_REWARDS:
-            settings = {"pattern": format_pattern} if name == "format" else {}
-            terms.append(function_term(BUILTIN_REWARDS[name], weight, name=name, settings=settings))
+            fixed = {**_default_settings(name, format_pattern), **(settings or {}).get(name, {})}
+            terms.append(function_term(BUILTIN_REWARDS[name], weight, name=name, settings=fixed))
         elif ":" in name and name.rsplit(":", 1)[1].isidentifier():
             terms.append(function_term(name, weight))
         else:

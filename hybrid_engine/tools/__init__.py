@@ -5,6 +5,9 @@ template takes), `validate_call` / `validate_arguments`, `call_tool`.
 `parsers`: `tool_parser(name)` -> a `ToolParser` whose `parse(text)` gives a
 `ParsedTurn` (content, `ToolCall`s, errors); hermes, mistral and llama3_json
 are registered.
+`sandbox`: `run_python(code)` / `Sandbox.run` run a model's code in a separate,
+limited, isolated process (or at a SandboxFusion service); `python` is the
+built-in tool over it.
 
 Invariant: light and low (transformers at most, lazily; never vLLM, rollout/,
 policy/ or roles/), so an environment or a tool worker process can import it.

@@ -1,30 +1,42 @@
 """Tools are Python functions: load them from the config, check a call, run it.
 
 Job: `load_tools(spec, key)` turns 'path/to/file.py:fn1,fn2' (or
-'package.module:fn', or several such specs joined by ',') into `Tool`s whose
-schema is what `transformers.utils.get_json_schema` makes of the function (type
-hints plus a Google-style docstring with an 'Args:' line per argument): the
-dict a chat template receives as `tools=[...]`. `validate_arguments` checks a
-parsed call's arguments against that schema; `call_tool` runs it and returns
-the text that goes back to the model.
+'package.module:fn', a built-in name such as `python`, or several such specs
+joined by ',') into `Tool`s whose schema is what
+`transformers.utils.get_json_schema` makes of the function (type hints plus a
+Google-style docstring with an 'Args:' line per argument): the dict a chat
+template receives as `tools=[...]`. `validate_arguments` checks a parsed call's
+arguments against that schema; `call_tool` runs it and returns the text that
+goes back to the model.
 
-Invariant: a `Tool`'s schema is exactly get_json_schema(fn), its name is the
-schema's function name, unique within one `load_tools` result, and its spec
-loads the same function in another process; every loading error is one
-ValueError naming the config key and the function.
+A tool's settings are arguments the run passes, not the model: a parameter
+named like one of `load_tools`' settings (`sandbox`: the run's
+`tools.sandbox.Sandbox`) is left out of the schema and given that value on
+every call.
+
+Invariant: a `Tool`'s schema is exactly get_json_schema(fn) less its settings,
+its name is the schema's function name, unique within one `load_tools` result,
+and its spec loads the same function in another process; every loading error
+is one ValueError naming the config key and the function.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hybrid_engine.user_code import function_of, load_module
 
-__all__ = ["Tool", "call_tool", "load_tools", "make_tool", "validate_arguments", "validate_call"]
+__all__ = ["BUILTIN_TOOLS", "Tool", "call_tool", "default_settings", "load_tools", "make_tool",
+           "validate_arguments", "validate_call"]
+
+BUILTIN_TOOLS = {"python": "hybrid_engine.tools.python:python"}
+"""Tools named by a bare name in a spec: name -> 'module:function'."""
 
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "string": lambda v: isinstance(v, str),
@@ -50,12 +62,15 @@ class Tool:
         spec: 'file.py:name' (the path made absolute) or 'module:name', which
             `hybrid_engine.user_code.load_function` loads again in another
             process (a worker that runs the tool).
+        settings: keyword arguments every call gets from the run (not in the
+            schema; picklable, for a worker process).
     """
 
     name: str
     fn: Callable[..., Any]
     schema: dict[str, Any]
     spec: str
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def parameters(self) -> dict[str, Any]:
@@ -63,8 +78,20 @@ class Tool:
         return self.schema["function"].get("parameters", {"type": "object", "properties": {}})
 
 
-def make_tool(fn: Callable[..., Any], key: str = "env.tools", spec: str | None = None) -> Tool:
+def default_settings() -> dict[str, Any]:
+    """The settings `load_tools` passes unless told otherwise: a local sandbox."""
+    from hybrid_engine.tools.sandbox import Sandbox
+
+    return {"sandbox": Sandbox()}
+
+
+def make_tool(fn: Callable[..., Any], key: str = "env.tools", spec: str | None = None,
+              settings: Mapping[str, Any] | None = None) -> Tool:
     """The Tool of one function; spec defaults to 'fn.__module__:fn.__name__'.
+
+    Args:
+        settings: arguments the run passes (None: `default_settings()`); those fn
+            takes (by name) become the Tool's settings and stay out of its schema.
 
     Raises:
         ValueError: get_json_schema refuses the function (a missing type hint
@@ -74,35 +101,63 @@ def make_tool(fn: Callable[..., Any], key: str = "env.tools", spec: str | None =
 
     name = getattr(fn, "__name__", repr(fn))
     try:
-        schema = get_json_schema(fn)
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    settings = default_settings() if settings is None else settings
+    bound = {k: v for k, v in settings.items() if k in params}
+    try:
+        schema = get_json_schema(_without(fn, bound) if bound else fn)
     except Exception as exc:  # TypeHint/DocstringParsingException, or a user type it can't map
         raise ValueError(f"{key}: function {name!r} cannot be a tool ({exc}); give every "
                          "argument a type hint and a line under 'Args:' in its docstring") from exc
     return Tool(name=schema["function"]["name"], fn=fn, schema=schema,
-                spec=spec or f"{getattr(fn, '__module__', '')}:{name}")
+                spec=spec or f"{getattr(fn, '__module__', '')}:{name}", settings=bound)
+
+
+def _without(fn: Callable[..., Any], names: Mapping[str, Any]) -> Callable[..., Any]:
+    """A stand-in for fn whose signature, hints and name get_json_schema reads,
+    less the parameters in names."""
+    sig, hints = inspect.signature(fn), typing.get_type_hints(fn)
+
+    def stand_in() -> None: ...
+
+    stand_in.__name__, stand_in.__doc__ = fn.__name__, fn.__doc__
+    stand_in.__signature__ = sig.replace(
+        parameters=[p for p in sig.parameters.values() if p.name not in names])
+    stand_in.__annotations__ = {k: v for k, v in hints.items() if k not in names}
+    return stand_in
 
 
 def _named_functions(spec: str, key: str) -> list[tuple[str, str]]:
-    """[(where, name)] of 'a.py:f,g,b.mod:h' (a bare name continues the last module)."""
+    """[(where, name)] of 'a.py:f,g,b.mod:h,python' (a bare name continues the last
+    module, unless it is a built-in tool's)."""
     out: list[tuple[str, str]] = []
     for item in (s.strip() for s in spec.split(",")):
+        if item in BUILTIN_TOOLS:
+            out.append(tuple(BUILTIN_TOOLS[item].split(":")))
+            continue
         where, sep, name = item.rpartition(":")
         if not sep and out:
             where = out[-1][0]
         if not where or not name.isidentifier():
-            raise ValueError(f"{key}={spec!r}: {item!r} must look like 'path/to/file.py:fn1,fn2' "
-                             "or 'package.module:fn'")
+            raise ValueError(f"{key}={spec!r}: {item!r} must look like 'path/to/file.py:fn1,fn2', "
+                             f"'package.module:fn' or a built-in name ({', '.join(BUILTIN_TOOLS)})")
         out.append((where, name))
     return out
 
 
-def load_tools(spec: str, key: str = "env.tools") -> list[Tool]:
+def load_tools(spec: str, key: str = "env.tools",
+               settings: Mapping[str, Any] | None = None) -> list[Tool]:
     """The tools named by spec, in its order.
 
     Args:
-        spec: 'path/to/file.py:fn1,fn2', 'package.module:fn', or several joined
-            by ',' ('a.py:f,b.py:g'); each file or module is imported once.
+        spec: 'path/to/file.py:fn1,fn2', 'package.module:fn', a built-in name
+            (`BUILTIN_TOOLS`: python), or several joined by ',' ('a.py:f,python');
+            each file or module is imported once.
         key: the config key, for messages.
+        settings: arguments the run passes to the tools that take them, by name
+            (None: `default_settings()`).
 
     Raises:
         ValueError: malformed spec, missing file or module, a module that fails
@@ -116,7 +171,7 @@ def load_tools(spec: str, key: str = "env.tools") -> list[Tool]:
             modules[where] = load_module(where, key, spec)
         fn = function_of(modules[where], name, where, key, spec)
         path = str(Path(where).resolve()) if where.endswith(".py") else where
-        tool = make_tool(fn, key, spec=f"{path}:{name}")
+        tool = make_tool(fn, key, spec=f"{path}:{name}", settings=settings)
         if any(t.name == tool.name for t in tools):
             raise ValueError(f"{key}={spec!r}: two tools are named {tool.name!r}; "
                              "a model calls a tool by its name, so each must be unique")
@@ -186,10 +241,11 @@ def validate_call(tools: Sequence[Tool], name: str, arguments: dict[str, Any]) -
 def call_tool(tool: Tool, arguments: dict[str, Any]) -> str:
     """The tool's result as text: a str as is, anything else as JSON.
 
-    Exceptions of the function (and a result json.dumps cannot encode) are not
-    caught: the caller, which runs tools in its worker pool, reports them.
-    Validate the arguments first (`validate_arguments`).
+    The tool's settings are passed with the arguments. Exceptions of the
+    function (and a result json.dumps cannot encode) are not caught: the caller,
+    which runs tools in its worker pool, reports them. Validate the arguments
+    first (`validate_arguments`).
     """
-    result = tool.fn(**arguments)
+    result = tool.fn(**arguments, **tool.settings)
     return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 

@@ -191,19 +191,25 @@ def test_the_env_section_reaches_the_tools_environment(tmp_path) -> None:
     """Each env.* knob of env.name=tools lands where it acts (make_env from config)."""
     from hybrid_engine.config import EnvConfig
     from hybrid_engine.envs import make_env
+    from hybrid_engine.tools.sandbox import Sandbox, SandboxLimits
 
     tok = _tokenizer(tmp_path / "tok")
     rows = [{"prompt": f"{i}+3=", "answer": str(i + 3)} for i in range(40)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = make_env(EnvConfig(
-        name="tools", tools=TOOLS, tool_parser="mistral", tool_workers=3, tool_timeout_s=7.0,
-        tool_error_penalty=0.5, max_turns=2, max_episode_tokens=77, at_budget="zero",
+        name="tools", tools=f"{TOOLS},python", tool_parser="mistral", tool_workers=3,
+        tool_timeout_s=7.0, tool_error_penalty=0.5, max_turns=2, max_episode_tokens=77,
+        at_budget="zero", sandbox_url="http://sandbox:8080/run_code", sandbox_timeout_s=3.0,
+        sandbox_memory_mb=256, sandbox_output_kb=8, sandbox_processes=5,
         dataset_path=str(tmp_path / "d.jsonl")), tok)
     try:
         assert env.parser.name == "mistral" and [s["function"]["name"] for s in env.schemas] == \
-            ["add", "search"]
+            ["add", "search", "python"]
         assert (env.max_turns, env.max_episode_tokens, env.at_budget) == (2, 77, "zero")
         assert (env.task.pool.workers, env.task.pool.timeout_s) == (3, 7.0)
         assert env.task.error_penalty == 0.5
+        assert env.task.tools["python"].settings == {"sandbox": Sandbox(
+            SandboxLimits(timeout_s=3.0, memory_mb=256, output_kb=8, processes=5),
+            url="http://sandbox:8080/run_code")}
     finally:
         env.close()

@@ -112,7 +112,7 @@ def test_terms_parse_with_weights_and_refuse_bad_specs(files) -> None:
     assert terms[1].settings == {"pattern": "x"} and terms[4].columns == {"level"}
     assert parse_rewards(f"{files / 'r.py'}:batch")[0].batched
     for spec, needle in (("nope", "unknown reward 'nope'; the built-in ones are math, format, "
-                                  "task, reward_model"),
+                                  "code, task, reward_model"),
                          ("math:high", "the weight of 'math' must be a number, got 'high'"),
                          (f"{fn}:x", "the weight of"),
                          ("math,,format", "an empty item"),

@@ -67,7 +67,8 @@ def test_tools_load_from_a_module_and_from_several_specs(tmp_path) -> None:
                               "schema for no_arg_docs because the docstring has no description "
                               "for the argument 'city')"),
     (f"{MODULE}:add,add", f"env.tools='{MODULE}:add,add': two tools are named 'add'"),
-    ("get_weather", "'get_weather' must look like 'path/to/file.py:fn1,fn2'"),
+    ("get_weather", "'get_weather' must look like 'path/to/file.py:fn1,fn2', "
+                    "'package.module:fn' or a built-in name (python)"),
     (f"{MODULE}:add,", "'' must look like"),
     (f"{MODULE}:1bad", "'tests.tools.sample_tools:1bad' must look like"),
 ])
