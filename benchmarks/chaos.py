@@ -209,7 +209,8 @@ def trial(i: int, rng: random.Random, model: Path, work: Path, steps: int, ref: 
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid_left, signal.SIGKILL)
     row["port_left"] = _listening(port)
-    row["shm_left_at_exit"] = len(_shm() - shm_before)
+    new_shm = sorted(_shm() - shm_before)  # named: another job's entries are told apart
+    row["shm_left_at_exit"], row["shm_names_at_exit"] = len(new_shm), new_shm
     row["sound_ckpts"], bad, row["tmp_folders"] = _checkpoints(out)
     row["damaged_ckpts"] = bad
     resumable = row["sound_ckpts"] > 0  # a kill mid-save leaves only a .tmp- folder

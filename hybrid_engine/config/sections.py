@@ -124,6 +124,10 @@ class RolloutConfig:
     mismatch_sample: int = _field(
         1, "Completions per prompt group whose sampled-token log-probs vLLM returns, for the "
         "mismatch monitor alone; all when training reads them or samples may be stale.", ge=0)
+    schedule: Literal["episode", "turn"] = _field(
+        "episode", "Multi-turn: 'episode' = an episode's next turn enters the engine once its "
+        "tools answer, others decoding meanwhile; 'turn' = one generate per turn (waits for "
+        "the slowest).")
     num_ranks: int = _field(
         0,
         "placement=separate: how many ranks only roll out (the last ones; the others only "

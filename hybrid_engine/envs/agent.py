@@ -31,6 +31,7 @@ same completions, so tools must be deterministic (the loop's collective contract
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -126,6 +127,13 @@ class ChatEnv(ProblemEnv):
         self.eos_id = eos_token_id(tokenizer)
         self.bank = ProblemBank(self._no_generated, dataset=dataset, seed=seed, name=name)
         self._conversations: dict[tuple[int, ...], list[Message]] = {}
+        self._lock = threading.Lock()  # the tokenizer, the parser and the template
+
+    @property
+    def concurrent_steps(self) -> bool:
+        """Whether the rollout loops may run steps of different episodes at once, in
+        threads: unless the task says otherwise (`concurrent_steps = False`)."""
+        return bool(getattr(self.task, "concurrent_steps", True))
 
     def close(self) -> None:
         """Stops what the task started (its tool workers)."""
@@ -161,6 +169,8 @@ class ChatEnv(ProblemEnv):
 
     def step(self, state: ChatEpisode, segment: Sequence[int]) -> tuple[list[int], bool]:
         """Records one sampled turn and answers it (see the module docstring).
+        Steps of different episodes may run at once (`concurrent_steps`): the
+        tokenizer is used under a lock, the task's step (the tools) outside it.
 
         Returns:
             (the observation's ids, maybe []; episode done).
@@ -169,10 +179,12 @@ class ChatEnv(ProblemEnv):
         segment = list(segment)
         state.response_ids += segment
         state.loss_mask += [True] * len(segment)
-        text = self.tokenizer.decode(segment, skip_special_tokens=False)  # parsed, kept as ids
-        reply = self._assistant(state, text)
+        with self._lock:
+            text = self.tokenizer.decode(segment, skip_special_tokens=False)  # kept as ids
+            reply = self._assistant(state, text)
+            ended = self._ended_turn(segment, text)
         state.final_text = reply["content"]
-        if not self._ended_turn(segment, text):  # cut by the token limit, or no room left
+        if not ended:  # cut by the token limit, or no room left
             state.done = True
             return [], True
         state.messages.append(reply)
@@ -183,8 +195,9 @@ class ChatEnv(ProblemEnv):
         if done or not new or state.num_turns >= self.max_turns:
             state.done = True
             return [], True
-        obs = self.prompt_format.continuation_ids(self.tokenizer, state.messages, new, text,
-                                                  tools=self.schemas or None)
+        with self._lock:
+            obs = self.prompt_format.continuation_ids(self.tokenizer, state.messages, new, text,
+                                                      tools=self.schemas or None)
         budget = self.max_episode_tokens
         if budget and len(state.response_ids) + len(obs) > budget:
             state.over_budget = state.done = True

@@ -36,6 +36,7 @@ import concurrent.futures
 import ctypes
 import signal
 import sys
+import threading
 import time
 import types
 from multiprocessing import popen_spawn_posix
@@ -141,16 +142,20 @@ class RewardPool:
     def __init__(self, workers: int, timeout_s: float, preload: Sequence[str] = ()) -> None:
         self.workers, self.timeout_s, self.preload = workers, timeout_s, tuple(preload)
         self._pool = None
+        self._starting = threading.Lock()  # run() may be called from several threads
 
     def start(self) -> None:
         """Spawns the workers now (else at the first call): they import while the
         engines start."""
-        if self.workers and self._pool is None:
-            from pebble import ProcessPool
+        with self._starting:
+            if self.workers and self._pool is None:
+                self._pool = self._new_pool()
 
-            self._pool = ProcessPool(max_workers=self.workers, initializer=_worker_init,
-                                     initargs=(self.preload,),
-                                     context=_WorkerContext())
+    def _new_pool(self) -> Any:
+        from pebble import ProcessPool
+
+        return ProcessPool(max_workers=self.workers, initializer=_worker_init,
+                           initargs=(self.preload,), context=_WorkerContext())
 
     def run(self, calls: Sequence[Call]) -> list[Outcome]:
         """One outcome per call, in order."""

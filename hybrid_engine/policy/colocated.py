@@ -210,6 +210,7 @@ class HybridActor:
         set_collective_timeout(cfg.collective_timeout_s,
                                [g for g in all_groups() if g not in host_groups])
         self.partial = PartialRollouts(cfg.rollout, cfg.async_rollout) if cfg.async_rollout.partial else None
+        self._schedule = None  # the last multi-turn sampling's ScheduleStats (rollout_metrics)
         self.tokenizer = self.rollout.tokenizer
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
@@ -321,6 +322,7 @@ class HybridActor:
         current weights' version (the controller's step), recorded per token,
         and up to len(prompts) finished groups come back, parked ones first.
         """
+        from hybrid_engine.rollout.agent_loop import ScheduleStats
         from hybrid_engine.rollout.episodes import collect, is_multi_turn
 
         self.phases.to_rollout()
@@ -333,10 +335,14 @@ class HybridActor:
             return self._sampled_now(self.partial.collect(
                 self.rollout, [list(p) for p in prompts], num_samples=num_samples, seed=seed,
                 version=version), version)
+        stats = ScheduleStats()
         with self._sampling(sampling):
             trajs = collect(self.rollout, env, [list(p) for p in prompts],
-                            num_samples=num_samples, seed=seed)
-        return trajs if sampling else self._sampled_now(trajs, None)
+                            num_samples=num_samples, seed=seed, stats=stats)
+        if sampling:
+            return trajs
+        self._schedule = stats if is_multi_turn(env) else None
+        return self._sampled_now(trajs, None)
 
     def _install_weights(self) -> dict[str, float]:
         """The trainer's weights into the engine (the phases' sync)."""
@@ -358,8 +364,14 @@ class HybridActor:
     def rollout_metrics(self) -> dict[str, float]:
         """The generation's own metrics since the last call: with partial rollouts
         the pool's partial/* counts (`PartialRollouts.metrics`); else none. The
-        controller reads them after every step's sampling, trained or not."""
-        return {} if self.partial is None else self.partial.metrics()
+        controller reads them after every step's sampling, trained or not.
+        Multi-turn: rollout/engine_idle, the share of the sampling's time the
+        engine had no request while episodes waited for their environment."""
+        out = {} if self.partial is None else self.partial.metrics()
+        if self._schedule is not None:
+            out["rollout/engine_idle"] = self._schedule.idle_fraction
+            self._schedule = None
+        return out
 
     def load_rollout_state(self, state: dict | None) -> None:
         """Restores what rollout_state() returned."""

@@ -41,7 +41,7 @@ from hybrid_engine.rollout.prompt_limit import PromptTooLong
 from hybrid_engine.rollout.weights import WeightStaging
 
 if TYPE_CHECKING:
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
 
 __all__ = ["Completions", "VLLMRollout", "scheduling_kwargs"]
 
@@ -210,7 +210,7 @@ class VLLMRollout(WeightStaging):
     def generate(
         self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
         seed: int = 0, stop: Sequence[str] | None = None, include_stop_str: bool = False,
-        max_tokens: int | Sequence[int] | None = None,
+        max_tokens: int | Sequence[int] | None = None, keys: Sequence[int] | None = None,
     ) -> Completions:
         """Samples K completions per prompt; collective over the whole world.
 
@@ -233,6 +233,9 @@ class VLLMRollout(WeightStaging):
                 prompt, or one per prompt; None = rollout.max_tokens. A
                 prompt's length is checked against max_model_len minus its
                 own limit (rollout.prompt_too_long says what happens beyond).
+            keys: one per prompt, in place of its position in the seeds
+                (cfg.seed, seed, key, j): a multi-turn episode's turn keeps
+                its draws whichever episodes share the call.
 
         Returns:
             Completions, prompt-major, in the order of `prompts`.
@@ -247,19 +250,19 @@ class VLLMRollout(WeightStaging):
         token_ids, logprobs, installs = self._sample(
             [prompt_ids[p] for p in mine], list(mine), k, seed, stop=stop,
             include_stop_str=include_stop_str,
-            max_tokens=None if limits is None else [limits[p] for p in mine],
+            max_tokens=None if limits is None else [limits[p] for p in mine], keys=keys,
         )
         if num_replicas > 1:  # every replica's results, as tensors (no pickling)
             token_ids = self._gather_replicas(token_ids, torch.int64)
             logprobs = self._gather_replicas(logprobs, torch.float64)
             installs = None if installs is None else self._gather_replicas(installs, torch.int64)
-        if any(math.isnan(x) for i, lps in enumerate(logprobs) if self._wants_logprobs(i % k)
+        if any(math.isnan(x) for i, lps in enumerate(logprobs) if self.wants_logprobs(i % k)
                for x in lps):
             raise RuntimeError("sampled tokens have NaN log-probs: vLLM's weights are not valid "
                                "(discarded by a release and never rewritten?)")
         return Completions(prompt_ids, token_ids, logprobs, k, installs)
 
-    def _wants_logprobs(self, j: int) -> bool:
+    def wants_logprobs(self, j: int) -> bool:
         """Whether completion j of a group gets its sampled-token log-probs."""
         return self.logprob_samples is None or j < self.logprob_samples
 
@@ -322,6 +325,7 @@ class VLLMRollout(WeightStaging):
     def _sample(self, prompt_ids: list[list[int]], indices: list[int], k: int,
                 seed: int, *, stop: Sequence[str] | None = None,
                 include_stop_str: bool = False, max_tokens: Sequence[int] | None = None,
+                keys: Sequence[int] | None = None,
                 ) -> tuple[list[list[int]], list[list[float]], list[list[int]] | None]:
         """Samples this replica's share; stop / include_stop_str / max_tokens
         (one per prompt) as in `generate`. Returns token ids, log-probs and,
@@ -335,26 +339,19 @@ class VLLMRollout(WeightStaging):
         same step are dropped; an EOS or stop token id, by contrast, is the
         last token id, as tests/rollout/test_engine.py checks.)
         """
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
-        stop_strs = list(self.cfg.stop if stop is None else stop) or None
-        flat = vllm_compat.logprob_params()
+        stop_strs = list(self.cfg.stop if stop is None else stop)
         requests, params = [], []
         for i, (p, ids) in enumerate(zip(indices, prompt_ids, strict=True)):
+            key = p if keys is None else keys[p]
             for j in range(k):
                 requests.append(TokensPrompt(prompt_token_ids=ids))
-                params.append(SamplingParams(
-                    n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                    top_k=self.cfg.top_k,
-                    max_tokens=self.cfg.max_tokens if max_tokens is None else max_tokens[i],
-                    logprobs=0 if self._wants_logprobs(j) else None, **flat,
-                    stop=stop_strs, include_stop_str_in_output=include_stop_str,
-                    stop_token_ids=list(self.cfg.stop_token_ids) or None,
-                    seed=hash((self.cfg.seed, seed, p, j)) & 0x7FFFFFFF,
-                    # Text only for stop strings: nothing reads it, and vLLM would
-                    # detokenize every sampled token twice (text, log-prob entry).
-                    detokenize=stop_strs is not None,
-                ))
+                params.append(self.sampling_params(
+                    self.cfg.max_tokens if max_tokens is None else max_tokens[i],
+                    hash((self.cfg.seed, seed, key, j)) & 0x7FFFFFFF,
+                    logprobs=self.wants_logprobs(j), stop=stop_strs,
+                    include_stop_str=include_stop_str))
         if self.between_steps is not None:
             return self._step_loop(requests, params)
         outs = self.llm.generate(requests, params, use_tqdm=False,
@@ -365,6 +362,29 @@ class VLLMRollout(WeightStaging):
             token_ids.append(list(comp.token_ids))
             logprobs.append(vllm_compat.token_logprobs(comp.logprobs, comp.token_ids))
         return token_ids, logprobs, None
+
+    def sampling_params(self, max_tokens: int, seed: int, *, logprobs: bool = True,
+                        stop: Sequence[str] = (), include_stop_str: bool = False,
+                        ) -> SamplingParams:
+        """One request's SamplingParams: rollout's temperature, top-p, top-k and stop
+        token ids, with this limit, seed and stop strings (and text only when
+        there are stop strings: nothing else reads it, and vLLM would detokenize
+        every sampled token twice, text and log-prob entry)."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
+            max_tokens=int(max_tokens), logprobs=0 if logprobs else None,
+            **vllm_compat.logprob_params(), stop=list(stop) or None,
+            include_stop_str_in_output=include_stop_str,
+            stop_token_ids=list(self.cfg.stop_token_ids) or None, seed=int(seed),
+            detokenize=bool(stop))
+
+    def open_run(self, kind: str) -> EngineRun:
+        """An empty `EngineRun` on this engine (requests added as they come),
+        with the adapter every request uses."""
+        self._check_can_sample()
+        return EngineRun(self.llm, self._request_tag(kind), [], [], self.lora_request)
 
     def _request_tag(self, kind: str) -> str:
         """A prefix for hand-driven request ids, unique per engine."""
@@ -445,19 +465,15 @@ class VLLMRollout(WeightStaging):
         Returns:
             (token ids, their log-probs, finished) per prompt, in order.
         """
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
         if self._kv_released:
             raise RuntimeError("sample_until() after release_memory(): call restore_memory() first")
         if not self.weights_valid:
             raise RuntimeError("sample_until() with discarded weights: sync them first")
-        stop_strs = list(self.cfg.stop) or None
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
-        params = [SamplingParams(
-            n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
-            max_tokens=int(m), logprobs=0, **vllm_compat.logprob_params(), stop=stop_strs,
-            stop_token_ids=list(self.cfg.stop_token_ids) or None, seed=int(seed),
-            detokenize=stop_strs is not None) for m, seed in zip(max_tokens, seeds, strict=True)]
+        params = [self.sampling_params(m, seed, stop=self.cfg.stop)
+                  for m, seed in zip(max_tokens, seeds, strict=True)]
         run = EngineRun(self.llm, self._request_tag("partial"), requests, params,
                         self.lora_request)
         sampled = 0

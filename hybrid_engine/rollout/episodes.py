@@ -9,11 +9,19 @@ reward left to the caller (`env.score(trajs)`).
   completion is one trajectory (all tokens in the loss).
 - Multi-turn environment (`MultiTurnEnvironment`: `reset` / `step` /
   `build_trajectory`, e.g. `envs.tool.ToolEnv`): generation and environment
-  steps alternate. Turn 0 is one `generate(prompts, num_samples=K, seed=s)`
+  steps alternate, on one of two schedules (rollout.schedule):
+  'episode' (`agent_loop`, a `VLLMRollout` without in-flight updates): each
+  episode's next turn enters the engine as soon as the env has answered its
+  last, while the others keep decoding; env steps of different episodes run
+  at once in threads when the env allows it (`concurrent_steps`).
+  'turn' (else): turn 0 is one `generate(prompts, num_samples=K, seed=s)`
   (so its draws are those of the single-turn call with the same seed and
   stop strings); each later turn t is one `generate` over the episodes still
   running, context = prompt + response so far (policy and env tokens), one
-  sample each, seed `turn_seed(s, t)`. Every call stops at the environment's
+  sample each. Both give a turn the same vLLM seed (`episode_record.
+  request_seed`: turn 0 by prompt and sample, turn t by turn_seed(s, t) and
+  episode), so they sample the same tokens where vLLM's numerics do not
+  depend on the batch. Every call stops at the environment's
   turn-ending strings (`env.turn_stop`, default `TOOL_CALL_STOP` =
   ("</calc>",)) plus rollout.stop, and the stop string's tokens stay in the
   segment handed to `env.step` (vLLM keeps them in token_ids; see
@@ -53,12 +61,14 @@ token to a context bounded by max_model_len.
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from hybrid_engine.rollout.agent_loop import ScheduleStats, collect_per_episode
+from hybrid_engine.rollout.episode_record import (
+    EpisodeRecord, advance_all, end_when_full, finish, turn_seed,
+)
 from hybrid_engine.rollout.prompt_limit import PromptTooLong
 from hybrid_engine.trajectory import Trajectory
 
@@ -66,7 +76,8 @@ if TYPE_CHECKING:
     from hybrid_engine.config import RolloutConfig
     from hybrid_engine.rollout.engine import Completions
 
-__all__ = ["TOOL_CALL_STOP", "MultiTurnEnvironment", "collect", "is_multi_turn", "turn_seed"]
+__all__ = ["TOOL_CALL_STOP", "MultiTurnEnvironment", "collect", "is_multi_turn", "per_episode",
+           "turn_seed"]
 
 TOOL_CALL_STOP: tuple[str, ...] = ("</calc>",)
 """Turn-ending strings of an environment without a `turn_stop` attribute
@@ -110,37 +121,13 @@ class _Rollout(Protocol):
     def generate(
         self, prompts: Sequence[Sequence[int]], *, num_samples: int | None = None, seed: int = 0,
         stop: Sequence[str] | None = None, include_stop_str: bool = False,
-        max_tokens: int | Sequence[int] | None = None,
+        max_tokens: int | Sequence[int] | None = None, keys: Sequence[int] | None = None,
     ) -> Completions: ...
-
-
-def turn_seed(seed: int, turn: int) -> int:
-    """Seed of generation turn `turn` of `collect(..., seed=seed)`: seed itself
-    for turn 0, a stable 31-bit hash of (seed, turn) after (same on every rank
-    and every run, unlike Python's salted str hash)."""
-    if turn == 0:
-        return seed
-    digest = hashlib.blake2b(f"episodes:{seed}:{turn}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
-
-
-@dataclass(slots=True)
-class _Episode:
-    """The loop's own record of one episode (the env keeps its own state)."""
-
-    state: Any
-    group_id: int
-    context: list[int]  # prompt + every segment + every env reply so far
-    prompt_len: int
-    policy_mask: list[bool] = field(default_factory=list)  # response-local, True = sampled
-    policy_logp: list[float] = field(default_factory=list)  # one per sampled token
-    num_segments: int = 0
-    context_full: bool = False
 
 
 def collect(
     rollout: _Rollout, env: Any, prompt_ids: list[list[int]], *, num_samples: int, seed: int,
-    stop: Sequence[str] | None = None,
+    stop: Sequence[str] | None = None, stats: ScheduleStats | None = None,
 ) -> list[Trajectory]:
     """Samples num_samples episodes per prompt; collective over the world.
 
@@ -153,6 +140,8 @@ def collect(
             trajectories (per-turn seeds from `turn_seed`).
         stop: multi-turn only: turn-ending strings replacing env.turn_stop /
             TOOL_CALL_STOP (rollout.stop is always added).
+        stats: multi-turn only: filled in with where the call's time went
+            (`agent_loop.ScheduleStats`: the engine's idle share).
 
     Returns:
         len(prompt_ids) * K trajectories, prompt-major, group_id = prompt
@@ -174,8 +163,8 @@ def collect(
     if not prompt_ids:
         return []
     if is_multi_turn(env):
-        turn_stop = stop if stop is not None else getattr(env, "turn_stop", TOOL_CALL_STOP)
-        trajs = _collect_multi_turn(rollout, env, prompt_ids, num_samples, seed, turn_stop)
+        trajs = _multi_turn(rollout, env, prompt_ids, num_samples, seed, stop,
+                            stats if stats is not None else ScheduleStats())
     else:
         out = _first_turn(rollout, env, prompt_ids, num_samples=num_samples, seed=seed)
         trajs = [
@@ -195,12 +184,37 @@ def collect(
     return trajs
 
 
+def _multi_turn(rollout: _Rollout, env: Any, prompt_ids: list[list[int]], k: int, seed: int,
+                stop: Sequence[str] | None, stats: ScheduleStats) -> list[Trajectory]:
+    """The per-episode loop or the turn loop (`per_episode`), stopping at the env's
+    turn-ending strings (or stop) and rollout.stop."""
+    turn_stop = stop if stop is not None else getattr(env, "turn_stop", TOOL_CALL_STOP)
+    stops = list(dict.fromkeys([*rollout.cfg.stop, *turn_stop]))  # ordered, no duplicates
+    if per_episode(rollout):
+        return _named(env, prompt_ids, lambda: collect_per_episode(
+            rollout, env, prompt_ids, k, seed, stops, stats))
+    return _collect_multi_turn(rollout, env, prompt_ids, k, seed, stops, stats)
+
+
+def per_episode(rollout: Any) -> bool:
+    """Whether multi-turn episodes run per episode (`agent_loop`): rollout.schedule
+    is 'episode' and the rollout drives its engine by hand (a `VLLMRollout`
+    without an in-flight install hook)."""
+    return (rollout.cfg.schedule == "episode" and callable(getattr(rollout, "open_run", None))
+            and getattr(rollout, "between_steps", None) is None)
+
+
 def _first_turn(rollout: _Rollout, env: Any, prompt_ids: list[list[int]],
                 **kwargs: Any) -> Completions:
-    """rollout.generate(prompt_ids, **kwargs); a prompt too long for it is named by
-    where env got it (`prompt_origin`: a dataset's file and row), when env knows."""
+    """rollout.generate(prompt_ids, **kwargs), a too-long prompt named (`_named`)."""
+    return _named(env, prompt_ids, lambda: rollout.generate(prompt_ids, **kwargs))
+
+
+def _named(env: Any, prompt_ids: list[list[int]], sample: Callable[[], Any]) -> Any:
+    """sample(); a prompt too long for it is named by where env got it
+    (`prompt_origin`: a dataset's file and row), when env knows."""
     try:
-        return rollout.generate(prompt_ids, **kwargs)
+        return sample()
     except PromptTooLong as e:
         origin = getattr(env, "prompt_origin", None)  # environments on a ProblemBank
         where = origin(prompt_ids[e.index]) if origin is not None else None
@@ -211,76 +225,42 @@ def _first_turn(rollout: _Rollout, env: Any, prompt_ids: list[list[int]],
 
 def _collect_multi_turn(
     rollout: _Rollout, env: MultiTurnEnvironment, prompt_ids: list[list[int]], k: int, seed: int,
-    turn_stop: Sequence[str],
+    stops: Sequence[str], stats: ScheduleStats,
 ) -> list[Trajectory]:
-    cfg = rollout.cfg
-    stops = list(dict.fromkeys([*cfg.stop, *turn_stop]))  # ordered, no duplicates
+    """The turn loop: one generate per turn over the episodes still running
+    (stats: wall time, and time outside generate as the engine's idle time)."""
+    cfg, start = rollout.cfg, time.perf_counter()
     first = _first_turn(rollout, env, prompt_ids, num_samples=k, seed=turn_seed(seed, 0),
                         stop=stops, include_stop_str=True)
+    stats.engine_s = time.perf_counter() - start
     episodes = []
     for i in range(len(prompt_ids) * k):
         prompt = list(first.prompt_ids[i // k])  # as generated from (after any truncation)
-        episodes.append(_Episode(state=env.reset(prompt), group_id=i // k, context=list(prompt),
-                                 prompt_len=len(prompt)))
+        episodes.append(EpisodeRecord(state=env.reset(prompt), group_id=i // k,
+                                      context=list(prompt), prompt_len=len(prompt)))
     active, segments, logps = list(range(len(episodes))), first.token_ids, first.logprobs
     turn = 0
     while active:
-        still: list[int] = []
-        for e, segment, logp in zip(active, segments, logps, strict=True):
-            if _step(env, episodes[e], list(segment), list(logp)):
-                still.append(e)
+        running = advance_all(env, [(episodes[e], list(s), list(lp))
+                                    for e, s, lp in zip(active, segments, logps, strict=True)])
         turn += 1
+        still = [e for e, more in zip(active, running, strict=True) if more]
         active, budgets = [], []
         for e in still:
-            ep = episodes[e]
-            room = cfg.max_model_len - len(ep.context)
+            room = cfg.max_model_len - len(episodes[e].context)
             if room >= 1:
                 active.append(e)
                 budgets.append(min(cfg.max_tokens, room))
-                continue
-            ep.context_full = True
-            if _step(env, ep, [], []):
-                raise RuntimeError(
-                    f"{type(env).__name__}.step() did not end an episode on an empty segment "
-                    f"(its context already fills max_model_len={cfg.max_model_len})"
-                )
+            else:
+                end_when_full(env, episodes[e])
         if not active:
             break
+        t = time.perf_counter()
         out = rollout.generate([episodes[e].context for e in active], num_samples=1,
                                seed=turn_seed(seed, turn), stop=stops, include_stop_str=True,
-                               max_tokens=budgets)
+                               max_tokens=budgets, keys=active)
+        stats.engine_s += time.perf_counter() - t
         segments, logps = out.token_ids, out.logprobs
-    return [_finish(env, ep) for ep in episodes]
-
-
-def _step(env: MultiTurnEnvironment, ep: _Episode, segment: list[int], logp: list[float]) -> bool:
-    """Feeds one segment to the env and extends the loop's record; True = still running."""
-    env_ids, done = env.step(ep.state, segment)
-    env_ids = list(env_ids)
-    ep.context += segment + env_ids
-    ep.policy_mask += [True] * len(segment) + [False] * len(env_ids)
-    ep.policy_logp += logp
-    ep.num_segments += bool(segment)
-    return not done
-
-
-def _finish(env: MultiTurnEnvironment, ep: _Episode) -> Trajectory:
-    """The env's trajectory of a finished episode, checked against the loop's record."""
-    traj = env.build_trajectory(ep.state, ep.policy_logp, ep.group_id)
-    name = type(env).__name__
-    if list(traj.prompt_ids) + list(traj.response_ids) != ep.context:
-        raise RuntimeError(f"{name}.build_trajectory(): prompt + response differ from the "
-                           f"context the policy generated from")
-    if list(traj.loss_mask) != ep.policy_mask:
-        raise RuntimeError(f"{name}.build_trajectory(): loss_mask is not True exactly on the "
-                           f"policy's sampled tokens")
-    sampled = [float(lp) for lp, m in zip(traj.rollout_logp, ep.policy_mask, strict=True) if m]
-    if len(sampled) != len(ep.policy_logp) or any(  # NaN: log-probs not asked for
-            a != b and not (math.isnan(a) and math.isnan(b))
-            for a, b in zip(sampled, ep.policy_logp)):
-        raise RuntimeError(f"{name}.build_trajectory(): rollout_logp differs from the "
-                           f"sampling log-probs")
-    traj.info.setdefault("num_turns", 0)
-    traj.info["num_segments"] = ep.num_segments
-    traj.info["context_full"] = ep.context_full
-    return traj
+    stats.wall_s = time.perf_counter() - start
+    stats.idle_s = stats.wall_s - stats.engine_s
+    return [finish(env, ep) for ep in episodes]

@@ -4,7 +4,7 @@ rollout, then end to end on real vLLM (in a fresh process)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -12,6 +12,7 @@ from hybrid_engine.config import MemoryConfig, RolloutConfig
 from hybrid_engine.envs.arithmetic import ArithmeticEnv
 from hybrid_engine.envs.base import decode, encode
 from hybrid_engine.envs.tool import ToolEnv
+from hybrid_engine.rollout.agent_loop import ScheduleStats
 from hybrid_engine.rollout.episodes import TOOL_CALL_STOP, MultiTurnEnvironment, collect, turn_seed
 from hybrid_engine.models.tokenizer import EOS_TOKEN_ID, build_tokenizer
 from hybrid_engine.rollout.engine import Completions
@@ -41,7 +42,7 @@ class ScriptedRollout:
     calls: list[dict] = field(default_factory=list)
 
     def generate(self, prompts, *, num_samples=None, seed=0, stop=None, include_stop_str=False,
-                 max_tokens=None) -> Completions:
+                 max_tokens=None, keys=None) -> Completions:
         k = num_samples or self.cfg.num_samples_per_prompt
         if isinstance(max_tokens, list):
             limits = max_tokens
@@ -241,11 +242,11 @@ def _plain(trajs) -> list[tuple]:
              t.group_id, {k: v for k, v in t.info.items()}) for t in trajs]
 
 
-def _rollout(model_dir: str):
+def _rollout(model_dir: str, tp: int = 1):
     from hybrid_engine.rollout.engine import VLLMRollout
 
     cfg = RolloutConfig(max_model_len=128, max_tokens=8, enforce_eager=True, seed=2,
-                        temperature=1.0)
+                        temperature=1.0, tensor_parallel_size=tp)
     return VLLMRollout(model_dir, cfg, memory=MemoryConfig(kv_cache_gib=0.25), dtype="float32")
 
 
@@ -304,14 +305,23 @@ def _vllm_episodes(model_dir: str) -> dict:
     anyc = AnyCharToolEnv(TOK, max_turns=8)
     out["any"] = _plain(collect(rec, anyc, tool_prompts, num_samples=3, seed=11))
     out["any_calls"] = rec.prompts
-    out["any_again"] = _plain(collect(rollout, anyc, tool_prompts, num_samples=3, seed=11))
+    # The same episodes per episode (the default schedule), then through the turn
+    # loop on the engine itself (rollout.schedule=turn).
+    per_episode, per_turn = ScheduleStats(), ScheduleStats()
+    out["any_again"] = _plain(collect(rollout, anyc, tool_prompts, num_samples=3, seed=11,
+                                      stats=per_episode))
+    rollout.cfg = replace(cfg, schedule="turn")
+    out["any_turn"] = _plain(collect(rollout, anyc, tool_prompts, num_samples=3, seed=11,
+                                     stats=per_turn))
+    out["engine_steps"] = (per_episode.engine_steps, per_turn.engine_steps)
     rollout.shutdown()
     return out
 
 
-def _vllm_two_ranks(model_dir: str) -> list[tuple]:
-    """The multi-turn collect of _vllm_episodes on 2 ranks (2 replicas of TP 1)."""
-    rollout = _rollout(model_dir)
+def _vllm_two_ranks(model_dir: str, tp: int) -> list[tuple]:
+    """The multi-turn collect of _vllm_episodes on 2 ranks (2 replicas of TP 1, or
+    one of TP 2), per episode."""
+    rollout = _rollout(model_dir, tp)
     tool_prompts = ToolEnv(TOK).sample_prompts(2)
     out = _plain(collect(rollout, AnyCharToolEnv(TOK, max_turns=8), tool_prompts,
                          num_samples=3, seed=11))
@@ -406,7 +416,11 @@ def test_vllm_multi_turn_env_tokens_in_context_not_in_loss(vllm_results):
     r = vllm_results
     trajs = r["any"]
     _check_structure(trajs, 2, 3, 128)
-    assert trajs == r["any_again"]
+    assert trajs == r["any_turn"]  # rollout.schedule=turn: the turn loop, exactly
+    # Per episode (engine steps driven by hand; rollout.schedule=episode): the same
+    # tokens from the same per-request seeds, log-probs to float noise (other batches).
+    assert r["engine_steps"][0] > 0 and r["engine_steps"][1] == 0
+    _assert_same_up_to_logp_noise(r["any_again"], trajs)
     multi = [t for t in trajs if t[5]["num_turns"] >= 1]
     assert multi, "no episode took a turn: pick another seed"
     assert max(t[5]["num_segments"] for t in trajs) >= 2
@@ -440,18 +454,24 @@ def test_vllm_multi_turn_env_tokens_in_context_not_in_loss(vllm_results):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_multi_turn_is_collective(model_dir, vllm_results):
-    """2 ranks (each samples half of every turn's contexts, all gathered) make the
-    same calls, agree exactly, and sample what one process samples (log-probs
-    equal up to float noise: the batches differ)."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_multi_turn_is_collective(model_dir, vllm_results, tp):
+    """2 ranks sample per episode: as 2 replicas (each its half of the episodes,
+    gathered at the end) or as one TP-2 engine (the first rank runs the env
+    and broadcasts each engine step's new requests). They return the same
+    trajectories, which are the turn loop's in one process (log-probs equal up
+    to float noise: the batches differ)."""
     from hybrid_engine.testing import run_ranks
 
-    outs = run_ranks(_vllm_two_ranks, 2, model_dir, timeout=400)
+    outs = run_ranks(_vllm_two_ranks, 2, model_dir, tp, timeout=400)
     assert outs[0] == outs[1]
-    one = vllm_results["any"]
+    _assert_same_up_to_logp_noise(outs[0], vllm_results["any"])
+
+
+def _assert_same_up_to_logp_noise(got: list[tuple], want: list[tuple]) -> None:
     def strip(t: tuple) -> tuple:
         return t[0], t[1], t[3], t[4], t[5]
 
-    assert [strip(t) for t in outs[0]] == [strip(t) for t in one]
-    for a, b in zip(outs[0], one):
-        assert max((abs(x - y) for x, y in zip(a[2], b[2])), default=0.0) < 1e-5
+    assert [strip(t) for t in got] == [strip(t) for t in want]
+    for a, b in zip(got, want, strict=True):
+        assert max((abs(x - y) for x, y in zip(a[2], b[2], strict=True)), default=0.0) < 1e-5
