@@ -1,14 +1,16 @@
 """Multi-turn episodes with tools: per-episode scheduling against the turn loop.
 
-One workload, two loops (`rollout.schedule`), on N CPU ranks (vLLM TP = T):
+One workload, two loops (`rollout.schedule`), on N CPU ranks (vLLM TP = T:
+T = 1, the default, is N engines each running its own share of the episodes;
+T = N is one engine whose ranks must add requests in lockstep):
 
 - turn: one `generate` per turn over the episodes still running; the turn's
   tool calls run together (threads) before the next turn starts, so every
   turn waits for the batch's slowest generation and slowest tool;
 - episode: each episode's next turn enters the engine as soon as its own
   tool returns, while the others keep decoding (`rollout/agent_loop.py`);
-  the TP group's first rank decides what enters at each engine step and
-  broadcasts it.
+  with T > 1 the TP group's first rank decides what enters at each engine
+  step and broadcasts it.
 
 Workload (`SleepyToolEnv`): P prompts x K episodes, each with a number of
 turns drawn uniformly from 1..--max-turns (fixed by the episode's index, so
@@ -33,9 +35,10 @@ Floor: the critical path with an infinitely fast engine is the episode with
 the largest sum of tool times; it is reported as `tool_floor_s`.
 
 Prints a table; the last stdout line is JSON. Results go to
-benchmarks/results/agent_schedule_<device>_<yyyymm>.md.
+benchmarks/results/agent_schedule_<device>_tp<T>_<yyyymm>.md.
 
-    python benchmarks/bench_agent_schedule.py            # 3 jobs x 4 pairs, N=2, T=2 (~4 min)
+    python benchmarks/bench_agent_schedule.py            # 3 jobs x 4 pairs, N=2, T=1 (~2 min)
+    python benchmarks/bench_agent_schedule.py --tp 2     # one TP-2 engine
     python benchmarks/bench_agent_schedule.py --quick    # 1 job x 2 pairs (~1 min)
 """
 
@@ -61,7 +64,8 @@ STOP_CHARS = tuple("abcdefghijklmnopqrstuvwxyz")
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="ranks N")
-    p.add_argument("--tp", type=int, default=None, help="rollout TP size T (default N)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="rollout TP size T (1, the default: N replicas; N: one engine)")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts P")
     p.add_argument("--num-samples", type=int, default=4, help="episodes per prompt K")
     p.add_argument("--max-turns", type=int, default=8, help="turns per episode: 1..this")
@@ -158,7 +162,7 @@ def _rank_job(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = RolloutConfig(tensor_parallel_size=args.tp or world, max_tokens=args.max_tokens,
+    base = RolloutConfig(tensor_parallel_size=args.tp, max_tokens=args.max_tokens,
                          max_model_len=512, enforce_eager=True, temperature=1.0)
     rollout = VLLMRollout(args.rank_job, base, memory=MemoryConfig(kv_cache_gib=0.5),
                           dtype="float32")
@@ -210,9 +214,7 @@ def _job(args: argparse.Namespace, model: Path, logs: Path) -> dict:
            f"--nproc_per_node={args.nproc}", __file__, "--_rank-job", str(model),
            f"--num-prompts={args.num_prompts}", f"--num-samples={args.num_samples}",
            f"--max-turns={args.max_turns}", f"--tool-ms={args.tool_ms}",
-           f"--max-tokens={args.max_tokens}", f"--repeats={args.repeats}"]
-    if args.tp:
-        cmd.append(f"--tp={args.tp}")
+           f"--max-tokens={args.max_tokens}", f"--repeats={args.repeats}", f"--tp={args.tp}"]
     log = logs / f"job-{time.monotonic_ns()}.log"
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
     with open(log, "w") as f:
@@ -296,7 +298,7 @@ def _report(args, summary: dict, jobs: list, result_header, result_path) -> None
         f"pairs.",
     ])
     print(text)
-    path = result_path(args.out_dir, "agent_schedule", quick=args.quick)
+    path = result_path(args.out_dir, "agent_schedule", tag=f"_tp{args.tp}", quick=args.quick)
     path.write_text(result_header(__file__, None) + text + "\n\n```json\n"
                     + json.dumps({"summary": summary, "jobs": jobs}, indent=1) + "\n```\n")
     print(json.dumps({"result": str(path), **summary}))
