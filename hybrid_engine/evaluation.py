@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybrid_engine.config import RunConfig
-from hybrid_engine.metrics import PhaseTimer, trajectory_metrics
+from hybrid_engine.metrics import TOOL_METRICS, PhaseTimer, trajectory_metrics
 
 __all__ = ["Evaluator", "answer_key", "majority_correct", "pass_at_k"]
 
@@ -104,11 +104,12 @@ def _key(source: str | None, metric: str) -> str:
 
 def greedy_metrics(trajs: Sequence[Any], sources: Sequence[str | None]) -> dict[str, float]:
     """eval/accuracy (when scores have a correctness), eval/reward_mean and
-    eval/response_len_mean of one completion per prompt, per source too."""
+    eval/response_len_mean of one completion per prompt, per source too; for a
+    chat environment's episodes also eval/tool/calls ... (`TOOL_METRICS`)."""
     out = {}
     for src, group in _by_source(trajs, sources).items():
         tm = trajectory_metrics(group)
-        for name in ("accuracy", "reward_mean", "response_len_mean"):
+        for name in ("accuracy", "reward_mean", "response_len_mean", *TOOL_METRICS):
             if name in tm:
                 out[_key(src, name)] = tm[name]
     return out
@@ -117,13 +118,15 @@ def greedy_metrics(trajs: Sequence[Any], sources: Sequence[str | None]) -> dict[
 def sampled_metrics(trajs: Sequence[Any], sources: Sequence[str | None], n: int,
                     ks: Sequence[int], answers: Sequence[str | None]) -> dict[str, float]:
     """mean@n, pass@k, maj@k (each k of ks), the sampled reward and response length
-    of n completions per prompt (prompt-major, answers aligned with trajs)."""
+    of n completions per prompt (prompt-major, answers aligned with trajs); for
+    a chat environment's episodes also eval/sampled_tool/calls ... (`TOOL_METRICS`)."""
     answer_of = {id(t): a for t, a in zip(trajs, answers, strict=True)}
     out = {}
     for src, group in _by_source(trajs, sources).items():
         tm = trajectory_metrics(group)
         out[_key(src, "sampled_reward_mean")] = tm["reward_mean"]
         out[_key(src, "sampled_response_len_mean")] = tm["response_len_mean"]
+        out.update({_key(src, f"sampled_{m}"): tm[m] for m in TOOL_METRICS if m in tm})
         scores = [_correct(t) for t in group]
         if any(c is None for c in scores):
             continue  # no correctness to count
@@ -186,6 +189,10 @@ class Evaluator:
         return trajs
 
     def _text(self, traj: Any) -> str:
-        """The sampled text of a trajectory (special tokens dropped)."""
+        """The answer's text: a chat environment's final turn (`final_text`), else
+        every sampled token (special tokens dropped)."""
+        final = getattr(self.env, "final_text", None)
+        if final is not None:
+            return final(traj)
         ids = [i for i, m in zip(traj.response_ids, traj.loss_mask, strict=True) if m]
         return self.env.tokenizer.decode(ids, skip_special_tokens=True)

@@ -121,6 +121,11 @@ def trajectory_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     return out
 
 
+TOOL_METRICS = ("tool/calls", "tool/errors", "tool/timeouts", "turns_mean",
+                "observation_tokens_mean", "over_budget")
+"""What `trajectory_metrics` adds for a chat environment's episodes."""
+
+
 def _tool_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     """tool/calls, tool/errors, tool/timeouts (per episode), turns per episode,
     observation tokens per episode, and the share of episodes cut by their budget."""
@@ -129,10 +134,12 @@ def _tool_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     def mean(key: str) -> float:
         return sum(float(t.info.get(key, 0)) for t in trajs) / n
 
-    return {"tool/calls": mean("num_tool_calls"), "tool/errors": mean("num_tool_errors"),
-            "tool/timeouts": mean("num_tool_timeouts"), "turns_mean": mean("num_turns"),
-            "observation_tokens_mean": mean("observation_tokens"),
-            "over_budget": mean("over_budget")}
+    out = {"tool/calls": mean("num_tool_calls"), "tool/errors": mean("num_tool_errors"),
+           "tool/timeouts": mean("num_tool_timeouts"), "turns_mean": mean("num_turns"),
+           "observation_tokens_mean": mean("observation_tokens"),
+           "over_budget": mean("over_budget")}
+    assert tuple(out) == TOOL_METRICS
+    return out
 
 
 def staleness_metrics(trajs: Sequence[Any], step: int, k: int) -> dict[str, float]:

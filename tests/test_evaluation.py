@@ -84,6 +84,27 @@ def test_sampled_metrics_per_prompt_and_per_source() -> None:
     assert m["eval/b/pass@1"] == 0.75 and "eval/c/pass@1" not in m
 
 
+def test_chat_episodes_add_tool_metrics_to_greedy_and_sampled_evaluations() -> None:
+    """A chat environment's episodes (num_tool_calls in info): the tool metrics of
+    greedy and sampled evaluations, per source too; plain completions have none."""
+    from hybrid_engine.evaluation import greedy_metrics
+
+    trajs = [_traj(p, ok) for p in range(2) for ok in (True, False)]
+    for i, t in enumerate(trajs):
+        t.info.update(num_tool_calls=i, num_tool_errors=i % 2, num_turns=1 + i,
+                      observation_tokens=10 * i)
+    g = greedy_metrics(trajs, [None, None])
+    assert (g["eval/tool/calls"], g["eval/tool/errors"], g["eval/turns_mean"],
+            g["eval/observation_tokens_mean"]) == (1.5, 0.5, 2.5, 15.0)
+    m = sampled_metrics(trajs, ["a", "b"], 2, (1,), ["1"] * 4)
+    assert m["eval/a/sampled_tool/calls"] == 0.5 and m["eval/b/sampled_tool/calls"] == 2.5
+    assert m["eval/b/sampled_turns_mean"] == 3.5
+    plain = [_traj(0, True), _traj(0, False)]
+    assert not any("tool" in k for k in {**greedy_metrics(plain, [None, None]),
+                                        **sampled_metrics(plain, [None, None], 2, (1,),
+                                                          ["1", "2"])})
+
+
 class _RecordingPolicy:
     """Answers prompt p with completion token p (correct when p is even)."""
 
