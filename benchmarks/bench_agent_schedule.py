@@ -78,8 +78,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=str(REPO / ".cache" / "bench_models"))
     p.add_argument("--_rank-job", dest="rank_job", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.quick:
-        args.jobs, args.repeats = 1, 2
+    if args.quick:  # an explicit --repeats still counts
+        args.jobs, args.repeats = 1, min(args.repeats, 2)
     for name in ("nproc", "num_prompts", "num_samples", "max_turns", "max_tokens", "jobs",
                  "repeats"):
         if getattr(args, name) < 1:
@@ -218,7 +218,8 @@ def _job(args: argparse.Namespace, model: Path, logs: Path) -> dict:
     log = logs / f"job-{time.monotonic_ns()}.log"
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=1200).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                            timeout=1200).returncode
     lines = [ln for ln in log.read_text().splitlines() if ln.startswith("{")]
     if rc != 0 or not lines:
         errors = [ln for ln in log.read_text().splitlines() if "Error" in ln]

@@ -24,8 +24,10 @@ env.max_turns turns, or when the next observation would pass
 env.max_episode_tokens (then `at_budget` decides its reward: kept, or 0).
 
 Invariant: `response_ids` = the sampled segments and the observations in order,
-`loss_mask` False exactly on observations; every rank runs the same tools on the
-same completions, so tools must be deterministic (the loop's collective contract).
+`loss_mask` False exactly on observations. Tools must be deterministic: under the
+turn loop every rank runs them on the same completions (per episode, once per
+replica). A task's `step` may run in threads, several episodes at once, unless
+the task sets `concurrent_steps = False`.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ class ChatTask(Protocol):
         """Answers the model's turn: messages is the conversation so far, its last
         the assistant's ({"role": "assistant", "content", and "tool_calls" when it
         called any}). Returns (messages to append, episode done, reward parts of
-        this step, summed over the episode)."""
+        this step, summed over the episode). Steps of different episodes may run
+        at once in threads: a task that is not thread-safe sets a class
+        attribute `concurrent_steps = False`."""
         ...
 
 

@@ -15,11 +15,13 @@ the calls running then; a second stall in the same batch stops every call
 left, running or queued. A function that hangs on every input so costs about
 two timeouts per batch, not one per call and worker restart; one that hangs
 on one sample costs that sample only; a batch that keeps returning is never
-cut. The clock starts when a call starts (a worker's start is not timed).
+cut. The clock runs only while a call of the batch runs (a worker's start,
+and calls queued behind another thread's batch, are not timed): `run` may be
+called from several threads at once (tools of many episodes).
 
 A worker runs a call in its main thread, so libraries whose own timeouts use
 signals (math-verify) work. With workers=0 calls run in this process, in
-order, with no timeout.
+order, in the calling thread, with no timeout.
 
 Workers do not import the parent's `__main__`: a script that starts a job at
 module level, without an `if __name__ == "__main__":` guard (as embedding
@@ -179,8 +181,12 @@ class RewardPool:
             if any(not f.cancelled() and not isinstance(f.exception(), TimeoutError)
                    for f in done):
                 last = now
-            elif last is None and (done or any(f.running() for f in pending)):
-                last = now  # the clock starts with the first call, not the workers' start
+            if not any(f.running() for f in pending):
+                # Queued behind other batches' calls (run() from several threads), or
+                # the workers starting: not this batch's stall, the clock waits.
+                last = None
+            elif last is None:
+                last = now  # from the first call that runs
             if last is not None and now - last > self.timeout_s:
                 stalls += 1
                 for f in [f for f in pending if stalls > 1 or f.running()]:

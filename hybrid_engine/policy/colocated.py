@@ -341,7 +341,8 @@ class HybridActor:
                             num_samples=num_samples, seed=seed, stats=stats)
         if sampling:
             return trajs
-        self._schedule = stats if is_multi_turn(env) else None
+        if is_multi_turn(env):  # several rounds in a step (dynamic sampling): all of them
+            self._schedule = stats if self._schedule is None else stats.merged(self._schedule)
         return self._sampled_now(trajs, None)
 
     def _install_weights(self) -> dict[str, float]:

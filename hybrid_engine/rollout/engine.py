@@ -243,6 +243,8 @@ class VLLMRollout(WeightStaging):
         self._check_can_sample()
         k = num_samples or self.cfg.num_samples_per_prompt
         limits = self._token_limits(max_tokens, len(prompts))
+        if keys is not None and len(keys) != len(prompts):
+            raise ValueError(f"keys has {len(keys)} entries, {len(prompts)} prompts")
         prompt_ids = self.prompt_ids(prompts, limits)
         replica, num_replicas = self.replica()
         bounds = [len(prompt_ids) * i // num_replicas for i in range(num_replicas + 1)]

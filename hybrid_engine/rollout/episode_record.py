@@ -22,8 +22,8 @@ from typing import Any
 
 from hybrid_engine.trajectory import Trajectory
 
-__all__ = ["MAX_STEP_THREADS", "EpisodeRecord", "advance", "advance_all", "end_when_full", "finish", "record", "request_seed",
-           "turn_seed"]
+__all__ = ["MAX_STEP_THREADS", "EpisodeRecord", "advance", "advance_all", "end_when_full",
+           "finish", "record", "request_seed", "turn_seed"]
 
 _SEED_MASK = 0x7FFFFFFF
 MAX_STEP_THREADS = 64

@@ -43,12 +43,15 @@ empty because the context is full) must end the episode. `build_trajectory`
 returns prompt_ids = the episode's prompt and response_ids = every segment and
 every env reply in order, loss_mask False exactly on env tokens, and
 rollout_logp = policy_logp on policy tokens (0 on env tokens). The
-environment must be deterministic: every rank runs the same loop on the same
-completions.
+environment must be deterministic: under the turn loop every rank runs it on
+the same completions (per episode, each episode runs once, on its replica's
+first rank).
 
-Invariants: (1) collective: every rank makes the same sequence of `generate`
-calls with the same arguments (each rank gets all completions, the env is
-deterministic), so the loop works unchanged under torchrun. (2) The loop
+Invariants: (1) collective: the turn loop makes the same sequence of
+`generate` calls with the same arguments on every rank (each rank gets all
+completions, the env is deterministic); the per-episode loop keeps each TP
+group in lockstep and gathers the trajectories once (`agent_loop`); either
+way every rank returns the same list. (2) The loop
 checks every multi-turn trajectory against the tokens it actually generated
 from: prompt_ids + response_ids is the final context, loss_mask is True
 exactly on the tokens the policy sampled, and rollout_logp on them is what
@@ -137,7 +140,8 @@ def collect(
         prompt_ids: the prompts' token ids (the same on every rank).
         num_samples: K episodes per prompt (>= 1).
         seed: sampling seed of this call; the same seed gives the same
-            trajectories (per-turn seeds from `turn_seed`).
+            trajectories (per-turn seeds from `turn_seed`; per episode, the
+            log-probs to float noise: the batches depend on tool timing).
         stop: multi-turn only: turn-ending strings replacing env.turn_stop /
             TOOL_CALL_STOP (rollout.stop is always added).
         stats: multi-turn only: filled in with where the call's time went

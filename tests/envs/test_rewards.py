@@ -217,6 +217,26 @@ def test_a_batch_that_keeps_returning_is_not_cut(files) -> None:
     env.close()
 
 
+def test_batches_from_several_threads_queue_without_timing_out(files) -> None:
+    """Three threads (tools of three episodes) each run 3 calls of 0.4 s on 1
+    shared worker with a 0.5 s timeout: 3.6 s in all, the last batch queued behind
+    the others' for 2.4 s; waiting in the queue is no stall, so none times out."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hybrid_engine.envs.reward_pool import Call, RewardPool
+
+    spec = f"{files / 'r.py'}:slow"
+    pool = RewardPool(1, 0.5, preload=[spec])
+    pool.start()
+    try:
+        with ThreadPoolExecutor(3) as threads:
+            batches = list(threads.map(
+                lambda _: pool.run([Call(spec, ("p", "c", "a"))] * 3), range(3)))
+    finally:
+        pool.close()
+    assert [[o.kind for o in b] for b in batches] == [["ok"] * 3] * 3
+
+
 _UNGUARDED = """
 from hybrid_engine.envs.reward_pool import Call, RewardPool
 print("the script's body ran", flush=True)

@@ -3,6 +3,7 @@ rollout, then end to end on real vLLM (in a fresh process)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -314,8 +315,23 @@ def _vllm_episodes(model_dir: str) -> dict:
     out["any_turn"] = _plain(collect(rollout, anyc, tool_prompts, num_samples=3, seed=11,
                                      stats=per_turn))
     out["engine_steps"] = (per_episode.engine_steps, per_turn.engine_steps)
+    # Log-probs for the first sample of each group only (rollout.mismatch_sample):
+    # the others' first turn has none (NaN), and that is no error.
+    rollout.cfg, rollout.logprob_samples = cfg, 1
+    out["some_logprobs"] = _plain(collect(rollout, anyc, tool_prompts, num_samples=3, seed=11))
+    rollout.logprob_samples = None
     rollout.shutdown()
     return out
+
+
+class FailingToolEnv(AnyCharToolEnv):
+    """Raises on the third step it takes (on the rank that runs the env)."""
+
+    def step(self, state, new_policy_tokens):
+        self.steps = getattr(self, "steps", 0) + 1
+        if self.steps == 3:
+            raise ValueError("tool exploded")
+        return super().step(state, new_policy_tokens)
 
 
 def _vllm_two_ranks(model_dir: str, tp: int) -> list[tuple]:
@@ -325,8 +341,13 @@ def _vllm_two_ranks(model_dir: str, tp: int) -> list[tuple]:
     tool_prompts = ToolEnv(TOK).sample_prompts(2)
     out = _plain(collect(rollout, AnyCharToolEnv(TOK, max_turns=8), tool_prompts,
                          num_samples=3, seed=11))
+    try:  # an env error on one rank: every rank raises, none waits for a timeout
+        collect(rollout, FailingToolEnv(TOK, max_turns=8), tool_prompts, num_samples=3, seed=11)
+        failed = "no error"
+    except (ValueError, RuntimeError) as e:
+        failed = f"{type(e).__name__}: {e}"
     rollout.shutdown()
-    return out
+    return out, failed
 
 
 @pytest.fixture(scope="module")
@@ -421,6 +442,10 @@ def test_vllm_multi_turn_env_tokens_in_context_not_in_loss(vllm_results):
     # tokens from the same per-request seeds, log-probs to float noise (other batches).
     assert r["engine_steps"][0] > 0 and r["engine_steps"][1] == 0
     _assert_same_up_to_logp_noise(r["any_again"], trajs)
+    some = r["some_logprobs"]
+    assert [t[1] for t in some] == [t[1] for t in trajs]  # the same episodes
+    first_turn_nan = [math.isnan(t[2][0]) for t in some]
+    assert first_turn_nan == [i % 3 != 0 for i in range(len(some))]
     multi = [t for t in trajs if t[5]["num_turns"] >= 1]
     assert multi, "no episode took a turn: pick another seed"
     assert max(t[5]["num_segments"] for t in trajs) >= 2
@@ -464,8 +489,14 @@ def test_vllm_multi_turn_is_collective(model_dir, vllm_results, tp):
     from hybrid_engine.testing import run_ranks
 
     outs = run_ranks(_vllm_two_ranks, 2, model_dir, tp, timeout=400)
-    assert outs[0] == outs[1]
-    _assert_same_up_to_logp_noise(outs[0], vllm_results["any"])
+    assert outs[0][0] == outs[1][0]
+    _assert_same_up_to_logp_noise(outs[0][0], vllm_results["any"])
+    # The env raised on rank 0 (TP 2: the leader; 2 replicas: each raised on its own
+    # episodes): rank 0 raised it, rank 1 its own or the news of it.
+    assert outs[0][1] == "ValueError: tool exploded"
+    assert outs[1][1] in ("ValueError: tool exploded",
+                          "RuntimeError: rank 0 failed in the per-episode loop: "
+                          "ValueError: tool exploded"), outs[1][1]
 
 
 def _assert_same_up_to_logp_noise(got: list[tuple], want: list[tuple]) -> None:

@@ -1,0 +1,91 @@
+"""`hybrid-engine train` with env.name=tools on 2 real ranks: episodes per episode
+(`rollout/agent_loop.py`), tools in worker processes, a parquet file through the
+hermes chat template; a run resumed from its step-2 checkpoint repeats the
+straight run's steps 3-4."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hybrid_engine.testing import run_ranks
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+_VOLATILE = ("_s", "_bytes", "engine_idle")
+
+
+def _job(overrides: dict, resume: bool) -> list[dict]:
+    from hybrid_engine.config import apply_overrides
+    from hybrid_engine.config.recipes import get_recipe
+    from hybrid_engine.job import Job
+
+    job = Job(apply_overrides(get_recipe("tiny_grpo_debug"), overrides), resume=resume,
+              progress=False)
+    try:
+        return job.run()["history"]
+    finally:
+        job.shutdown()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    """A model with room for the tools' system prompt, the hermes template, a tools
+    file, a reward that varies with the answer's length, and a parquet file."""
+    from dataclasses import replace
+
+    import pandas as pd
+
+    from hybrid_engine.models.templates import HERMES_TOOLS_TEMPLATE
+    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
+    from hybrid_engine.models.tokenizer import build_tokenizer
+
+    d = tmp_path_factory.mktemp("tools_train")
+    model = write_tiny_model(d / "m", replace(PRESETS["tiny"], max_position_embeddings=1024))
+    (d / "hermes.jinja").write_text(HERMES_TOOLS_TEMPLATE)
+    (d / "tools.py").write_text(
+        "def add(a: int, b: int) -> int:\n    \"\"\"Adds.\n\n    Args:\n        a: One.\n"
+        "        b: Two.\n    \"\"\"\n    return a + b\n")
+    (d / "reward.py").write_text(
+        "def by_length(prompt, completion, answer, **columns):\n"
+        "    return float(len(completion) % 3)\n")
+    pd.DataFrame({"prompt": [f"{i}+{i}=" for i in range(40)],
+                  "answer": [str(2 * i) for i in range(40)]}).to_parquet(d / "d.parquet")
+    end = build_tokenizer().token_to_id("<|im_end|>")
+    return {
+        "model.path": str(model), "model.compute_dtype": "float32",
+        "env.name": "tools", "env.tools": f"{d}/tools.py:add",
+        "env.dataset_path": str(d / "d.parquet"), "env.chat_template": str(d / "hermes.jinja"),
+        "env.rewards": f"{d}/reward.py:by_length:1.0", "env.tool_workers": 1,
+        "rollout.stop_token_ids": [end], "rollout.max_model_len": 1024,
+        "rollout.max_tokens": 8, "rollout.num_samples_per_prompt": 2,
+        "rollout.tensor_parallel_size": 2, "train.prompts_per_step": 2, "train.lr": 1e-3,
+        "train.num_steps": 4, "checkpoint_every": 2, "keep_checkpoints": 2,
+        "eval.at_end": False, "eval.every": 0, "output_dir": str(d / "run"),
+    }
+
+
+def _comparable(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in h.items() if not k.endswith(_VOLATILE)} for h in history]
+
+
+def test_a_tools_run_resumed_mid_run_equals_the_straight_run(setup, tmp_path) -> None:
+    from hybrid_engine.checkpoint import step_checkpoints
+
+    straight = run_ranks(_job, 2, setup, False, timeout=400)[0]
+    hist = [h for h in straight if h["step"] > 0]
+    assert len(hist) == 4 and "tool/calls" in hist[0] and "rollout/engine_idle" in hist[0]
+    assert any(not h["skipped_degenerate"] for h in hist)
+    run = tmp_path / "resumed"  # what a run stopped after step 2 leaves
+    shutil.copytree(setup["output_dir"], run)
+    kept = step_checkpoints(run / "checkpoints")
+    assert 2 in [n for n, _ in kept], kept
+    for step, path in kept:
+        if step > 2:
+            shutil.rmtree(path)
+    resumed = run_ranks(_job, 2, {**setup, "output_dir": str(run)}, True, timeout=400)[0]
+    assert _comparable([h for h in resumed if h["step"] > 2]) == \
+        _comparable([h for h in straight if h["step"] > 2])
+    assert Path(run, "final").is_dir()
