@@ -210,6 +210,36 @@ def gsm8k_grpo() -> RunConfig:
     })
 
 
+_USE_PYTHON = ("Solve the problem. You may call the python tool to run a program and read "
+               "what it prints. When you are done, give only the final number as your answer.")
+
+
+@recipe
+def gsm8k_python_tool_grpo() -> RunConfig:
+    """gsm8k_grpo as an agent: the instruct model calls the sandboxed `python` tool
+    in its own hermes format (Qwen2.5's chat template lists it), up to 4 turns,
+    episodes scheduled per episode; the math reward scores the final turn.
+
+    model.path is left to the user (e.g. --model.path=Qwen/Qwen2.5-1.5B-Instruct).
+    """
+    return apply_overrides(gsm8k_grpo(), {
+        "env.name": "tools",
+        "env.tools": "python",
+        "env.tool_parser": "hermes",
+        "env.tool_workers": 8,
+        "env.sandbox_timeout_s": 5.0,
+        "env.tool_timeout_s": 10.0,
+        "env.max_turns": 4,
+        "env.max_episode_tokens": 2048,
+        "env.system_prompt": _USE_PYTHON,
+        "env.rewards": "math:1.0",
+        "rollout.max_tokens": 512,
+        "rollout.max_model_len": 4096,
+        "eval.max_tokens": 512,
+        "output_dir": "runs/gsm8k_python_tool_grpo",
+    })
+
+
 @recipe
 def math_grpo() -> RunConfig:
     """gsm8k_grpo on MATH: the parquet files of a MATH copy with problem and

@@ -454,6 +454,10 @@ def test_recipes_build_and_match_their_descriptions():
     assert debug.rollout.num_samples_per_prompt == 4 and debug.rollout.max_tokens == 16
     assert debug.rollout.tensor_parallel_size == 2 and debug.train.num_steps <= 5
     assert get_recipe("qwen05b_grpo").model.path == ""
+    agent = get_recipe("gsm8k_python_tool_grpo")  # the GPU agent recipe: gsm8k_grpo + the tool
+    assert (agent.env.name, agent.env.tools, agent.env.tool_parser) == ("tools", "python", "hermes")
+    assert agent.env.dataset_path == get_recipe("gsm8k_grpo").env.dataset_path
+    assert agent.env.tool_timeout_s >= agent.env.sandbox_timeout_s + 2  # the config's own bound
     for name in RECIPES:
         cfg = get_recipe(name)
         assert isinstance(cfg, RunConfig)
