@@ -371,8 +371,8 @@ class EnvConfig:
     reward_on_timeout: float = _field(
         0.0, "The value of a reward function call that timed out (counted in reward/timeouts).")
     tools: str = _field(
-        "", "tools: the functions the model may call, 'file.py:fn1,fn2', 'module:fn' or python "
-        "(their JSON schemas, from hints and docstrings, go to the chat template as tools=).")
+        "", "tools: the functions the model may call, 'file.py:fn1,fn2', 'module:fn', python or "
+        "calculator (their JSON schemas, from hints and docstrings, go to the template).")
     tool_parser: str = _field(
         "hermes", "How the model's tool calls are read from its turns (its chat template's "
         "format).", registry=_TOOL_PARSERS)

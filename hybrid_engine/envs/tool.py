@@ -1,7 +1,7 @@
 """Multi-turn calculator-tool environment: the policy may call `<calc>EXPR</calc>`.
 
 Job: between generation segments, find the policy's calculator call, evaluate
-it with a small integer parser (`calculate`, never `eval`) and hand back the
+it with `tools.calculator.calculate` (a small integer parser, never `eval`) and hand back the
 environment tokens `<result>VALUE</result>` to append; assemble the episode
 into a `Trajectory` whose env tokens carry loss_mask False; reward the final
 answer.
@@ -37,120 +37,20 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 from hybrid_engine.envs.base import ProblemEnv, decode, encode, eos_token_id
 from hybrid_engine.envs.bank import ProblemBank
 from hybrid_engine.envs.chat import PromptFormat
 from hybrid_engine.envs.dataset import DatasetSpec, Example
+from hybrid_engine.tools.calculator import CalcError, calculate
 from hybrid_engine.trajectory import Trajectory
 
-__all__ = ["CalcError", "ToolEnv", "ToolEpisode", "calculate"]
-
-MAX_EXPR_CHARS = 200
-MAX_DEPTH = 32  # parentheses nesting; bounds the parser's recursion
+__all__ = ["ToolEnv", "ToolEpisode"]
 
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
-_LEXEME = re.compile(r"\s*(?:([0-9]+)|([-+*/()]))")
 _INT = re.compile(r"[+-]?[0-9]+")
 _PROMPT_EXPR = re.compile(r"^Compute (.+?)\.", re.MULTILINE)  # its own line if templated
-
-
-class CalcError(ValueError):
-    """The expression is not valid integer arithmetic, or divides by zero."""
-
-
-def _lex(expr: str) -> list[str]:
-    if len(expr) > MAX_EXPR_CHARS:
-        raise CalcError(f"expression longer than {MAX_EXPR_CHARS} characters")
-    tokens, pos = [], 0
-    while pos < len(expr.rstrip()):
-        m = _LEXEME.match(expr, pos)
-        if m is None:
-            raise CalcError(f"unexpected character {expr[pos:].lstrip()[:1]!r}")
-        tokens.append(m.group(1) or m.group(2))
-        pos = m.end()
-    if not tokens:
-        raise CalcError("empty expression")
-    return tokens
-
-
-class _Parser:
-    """Recursive descent: expr := term (('+'|'-') term)*; term := unary (('*'|'/') unary)*;
-    unary := ('+'|'-') unary | INT | '(' expr ')'."""
-
-    def __init__(self, tokens: list[str]) -> None:
-        self.tokens, self.pos, self.depth = tokens, 0, 0
-
-    def peek(self) -> str | None:
-        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
-
-    def take(self) -> str:
-        tok = self.peek()
-        if tok is None:
-            raise CalcError("unexpected end of expression")
-        self.pos += 1
-        return tok
-
-    def expr(self) -> Fraction:
-        value = self.term()
-        while self.peek() in ("+", "-"):
-            value = value + self.term() if self.take() == "+" else value - self.term()
-        return value
-
-    def term(self) -> Fraction:
-        value = self.unary()
-        while self.peek() in ("*", "/"):
-            op, rhs = self.take(), self.unary()
-            if op == "/" and rhs == 0:
-                raise CalcError("division by zero")
-            value = value * rhs if op == "*" else value / rhs
-        return value
-
-    def unary(self) -> Fraction:
-        tok = self.take()
-        if tok in ("+", "-"):
-            self._enter()
-            value = self.unary()
-            self.depth -= 1
-            return value if tok == "+" else -value
-        if tok == "(":
-            self._enter()
-            value = self.expr()
-            if self.take() != ")":
-                raise CalcError("expected ')'")
-            self.depth -= 1
-            return value
-        if tok.isdigit():
-            return Fraction(int(tok))
-        raise CalcError(f"unexpected {tok!r}")
-
-    def _enter(self) -> None:
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise CalcError(f"nesting deeper than {MAX_DEPTH}")
-
-
-def calculate(expr: str) -> str:
-    """Evaluates integer arithmetic with + - * / and parentheses, exactly.
-
-    Division is exact: a non-integral result is written as a reduced fraction
-    ("7/2"). Only non-negative integer literals, the four operators, unary
-    signs, parentheses and whitespace are accepted.
-
-    Returns:
-        The value as text ("84", "-3", "7/2").
-
-    Raises:
-        CalcError: anything else (names, floats, '**', unbalanced parentheses,
-            division by zero, over-long or over-nested input).
-    """
-    parser = _Parser(_lex(expr))
-    value = parser.expr()
-    if parser.peek() is not None:
-        raise CalcError(f"unexpected {parser.peek()!r}")
-    return str(value.numerator) if value.denominator == 1 else str(value)
 
 
 @dataclass(slots=True)

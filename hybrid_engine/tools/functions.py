@@ -35,7 +35,8 @@ from hybrid_engine.user_code import function_of, load_module
 __all__ = ["BUILTIN_TOOLS", "Tool", "call_tool", "default_settings", "load_tools", "make_tool",
            "validate_arguments", "validate_call"]
 
-BUILTIN_TOOLS = {"python": "hybrid_engine.tools.python:python"}
+BUILTIN_TOOLS = {"python": "hybrid_engine.tools.python:python",
+                 "calculator": "hybrid_engine.tools.calculator:calculator"}
 """Tools named by a bare name in a spec: name -> 'module:function'."""
 
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
@@ -153,7 +154,7 @@ def load_tools(spec: str, key: str = "env.tools",
 
     Args:
         spec: 'path/to/file.py:fn1,fn2', 'package.module:fn', a built-in name
-            (`BUILTIN_TOOLS`: python), or several joined by ',' ('a.py:f,python');
+            (`BUILTIN_TOOLS`: python, calculator), or several joined by ',' ('a.py:f,python');
             each file or module is imported once.
         key: the config key, for messages.
         settings: arguments the run passes to the tools that take them, by name

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_engine.envs.tool import CalcError, ToolEnv, calculate
+from hybrid_engine.envs.tool import ToolEnv
+from hybrid_engine.tools.calculator import CalcError, calculate
 from hybrid_engine.models.tokenizer import EOS_TOKEN_ID, build_tokenizer
 
 TOK = build_tokenizer()

@@ -68,7 +68,7 @@ def test_tools_load_from_a_module_and_from_several_specs(tmp_path) -> None:
                               "for the argument 'city')"),
     (f"{MODULE}:add,add", f"env.tools='{MODULE}:add,add': two tools are named 'add'"),
     ("get_weather", "'get_weather' must look like 'path/to/file.py:fn1,fn2', "
-                    "'package.module:fn' or a built-in name (python)"),
+                    "'package.module:fn' or a built-in name (python, calculator)"),
     (f"{MODULE}:add,", "'' must look like"),
     (f"{MODULE}:1bad", "'tests.tools.sample_tools:1bad' must look like"),
 ])
@@ -144,6 +144,21 @@ def test_call_tool_returns_text_and_lets_exceptions_through(tools) -> None:
     (fails,) = load_tools(f"{MODULE}:fails")
     with pytest.raises(RuntimeError, match="tool broke on 7"):
         call_tool(fails, {"x": 7})
+
+
+def test_the_built_in_calculator_tool() -> None:
+    """env.tools=calculator: the calculator environment's exact integer arithmetic
+    as a tool, its schema from its hints and docstring, an error for non-arithmetic."""
+    from hybrid_engine.tools.calculator import CalcError
+
+    (calc,) = load_tools("calculator")
+    params = calc.schema["function"]["parameters"]
+    assert calc.name == "calculator" and params["required"] == ["expression"]
+    assert params["properties"]["expression"]["type"] == "string"
+    assert call_tool(calc, {"expression": "(12 + 3) * 4"}) == "60"
+    assert call_tool(calc, {"expression": "4821 * 37 - 7 / 2"}) == "356747/2"
+    with pytest.raises(CalcError, match="unexpected"):
+        call_tool(calc, {"expression": "2 ** 8"})
 
 
 # --------------------------------------------------------------------------
