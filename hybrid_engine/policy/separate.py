@@ -111,6 +111,34 @@ class _SharedRollout:
         return out if self.src is None else _from_rank(self.src, out)
 
 
+class _LocalRollout(_SharedRollout):
+    """The rollout ranks' own view of the engine (no broadcast): also what the
+    per-episode loop needs (`rollout.agent_loop`), so multi-turn episodes run
+    per episode on the rollout ranks."""
+
+    def __init__(self, engine: Any, cfg: RolloutConfig) -> None:
+        super().__init__(engine, cfg, src=None)
+        self.ranks, self.group = engine.ranks, engine.group
+        self.between_steps = None  # in-flight updates need a single-turn environment
+
+    def open_run(self, kind: str) -> Any:
+        self.engine.cfg = self.cfg  # evaluation swaps the sampling config
+        return self.engine.open_run(kind)
+
+    def prompt_ids(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        self.engine.cfg = self.cfg
+        return self.engine.prompt_ids(prompts)
+
+    def replica(self) -> tuple[int, int]:
+        return self.engine.replica()
+
+    def sampling_params(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine.sampling_params(*args, **kwargs)
+
+    def wants_logprobs(self, j: int) -> bool:
+        return self.engine.wants_logprobs(j)
+
+
 class TrainerSide:
     """A role that runs on the trainer ranks (reference, critic), called on every
     rank: its per-trajectory results and its metrics are copied from rank 0.
@@ -238,7 +266,8 @@ class SeparatePolicy:
         in-flight updates: the threads, the install gate, the sync behind the step."""
         # The rollout ranks' generation thread samples through _local (no
         # broadcast: result() shares).
-        self._local = _SharedRollout(self.rollout, cfg.rollout, src=None)
+        self._local = (_LocalRollout(self.rollout, cfg.rollout) if self.rollout is not None
+                       else None)
         self._gen = SerialWorker("generation")
         if self.rollout is not None:
             self.rollout.double_buffer = cfg.async_rollout.max_staleness > 0
@@ -289,16 +318,27 @@ class SeparatePolicy:
     def collect(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
                 seed: int, sampling: Mapping[str, Any] | None = None) -> list[Trajectory]:
         """Trajectories of env for prompts, unscored, the same on every rank (collective)."""
-        from hybrid_engine.rollout.episodes import collect
+        from hybrid_engine.rollout.episodes import collect, is_multi_turn
 
         self._join_sync()
         self._gen.drain()  # the engine serves one thread at a time
         if self._stale:
             self.sync_weights()
             self._join_sync()
+        ids = [list(p) for p in prompts]
         with self._sampling(sampling):
-            return collect(self._shared, env, [list(p) for p in prompts],
-                           num_samples=num_samples, seed=seed)
+            if not is_multi_turn(env):
+                return collect(self._shared, env, ids, num_samples=num_samples, seed=seed)
+            # Multi-turn: the rollout ranks run the episodes (per episode: rollout.schedule),
+            # the trainer ranks get them.
+            trajs = None
+            if self._local is not None:
+                self._local.cfg = self._shared.cfg  # evaluation's sampling, if any
+                try:
+                    trajs = collect(self._local, env, ids, num_samples=num_samples, seed=seed)
+                finally:
+                    self._local.cfg = self.cfg.rollout
+            return _from_rank(self.num_trainers, trajs)
 
     def collect_async(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
                       seed: int) -> Inflight:

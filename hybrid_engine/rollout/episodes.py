@@ -10,7 +10,9 @@ reward left to the caller (`env.score(trajs)`).
 - Multi-turn environment (`MultiTurnEnvironment`: `reset` / `step` /
   `build_trajectory`, e.g. `envs.tool.ToolEnv`): generation and environment
   steps alternate, on one of two schedules (rollout.schedule):
-  'episode' (`agent_loop`, a `VLLMRollout` without in-flight updates): each
+  'episode' (`agent_loop`, a rollout that drives its engine by hand: a
+  `VLLMRollout` without in-flight updates, or separate placement's rollout
+  ranks' view of it): each
   episode's next turn enters the engine as soon as the env has answered its
   last, while the others keep decoding; env steps of different episodes run
   at once in threads when the env allows it (`concurrent_steps`).

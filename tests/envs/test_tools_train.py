@@ -89,3 +89,34 @@ def test_a_tools_run_resumed_mid_run_equals_the_straight_run(setup, tmp_path) ->
     assert _comparable([h for h in resumed if h["step"] > 2]) == \
         _comparable([h for h in straight if h["step"] > 2])
     assert Path(run, "final").is_dir()
+
+
+def test_a_tools_run_under_separate_placement(setup, tmp_path) -> None:
+    """1 trainer rank + 1 rollout rank: the rollout rank runs the episodes (per
+    episode) and the trainer gets them, ahead of the step (sampled on the
+    generation thread) and in step (the evaluation at step 0)."""
+    run = {**setup, "placement": "separate", "rollout.tensor_parallel_size": 1,
+           "async_rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout",
+           "train.num_steps": 2, "checkpoint_every": 0,
+           "eval.at_start": True, "eval.num_prompts": 2, "output_dir": str(tmp_path / "run")}
+    hist = run_ranks(_job, 2, run, False, timeout=400)[0]
+    assert "eval/tool/calls" in hist[0] and "eval/turns_mean" in hist[0]
+    trained = [h for h in hist if h["step"] > 0]
+    assert len(trained) == 2 and all("tool/calls" in h for h in trained)
+    assert any(not h["skipped_degenerate"] for h in trained)
+
+
+def test_the_rollout_ranks_view_schedules_per_episode() -> None:
+    """Under separate placement the rollout ranks' view of the engine offers what
+    the per-episode loop needs (rollout.schedule=episode); the view shared with
+    the trainer ranks does not (they have no engine)."""
+    from types import SimpleNamespace
+
+    from hybrid_engine.config import RolloutConfig
+    from hybrid_engine.policy.separate import _LocalRollout, _SharedRollout
+    from hybrid_engine.rollout.episodes import per_episode
+
+    engine = SimpleNamespace(ranks=[1], group=None)
+    assert per_episode(_LocalRollout(engine, RolloutConfig()))
+    assert not per_episode(_LocalRollout(engine, RolloutConfig(schedule="turn")))
+    assert not per_episode(_SharedRollout(engine, RolloutConfig(), src=1))
