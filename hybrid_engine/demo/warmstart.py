@@ -19,6 +19,9 @@ trains on rows r, r + N, ... of it. The trainer normalises the loss by the
 token count of the whole step over all ranks, so the update does not depend
 on the rank count (up to float rounding).
 Held-out prompts (`ProblemBank.eval_problems`) are never trained on.
+With `tool_share` > 0 (the tool demo) the stream is `demo.tools.ToolTraces`
+instead: multi-turn traces through the RL phase's own chat environment, the
+loss on their sampled turns only.
 
 Invariants:
 - Cache key: the folder is `<cache_root>/warmstart-<key>`, key = a hash of the
@@ -53,8 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hybrid_engine.demo.task import WORDS
-from hybrid_engine.models.tiny import TinyModelSpec
+from hybrid_engine.demo.task import DEMO_MODEL_SPEC
 
 if TYPE_CHECKING:
     from hybrid_engine.algorithms.losses import LossInputs
@@ -78,16 +80,6 @@ CACHE_VERSION = 2
 log = logging.getLogger("hybrid_engine.demo.warmstart")
 
 _NOT_IN_KEY = ("log_every", "dataset")  # not in the key as given (the dataset: by its bytes)
-
-DEMO_MODEL_SPEC = TinyModelSpec(
-    arch="qwen2", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-    intermediate_size=1024, vocab_size=384, max_position_embeddings=512, words=WORDS,
-)
-"""The RL demo's model (~4.1M parameters, head_dim 64, a vLLM-CPU head size):
-the smallest tried that learns 1-2 digit addition to ~30% in ~1-2 minutes of
-SFT on 2 cores (2 layers, or width 128, stay near 10% for as long). Its
-tokenizer has the demo task's words as single tokens (`demo.task.WORDS`)."""
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WarmStartConfig:
@@ -134,6 +126,17 @@ class WarmStartConfig:
     """Allow negative results of "-" (ArithmeticEnv)."""
     stop: str = "eos"
     """What ends a target answer: "eos" (the EOS token) or "newline" ("\\n")."""
+    packing: bool = False
+    """Pack each micro-batch's sequences into rows (`train.packing`): no compute on
+    padding, the faster on traces of mixed lengths. The word-problem demo's quoted
+    warm start was made without it (another summation order: another warm start)."""
+    tool_share: float = 0.0
+    """The tool demo (`demo.tools.ToolTraces`): the probability that a trace calls the
+    calculator before it answers; 0 = plain prompt -> answer examples."""
+    copy_share: float = 0.0
+    """The tool demo: round(batch_size * copy_share) more traces per step that call
+    the calculator with the call's tokens out of the loss, so the model learns to
+    answer from a tool's result without calling more often (0 = none)."""
     log_every: int = 50
     """Log a progress line every this many steps (rank 0); not part of the cache key."""
 
@@ -145,6 +148,11 @@ class WarmStartConfig:
                 f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if self.stop not in ("eos", "newline"):
             raise ValueError(f"stop must be 'eos' or 'newline', got {self.stop!r}")
+        if not 0.0 <= self.tool_share <= 1.0:
+            raise ValueError(f"tool_share must be in [0, 1], got {self.tool_share}")
+        if self.copy_share < 0 or (self.copy_share and not self.tool_share):
+            raise ValueError(f"copy_share must be >= 0, and needs tool_share > 0; got "
+                             f"{self.copy_share} with tool_share {self.tool_share}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(
                 f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
@@ -184,11 +192,14 @@ def _hash_file(h: Any, path: Path) -> None:
 def cache_key(base_model_dir: str | Path, cfg: WarmStartConfig) -> str:
     """Hex digest of (base weights + config bytes, cfg.key_fields(), CACHE_VERSION).
 
-    The base folder's tokenizer files and the training data file are hashed too.
+    The base folder's tokenizer files, the training data file and a chat template
+    file are hashed too.
     """
     base = Path(base_model_dir)
+    template = Path(cfg.chat_template)
     files = (sorted(base.glob("*.safetensors")) + [base / "config.json"]
-             + sorted(base.glob("tokenizer*.json")) + ([Path(cfg.dataset)] if cfg.dataset else []))
+             + sorted(base.glob("tokenizer*.json")) + ([Path(cfg.dataset)] if cfg.dataset else [])
+             + ([template] if template.suffix == ".jinja" and template.is_file() else []))
     if not list(base.glob("*.safetensors")):
         raise FileNotFoundError(f"{base}: no *.safetensors weights to warm-start from")
     h = hashlib.sha256()
@@ -323,6 +334,20 @@ def warm_start(base_model_dir: str | Path, cache_root: str | Path,
     return out
 
 
+def _stream(cfg: WarmStartConfig, tokenizer: Any) -> tuple[Any, int]:
+    """(num -> the next num training trajectories, the pad id): the tool demo's
+    traces with cfg.tool_share, else the task's prompt -> answer examples."""
+    if cfg.tool_share:
+        from hybrid_engine.demo.tools import ToolTraces
+
+        traces = ToolTraces(tokenizer, dataset=cfg.dataset, preprocess=cfg.preprocess,
+                            chat_template=cfg.chat_template, tool_share=cfg.tool_share,
+                            copy_share=cfg.copy_share, seed=cfg.seed)
+        return traces.next, traces.eos_id
+    env = cfg.make_env(tokenizer)
+    return (lambda n: sft_trajectories(env, n, stop=cfg.stop)), env.eos_id
+
+
 def _train_and_export(base: Path, out: Path, cfg: WarmStartConfig) -> None:
     from transformers import AutoTokenizer
 
@@ -332,14 +357,14 @@ def _train_and_export(base: Path, out: Path, cfg: WarmStartConfig) -> None:
     from hybrid_engine.trajectory import collate_trajectories
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    env = cfg.make_env(AutoTokenizer.from_pretrained(base))
+    next_rows, pad_id = _stream(cfg, AutoTokenizer.from_pretrained(base))
     trainer = Trainer(
         str(base),
         # FSDP2 full sharding and padded micro-batches, as when the quoted warm start
         # was made (another layout sums in another order: another warm start).
         TrainConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
                     lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip, num_steps=cfg.steps,
-                    sharding="full", packing=False),
+                    sharding="full", packing=cfg.packing),
         ModelConfig(master_dtype="float32", compute_dtype=cfg.compute_dtype),
         # torch's AdamW loop, as when the quoted demo's warm start was made: the
         # fused kernel rounds differently, and 600 steps turn that into another
@@ -349,10 +374,10 @@ def _train_and_export(base: Path, out: Path, cfg: WarmStartConfig) -> None:
     t0, loss_ema, metrics = time.perf_counter(), math.nan, {}
     try:
         for step in range(cfg.steps):
-            rows = sft_trajectories(env, cfg.batch_size, stop=cfg.stop)[rank::world]
+            rows = next_rows(cfg.batch_size)[rank::world]
             if not rows:
                 raise ValueError(f"batch_size={cfg.batch_size} < world size {world}")
-            batch = collate_trajectories(rows, pad_id=env.eos_id,
+            batch = collate_trajectories(rows, pad_id=pad_id,
                                          micro_batch_size=cfg.micro_batch_size)
             metrics = trainer.train_step(batch, sft_loss)
             loss = metrics["loss"]

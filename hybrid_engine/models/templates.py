@@ -7,6 +7,7 @@ tool's JSON schema inside <tools></tools> and asks for
 `tool_calls` render as such blocks after its content; consecutive `tool`
 messages render as `<tool_response>` blocks inside one user turn. Without
 tools it renders like `hybrid_engine.models.tokenizer.CHAT_TEMPLATE`.
+`HERMES_NAMES_TEMPLATE` is the same but lists the tools by name only.
 
 Invariant: an assistant message with tool_calls renders to text the `hermes`
 parser of `hybrid_engine.tools.parsers` reads back to the same names and
@@ -15,9 +16,9 @@ arguments (tests/tools/test_functions.py).
 
 from __future__ import annotations
 
-__all__ = ["HERMES_TOOLS_TEMPLATE"]
+__all__ = ["HERMES_NAMES_TEMPLATE", "HERMES_TOOLS_TEMPLATE"]
 
-HERMES_TOOLS_TEMPLATE = (
+_SYSTEM_WITH_SCHEMAS = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
@@ -30,6 +31,22 @@ HERMES_TOOLS_TEMPLATE = (
     "{%- elif messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
     "{%- endif %}"
+)
+
+_SYSTEM_WITH_NAMES = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n' }}{%- endif %}"
+    "{{- '<tools>' }}"
+    "{%- for tool in tools %}{%- if not loop.first %}{{- ',' }}{%- endif %}"
+    "{{- tool.function.name if tool.function is defined else tool.name }}{%- endfor %}"
+    "{{- '</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+)
+
+_MESSAGES = (
     "{%- for message in messages %}"
     "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
     " or (message.role == 'assistant' and not message.tool_calls) %}"
@@ -54,4 +71,10 @@ HERMES_TOOLS_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+HERMES_TOOLS_TEMPLATE = _SYSTEM_WITH_SCHEMAS + _MESSAGES
 """Qwen2.5-style ChatML with tools (hermes call format); pass as `chat_template=`."""
+
+HERMES_NAMES_TEMPLATE = _SYSTEM_WITH_NAMES + _MESSAGES
+"""The same with the tools listed by name only (`<tools>calculator</tools>`): a
+prompt short enough for the CPU tool demo's 4M-parameter model."""
