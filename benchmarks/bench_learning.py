@@ -1,7 +1,8 @@
 """Does a config learn the demo task as well as the baseline, in less wall time? Seeds x configs.
 
 What runs: `hybrid-engine demo` (the warm-started 4M model learning GSM8K-shaped
-word problems, held-out greedy accuracy every 10 steps) once per (seed, config),
+word problems, held-out greedy accuracy every 10 steps; with --task tools the
+tool demo, where it learns to call a calculator) once per (seed, config),
 interleaved seed by seed (seed 0: every config in order, then seed 1, ...), one
 run at a time, each with `--set seed=S --set rollout.seed=S`, the config's
 overrides and the common `--set`s. The first config is the baseline. A config is
@@ -15,10 +16,12 @@ A failed run is reported and the others go on (exit status 1 at the end).
 
 Reported, per run: RL steps, mean step s (the RL phase's wall clock at its
 last step / steps: evaluations, checkpoints and every phase included, which is
-what "less wall time" means), median step s, final and best held-out
-accuracy, RL seconds until the accuracy first reaches --threshold, mean
+what "less wall time" means), median step s, start, final and best held-out
+accuracy, the held-out tool calls per episode at the start and the end (a
+tool task's), RL seconds until the accuracy first reaches --threshold, mean
 staleness, and phase means over steps > 5 (generate, score, train, sync).
-Per config: the means over seeds (accuracy with its sd over seeds and its
+Per config: the means over seeds (accuracy with its sd over seeds, its gain
+over the run's start in points, and its
 paired difference to the baseline per seed), and its wall time over the
 baseline's: the ratio of mean step seconds with a 95% bootstrap CI that
 resamples seeds, then --window-step windows inside each run (window means:
@@ -27,12 +30,14 @@ a window of 10 steps holds one evaluation, and any schedule repeating every
 No floor: this compares whole runs of one task, not an operation.
 
 Writes <out-dir>/learning_<device><tag>_<yyyymm>.md (tables, per-run curves)
-and a PNG of accuracy over RL wall seconds; prints the tables, then one JSON
+and a PNG of accuracy (and a tool task's tool-call rate) over RL wall seconds;
+prints the tables, then one JSON
 object as the last line (per config: step_s_mean, step_over_baseline and its
 CI, acc_end_mean and sd, seconds to the threshold, runs failed).
 
     python benchmarks/bench_learning.py                    # 3 seeds x (k0, k1), ~50 min on 2 cores
     python benchmarks/bench_learning.py --nproc 1 --steps 200 --runs-dir $OUT/runs  # one GPU
+    python benchmarks/bench_learning.py --task tools --configs tools --steps 100  # the tool demo
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import compare_runs
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = ("k0", "k1:async_rollout.max_staleness=1+algorithm.behaviour_logp=rollout")
 PHASES = ("generate", "score", "train", "sync")
+TOOL_CALLS = "eval/tool/calls"
 
 
 @dataclass
@@ -78,12 +84,16 @@ def run_summary(rows: list[dict], threshold: float, window: int) -> dict:
     walls = [b - a for a, b in zip(ends, ends[1:])]
     reached = [w for _, acc, w in s["curve"] if acc >= threshold]
     late = [r for r in steps if r["step"] > 5]
+    calls = [(r["step"], r[TOOL_CALLS]) for r in rows if TOOL_CALLS in r]
     return {
         "steps": s["steps"], "wall_s": s["wall_s"],
         "step_s_mean": s["wall_s"] / s["steps"] if s["steps"] else None,
         "step_s_median": statistics.median(walls) if walls else None,
         "acc_start": s["acc_start"], "acc_end": s["acc_end"],
         "acc_max": max((acc for _, acc, _ in s["curve"]), default=None),
+        "gain_points": s.get("gain_points"),
+        "calls_start": calls[0][1] if calls else None,
+        "calls_end": calls[-1][1] if calls else None, "calls_curve": calls,
         "s_to_threshold": reached[0] if reached else None,
         "staleness_mean": _mean(r["staleness_mean"] for r in steps if "staleness_mean" in r),
         **{f"{p}_s": _mean(r[f"{p}_s"] for r in late if f"{p}_s" in r) for p in PHASES},
@@ -109,6 +119,10 @@ def config_summary(runs: dict[int, dict], base: dict[int, dict] | None) -> dict:
         "seeds": seeds,
         "step_s_mean": _mean(runs[s]["step_s_mean"] for s in seeds),
         "acc_end_mean": _mean(acc), "acc_end_sd": statistics.stdev(acc) if len(acc) > 1 else None,
+        "gain_points_mean": _mean(runs[s]["gain_points"] for s in seeds
+                                  if runs[s]["gain_points"] is not None),
+        "gain_points_min": min((runs[s]["gain_points"] for s in seeds
+                                if runs[s]["gain_points"] is not None), default=None),
         "s_to_threshold_mean": _mean(reached), "reached_threshold": len(reached),
         "staleness_mean": _mean(runs[s]["staleness_mean"] for s in seeds
                                 if runs[s]["staleness_mean"] is not None),
@@ -136,20 +150,21 @@ def _f(v: object, spec: str = ".3f") -> str:
 
 def tables(results: dict[str, dict[int, dict]], summaries: dict[str, dict], threshold: float,
            baseline: str) -> str:
-    head = (f"| config | seed | steps | mean step s | median step s | RL wall s | final acc | "
-            f"max acc | RL s to >= {threshold} | staleness mean |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (f"| config | seed | steps | mean step s | median step s | RL wall s | start acc | "
+            f"final acc | max acc | tool calls start -> end | RL s to >= {threshold} | "
+            "staleness mean |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     rows = [f"| {name} | {seed} | {r['steps']} | {_f(r['step_s_mean'])} | "
-            f"{_f(r['step_s_median'])} | {r['wall_s']:.1f} | {_f(r['acc_end'], '.4f')} | "
-            f"{_f(r['acc_max'], '.4f')} | {_f(r['s_to_threshold'], '.1f')} | "
-            f"{_f(r['staleness_mean'], '.2f')} |"
+            f"{_f(r['step_s_median'])} | {r['wall_s']:.1f} | {_f(r['acc_start'], '.4f')} | "
+            f"{_f(r['acc_end'], '.4f')} | {_f(r['acc_max'], '.4f')} | "
+            f"{_f(r['calls_start'], '.3f')} -> {_f(r['calls_end'], '.3f')} | "
+            f"{_f(r['s_to_threshold'], '.1f')} | {_f(r['staleness_mean'], '.2f')} |"
             for seed in sorted({s for runs in results.values() for s in runs})
             for name, runs in results.items() if seed in runs
             for r in [runs[seed]]]
     per_run = head + "\n".join(rows)
     head = (f"| config | seeds | mean step s | over {baseline} [95% CI] | per seed | "
-            f"final acc mean (sd) | minus {baseline} per seed | RL s to >= {threshold} "
-            "(runs reaching it) |\n|---|---|---|---|---|---|---|---|\n")
+            f"final acc mean (sd) | gain points mean (min) | minus {baseline} per seed | "
+            f"RL s to >= {threshold} (runs reaching it) |\n|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for name, c in summaries.items():
         ci = c.get("step_over_baseline_ci")
@@ -159,6 +174,7 @@ def tables(results: dict[str, dict[int, dict]], summaries: dict[str, dict], thre
             f"| {name} | {len(c['seeds'])} | {_f(c['step_s_mean'])} | {ratio} | "
             + ", ".join(f"{x:.3f}" for x in c.get("step_over_baseline_per_seed", [])) + " | "
             f"{_f(c['acc_end_mean'], '.4f')} ({_f(c['acc_end_sd'], '.4f')}) | "
+            f"{_f(c['gain_points_mean'], '+.1f')} ({_f(c['gain_points_min'], '+.1f')}) | "
             + ", ".join(f"{x:+.4f}" for x in c.get("acc_end_minus_baseline_per_seed", []))
             + f" | {_f(c['s_to_threshold_mean'], '.1f')} ({c['reached_threshold']}"
             f"/{len(c['seeds'])}) |")
@@ -178,20 +194,30 @@ def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    tools = any(r["calls_curve"] for runs in results.values() for r in runs.values())
+    fig, axes = plt.subplots(1, 2 if tools else 1, figsize=(12 if tools else 7, 4.5),
+                             squeeze=False)
+    ax = axes[0][0]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, runs) in enumerate(results.items()):
         for j, (seed, r) in enumerate(sorted(runs.items())):
+            label = name if j == 0 else None
             if r["curve"]:
                 _, acc, wall = zip(*r["curve"])
-                ax.plot(wall, acc, color=colors[i % len(colors)], alpha=0.8,
-                        label=name if j == 0 else None)
+                ax.plot(wall, acc, color=colors[i % len(colors)], alpha=0.8, label=label)
+            if tools and r["calls_curve"]:
+                step, calls = zip(*r["calls_curve"])
+                axes[0][1].plot(step, calls, color=colors[i % len(colors)], alpha=0.8, label=label)
     ax.set_xlabel("RL wall seconds")
+    if tools:
+        axes[0][1].set(xlabel="RL step", ylabel="held-out tool calls per episode")
+        axes[0][1].grid(alpha=0.3)
     compare_runs.save_accuracy_plot(fig, [ax], path)
 
 
 def demo_command(args: argparse.Namespace, config: Config, seed: int, out: Path) -> list[str]:
-    return [sys.executable, "-m", "hybrid_engine.cli", "demo", f"--nproc={args.nproc}",
+    return [sys.executable, "-m", "hybrid_engine.cli", "demo", f"--task={args.task}",
+            f"--nproc={args.nproc}",
             f"--output-dir={out}", f"--cache-dir={args.cache_dir}", f"--steps={args.steps}",
             f"--minutes={args.minutes}",
             *([f"--warm-start-steps={args.warm_start_steps}"] if args.warm_start_steps else []),
@@ -225,6 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
                    help="NAME or NAME:KEY=VALUE+KEY=VALUE, the first is the baseline "
                         f"(default: {' '.join(DEFAULT_CONFIGS)})")
+    p.add_argument("--task", choices=("word_problems", "tools"), default="word_problems",
+                   help="the demo's task (default word_problems; tools: the calculator demo)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
                    help="seed and rollout.seed of each run (default 0 1 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -268,7 +296,9 @@ def main(argv: list[str] | None = None) -> dict:
                         args.threshold, args.window)
         results[config.name][seed] = r
         print(f"  {r['steps']} steps, {_f(r['step_s_mean'])} s per step, "
-              f"accuracy {_f(r['acc_start'], '.4f')} -> {_f(r['acc_end'], '.4f')}", flush=True)
+              f"accuracy {_f(r['acc_start'], '.4f')} -> {_f(r['acc_end'], '.4f')}"
+              + (f", tool calls {r['calls_start']:.3f} -> {r['calls_end']:.3f}"
+                 if r["calls_curve"] else ""), flush=True)
     base = configs[0].name
     summaries = {c.name: config_summary(results[c.name], results[base] if c.name != base else None)
                  for c in configs if results[c.name]}
@@ -279,6 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
     plot(results, png)
     curves = "\n".join(f"- {name} seed {seed}: " + " ".join(
         f"{st}:{acc:.4f}@{w:.1f}s" for st, acc, w in r["curve"])
+        + ("; tool calls per episode " + " ".join(f"{st}:{c:.3f}" for st, c in r["calls_curve"])
+           if r["calls_curve"] else "")
         for name, runs in results.items() for seed, r in sorted(runs.items()))
     configs_text = "\n".join(f"- {c.name}: " + (" ".join(f"--set {o}" for o in c.overrides)
                                                  or "the demo's recipe") for c in configs)

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["add_arguments", "demo_config", "demo_spec", "run"]
+__all__ = ["TASKS", "add_arguments", "demo_config", "demo_spec", "relaunch_argv", "run"]
 
 
 
@@ -132,13 +132,17 @@ def run(args: argparse.Namespace) -> int:
 def _relaunch(args: argparse.Namespace) -> int:
     from hybrid_engine.launch import launch_local
 
+    return launch_local(args.nproc, relaunch_argv(args), verbose=args.verbose)
+
+
+def relaunch_argv(args: argparse.Namespace) -> list[str]:
+    """What each rank runs: this command with the same options."""
     argv = ["-m", "hybrid_engine.cli", "demo", f"--task={args.task}",
             f"--output-dir={args.output_dir}", f"--cache-dir={args.cache_dir}",
             f"--minutes={args.minutes}", f"--steps={args.steps}"]
     if args.warm_start_steps is not None:
         argv.append(f"--warm-start-steps={args.warm_start_steps}")
-    argv += [f"--set={item}" for item in args.overrides]
-    return launch_local(args.nproc, argv, verbose=args.verbose)
+    return argv + [f"--set={item}" for item in args.overrides]
 
 
 def demo_config(model_path: str, output_dir: str, *, world: int, minutes: float, steps: int,  # noqa: ANN201

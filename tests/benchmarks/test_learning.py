@@ -50,6 +50,20 @@ def test_run_summary_mean_step_threshold_windows_and_late_phases() -> None:
     assert bl.run_summary(_rows(walls, {0: 0.3}), 0.9, 1)["s_to_threshold"] is None
 
 
+def test_a_tool_tasks_runs_report_the_tool_call_rate_and_the_gain() -> None:
+    rows = _rows([1.0] * 4, {0: 0.2, 4: 0.9})
+    rows[0]["eval/tool/calls"], rows[-1]["eval/tool/calls"] = 0.3, 1.0
+    r = bl.run_summary(rows, threshold=0.5, window=2)
+    assert (r["calls_start"], r["calls_end"]) == (0.3, 1.0)
+    assert r["calls_curve"] == [(0, 0.3), (4, 1.0)] and r["gain_points"] == pytest.approx(70)
+    c = bl.config_summary({0: r, 1: bl.run_summary(_rows([1.0] * 4, {0: 0.5, 4: 0.6}), 0.5, 2)},
+                          None)
+    assert c["gain_points_mean"] == pytest.approx(40) and c["gain_points_min"] == pytest.approx(10)
+    args = bl.argparse.Namespace(task="tools", nproc=2, cache_dir="c", steps=3, minutes=1.0,
+                                 warm_start_steps=None, overrides=[])
+    assert "--task=tools" in bl.demo_command(args, bl.Config("t"), 0, Path("o"))
+
+
 def test_config_summary_compares_seed_by_seed_with_the_baseline() -> None:
     def run(step: float, acc: float) -> dict:
         return bl.run_summary(_rows([step] * 20, {0: 0.3, 20: acc}), 0.63, 10)

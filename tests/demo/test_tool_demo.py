@@ -138,3 +138,18 @@ def test_the_tool_demo_config_runs_the_calculator_in_two_hermes_turns() -> None:
     assert list(cfg.rollout.stop_token_ids) == [END_OF_TURN_ID]
     plain = demo_config("m", "out", world=2, minutes=1.0, steps=5, data=("a", "b"))
     assert plain.env.name != "tools" and plain.env.chat_template == "auto"
+
+
+def test_the_task_option_reaches_the_ranks_and_picks_the_model() -> None:
+    import argparse
+
+    from hybrid_engine.demo import add_arguments, demo_spec, relaunch_argv
+    from hybrid_engine.demo.tools import TOOL_MODEL_SPEC
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--task", "tools", "--set", "train.lr=1e-4"])
+    assert "--task=tools" in relaunch_argv(args) and "--set=train.lr=1e-4" in relaunch_argv(args)
+    assert demo_spec("tools") == TOOL_MODEL_SPEC and demo_spec() != TOOL_MODEL_SPEC
+    with pytest.raises(SystemExit):
+        p.parse_args(["--task", "chess"])
