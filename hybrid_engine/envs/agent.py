@@ -294,6 +294,7 @@ class ToolTask:
         self.tools = {t.name: t for t in tools}
         self.pool, self.error_penalty = pool, error_penalty
         self.prompt_format = prompt_format or PromptFormat()
+        pool.start()  # the workers spawn now, before the engine starts in this process
 
     def reset(self, row: Example) -> list[Message]:
         return self.prompt_format.messages(row.prompt)

@@ -29,13 +29,17 @@ scripts often are), would otherwise run again inside every worker. They load
 only the reward functions their calls name.
 
 Invariant: no worker outlives the pool: `close()` stops them, and each one
-is killed by the kernel when its rank dies (PR_SET_PDEATHSIG).
+is killed by the kernel when its rank dies (PR_SET_PDEATHSIG, where the thread
+that spawned it lives as long as the pool), or ends itself when its rank is
+gone (a thread that watches the parent's pid, where the pool started in a
+thread that may end first).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import os
 import signal
 import sys
 import threading
@@ -78,21 +82,41 @@ def _run(call: Call) -> Outcome:
         return Outcome("error", f"{type(e).__name__}: {e}")
 
 
-def _worker_init(specs: Sequence[str]) -> None:
+def _worker_init(specs: Sequence[str], deathsig: bool = True) -> None:
     """Dies with its rank; leaves Ctrl-C to the rank; loads the functions it will
-    run, so their imports are not timed as a call."""
+    run, so their imports are not timed as a call.
+
+    deathsig: the kernel kills the worker when the thread that spawned it ends
+    (PR_SET_PDEATHSIG follows the spawning thread, not the process), so it is
+    set only where that thread lives as long as the pool: the main thread, and
+    pebble's own thread that replaces dead workers. Otherwise a thread here
+    watches the parent's pid."""
     from hybrid_engine.envs.user_code import load_function
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
     try:
+        if not deathsig:
+            raise OSError("watch the parent instead")
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: close() still stops the workers
-        pass
+    except OSError:  # not Linux, or deathsig off: a watcher (close() still stops them)
+        threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     for spec in specs:
         try:
             _LOADED[spec] = load_function(spec, "env.rewards")
         except ValueError:  # reported by the call that needs it
             pass
+
+
+def _exit_with(parent: int) -> None:
+    """Ends this worker once its parent process is gone (it is re-parented)."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(1)
+
+
+def _noop() -> None:
+    """A task that makes pebble start its workers in the calling thread."""
 
 
 class _MainWithoutScript(types.ModuleType):
@@ -154,10 +178,15 @@ class RewardPool:
                 self._pool = self._new_pool()
 
     def _new_pool(self) -> Any:
+        """A pool whose first workers spawn now, in this thread (pebble spawns
+        them at the first submit otherwise); later ones from pebble's thread."""
         from pebble import ProcessPool
 
-        return ProcessPool(max_workers=self.workers, initializer=_worker_init,
-                           initargs=(self.preload,), context=_WorkerContext())
+        main = threading.current_thread() is threading.main_thread()
+        pool = ProcessPool(max_workers=self.workers, initializer=_worker_init,
+                           initargs=(self.preload, main), context=_WorkerContext())
+        pool.submit(_noop, None)
+        return pool
 
     def run(self, calls: Sequence[Call]) -> list[Outcome]:
         """One outcome per call, in order."""

@@ -169,9 +169,9 @@ def test_columns_reach_functions_per_sample_and_batched(files, tmp_path, monkeyp
 
 
 def test_a_stuck_call_is_killed_at_its_timeout_and_scores_the_timeout_value(files) -> None:
+    workers_before = set(psutil.Process().children(recursive=True))
     env = _env(files, "hangs_on_7,math", reward_workers=2, reward_timeout_s=1.0,
                reward_on_timeout=-0.5)
-    workers_before = set(psutil.Process().children(recursive=True))
     trajs = _trajs(env, [str(2 * i) for i in range(10)])
     t0 = time.monotonic()
     env.score(trajs)
@@ -235,6 +235,27 @@ def test_batches_from_several_threads_queue_without_timing_out(files) -> None:
     finally:
         pool.close()
     assert [[o.kind for o in b] for b in batches] == [["ok"] * 3] * 3
+
+
+def test_a_pool_first_used_from_a_thread_that_ends_keeps_its_workers(files) -> None:
+    """The per-episode loop's threads call tools first: the workers they spawn
+    must not die with them (PR_SET_PDEATHSIG follows the spawning thread)."""
+    import threading
+
+    from hybrid_engine.envs.reward_pool import Call, RewardPool
+
+    spec = f"{files / 'r.py'}:slow"
+    pool = RewardPool(1, 5.0, preload=[spec])
+    try:
+        got = []
+        first = threading.Thread(target=lambda: got.append(pool.run([Call(spec, ("p", "c", "a"))])))
+        first.start()
+        first.join()
+        time.sleep(0.5)  # the thread is gone: a worker killed with it would be by now
+        got.append(pool.run([Call(spec, ("p", "c", "a"))] * 2))
+    finally:
+        pool.close()
+    assert [[o.kind for o in b] for b in got] == [["ok"], ["ok", "ok"]]
 
 
 _UNGUARDED = """
