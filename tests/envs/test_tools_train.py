@@ -1,5 +1,6 @@
 """`hybrid-engine train` with env.name=tools on 2 real ranks: episodes per episode
-(`rollout/agent_loop.py`), tools in worker processes, a parquet file through the
+(`rollout/agent_loop.py`), a model that calls a user's tool (warm-started on the
+tool demo's traces), the calls run in worker processes, a parquet file through a
 hermes chat template; a run resumed from its step-2 checkpoint repeats the
 straight run's steps 3-4."""
 
@@ -15,6 +16,7 @@ from hybrid_engine.testing import run_ranks
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 _VOLATILE = ("_s", "_bytes", "engine_idle")
+_GSM8K = "hybrid_engine.envs.preprocess:gsm8k"
 
 
 def _job(overrides: dict, resume: bool) -> list[dict]:
@@ -32,35 +34,38 @@ def _job(overrides: dict, resume: bool) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict:
-    """A model with room for the tools' system prompt, the hermes template, a tools
-    file, a reward that varies with the answer's length, and a parquet file."""
-    from dataclasses import replace
-
-    import pandas as pd
-
-    from hybrid_engine.models.templates import HERMES_TOOLS_TEMPLATE
-    from hybrid_engine.models.tiny import PRESETS, write_tiny_model
-    from hybrid_engine.models.tokenizer import build_tokenizer
+    """A tiny model warm-started on the tool demo's traces (it calls the calculator
+    in the hermes format, with a wrong answer after), the demo's template, the
+    calculator as a user's tools file, a reward that varies with the answer's
+    length, and a parquet file of word problems."""
+    from hybrid_engine.demo.task import DemoTask, task_files
+    from hybrid_engine.demo.tools import END_OF_TURN_ID, TOOL_WORDS, template_file
+    from hybrid_engine.demo.warmstart import WarmStartConfig, warm_start
+    from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
 
     d = tmp_path_factory.mktemp("tools_train")
-    model = write_tiny_model(d / "m", replace(PRESETS["tiny"], max_position_embeddings=1024))
-    (d / "hermes.jinja").write_text(HERMES_TOOLS_TEMPLATE)
+    base = write_tiny_model(d / "base", TinyModelSpec(vocab_size=512, words=TOOL_WORDS,
+                                                      max_position_embeddings=256))
+    train, _ = task_files(d, DemoTask(num_train=400, num_eval=8))
+    template = template_file(d)
+    model = warm_start(base, d, WarmStartConfig(
+        steps=60, batch_size=16, lr=3e-3, tool_share=1.0, dataset=str(train),
+        preprocess=_GSM8K, chat_template=str(template)))
     (d / "tools.py").write_text(
-        "def add(a: int, b: int) -> int:\n    \"\"\"Adds.\n\n    Args:\n        a: One.\n"
-        "        b: Two.\n    \"\"\"\n    return a + b\n")
+        "def calculator(expression: str) -> str:\n    \"\"\"Adds.\n\n    Args:\n"
+        "        expression: Two numbers and a plus sign.\n    \"\"\"\n"
+        "    return str(sum(int(x) for x in expression.split(\"+\")))\n")
     (d / "reward.py").write_text(
         "def by_length(prompt, completion, answer, **columns):\n"
         "    return float(len(completion) % 3)\n")
-    pd.DataFrame({"prompt": [f"{i}+{i}=" for i in range(40)],
-                  "answer": [str(2 * i) for i in range(40)]}).to_parquet(d / "d.parquet")
-    end = build_tokenizer().token_to_id("<|im_end|>")
     return {
         "model.path": str(model), "model.compute_dtype": "float32",
-        "env.name": "tools", "env.tools": f"{d}/tools.py:add",
-        "env.dataset_path": str(d / "d.parquet"), "env.chat_template": str(d / "hermes.jinja"),
+        "env.name": "tools", "env.tools": f"{d}/tools.py:calculator",
+        "env.dataset_path": str(train), "env.preprocess": _GSM8K,
+        "env.chat_template": str(template), "env.max_turns": 2,
         "env.rewards": f"{d}/reward.py:by_length:1.0", "env.tool_workers": 1,
-        "rollout.stop_token_ids": [end], "rollout.max_model_len": 1024,
-        "rollout.max_tokens": 8, "rollout.num_samples_per_prompt": 2,
+        "rollout.stop_token_ids": [END_OF_TURN_ID], "rollout.max_model_len": 256,
+        "rollout.max_tokens": 32, "rollout.num_samples_per_prompt": 2,
         "rollout.tensor_parallel_size": 2, "train.prompts_per_step": 2, "train.lr": 1e-3,
         "train.num_steps": 4, "checkpoint_every": 2, "keep_checkpoints": 2,
         "eval.at_end": False, "eval.every": 0, "output_dir": str(d / "run"),
@@ -76,7 +81,10 @@ def test_a_tools_run_resumed_mid_run_equals_the_straight_run(setup, tmp_path) ->
 
     straight = run_ranks(_job, 2, setup, False, timeout=400)[0]
     hist = [h for h in straight if h["step"] > 0]
-    assert len(hist) == 4 and "tool/calls" in hist[0] and "rollout/engine_idle" in hist[0]
+    assert len(hist) == 4 and "rollout/engine_idle" in hist[0]
+    # the model calls the tool, the calls parse and run, their results are observed
+    assert all(h["tool/calls"] >= 0.5 and h["observation_tokens_mean"] > 5 for h in hist)
+    assert all(h["tool/errors"] < h["tool/calls"] for h in hist)
     assert any(not h["skipped_degenerate"] for h in hist)
     run = tmp_path / "resumed"  # what a run stopped after step 2 leaves
     shutil.copytree(setup["output_dir"], run)
