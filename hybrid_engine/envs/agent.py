@@ -32,10 +32,11 @@ the task sets `concurrent_steps = False`.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from hybrid_engine.envs.base import ProblemEnv, decode, eos_token_id
@@ -170,6 +171,14 @@ class ChatEnv(ProblemEnv):
             raise ValueError(f"environment {self.name!r}: a prompt it did not hand out "
                              "(a chat episode starts from its own conversations)")
         return ChatEpisode(prompt_ids=list(prompt_ids), messages=[dict(m) for m in messages])
+
+    def save_episode(self, state: ChatEpisode) -> dict[str, Any]:
+        """An episode in progress as plain data (partial rollouts park it)."""
+        return asdict(state)
+
+    def load_episode(self, data: dict[str, Any]) -> ChatEpisode:
+        """The episode `save_episode` saved."""
+        return ChatEpisode(**copy.deepcopy(data))
 
     def step(self, state: ChatEpisode, segment: Sequence[int]) -> tuple[list[int], bool]:
         """Records one sampled turn and answers it (see the module docstring).

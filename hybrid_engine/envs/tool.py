@@ -33,10 +33,11 @@ the trajectory.
 
 from __future__ import annotations
 
+import copy
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hybrid_engine.envs.base import ProblemEnv, decode, encode, eos_token_id
@@ -118,6 +119,14 @@ class ToolEnv(ProblemEnv):
     def reset(self, prompt_ids: Sequence[int]) -> ToolEpisode:
         """A fresh episode for one prompt."""
         return ToolEpisode(prompt_ids=list(prompt_ids))
+
+    def save_episode(self, state: ToolEpisode) -> dict[str, Any]:
+        """An episode in progress as plain data (partial rollouts park it)."""
+        return asdict(state)
+
+    def load_episode(self, data: dict[str, Any]) -> ToolEpisode:
+        """The episode `save_episode` saved."""
+        return ToolEpisode(**copy.deepcopy(data))
 
     def step(self, state: ToolEpisode, new_policy_tokens: Sequence[int]) -> tuple[list[int], bool]:
         """Appends one generation segment, and the tool's answer if it called the tool.

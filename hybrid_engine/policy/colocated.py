@@ -320,7 +320,9 @@ class HybridActor:
         With async_rollout.partial (and no sampling) the step's generation may
         stop early (`rollout.partial.PartialRollouts`): version is then the
         current weights' version (the controller's step), recorded per token,
-        and up to len(prompts) finished groups come back, parked ones first.
+        and up to len(prompts) finished groups come back, parked ones first;
+        multi-turn episodes park between turns or mid-segment
+        (`rollout.partial_turns`).
         """
         from hybrid_engine.rollout.agent_loop import ScheduleStats
         from hybrid_engine.rollout.episodes import collect, is_multi_turn
@@ -328,13 +330,11 @@ class HybridActor:
         self.phases.to_rollout()
         self.phases.check_rollout()
         if self.partial is not None and not sampling:
-            if is_multi_turn(env):
-                raise ValueError("async_rollout.partial supports single-turn environments only")
             if version is None:
                 raise ValueError("async_rollout.partial: collect() needs the weights' version")
             return self._sampled_now(self.partial.collect(
                 self.rollout, [list(p) for p in prompts], num_samples=num_samples, seed=seed,
-                version=version), version)
+                version=version, env=env if is_multi_turn(env) else None), version)
         stats = ScheduleStats()
         with self._sampling(sampling):
             trajs = collect(self.rollout, env, [list(p) for p in prompts],

@@ -37,6 +37,8 @@ Multi-turn environment protocol (what `step` must do):
     state = env.reset(prompt_ids)                  # per episode
     env_ids, done = env.step(state, segment)       # after each generated segment
     traj = env.build_trajectory(state, policy_logp, group_id)
+    data = env.save_episode(state)                 # optional: plain (JSON-able) data,
+    state = env.load_episode(data)                 # for partial rollouts to park it
 
 `step` records the policy's segment and returns the environment tokens to
 append after it (maybe none) and whether the episode is over. A segment that
@@ -82,7 +84,7 @@ if TYPE_CHECKING:
     from hybrid_engine.rollout.engine import Completions
 
 __all__ = ["TOOL_CALL_STOP", "MultiTurnEnvironment", "collect", "is_multi_turn", "per_episode",
-           "turn_seed"]
+           "turn_seed", "turn_stops"]
 
 TOOL_CALL_STOP: tuple[str, ...] = ("</calc>",)
 """Turn-ending strings of an environment without a `turn_stop` attribute
@@ -194,12 +196,18 @@ def _multi_turn(rollout: _Rollout, env: Any, prompt_ids: list[list[int]], k: int
                 stop: Sequence[str] | None, stats: ScheduleStats) -> list[Trajectory]:
     """The per-episode loop or the turn loop (`per_episode`), stopping at the env's
     turn-ending strings (or stop) and rollout.stop."""
-    turn_stop = stop if stop is not None else getattr(env, "turn_stop", TOOL_CALL_STOP)
-    stops = list(dict.fromkeys([*rollout.cfg.stop, *turn_stop]))  # ordered, no duplicates
+    stops = turn_stops(rollout.cfg, env, stop)
     if per_episode(rollout):
         return _named(env, prompt_ids, lambda: collect_per_episode(
             rollout, env, prompt_ids, k, seed, stops, stats))
     return _collect_multi_turn(rollout, env, prompt_ids, k, seed, stops, stats)
+
+
+def turn_stops(cfg: RolloutConfig, env: Any, stop: Sequence[str] | None = None) -> list[str]:
+    """The strings that end a multi-turn segment: stop, else env.turn_stop
+    (default TOOL_CALL_STOP), then rollout.stop; ordered, no duplicates."""
+    turn_stop = stop if stop is not None else getattr(env, "turn_stop", TOOL_CALL_STOP)
+    return list(dict.fromkeys([*cfg.stop, *turn_stop]))
 
 
 def per_episode(rollout: Any) -> bool:

@@ -23,10 +23,16 @@ restarted from its prompt (`async_rollout.stale_partial=regenerate`) or discarde
 Groups returned are taken in pool order among the finished ones; finished
 groups beyond what the step asked for stay parked (finished) for the next.
 
+Multi-turn environments (`env` given): a pool sample is an episode, parked
+between turns or mid-segment with its environment state as plain data, and
+advanced in rounds of turns (`rollout.partial_turns`); the environment needs
+`save_episode` / `load_episode`.
+
 Replicas (N/T > 1): the pool is the same on every rank; replica r samples its
 contiguous slice of the groups with its share of the wanted groups and of the
 budget, and the results are all-gathered, so every rank updates the pool the
-same way (no per-engine-step collective).
+same way (no per-engine-step collective; multi-turn: each replica's episodes
+as they stand after its rounds).
 
 Invariant: every rank holds the same pool after every call; `state_dict()`
 is JSON-able with exact floats (checkpoints), and a loaded pool continues
@@ -38,10 +44,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybrid_engine.rollout import partial_turns
+from hybrid_engine.rollout.partial_turns import Turns
 from hybrid_engine.trajectory import Trajectory
 
 if TYPE_CHECKING:
@@ -56,10 +64,11 @@ _SEED_MASK = 0x7FFFFFFF
 @dataclass(slots=True)
 class _Sample:
     seed: int  # the seed of its first request; continuations derive theirs from it
-    tokens: list[int] = field(default_factory=list)
-    logp: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # its response so far
+    logp: list[float] = field(default_factory=list)  # per sampled token
     versions: list[int] = field(default_factory=list)  # per token: the weights that sampled it
     finished: bool = False
+    turns: Turns | None = None  # a multi-turn episode's own part
 
     def request_seed(self) -> int:
         """The seed of its next request: its own seed first, then one per prefix length."""
@@ -92,36 +101,56 @@ class PartialRollouts:
     # --- one call ------------------------------------------------------------------
 
     def collect(self, rollout: VLLMRollout, prompt_ids: Sequence[Sequence[int]], *,
-                num_samples: int, seed: int, version: int) -> list[Trajectory]:
+                num_samples: int, seed: int, version: int, env: Any = None) -> list[Trajectory]:
         """Up to len(prompt_ids) finished groups (collective over the rollout's
-        world); see the module docstring."""
+        world); see the module docstring. env: a multi-turn environment, whose
+        episodes the samples then are (None: single-turn).
+
+        Raises:
+            ValueError: a multi-turn env without save_episode / load_episode.
+        """
+        if env is not None:
+            partial_turns.check_env(env)
         want = len(prompt_ids)
         self._age_out(version)
-        new = list(prompt_ids)[: max(0, min(want, 2 * want - len(self.pool)))]
-        self._counts["skipped_prompts"] += want - len(new)
-        for p, (ids, source) in enumerate(zip(rollout.prompt_ids(new), new, strict=True)):
-            self.pool.append(_Group(ids, list(source), [
-                _Sample(hash((self.cfg.seed, seed, p, j)) & _SEED_MASK)
-                for j in range(num_samples)]))
+        self._add(rollout, prompt_ids, num_samples, seed, multi_turn=env is not None)
         replica, replicas = rollout.replica()
         slices = [self._share(len(self.pool), r, replicas) for r in range(replicas)]
         lo, hi = slices[replica]
         wants = [self._share(want, r, replicas) for r in range(replicas)]
-        budget = self._share(self.ahead.step_token_budget, replica, replicas)
-        local = self._sample(rollout, lo, hi, wants[replica][1] - wants[replica][0],
-                             budget[1] - budget[0])
-        results = self._gather(rollout, local, replicas) if replicas > 1 else [local]
+        w0, w1 = wants[replica]
+        b0, b1 = self._share(self.ahead.step_token_budget, replica, replicas)
+        if env is None:
+            local: Any = self._sample(rollout, lo, hi, w1 - w0, b1 - b0)
+        else:
+            local = self._sample_turns(rollout, env, lo, hi, w1 - w0, b1 - b0, version)
+        results = self._gather(rollout, local, replicas, env is not None)
         out: list[Trajectory] = []
         taken: set[int] = set()
         for (a, b), (w0, w1), result in zip(slices, wants, results, strict=True):
-            self._apply(a, b, result, version)
+            if env is None:
+                self._apply(a, b, result, version)
+            else:
+                self._replace(a, b, result)
             ready = [g for g in range(a, b) if self.pool[g].done()][: w1 - w0]
             taken.update(ready)
-            out += self._trajectories(ready, len(out) // num_samples, version)
+            out += self._trajectories(ready, len(out) // num_samples, version, env)
         self.pool = [g for i, g in enumerate(self.pool) if i not in taken]
         self._counts["parked_groups"] = len(self.pool)
         self._counts["parked_tokens"] = sum(len(s.tokens) for g in self.pool for s in g.samples)
         return out
+
+    def _add(self, rollout: VLLMRollout, prompt_ids: Sequence[Sequence[int]], k: int,
+             seed: int, *, multi_turn: bool) -> None:
+        """The call's new groups into the pool, up to 2 x len(prompt_ids) groups."""
+        want = len(prompt_ids)
+        new = list(prompt_ids)[: max(0, min(want, 2 * want - len(self.pool)))]
+        self._counts["skipped_prompts"] += want - len(new)
+        for p, (ids, source) in enumerate(zip(rollout.prompt_ids(new), new, strict=True)):
+            self.pool.append(_Group(ids, list(source), [
+                _Sample(hash((self.cfg.seed, seed, p, j)) & _SEED_MASK,
+                        turns=Turns(seed, p * k + j) if multi_turn else None)
+                for j in range(k)]))
 
     @staticmethod
     def _share(n: int, r: int, parts: int) -> tuple[int, int]:
@@ -139,7 +168,8 @@ class PartialRollouts:
                 self._counts["dropped_groups"] += 1
             else:
                 self._counts["regenerated_groups"] += 1
-                g.samples = [_Sample(hash((s.seed, -version)) & _SEED_MASK) for s in g.samples]
+                g.samples = [_Sample(hash((s.seed, -version)) & _SEED_MASK, turns=None if s.turns
+                                     is None else s.turns.restarted(-version)) for s in g.samples]
                 keep.append(g)
         self.pool = keep
 
@@ -170,8 +200,34 @@ class PartialRollouts:
             [max_len - len(s.tokens) for s in samples], [s.request_seed() for s in samples],
             stop_now)
 
-    def _gather(self, rollout: VLLMRollout, local: tuple, replicas: int) -> list[tuple]:
-        """Every replica's (tokens, log-probs, finished), in replica order."""
+    def _sample_turns(self, rollout: VLLMRollout, env: Any, lo: int, hi: int, want: int,
+                      budget: int, version: int) -> tuple[list[list[_Sample]], Counter[str]]:
+        """This replica's rounds of turns over pool[lo:hi] (`partial_turns`): its
+        groups' samples as they stand after them, and the rounds' counts."""
+        counts = partial_turns.sample_turns(rollout, env, self.pool[lo:hi], want=want,
+                                            budget=budget, version=version)
+        return [g.samples for g in self.pool[lo:hi]], counts
+
+    def _replace(self, lo: int, hi: int, result: tuple[list[list[_Sample]], Counter[str]],
+                 ) -> None:
+        """pool[lo:hi]'s samples as one replica advanced them (multi-turn)."""
+        samples, counts = result
+        for g, group_samples in zip(range(lo, hi), samples, strict=True):
+            self.pool[g].samples = group_samples
+        self._counts.update(counts)
+
+    def _gather(self, rollout: VLLMRollout, local: Any, replicas: int, multi_turn: bool,
+                ) -> list[Any]:
+        """Every replica's result, in replica order: (tokens, log-probs, finished),
+        or (multi-turn) (its groups' samples, its counts)."""
+        if replicas == 1:
+            return [local]
+        if multi_turn:
+            import torch.distributed as dist
+
+            out: list[Any] = [None] * dist.get_world_size(rollout.group)
+            dist.all_gather_object(out, local, group=rollout.group)
+            return out[:: rollout.cfg.tensor_parallel_size][:replicas]
         from hybrid_engine.parallel.dist import all_gather_ragged
 
         tokens, logps, finished = local
@@ -194,19 +250,23 @@ class PartialRollouts:
             s.versions += [version] * len(t)
             s.finished = f or len(s.tokens) >= self.cfg.max_tokens
 
-    def _trajectories(self, groups: list[int], first_id: int, version: int) -> list[Trajectory]:
+    def _trajectories(self, groups: list[int], first_id: int, version: int, env: Any,
+                      ) -> list[Trajectory]:
         out = []
         for i, g in enumerate(groups):
             group = self.pool[g]
             for s in group.samples:
-                info = {"num_turns": 0, "num_segments": 1, "context_full": False,
-                        "token_versions": list(s.versions)}
+                if s.turns is None:
+                    t = Trajectory(prompt_ids=list(group.prompt_ids), response_ids=list(s.tokens),
+                                   rollout_logp=list(s.logp), group_id=first_id + i, info={
+                                       "num_turns": 0, "num_segments": 1, "context_full": False})
+                else:
+                    t = partial_turns.trajectory(env, group, s, first_id + i)
+                t.info["token_versions"] = list(s.versions)
+                t.policy_version = s.versions[0] if s.versions else version
                 if len(group.prompt_ids) < len(group.source_ids):
-                    info["source_prompt_ids"] = list(group.source_ids)
-                out.append(Trajectory(
-                    prompt_ids=list(group.prompt_ids), response_ids=list(s.tokens),
-                    rollout_logp=list(s.logp), group_id=first_id + i,
-                    policy_version=s.versions[0] if s.versions else version, info=info))
+                    t.info["source_prompt_ids"] = list(group.source_ids)
+                out.append(t)
         return out
 
     # --- metrics and checkpoints -------------------------------------------------------
@@ -227,5 +287,6 @@ class PartialRollouts:
         return {"pool": [asdict(g) for g in self.pool]}
 
     def load_state_dict(self, d: dict) -> None:
-        self.pool = [_Group(g["prompt_ids"], g["source_ids"], [_Sample(**s) for s in g["samples"]])
-                     for g in d["pool"]]
+        self.pool = [_Group(g["prompt_ids"], g["source_ids"], [
+            _Sample(**{**s, "turns": Turns(**s["turns"]) if s.get("turns") else None})
+            for s in g["samples"]]) for g in d["pool"]]

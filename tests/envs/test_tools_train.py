@@ -99,6 +99,38 @@ def test_a_tools_run_resumed_mid_run_equals_the_straight_run(setup, tmp_path) ->
     assert Path(run, "final").is_dir()
 
 
+def test_a_tools_run_with_partial_rollouts_parks_episodes_and_resumes_exactly(setup, tmp_path,
+                                                                              ) -> None:
+    """async_rollout.partial on 2 replicas: a tight token budget parks episodes
+    (between turns or mid-segment) with their chat state; a run resumed from a
+    checkpoint that holds parked episodes repeats the straight run."""
+    import json
+
+    from hybrid_engine.checkpoint import step_checkpoints
+
+    run = {**setup, "rollout.tensor_parallel_size": 1, "algorithm.behaviour_logp": "rollout",
+           "async_rollout.partial": True, "async_rollout.max_staleness": 1,
+           "async_rollout.step_token_budget": 60, "train.prompts_per_step": 4,
+           "train.num_steps": 3, "checkpoint_every": 1, "keep_checkpoints": 3,
+           "output_dir": str(tmp_path / "straight")}
+    straight = [h for h in run_ranks(_job, 2, run, False, timeout=400)[0] if h["step"] > 0]
+    assert sum(h["partial/parked_groups"] for h in straight) >= 1
+    assert sum(h["partial/continued_samples"] for h in straight) >= 1
+    assert all(h["staleness_max"] <= 1 and h["tool/calls"] > 0 for h in straight)
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(run["output_dir"], resumed_dir)
+    kept = step_checkpoints(resumed_dir / "checkpoints")
+    parked = [n for n, path in kept if n < 3 and json.loads(
+        (path / "meta.json").read_text())["extra"]["rollout"]["pool"]]
+    assert parked, "no checkpoint holds parked episodes: tighten the budget"
+    for step, path in kept:
+        if step > parked[-1]:
+            shutil.rmtree(path)
+    resumed = run_ranks(_job, 2, {**run, "output_dir": str(resumed_dir)}, True, timeout=400)[0]
+    assert _comparable([h for h in resumed if h["step"] > parked[-1]]) == \
+        _comparable([h for h in straight if h["step"] > parked[-1]])
+
+
 def test_a_tools_run_under_separate_placement(setup, tmp_path) -> None:
     """1 trainer rank + 1 rollout rank: the rollout rank runs the episodes (per
     episode) and the trainer gets them, ahead of the step (sampled on the

@@ -315,12 +315,53 @@ def _vllm_episodes(model_dir: str) -> dict:
     out["any_turn"] = _plain(collect(rollout, anyc, tool_prompts, num_samples=3, seed=11,
                                      stats=per_turn))
     out["engine_steps"] = (per_episode.engine_steps, per_turn.engine_steps)
+    out["partial"] = _partial_turns(rollout, anyc, tool_prompts)
     # Log-probs for the first sample of each group only (rollout.mismatch_sample):
     # the others' first turn has none (NaN), and that is no error.
     rollout.cfg, rollout.logprob_samples = cfg, 1
     out["some_logprobs"] = _plain(collect(rollout, anyc, tool_prompts, num_samples=3, seed=11))
     rollout.logprob_samples = None
     rollout.shutdown()
+    return out
+
+
+def _pool(rollout, budget: int):
+    from hybrid_engine.config import AsyncConfig
+    from hybrid_engine.rollout.partial import PartialRollouts
+
+    return PartialRollouts(rollout.cfg, AsyncConfig(max_staleness=1, partial=True,
+                                                    step_token_budget=budget))
+
+
+def _parked(pool) -> list[tuple[int, int]]:
+    """(tokens of the segment in progress, segments done) of each parked episode."""
+    return [(s.turns.segment, s.turns.num_segments) for g in pool.pool for s in g.samples
+            if not s.finished]
+
+
+def _partial_turns(rollout, env, prompts) -> dict:
+    """Partial rollouts of multi-turn episodes (rollout/partial_turns.py): with a
+    budget no call reaches, and with one that parks episodes mid-turn; the tight
+    pool continued as it is in memory and as reloaded from its JSON."""
+    import json
+
+    out = {"roomy": _plain(_pool(rollout, 10**6).collect(rollout, prompts, num_samples=3,
+                                                         seed=11, version=0, env=env))}
+    for budget in range(20, 100, 10):  # a budget that stops a round mid-segment
+        kept = _pool(rollout, budget)
+        first = kept.collect(rollout, prompts, num_samples=3, seed=11, version=0, env=env)
+        if any(segment > 0 for segment, _ in _parked(kept)):
+            break
+    out["first"], out["parked"] = _plain(first), _parked(kept)
+    out["parked_tokens"] = {tuple(g.prompt_ids + s.tokens): list(s.turns.mask) for g in kept.pool
+                            for s in g.samples if s.tokens}
+    reloaded = _pool(rollout, budget)
+    reloaded.load_state_dict(json.loads(json.dumps(kept.state_dict())))
+    out["second"] = _plain(kept.collect(rollout, prompts, num_samples=3, seed=12, version=1,
+                                        env=env))
+    out["second_reloaded"] = _plain(reloaded.collect(rollout, prompts, num_samples=3, seed=12,
+                                                     version=1, env=env))
+    out["metrics"] = kept.metrics()
     return out
 
 
@@ -346,8 +387,11 @@ def _vllm_two_ranks(model_dir: str, tp: int) -> list[tuple]:
         failed = "no error"
     except (ValueError, RuntimeError) as e:
         failed = f"{type(e).__name__}: {e}"
+    pool = _pool(rollout, 12)  # partial rollouts: each replica its groups, then gathered
+    partial = [_plain(pool.collect(rollout, tool_prompts, num_samples=3, seed=s, version=s,
+                                   env=AnyCharToolEnv(TOK, max_turns=8))) for s in (0, 1)]
     rollout.shutdown()
-    return out, failed
+    return out, failed, (partial, pool.state_dict(), pool.metrics())
 
 
 @pytest.fixture(scope="module")
@@ -477,6 +521,35 @@ def test_vllm_multi_turn_env_tokens_in_context_not_in_loss(vllm_results):
             assert decode(TOK, batch.tokens_BT[row, env_cols].tolist()).startswith("<result>")
 
 
+def _without_versions(trajs: list[tuple]) -> list[tuple]:
+    return [(*t[:5], {k: v for k, v in t[5].items() if k != "token_versions"}) for t in trajs]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_multi_turn_partial_rollouts_park_mid_turn_and_resume_exactly(vllm_results):
+    r = vllm_results["partial"]
+    # Parking nothing, the episodes are the turn loop's (log-probs to float noise: the
+    # engine's batches differ, each turn enters as soon as the last one is answered).
+    _assert_same_up_to_logp_noise(_without_versions(r["roomy"]), vllm_results["any_turn"])
+    assert all(set(t[5]["token_versions"]) == {0} for t in r["roomy"])
+    # The tight budget parked episodes, some in the middle of a segment.
+    assert r["parked"] and any(segment > 0 for segment, _ in r["parked"]), r["parked"]
+    assert len(r["first"]) >= 3 and len(r["first"]) % 3 == 0
+    _check_structure(r["second"], len(r["second"]) // 3, 3, 128)
+    # Continued next call: the parked tokens (policy and env) kept as they were, the
+    # rest sampled at version 1; every trajectory passed the loop's context check.
+    continued = [t for t in r["second"] if set(t[5]["token_versions"]) == {0, 1}]
+    assert continued and r["metrics"]["partial/continued_samples"] >= len(continued)
+    for prompt, response, _, mask, _, info in continued:
+        v = info["token_versions"]
+        assert v == sorted(v) and len(v) == len(response)
+        n0 = v.count(0)
+        assert r["parked_tokens"][tuple(prompt + response[:n0])] == mask[:n0]
+    # A pool reloaded from its JSON continues exactly as the one kept in memory.
+    assert r["second_reloaded"] == r["second"]
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
@@ -491,6 +564,10 @@ def test_vllm_multi_turn_is_collective(model_dir, vllm_results, tp):
     outs = run_ranks(_vllm_two_ranks, 2, model_dir, tp, timeout=400)
     assert outs[0][0] == outs[1][0]
     _assert_same_up_to_logp_noise(outs[0][0], vllm_results["any"])
+    # Partial rollouts: every rank holds the same pool and returns the same episodes.
+    assert outs[0][2] == outs[1][2]
+    partial, _, metrics = outs[0][2]
+    assert partial[0] and metrics["partial/sampled_tokens"] > 0
     # The env raised on rank 0 (TP 2: the leader; 2 replicas: each raised on its own
     # episodes): rank 0 raised it, rank 1 its own or the news of it.
     assert outs[0][1] == "ValueError: tool exploded"

@@ -177,3 +177,40 @@ def test_partial_rollout_settings_are_checked(overrides, match):
 
     with pytest.raises(ValueError, match=match):
         apply_overrides(RunConfig(), overrides)
+
+
+def test_a_multi_turn_env_that_cannot_save_its_episodes_is_refused():
+    from hybrid_engine.envs.tool import ToolEnv
+    from hybrid_engine.models.tokenizer import build_tokenizer
+    from hybrid_engine.rollout.partial_turns import check_env
+
+    env = ToolEnv(build_tokenizer())
+    check_env(env)
+    state = env.reset([1, 2])
+    env.step(state, [3, 4])
+    saved = json.loads(json.dumps(env.save_episode(state)))
+    assert env.load_episode(saved) == state and env.load_episode(saved) is not state
+
+    class Unsaved:
+        def reset(self, prompt_ids): ...
+        def step(self, state, segment): ...
+        def build_trajectory(self, state, policy_logp=None, group_id=0): ...
+
+    with pytest.raises(ValueError, match="save_episode.*Unsaved has none"):
+        check_env(Unsaved())
+
+
+def test_a_parked_episode_round_trips_through_json():
+    from hybrid_engine.rollout.partial import PartialRollouts, _Group, _Sample
+    from hybrid_engine.rollout.partial_turns import Turns
+
+    pool = PartialRollouts(_cfg(), _ahead())
+    pool.pool = [_Group([1, 2], [1, 2], [_Sample(7, [5, 6, 9], [-0.1, -0.2], [0, 0, 0], turns=Turns(
+        11, 3, {"prompt_ids": [1, 2], "response_ids": [5, 6, 9]}, [True, False, True], 1, 1))])]
+    other = PartialRollouts(pool.cfg, pool.ahead)
+    other.load_state_dict(json.loads(json.dumps(pool.state_dict())))
+    assert other.pool == pool.pool
+    pool._age_out(5)  # too stale: the episode restarts from its prompt, with other seeds
+    (s,) = pool.pool[0].samples
+    assert (s.tokens, s.turns.episode, s.turns.mask, s.turns.key) == ([], None, [], 3)
+    assert s.turns.call_seed != 11
