@@ -399,7 +399,7 @@ class EnvConfig:
     sandbox_processes: int = _field(
         32, "Sandbox: processes and threads of a run at once (a fork bomb stops there).", ge=1)
     max_turns: int = _field(
-        4, "Most model turns (tool calls: the calculator's) of a multi-turn episode.", ge=1)
+        4, "Most model turns of a multi-turn episode (tool calls, then an answer).", ge=1)
     max_episode_tokens: int = _field(
         0, "Chat environments: most response tokens of an episode, sampled and observed; 0 = "
         "bounded by rollout.max_model_len only.", ge=0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ENVS", "ArithmeticEnv", "PromptFormat", "RewardError", "ToolEnv", "dataset_spec",
+__all__ = ["ENVS", "ArithmeticEnv", "PromptFormat", "RewardError", "CalcEnv", "dataset_spec",
            "make_env", "prompt_format", "register_env", "reward_terms"]
 
 

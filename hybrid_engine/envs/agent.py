@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from hybrid_engine.envs.base import ProblemEnv, decode, eos_token_id
 from hybrid_engine.envs.bank import ProblemBank
-from hybrid_engine.envs.chat import PromptFormat
+from hybrid_engine.envs.chat import PromptFormat, TaggedTurns
 from hybrid_engine.envs.dataset import DatasetSpec, Example
 from hybrid_engine.envs.reward_pool import Call, RewardPool
 from hybrid_engine.trajectory import Trajectory
@@ -107,30 +108,36 @@ class ChatEnv(ProblemEnv):
         max_episode_tokens: most response tokens of an episode, sampled and
             observed (0: bounded by max_model_len only).
         at_budget: what an episode cut by max_episode_tokens scores (`AT_BUDGET`).
-        seed: shuffle seed.
-        prompt_format: how conversations become token ids.
+        seed: shuffle seed (and generate's).
+        prompt_format: how conversations become token ids: a `PromptFormat`
+            (each turn a message of the chat template), or `TaggedTurns`
+            (turns as tags inside one assistant message).
         name: the environment's name (messages, metrics).
+        generate: where problems come from without a dataset (`ProblemBank`'s
+            generator); None: dataset is required.
     """
-
-    turn_stop: tuple[str, ...] = ()  # a segment ends where the model ends its turn
 
     def __init__(self, tokenizer: Any, task: ChatTask, *, dataset: DatasetSpec | None,
                  parser: Any = None, tools: Sequence[Any] = (), max_turns: int = 4,
                  max_episode_tokens: int = 0, at_budget: str = "keep", seed: int = 0,
-                 prompt_format: PromptFormat | None = None, name: str = "chat") -> None:
+                 prompt_format: PromptFormat | TaggedTurns | None = None, name: str = "chat",
+                 generate: Callable[[random.Random], Example] | None = None) -> None:
         if max_turns < 1 or max_episode_tokens < 0 or at_budget not in AT_BUDGET:
             raise ValueError(f"need env.max_turns >= 1, env.max_episode_tokens >= 0 and "
                              f"env.at_budget in {AT_BUDGET}; got {max_turns}, "
                              f"{max_episode_tokens}, {at_budget!r}")
-        if dataset is None or not dataset.path:
+        if (dataset is None or not dataset.path) and generate is None:
             raise ValueError(f"env.name={name!r} needs env.dataset_path (its problems)")
         self.name, self.tokenizer, self.task, self.parser = name, tokenizer, task, parser
         self.schemas = [t.schema for t in tools]
         self.max_turns, self.max_episode_tokens, self.at_budget = (
             max_turns, max_episode_tokens, at_budget)
         self.prompt_format = prompt_format or PromptFormat()
+        # A segment ends where the model ends its turn, or at a tag's end (TaggedTurns).
+        self.turn_stop = tuple(getattr(self.prompt_format, "turn_stop", ()))
         self.eos_id = eos_token_id(tokenizer)
-        self.bank = ProblemBank(self._no_generated, dataset=dataset, seed=seed, name=name)
+        self.bank = ProblemBank(generate or self._no_generated, dataset=dataset, seed=seed,
+                                name=name)
         self._conversations: dict[tuple[int, ...], list[Message]] = {}
         self._lock = threading.Lock()  # the tokenizer, the parser and the template
 
@@ -226,19 +233,17 @@ class ChatEnv(ProblemEnv):
 
     def _ended_turn(self, segment: list[int], text: str) -> bool:
         """Whether the segment ends the model's turn (EOS, or a stop string it kept)."""
-        return bool(segment) and (segment[-1] == self.eos_id
-                                  or text.endswith(self._turn_end_text()))
+        return bool(segment) and (segment[-1] == self.eos_id or text.endswith(self._turn_ends()))
 
-    def _turn_end_text(self) -> str:
-        """The text that closes an assistant turn in this template (its first token's)."""
-        end = self.prompt_format._turn_end(self.tokenizer, self.schemas or None).rstrip()
-        return end or "\x00"
+    def _turn_ends(self) -> tuple[str, ...]:
+        """The texts that close a turn (`PromptFormat.turn_ends`, `TaggedTurns`')."""
+        return self.prompt_format.turn_ends(self.tokenizer, self.schemas or None)
 
     def _assistant(self, state: ChatEpisode, text: str) -> Message:
-        """The assistant message of a sampled turn: its text less the turn's end,
-        and the tool calls the parser finds in it."""
-        end = self._turn_end_text()
-        body = text[: -len(end)] if text.endswith(end) else text
+        """The assistant message of a sampled turn: its text less the turn's end
+        (unless the format keeps it: tags), and the tool calls the parser finds in it."""
+        end = next((e for e in self._turn_ends() if text.endswith(e)), "")
+        body = text[: -len(end)] if end and not self.prompt_format.keeps_turn_end else text
         eos = self.tokenizer.decode([self.eos_id], skip_special_tokens=False)
         body = body[: -len(eos)] if eos and body.endswith(eos) else body
         if self.parser is None:

@@ -12,6 +12,11 @@ A text prompt under a template is one user message. `system_prompt` is put
 first when the prompt has no system message of its own; `template_kwargs`
 reach the template (e.g. enable_thinking=false for Qwen3).
 
+`TaggedTurns` is the other way a multi-turn episode's turns are written: as
+tags inside one assistant message (the calculator environment's
+`<calc>EXPR</calc>` answered by `<result>VALUE</result>`), the prompt still
+through the `PromptFormat`.
+
 Invariant: every environment that templates (problem environments, the
 multi-turn tool environment, the reward-model environment, evaluation) goes
 through one `PromptFormat`, so training and evaluation prompts agree.
@@ -22,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-__all__ = ["PromptFormat"]
+__all__ = ["PromptFormat", "TaggedTurns"]
 
 Prompt = str | Sequence[Mapping[str, str]]
 
@@ -36,6 +41,8 @@ class PromptFormat:
     template: str = "auto"
     system_prompt: str = ""
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    keeps_turn_end: ClassVar[bool] = False  # an assistant message's content is without it
 
     def __post_init__(self) -> None:
         if self.template not in ("auto", "none") and not Path(self.template).is_file():
@@ -158,6 +165,12 @@ class PromptFormat:
         kept = next((n for n in range(len(end), 0, -1) if sampled_text.endswith(end[:n])), 0)
         return self._encode(tokenizer, end[kept:] + after[len(before):])
 
+    def turn_ends(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None,
+                  ) -> tuple[str, ...]:
+        """The text that closes an assistant turn in this template, stripped ("\x00":
+        the template writes none, so only EOS does)."""
+        return (self._turn_end(tokenizer, tools).rstrip() or "\x00",)
+
     def _turn_end(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None) -> str:
         """What the template writes right after an assistant message's content."""
         mark = "\x00turn-end\x00"
@@ -169,3 +182,42 @@ class PromptFormat:
     def _encode(tokenizer: Any, text: str) -> list[int]:
         out = tokenizer.encode(text, add_special_tokens=False)
         return list(getattr(out, "ids", out))
+
+
+@dataclass(frozen=True)
+class TaggedTurns:
+    """A multi-turn episode written as tags inside one assistant message: the
+    prompt is prompt_format's (templated, or raw text), a turn ends at one of
+    turn_stop (kept in the assistant's content: the tags are the call's
+    syntax) or at EOS, and each tool result comes back as raw text, `result`
+    with "{}" replaced by its content. Offers what `envs.agent.ChatEnv` uses of
+    a `PromptFormat`."""
+
+    prompt_format: PromptFormat
+    turn_stop: tuple[str, ...]
+    result: str = "{}"
+
+    keeps_turn_end: ClassVar[bool] = True
+
+    def messages(self, prompt: Prompt) -> list[dict[str, str]]:
+        return self.prompt_format.messages(prompt)
+
+    def ids(self, tokenizer: Any, prompt: Prompt, *,
+            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The prompt's ids (tools: not listed; the prompt says how to call). One
+        user message without a template in effect is its raw text."""
+        if (not isinstance(prompt, str) and len(prompt) == 1
+                and self.prompt_format.jinja(tokenizer) is None):
+            prompt = prompt[0]["content"]
+        return self.prompt_format.ids(tokenizer, prompt)
+
+    def continuation_ids(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                         new: Sequence[Mapping[str, Any]], sampled_text: str, *,
+                         tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The new messages' contents as results, right after the sampled tag."""
+        text = "".join(self.result.replace("{}", str(m.get("content", ""))) for m in new)
+        return PromptFormat._encode(tokenizer, text)
+
+    def turn_ends(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None,
+                  ) -> tuple[str, ...]:
+        return self.turn_stop

@@ -26,14 +26,14 @@ from hybrid_engine.envs.arithmetic import ArithmeticEnv
 from hybrid_engine.envs.base import RewardError
 from hybrid_engine.envs.chat import PromptFormat
 from hybrid_engine.envs.dataset import DatasetSpec
-from hybrid_engine.envs.tool import ToolEnv
+from hybrid_engine.envs.tool import CalcEnv
 
 if TYPE_CHECKING:
     from hybrid_engine.config import EnvConfig
     from hybrid_engine.roles.base import Environment
     from hybrid_engine.tools.sandbox import Sandbox
 
-__all__ = ["ENVS", "ArithmeticEnv", "PromptFormat", "RewardError", "ToolEnv", "dataset_spec",
+__all__ = ["ENVS", "ArithmeticEnv", "PromptFormat", "RewardError", "CalcEnv", "dataset_spec",
            "make_env", "prompt_format", "register_env", "reward_terms", "sandbox"]
 
 EnvFactory = Callable[["EnvConfig", Any], "Environment"]
@@ -164,7 +164,7 @@ def _arithmetic(cfg: EnvConfig, tokenizer: Any) -> Environment:
 
 @register_env("tool")
 def _tool(cfg: EnvConfig, tokenizer: Any) -> Environment:
-    return ToolEnv(tokenizer, seed=cfg.seed, dataset=dataset_spec(cfg),
+    return CalcEnv(tokenizer, seed=cfg.seed, dataset=dataset_spec(cfg),
                    prompt_format=prompt_format(cfg), max_turns=cfg.max_turns)
 
 

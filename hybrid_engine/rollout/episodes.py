@@ -8,7 +8,7 @@ reward left to the caller (`env.score(trajs)`).
 - Single-turn environment (no `step`): one `rollout.generate` call; each
   completion is one trajectory (all tokens in the loss).
 - Multi-turn environment (`MultiTurnEnvironment`: `reset` / `step` /
-  `build_trajectory`, e.g. `envs.tool.ToolEnv`): generation and environment
+  `build_trajectory`, e.g. `envs.agent.ChatEnv`): generation and environment
   steps alternate, on one of two schedules (rollout.schedule):
   'episode' (`agent_loop`, a rollout that drives its engine by hand: a
   `VLLMRollout` without in-flight updates, or separate placement's rollout
@@ -88,7 +88,7 @@ __all__ = ["TOOL_CALL_STOP", "MultiTurnEnvironment", "collect", "is_multi_turn",
 
 TOOL_CALL_STOP: tuple[str, ...] = ("</calc>",)
 """Turn-ending strings of an environment without a `turn_stop` attribute
-(`envs.tool.ToolEnv`'s closing tag)."""
+(the calculator environment's closing tag, `envs.tool.CALC_STOP`)."""
 
 
 @runtime_checkable

@@ -3,8 +3,8 @@
 `functions`: `load_tools(spec)` -> `Tool`s (name, fn, the JSON schema a chat
 template takes), `validate_call` / `validate_arguments`, `call_tool`.
 `parsers`: `tool_parser(name)` -> a `ToolParser` whose `parse(text)` gives a
-`ParsedTurn` (content, `ToolCall`s, errors); hermes, mistral and llama3_json
-are registered.
+`ParsedTurn` (content, `ToolCall`s, errors); hermes, mistral, llama3_json and
+calc (the calculator environment's tags) are registered.
 `sandbox`: `run_python(code)` / `Sandbox.run` run a model's code in a separate,
 limited, isolated process (or at a SandboxFusion service); `python` is the
 built-in tool over it.

@@ -4,7 +4,7 @@ Job: `calculate(expr)` evaluates + - * / and parentheses over non-negative
 integer literals with a small recursive-descent parser (never `eval`), exactly
 (`fractions.Fraction`); `calculator(expression)` is the same as a tool the
 model calls in its chat template's format. The calculator environment
-(`envs.tool.ToolEnv`, `<calc>` tags in raw text) uses `calculate` too.
+(`envs.tool.CalcEnv`, `<calc>` tags in raw text) calls it too.
 
 Invariant: any input either evaluates or raises `CalcError` (bounded length and
 nesting: no input can exhaust the recursion or the memory).

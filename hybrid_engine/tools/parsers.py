@@ -24,6 +24,9 @@ llama_tool_parser.py and vllm/parser/mistral.py, vLLM 0.32):
   {...}}` ("arguments" accepted too), optionally after `<|python_tag|>`,
   several separated by ";". An object counts as a call when its first key is
   name, parameters or arguments; other JSON is content.
+- calc (the calculator environment's own tags, not a model family's):
+  `<calc>EXPR</calc>` is a call of the `calculator` tool with that expression;
+  an unclosed `<calc>` is text.
 
 Invariant: `parse` never raises on model output; a call needs a non-empty
 string name and an arguments object (`{}` for a tool without arguments); a
@@ -328,4 +331,24 @@ def parse_llama3_json(text: str) -> ParsedTurn:
     if tagged and not turn.calls and not turn.errors:
         turn.error(f"{PYTHON_TAG} is not followed by a JSON call "
                    '{"name": ..., "parameters": {...}}')
+    return turn.done()
+
+
+# --------------------------------------------------------------------------
+# calc
+# --------------------------------------------------------------------------
+
+CALC_OPEN, CALC_CLOSE = "<calc>", "</calc>"
+_CALC = re.compile(re.escape(CALC_OPEN) + "(.*?)" + re.escape(CALC_CLOSE), re.DOTALL)
+
+
+@register_tool_parser("calc", call_starts=(CALC_OPEN,))
+def parse_calc(text: str) -> ParsedTurn:
+    """`<calc>EXPR</calc>` tags amid text: calls of `calculator(expression=EXPR)`."""
+    turn, pos = _Turn(), 0
+    for match in _CALC.finditer(text):
+        turn.text(text[pos:match.start()])
+        turn.call({"name": "calculator", "arguments": {"expression": match[1].strip()}})
+        pos = match.end()
+    turn.text(text[pos:])
     return turn.done()

@@ -101,9 +101,9 @@ def test_template_kwargs_reach_the_template(data, tokenizer, tmp_path):
 def test_generated_tasks_are_templated_and_still_scored(tokenizer):
     """arithmetic and tool: their prompts through the template; a prompt's answer is
     recomputed from its templated text too (e.g. after a restart)."""
-    from hybrid_engine.envs import ArithmeticEnv, ToolEnv
+    from hybrid_engine.envs import ArithmeticEnv, CalcEnv
 
-    for env in (ArithmeticEnv(tokenizer, seed=1), ToolEnv(tokenizer, seed=1)):
+    for env in (ArithmeticEnv(tokenizer, seed=1), CalcEnv(tokenizer, seed=1)):
         ids = env.sample_prompts(1)[0]
         text = decode(tokenizer, ids)
         assert text.startswith("user\n") and text.endswith("assistant\n"), text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybrid_engine.config import EnvConfig
-from hybrid_engine.envs import ArithmeticEnv, ToolEnv, make_env
+from hybrid_engine.envs import ArithmeticEnv, CalcEnv, make_env
 from hybrid_engine.models.tokenizer import build_tokenizer
 from hybrid_engine.roles.base import Environment
 
@@ -14,7 +14,7 @@ def test_make_env_builds_registered_envs():
     tok = build_tokenizer()
     arith = make_env(EnvConfig(name="arithmetic", seed=1), tok)
     tool = make_env(EnvConfig(name="tool"), tok)
-    assert isinstance(arith, ArithmeticEnv) and isinstance(tool, ToolEnv)
+    assert isinstance(arith, ArithmeticEnv) and isinstance(tool, CalcEnv)
     assert isinstance(arith, Environment) and isinstance(tool, Environment)
 
 

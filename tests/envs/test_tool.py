@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_engine.envs.tool import ToolEnv
+from hybrid_engine.envs.tool import CalcEnv
 from hybrid_engine.tools.calculator import CalcError, calculate
 from hybrid_engine.models.tokenizer import EOS_TOKEN_ID, build_tokenizer
 
@@ -59,7 +59,7 @@ def test_calculate_rejects_bad_input(expr, needle):
 
 
 def test_multi_turn_episode_assembles_env_tokens_with_loss_mask_false():
-    env = ToolEnv(TOK, max_turns=4)
+    env = CalcEnv(TOK, max_turns=4)
     prompt = _ids("Compute 12*7+1. You may call <calc>EXPR</calc>. Answer with the integer.\n")
     state = env.reset(prompt)
     seg1 = _ids("Let me see <calc>12*7</calc>")
@@ -81,40 +81,41 @@ def test_multi_turn_episode_assembles_env_tokens_with_loss_mask_false():
         len(env_ids) + len(env_ids2)
     )
     assert all(lp == -1.0 for lp, m in zip(traj.rollout_logp, traj.loss_mask) if m)
-    assert traj.info["num_turns"] == 2
+    assert traj.info["num_tool_calls"] == 2 and traj.info["num_turns"] == 3
     env.score([traj])
     assert traj.reward == 1.0 and traj.reward_components == {"correct": 1.0}
 
 
 def test_episode_ends_at_max_turns_and_tool_errors_do_not_crash():
-    env = ToolEnv(TOK, max_turns=2)
+    env = CalcEnv(TOK, max_turns=2)
     state = env.reset(_ids("Compute 1+1. x\n"))
     env_ids, done = env.step(state, _ids("<calc>1/0</calc>"))
-    assert TOK.decode(env_ids) == "<result>error: division by zero</result>" and not done
-    env_ids, done = env.step(state, _ids("<calc>import os</calc>"))
-    assert TOK.decode(env_ids).startswith("<result>error: unexpected character") and done
+    assert TOK.decode(env_ids) == "<result>error: CalcError: division by zero</result>"
+    assert not done
+    # The second turn is the last one (max_turns): nothing comes back.
+    assert env.step(state, _ids("<calc>import os</calc>")) == ([], True)
     traj = env.build_trajectory(state)
-    assert traj.info["num_tool_errors"] == 2
+    assert traj.info["num_tool_errors"] == 1 and traj.info["num_turns"] == 2
     env.score([traj])  # the episode ended on env tokens: no final answer
     assert traj.reward == 0.0
 
 
 @pytest.mark.parametrize(
     ("final", "reward"),
-    [("2", 1.0), (" 2\nbecause", 1.0), ("3", 0.0), ("two", 0.0), ("<calc>1+1</calc>", 0.0)],
+    [("2", 1.0), (" 2\nbecause", 1.0), ("3", 0.0), ("two", 0.0), ("<calc>1+1", 0.0)],
 )
 def test_final_answer_reward(final, reward):
-    env = ToolEnv(TOK)
+    env = CalcEnv(TOK)
     state = env.reset(_ids("Compute 1+1. x\n"))
     _, done = env.step(state, _ids(final) + [EOS_TOKEN_ID])
-    assert done  # EOS ends the episode, even after a calc call
+    assert done  # EOS ends the episode (an unclosed tag is no call)
     traj = env.build_trajectory(state)
     env.score([traj])
     assert traj.reward == reward
 
 
 def test_segment_without_call_or_eos_is_final():
-    env = ToolEnv(TOK)
+    env = CalcEnv(TOK)
     state = env.reset(_ids("Compute 1+1. x\n"))
     assert env.step(state, _ids("2")) == ([], True)
     with pytest.raises(ValueError, match="policy_logp has 3 entries"):
@@ -122,7 +123,7 @@ def test_segment_without_call_or_eos_is_final():
 
 
 def test_generated_problems_are_seeded_and_solvable():
-    a, b = ToolEnv(TOK, seed=4), ToolEnv(TOK, seed=4)
+    a, b = CalcEnv(TOK, seed=4), CalcEnv(TOK, seed=4)
     prompts = a.sample_prompts(10)
     assert prompts == b.sample_prompts(10)
     held_out = {tuple(p) for p in a.eval_prompts(5)}

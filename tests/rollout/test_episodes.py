@@ -4,7 +4,7 @@ rollout, then end to end on real vLLM (in a fresh process)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -12,7 +12,7 @@ import pytest
 from hybrid_engine.config import MemoryConfig, RolloutConfig
 from hybrid_engine.envs.arithmetic import ArithmeticEnv
 from hybrid_engine.envs.base import decode, encode
-from hybrid_engine.envs.tool import ToolEnv
+from hybrid_engine.envs.tool import CalcEnv
 from hybrid_engine.rollout.agent_loop import ScheduleStats
 from hybrid_engine.rollout.episodes import TOOL_CALL_STOP, MultiTurnEnvironment, collect, turn_seed
 from hybrid_engine.models.tokenizer import EOS_TOKEN_ID, build_tokenizer
@@ -83,7 +83,7 @@ def env_columns(traj) -> list[int]:
 
 
 def test_tool_tokens_are_context_but_not_loss():
-    env = ToolEnv(TOK)
+    env = CalcEnv(TOK)
     rollout = ScriptedRollout(calc_then_answer)
     trajs = collect(rollout, env, [ids(PROMPT)], num_samples=2, seed=7)
     assert [t.group_id for t in trajs] == [0, 0]
@@ -91,8 +91,9 @@ def test_tool_tokens_are_context_but_not_loss():
     reply = ids("<result>10</result>")
     policy_1 = ids("Let me see <calc>2*3+4</calc>")
     assert called.response_ids == policy_1 + reply + ids("10\n") + [EOS_TOKEN_ID]
-    assert called.info["num_turns"] == 1 and called.info["num_segments"] == 2
-    assert direct.response_ids == ids("11") + [EOS_TOKEN_ID] and direct.info["num_turns"] == 0
+    assert called.info["num_tool_calls"] == 1 and called.info["num_segments"] == 2
+    assert direct.response_ids == ids("11") + [EOS_TOKEN_ID]
+    assert direct.info["num_tool_calls"] == 0 and direct.info["num_turns"] == 1
     # The second generation was conditioned on the env reply (it is in the context).
     assert len(rollout.calls) == 2
     assert rollout.calls[1]["prompts"] == [ids(PROMPT) + policy_1 + reply]
@@ -115,7 +116,7 @@ def test_tool_tokens_are_context_but_not_loss():
 def test_calls_are_per_turn_and_stop_at_the_tool_tag():
     rollout = ScriptedRollout(calc_then_answer, RolloutConfig(max_model_len=256, max_tokens=32,
                                                               stop=("\n\n",)))
-    collect(rollout, ToolEnv(TOK), [ids(PROMPT), ids(PROMPT.replace("2*3", "5*3"))],
+    collect(rollout, CalcEnv(TOK), [ids(PROMPT), ids(PROMPT.replace("2*3", "5*3"))],
             num_samples=2, seed=7)
     first, second = rollout.calls
     assert (first["k"], first["seed"], len(first["prompts"])) == (2, 7, 2)
@@ -138,7 +139,7 @@ def test_context_budget_ends_episodes():
     # Room for two calls; the second reply overflows, so no third generation.
     max_len = len(prompt) + 60
     rollout = ScriptedRollout(always_call, RolloutConfig(max_model_len=max_len, max_tokens=16))
-    (traj,) = collect(rollout, ToolEnv(TOK, max_turns=100), [prompt], num_samples=1, seed=0)
+    (traj,) = collect(rollout, CalcEnv(TOK, max_turns=100), [prompt], num_samples=1, seed=0)
     assert len(rollout.calls) == 2 and rollout.calls[1]["max_tokens"] == [16]
     assert traj.info["context_full"] and traj.info["num_turns"] == 2
     assert traj.response_ids == (call + reply) * 2  # only the last env reply passes max_len
@@ -146,7 +147,7 @@ def test_context_budget_ends_episodes():
     # Less room than max_tokens: the segment is cut there, which ends the episode.
     max_len = len(prompt) + 40
     rollout = ScriptedRollout(always_call, RolloutConfig(max_model_len=max_len, max_tokens=16))
-    (traj,) = collect(rollout, ToolEnv(TOK, max_turns=100), [prompt], num_samples=1, seed=0)
+    (traj,) = collect(rollout, CalcEnv(TOK, max_turns=100), [prompt], num_samples=1, seed=0)
     assert rollout.calls[1]["max_tokens"] == [40 - 34]
     assert traj.response_ids == call + reply + call[:6] and traj.num_tokens == max_len
     assert not traj.info["context_full"] and traj.info["num_turns"] == 1
@@ -156,21 +157,21 @@ def test_max_turns_and_determinism():
     def always_call(context: str, sample: int) -> str:
         return f"<calc>{sample}+{context.count('<result>')}</calc>"
 
-    env = ToolEnv(TOK, max_turns=3)
+    env = CalcEnv(TOK, max_turns=3)
     a = collect(ScriptedRollout(always_call), env, [ids(PROMPT)], num_samples=2, seed=1)
     b = collect(ScriptedRollout(always_call), env, [ids(PROMPT)], num_samples=2, seed=1)
-    assert [t.info["num_turns"] for t in a] == [3, 3]
+    assert [t.info["num_turns"] for t in a] == [3, 3]  # two calls answered, the third not
     assert [(t.response_ids, t.loss_mask, t.rollout_logp) for t in a] == \
         [(t.response_ids, t.loss_mask, t.rollout_logp) for t in b]
     # (the scripted sample index is the one within each call: 0 after turn 0)
     assert decode(TOK, a[1].response_ids) == ("<calc>1+0</calc><result>1</result>"
                                               "<calc>0+1</calc><result>1</result>"
-                                              "<calc>0+2</calc><result>2</result>")
+                                              "<calc>0+2</calc>")
 
 
 def test_single_turn_env_is_one_call():
     env = ArithmeticEnv(TOK)
-    assert not isinstance(env, MultiTurnEnvironment) and isinstance(ToolEnv(TOK),
+    assert not isinstance(env, MultiTurnEnvironment) and isinstance(CalcEnv(TOK),
                                                                     MultiTurnEnvironment)
     rollout = ScriptedRollout(lambda context, j: f"{j}\n<EOS>")
     prompts = [ids("1+2="), ids("3+4=")]
@@ -185,7 +186,7 @@ def test_single_turn_env_is_one_call():
         collect(rollout, env, prompts, num_samples=0, seed=5)
 
 
-class DroppingToolEnv(ToolEnv):
+class DroppingToolEnv(CalcEnv):
     """Breaks the protocol: its trajectories leave out the env replies."""
 
     def build_trajectory(self, state, policy_logp=None, group_id=0):
@@ -210,21 +211,27 @@ def test_env_breaking_the_protocol_is_an_error():
 STOP_CHARS = tuple("0123456789abcdefghijklmnopqrstuvwxyz")
 
 
-class AnyCharToolEnv(ToolEnv):
-    """ToolEnv whose "tool call" is a segment ending in a digit or lowercase
-    letter (what a random-init model does emit): it gets a `<result>...</result>` reply
-    like a calculator call. Everything else (episode end, trajectory) is ToolEnv's."""
+def _any_char_calls(text: str):
+    """A turn ending in one of STOP_CHARS asks the calculator for its length."""
+    from hybrid_engine.tools.parsers import ParsedTurn, ToolCall
 
-    turn_stop = STOP_CHARS
+    if text and text[-1] in STOP_CHARS:
+        return ParsedTurn("", (ToolCall("calculator", {"expression": str(len(text))}),), ())
+    return ParsedTurn(text, (), ())
 
-    def step(self, state, new_policy_tokens: Sequence[int]):
-        segment = list(new_policy_tokens)
-        text = decode(self.tokenizer, segment)
-        if self.eos_id in segment or not text or text[-1] not in STOP_CHARS:
-            return super().step(state, segment)  # no call: ends the episode
-        state.response_ids += segment
-        state.loss_mask += [True] * len(segment)
-        return self._reply(state, str(len(segment)))
+
+class AnyCharToolEnv(CalcEnv):
+    """CalcEnv whose "tool call" is a turn ending in a digit or lowercase letter
+    (what a random-init model does emit): it gets a `<result>...</result>` reply
+    like a calculator call. Everything else (episode end, trajectory) is CalcEnv's."""
+
+    def __init__(self, tokenizer, **kwargs) -> None:
+        from hybrid_engine.tools.parsers import ToolParser
+
+        super().__init__(tokenizer, **kwargs)
+        self.prompt_format = replace(self.prompt_format, turn_stop=STOP_CHARS)
+        self.turn_stop = STOP_CHARS
+        self.parser = ToolParser("any_char", STOP_CHARS, _any_char_calls)
 
 
 class Recorder:
@@ -294,7 +301,7 @@ def _vllm_episodes(model_dir: str) -> dict:
     out["single"] = (_plain(trajs), direct.token_ids, direct.logprobs)
 
     # Multi-turn, the real calculator env (a random model will hardly call it).
-    tool = ToolEnv(TOK)
+    tool = CalcEnv(TOK)
     tool_prompts = tool.sample_prompts(2)
     out["tool_prompts"] = tool_prompts
     out["tool"] = _plain(collect(rollout, tool, tool_prompts, num_samples=3, seed=11))
@@ -379,7 +386,7 @@ def _vllm_two_ranks(model_dir: str, tp: int) -> list[tuple]:
     """The multi-turn collect of _vllm_episodes on 2 ranks (2 replicas of TP 1, or
     one of TP 2), per episode."""
     rollout = _rollout(model_dir, tp)
-    tool_prompts = ToolEnv(TOK).sample_prompts(2)
+    tool_prompts = CalcEnv(TOK).sample_prompts(2)
     out = _plain(collect(rollout, AnyCharToolEnv(TOK, max_turns=8), tool_prompts,
                          num_samples=3, seed=11))
     try:  # an env error on one rank: every rank raises, none waits for a timeout
@@ -490,7 +497,7 @@ def test_vllm_multi_turn_env_tokens_in_context_not_in_loss(vllm_results):
     assert [t[1] for t in some] == [t[1] for t in trajs]  # the same episodes
     first_turn_nan = [math.isnan(t[2][0]) for t in some]
     assert first_turn_nan == [i % 3 != 0 for i in range(len(some))]
-    multi = [t for t in trajs if t[5]["num_turns"] >= 1]
+    multi = [t for t in trajs if t[5]["num_tool_calls"] >= 1]
     assert multi, "no episode took a turn: pick another seed"
     assert max(t[5]["num_segments"] for t in trajs) >= 2
     later_contexts = [p for call in r["any_calls"][1:] for p in call]

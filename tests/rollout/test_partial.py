@@ -180,11 +180,11 @@ def test_partial_rollout_settings_are_checked(overrides, match):
 
 
 def test_a_multi_turn_env_that_cannot_save_its_episodes_is_refused():
-    from hybrid_engine.envs.tool import ToolEnv
+    from hybrid_engine.envs.tool import CalcEnv
     from hybrid_engine.models.tokenizer import build_tokenizer
     from hybrid_engine.rollout.partial_turns import check_env
 
-    env = ToolEnv(build_tokenizer())
+    env = CalcEnv(build_tokenizer())
     check_env(env)
     state = env.reset([1, 2])
     env.step(state, [3, 4])

@@ -292,12 +292,12 @@ def test_wrong_argument_types_parse_and_validate_call_names_them(tools, parser: 
 
 def test_unknown_parser_lists_the_registered_ones() -> None:
     with pytest.raises(ValueError, match="^env.tool_parser: unknown tool parser 'hermess'; did "
-                                         "you mean 'hermes'[?] available: hermes, llama3_json, "
-                                         "mistral$"):
+                                         "you mean 'hermes'[?] available: calc, hermes, "
+                                         "llama3_json, mistral$"):
         tool_parser("hermess")
-    with pytest.raises(ValueError, match="^unknown tool parser 'xml'; available: hermes, "):
+    with pytest.raises(ValueError, match="^unknown tool parser 'xml'; available: calc, hermes, "):
         PARSERS.get("xml")  # the config's check_registered adds the key
-    assert PARSERS.names() == ["hermes", "llama3_json", "mistral"] and "hermes" in PARSERS
+    assert PARSERS.names() == ["calc", "hermes", "llama3_json", "mistral"] and "hermes" in PARSERS
 
 
 def test_a_parser_is_added_with_one_decorated_function(monkeypatch) -> None:
@@ -314,3 +314,20 @@ def test_a_parser_is_added_with_one_decorated_function(monkeypatch) -> None:
     assert p.parse("hi\nCALL now") == ParsedTurn("hi", (ToolCall("now", {}),), ())
     with pytest.raises(AssertionError, match="registered twice"):
         register_tool_parser("call_lines", call_starts=("x",))(parse)
+
+
+@pytest.mark.parametrize("text, content, expressions", [
+    ("<calc>12*7</calc>", "", ["12*7"]),
+    ("Let me see <calc> 12 * 7 </calc>", "Let me see", ["12 * 7"]),
+    ("<calc>1+1</calc> and <calc>2*3</calc> then", "and\nthen", ["1+1", "2*3"]),
+    ("<calc>(1+2</calc>", "", ["(1+2"]),  # the calculator reports the bad expression
+    ("<calc>1+1", "<calc>1+1", []),  # unclosed: text
+    ("1+1 is 2", "1+1 is 2", []),
+    ("<calc></calc>", "", [""]),
+    ("<calc>a\nb</calc>", "", ["a\nb"]),
+])
+def test_calc_tags_are_calculator_calls(text: str, content: str, expressions: list) -> None:
+    got = tool_parser("calc").parse(text)
+    assert got.content == content and got.errors == ()
+    assert got.calls == tuple(ToolCall("calculator", {"expression": e}) for e in expressions)
+    assert tool_parser("calc").may_call(text) == ("<calc>" in text)
