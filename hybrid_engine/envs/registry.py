@@ -165,7 +165,8 @@ def _arithmetic(cfg: EnvConfig, tokenizer: Any) -> Environment:
 @register_env("tool")
 def _tool(cfg: EnvConfig, tokenizer: Any) -> Environment:
     return CalcEnv(tokenizer, seed=cfg.seed, dataset=dataset_spec(cfg),
-                   prompt_format=prompt_format(cfg), max_turns=cfg.max_turns)
+                   prompt_format=prompt_format(cfg), max_turns=cfg.max_turns,
+                   max_episode_tokens=cfg.max_episode_tokens, at_budget=cfg.at_budget)
 
 
 @register_env("tools")

@@ -59,6 +59,8 @@ class CalcEnv(ChatEnv):
             path); None = generated.
         max_turns: most model turns per episode (>= 1): max_turns - 1 calls
             and an answer.
+        max_episode_tokens, at_budget: the episode's token budget and what an
+            episode cut by it scores (`ChatEnv`'s).
         num_operands: most operands of a generated problem (>= 2).
         max_operand: largest operand of a generated problem.
         prompt_format: how prompts become token ids (`envs.chat.PromptFormat`;
@@ -68,7 +70,8 @@ class CalcEnv(ChatEnv):
     def __init__(
         self, tokenizer: Any, *, seed: int = 0, dataset: DatasetSpec | str | None = None,
         max_turns: int = 4, num_operands: int = 3, max_operand: int = 99,
-        prompt_format: PromptFormat | None = None,
+        prompt_format: PromptFormat | None = None, max_episode_tokens: int = 0,
+        at_budget: str = "keep",
     ) -> None:
         from hybrid_engine.tools.functions import load_tools
         from hybrid_engine.tools.parsers import tool_parser
@@ -86,7 +89,8 @@ class CalcEnv(ChatEnv):
         if isinstance(dataset, str):
             dataset = DatasetSpec(dataset) if dataset else None
         super().__init__(tokenizer, task, dataset=dataset, parser=tool_parser("calc"),
-                         max_turns=max_turns, seed=seed, prompt_format=turns, name="tool",
+                         max_turns=max_turns, max_episode_tokens=max_episode_tokens,
+                         at_budget=at_budget, seed=seed, prompt_format=turns, name="tool",
                          generate=self._generate)
 
     def _generate(self, rng: random.Random) -> Example:
@@ -113,6 +117,8 @@ class CalcEnv(ChatEnv):
                            messages=[{"role": "user", "content": text}])
 
     def _reward(self, traj: Trajectory, prompt_text: str) -> dict[str, float]:
+        if traj.info.get("over_budget") and self.at_budget == "zero":
+            return {"correct": 0.0}
         text = self.final_text(traj).partition("\n")[0].strip()
         expected = self.answer_for(prompt_text)
         if _INT.fullmatch(text) and _INT.fullmatch(expected):

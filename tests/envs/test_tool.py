@@ -130,3 +130,22 @@ def test_generated_problems_are_seeded_and_solvable():
     assert not held_out & {tuple(p) for p in a.sample_prompts(500)}
     for ids in prompts:
         int(a.answer_for(TOK.decode(ids)))  # integer answers (no division generated)
+
+
+@pytest.mark.parametrize("at_budget, reward", [("keep", 1.0), ("zero", 0.0)])
+def test_the_episode_token_budget_cuts_and_scores_as_configured(at_budget, reward):
+    """env.max_episode_tokens / env.at_budget reach the calculator environment: the
+    second call's result would pass the budget, so the episode ends there."""
+    from hybrid_engine.config import EnvConfig
+    from hybrid_engine.envs import make_env
+
+    call = _ids("1+1 is <calc>1+1</calc>")
+    budget = 2 * len(call) + len(_ids("<result>2</result>")) + 2
+    env = make_env(EnvConfig(name="tool", max_episode_tokens=budget, at_budget=at_budget), TOK)
+    state = env.reset(_ids("Compute 1+1. x\n"))
+    assert env.step(state, call)[1] is False
+    assert env.step(state, _ids("2\n<calc>1+1</calc>")) == ([], True)
+    traj = env.build_trajectory(state)
+    assert traj.info["over_budget"] and len(traj.response_ids) <= budget
+    env.score([traj])
+    assert traj.reward == reward
