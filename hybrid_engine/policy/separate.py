@@ -74,6 +74,7 @@ from hybrid_engine.parallel.sharding import (
 )
 from hybrid_engine.roles.base import Layout
 from hybrid_engine.roles.sync import WeightSync
+from hybrid_engine.rollout.agent_loop import ScheduleStats
 from hybrid_engine.rollout.engine import Completions
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
@@ -276,6 +277,10 @@ class SeparatePolicy:
         self._gate = (InstallGate(self.rollout.tp_all) if self.rollout is not None
                       and cfg.async_rollout.inflight_updates else None)
         self._handed = 0  # syncs handed to the gate so far (main thread, in order)
+        # Multi-turn sampling: where the rollout ranks' last batch spent its time
+        # (rollout/engine_idle), and whether the run samples multi-turn at all (every rank).
+        self._schedule: ScheduleStats | None = None
+        self._multi_turn = False
         # The sync behind the next step (generation ahead): its thread, and the
         # metrics of the last one joined (reported by the next sync_weights).
         self._sync_thread = SerialWorker("sync")
@@ -285,8 +290,14 @@ class SeparatePolicy:
             self.trainer.before_weights_change = self._join_sync
 
     def rollout_metrics(self) -> dict[str, float]:
-        """None of its own: partial rollouts are colocated only."""
-        return {}
+        """Multi-turn: rollout/engine_idle of the last batch the rollout ranks
+        sampled, from the first of them (collective); else none (partial
+        rollouts are colocated only)."""
+        if not self._multi_turn:
+            return {}
+        stats, self._schedule = self._schedule, None
+        idle = _from_rank(self.num_trainers, None if stats is None else stats.idle_fraction)
+        return {} if idle is None else {"rollout/engine_idle": idle}
 
     def rollout_state(self) -> None:
         """Nothing kept between steps but the batches ahead (the controller's)."""
@@ -331,13 +342,17 @@ class SeparatePolicy:
                 return collect(self._shared, env, ids, num_samples=num_samples, seed=seed)
             # Multi-turn: the rollout ranks run the episodes (per episode: rollout.schedule),
             # the trainer ranks get them.
-            trajs = None
+            trajs, stats = None, ScheduleStats()
+            self._multi_turn = self._multi_turn or not sampling
             if self._local is not None:
                 self._local.cfg = self._shared.cfg  # evaluation's sampling, if any
                 try:
-                    trajs = collect(self._local, env, ids, num_samples=num_samples, seed=seed)
+                    trajs = collect(self._local, env, ids, num_samples=num_samples, seed=seed,
+                                    stats=stats)
                 finally:
                     self._local.cfg = self.cfg.rollout
+                if not sampling:
+                    self._schedule = stats
             return _from_rank(self.num_trainers, trajs)
 
     def collect_async(self, env: Any, prompts: Sequence[Sequence[int]], *, num_samples: int,
@@ -354,6 +369,7 @@ class SeparatePolicy:
         if self._stale:
             self.sync_weights()
         future = None
+        self._multi_turn = self._multi_turn or is_multi_turn(env)
         if self.rollout is not None:
             ids, sync, handed = [list(p) for p in prompts], self._sync_job, self._handed
 
@@ -365,8 +381,12 @@ class SeparatePolicy:
                 self.rollout.between_steps = None if gate is None else gate.between_steps
                 try:
                     def run() -> tuple[list[Trajectory], float]:
-                        return timed(lambda: collect(self._local, env, ids,
-                                                     num_samples=num_samples, seed=seed))
+                        stats = ScheduleStats()
+                        out = timed(lambda: collect(self._local, env, ids, stats=stats,
+                                                    num_samples=num_samples, seed=seed))
+                        if is_multi_turn(env):
+                            self._schedule = stats  # read by rollout_metrics
+                        return out
 
                     return run() if gate is None else gate.sample(handed, run)
                 finally:

@@ -143,6 +143,8 @@ def test_a_tools_run_under_separate_placement(setup, tmp_path) -> None:
     assert "eval/tool/calls" in hist[0] and "eval/turns_mean" in hist[0]
     trained = [h for h in hist if h["step"] > 0]
     assert len(trained) == 2 and all("tool/calls" in h for h in trained)
+    # the rollout rank's schedule reaches the trainer's metrics
+    assert all(0.0 <= h["rollout/engine_idle"] < 1.0 for h in trained)
     assert any(not h["skipped_degenerate"] for h in trained)
 
 
