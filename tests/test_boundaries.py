@@ -86,7 +86,7 @@ def test_the_compat_layer_warns_on_a_vllm_it_was_not_checked_on(monkeypatch, cap
 # Bottom to top. A package or top-level module not listed fails the test: place it.
 LAYERS = (
     {"_native", "config", "models", "algorithms", "trajectory", "guards", "console", "tracking",
-     "tools", "user_code"},
+     "tools", "user_code", "names"},
     {"parallel", "reshard", "rollout"},
     {"roles", "envs", "checkpoint", "metrics", "output_dir"},
     {"policy", "preflight", "evaluation"},

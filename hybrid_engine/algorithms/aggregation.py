@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hybrid_engine.algorithms.registry import unknown_name_error
+from hybrid_engine.names import unknown_name_error
 
 __all__ = [
     "LOSS_AGG_MODES",

@@ -10,27 +10,13 @@ to a default: an unknown name is a `ValueError`.
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable
 from typing import Generic, TypeVar
 
-__all__ = ["Registry", "unknown_name_error"]
+from hybrid_engine.names import unknown_name_error
+
+__all__ = ["Registry"]
 
 T = TypeVar("T")
-
-
-def unknown_name_error(kind: str, name: str, names: Iterable[str]) -> ValueError:
-    """ValueError for an unknown name: lists the valid names and the closest one.
-
-    Args:
-        kind: what is being looked up, for the message ("advantage estimator").
-        name: the name that was not found.
-        names: the valid names.
-    """
-    valid = sorted(names)
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return ValueError(f"unknown {kind} {name!r}; {hint}available: {', '.join(valid)}")
 
 
 class Registry(Generic[T]):

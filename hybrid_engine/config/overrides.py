@@ -19,7 +19,6 @@ imports `hybrid_engine.config` (no import cycle).
 
 from __future__ import annotations
 
-import difflib
 import functools
 import logging
 import math
@@ -32,6 +31,8 @@ from dataclasses import field, fields, is_dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import yaml
+
+from hybrid_engine.names import closest, did_you_mean
 
 __all__ = [
     "apply_overrides",
@@ -287,17 +288,14 @@ def _unknown_key_error(key: str, leaves: Mapping[str, Any]) -> ValueError:
     if key in sections:
         example = next(k for k in leaves if k.startswith(key + "."))
         return ValueError(f"{key!r} is a section, not a field; set e.g. {example!r}")
-    matches = difflib.get_close_matches(key, list(leaves), n=3, cutoff=0.6)
+    matches = closest(key, leaves, n=3, cutoff=0.6)
     if not matches:
         # e.g. 'lr' (section forgotten): match on the field name alone.
         leaf = key.rsplit(".", 1)[-1]
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in leaves}
-        matches = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=3)]
-    hint = (
-        "did you mean " + " or ".join(repr(m) for m in matches) + "?"
-        if matches
-        else f"sections are {', '.join(sections)}; describe() lists every key"
-    )
+        matches = [by_leaf[m] for m in closest(leaf, by_leaf, n=3, cutoff=0.6)]
+    hint = (did_you_mean(matches).rstrip() if matches
+            else f"sections are {', '.join(sections)}; describe() lists every key")
     return ValueError(f"unknown config key {key!r}; {hint}")
 
 

@@ -12,7 +12,6 @@ just a set of dotted overrides on top of a recipe.
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Callable, Sequence
 
@@ -29,6 +28,7 @@ from hybrid_engine.config import (
     apply_overrides,
     load_yaml,
 )
+from hybrid_engine.names import unknown_name_error
 
 __all__ = ["RECIPES", "build_config", "get_recipe", "recipe"]
 
@@ -54,11 +54,7 @@ def get_recipe(name: str) -> RunConfig:
     """
     fn = RECIPES.get(name)
     if fn is None:
-        close = difflib.get_close_matches(name, RECIPES, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(
-            f"unknown recipe {name!r}; {hint}available: {', '.join(sorted(RECIPES))}"
-        )
+        raise unknown_name_error("recipe", name, RECIPES)
     return fn()
 
 

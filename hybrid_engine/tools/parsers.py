@@ -35,12 +35,13 @@ malformed call is an error, never a call, and never content.
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from hybrid_engine.names import unknown_name_error
 
 __all__ = ["PARSERS", "ParsedTurn", "ParserRegistry", "ToolCall", "ToolParser",
            "register_tool_parser", "tool_parser"]
@@ -114,10 +115,7 @@ class ParserRegistry:
             ValueError: unknown name; lists the registered ones and the closest.
         """
         if name not in self._items:
-            close = difflib.get_close_matches(name, self.names(), n=1, cutoff=0.5)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(f"unknown tool parser {name!r}; {hint}available: "
-                             f"{', '.join(self.names())}")
+            raise unknown_name_error(self.kind, name, self.names())
         return self._items[name]
 
     def names(self) -> list[str]:
