@@ -11,7 +11,7 @@ and demos.
 Layout (memory trade-off). Under a process group the reward model uses the
 trainer's layout: FSDP2 `fully_shard` per decoder layer and at the root over
 the data-parallel mesh, every parameter a `Shard(0)` DTensor read row range
-by row range from the safetensors (`roles.fsdp`), so a rank holds 1/N of the
+by row range from the safetensors (`parallel.params`), so a rank holds 1/N of the
 model plus, during a forward, one gathered decoder layer and the root
 (embeddings, final norm, score head). The alternative, a full replica per
 rank, needs no all-gather but costs N times the memory, next to the policy,

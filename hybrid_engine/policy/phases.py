@@ -18,7 +18,7 @@ at DEBUG on the `hybrid_engine.policy.phases` logger):
 
     to_train()    engine releases (weights -> lost where the platform drops
                   them), optimizer state back on the device
-    trained()     the trainer's weights changed: valid -> stale
+    trainer_weights_changed()  the trainer's weights changed: valid -> stale
     sync()        optimizer parked, engine weights mapped, the trainer's
                   weights written: -> valid
     to_rollout()  optimizer parked, weights synced unless valid, KV cache back
@@ -28,7 +28,7 @@ at DEBUG on the `hybrid_engine.policy.phases` logger):
     inference ------------> training ------------------------> inference
     (valid)     release      (lost on GPU,   wake, sync unless   (valid)
                              stale after     valid, restore KV
-                             trained())
+                             trainer_weights_changed())
 
 Invariant: generation only ever happens in the inference layout with valid
 weights: `check_rollout` before every sample, and the engine's own guard

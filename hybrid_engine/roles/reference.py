@@ -10,7 +10,7 @@ Invariant: the reference never changes. Its parameters have
 requires_grad=False, it owns no optimizer, and scoring runs under no_grad
 and ends with the root resharded. A LoRA policy's reference is the policy's
 own model with its adapters bypassed: its base never trains. It is built only when the algorithm uses a
-KL to the reference (`needs_reference`).
+KL to the reference (`Algorithm.needs_reference`).
 """
 
 from __future__ import annotations
@@ -29,16 +29,10 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-    from hybrid_engine.config import AlgorithmConfig, ModelConfig
+    from hybrid_engine.config import ModelConfig
     from hybrid_engine.trajectory import TrainBatch
 
-__all__ = ["Reference", "needs_reference"]
-
-
-def needs_reference(algorithm_cfg: AlgorithmConfig) -> bool:
-    """Whether the algorithm needs reference log-probs: a KL penalty (in the
-    loss or in the reward) with kl_coef > 0."""
-    return algorithm_cfg.kl_coef > 0
+__all__ = ["Reference"]
 
 
 class Reference:

@@ -121,7 +121,7 @@ def is_multi_turn(env: Any) -> bool:
 
 
 class _Rollout(Protocol):
-    """What the loop needs of a rollout (`roles.vllm_rollout.VLLMRollout`)."""
+    """What the loop needs of a rollout (`rollout.engine.VLLMRollout`)."""
 
     cfg: RolloutConfig
 

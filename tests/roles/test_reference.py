@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hybrid_engine.config import AlgorithmConfig
-from hybrid_engine.roles.reference import needs_reference
 from hybrid_engine.testing import run_ranks
 
 VOCAB = 1001  # odd: uneven row shards
@@ -79,9 +78,3 @@ def test_reference_equals_initial_policy_after_training(two_ranks):
         assert out["policy_moved"] > 1e-3
         assert out["equal_after"]
         assert out["kls"][0] == 0.0 and out["kls"][-1] > 0.0
-
-
-def test_needs_reference():
-    assert not needs_reference(AlgorithmConfig())
-    assert needs_reference(AlgorithmConfig(kl_coef=0.05))
-    assert needs_reference(AlgorithmConfig(kl_coef=0.05, kl_in_reward=True))
