@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -24,7 +25,11 @@ from torch import Tensor
 from hybrid_engine.parallel.dist import all_gather_ragged, train_group, train_rank_world
 from hybrid_engine.trajectory import TrainBatch, Trajectory, collate_trajectories
 
-__all__ = ["gather_response_field", "local_batch", "local_range", "scatter_response_field"]
+if TYPE_CHECKING:
+    from hybrid_engine.config import TrainConfig
+
+__all__ = ["gather_response_field", "local_batch", "local_range", "scatter_response_field",
+           "train_batch_of"]
 
 
 def _world() -> tuple[int, int]:
@@ -58,6 +63,15 @@ def local_batch(
     batch = collate_trajectories(mine, pad_id=pad_id, micro_batch_size=micro_batch_size,
                                  max_tokens_per_micro_batch=max_tokens_per_micro_batch)
     return batch, idx
+
+
+def train_batch_of(trajs: Sequence[Trajectory], *, pad_id: int, train: TrainConfig,
+                   ) -> tuple[TrainBatch, range]:
+    """`local_batch` with train's micro-batch bounds (micro_batch_size, or
+    max_tokens_per_micro_batch): what the policy, its reference and the critic
+    all score and train on."""
+    return local_batch(trajs, pad_id=pad_id, micro_batch_size=train.micro_batch_size,
+                       max_tokens_per_micro_batch=train.max_tokens_per_micro_batch)
 
 
 def gather_response_field(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_engine.algorithms.losses import LossFn, policy_loss_fn
 from hybrid_engine.algorithms.mismatch import with_mismatch_metrics
-from hybrid_engine.parallel.batch_slices import local_batch
+from hybrid_engine.parallel.batch_slices import train_batch_of
 from hybrid_engine.roles.updates import policy_updates
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
@@ -71,8 +71,7 @@ def train_batch(trajs: Sequence[Trajectory] | TrainBatch, pad_id: int,
     a TrainBatch is passed through (indices None)."""
     if isinstance(trajs, TrainBatch):
         return trajs, None
-    return local_batch(trajs, pad_id=pad_id, micro_batch_size=cfg.train.micro_batch_size,
-                       max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch)
+    return train_batch_of(trajs, pad_id=pad_id, train=cfg.train)
 
 
 def policy_step(trainer: Trainer, cfg: RunConfig, batch: TrainBatch, loss_fn: LossFn | None,

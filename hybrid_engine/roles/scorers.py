@@ -18,7 +18,9 @@ from collections.abc import Sequence
 from hybrid_engine.config import AlgorithmConfig, TrainConfig
 from hybrid_engine.roles.critic import Critic
 from hybrid_engine.roles.reference import Reference
-from hybrid_engine.parallel.batch_slices import gather_response_field, local_batch, scatter_response_field
+from hybrid_engine.parallel.batch_slices import (
+    gather_response_field, scatter_response_field, train_batch_of,
+)
 from hybrid_engine.roles.updates import run_updates
 from hybrid_engine.trajectory import Trajectory
 
@@ -34,8 +36,7 @@ class ReferenceScorer:
         self.reference, self.pad_id, self.train_cfg = reference, pad_id, train_cfg
 
     def score(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
-        batch, idx = local_batch(trajs, pad_id=self.pad_id,
-                                 micro_batch_size=self.train_cfg.micro_batch_size)
+        batch, idx = train_batch_of(trajs, pad_id=self.pad_id, train=self.train_cfg)
         for t, v in zip(trajs, gather_response_field(trajs, idx, batch, self.reference.score(batch)),
                         strict=True):
             t.ref_logp = v
@@ -52,8 +53,7 @@ class CriticScorer:
         self.critic, self.pad_id, self.cfg = critic, pad_id, algorithm_cfg
 
     def _batch(self, trajs: Sequence[Trajectory]):  # noqa: ANN202
-        return local_batch(trajs, pad_id=self.pad_id,
-                           micro_batch_size=self.critic.train_cfg.micro_batch_size)
+        return train_batch_of(trajs, pad_id=self.pad_id, train=self.critic.train_cfg)
 
     def score(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
         batch, idx = self._batch(trajs)

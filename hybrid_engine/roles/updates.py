@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybrid_engine.algorithms.losses import metric_weight
-from hybrid_engine.parallel.batch_slices import gather_response_field, local_batch
+from hybrid_engine.parallel.batch_slices import gather_response_field, train_batch_of
 
 if TYPE_CHECKING:
     from hybrid_engine.config import RunConfig, TrainConfig
@@ -131,8 +131,7 @@ def compute_old_logp(trainer: Trainer, trajs: Sequence[Trajectory], pad_id: int,
                      cfg: RunConfig) -> None:
     """Stores every trajectory's old_logp: the trainer's log-probs under its current
     weights, each rank computing its slice, gathered (collective over the train group)."""
-    batch, idx = local_batch(trajs, pad_id=pad_id, micro_batch_size=cfg.train.micro_batch_size,
-                             max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch)
+    batch, idx = train_batch_of(trajs, pad_id=pad_id, train=cfg.train)
     logp_BT, _ = trainer.compute_logprobs(batch)
     for t, v in zip(trajs, gather_response_field(trajs, idx, batch, logp_BT), strict=True):
         t.old_logp = v

@@ -78,3 +78,36 @@ def test_reference_equals_initial_policy_after_training(two_ranks):
         assert out["policy_moved"] > 1e-3
         assert out["equal_after"]
         assert out["kls"][0] == 0.0 and out["kls"][-1] > 0.0
+
+
+class _Recorder:
+    """Stands in for a role's model: records the micro-batches it is asked to score."""
+
+    def __init__(self) -> None:
+        self.bounds: list = []
+
+    def score(self, batch):
+        self.bounds.append(list(batch.bounds))
+        return torch.zeros(batch.tokens_BT.shape)
+
+
+@pytest.mark.parametrize("max_tokens, bounds", [(None, [(0, 2), (2, 4)]),
+                                                (20, [(0, 1), (1, 2), (2, 4)])])
+def test_the_scorers_micro_batch_as_training_does(max_tokens, bounds):
+    """The reference and critic scorers take train.max_tokens_per_micro_batch as the
+    trainer's path does (it replaces micro_batch_size when set)."""
+    from types import SimpleNamespace
+
+    from hybrid_engine.config import TrainConfig
+    from hybrid_engine.roles.scorers import CriticScorer, ReferenceScorer
+    from hybrid_engine.trajectory import Trajectory
+
+    train = TrainConfig(micro_batch_size=2, max_tokens_per_micro_batch=max_tokens)
+    trajs = [Trajectory(prompt_ids=[1] * 4, response_ids=[2] * n, rollout_logp=[0.0] * n)
+             for n in (12, 10, 4, 3)]
+    ref = _Recorder()
+    ReferenceScorer(ref, pad_id=0, train_cfg=train).score(trajs)
+    critic = _Recorder()
+    CriticScorer(SimpleNamespace(values=critic.score, train_cfg=train), pad_id=0,
+                 algorithm_cfg=AlgorithmConfig()).score(trajs)
+    assert ref.bounds == critic.bounds == [bounds]
