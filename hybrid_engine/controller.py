@@ -223,7 +223,7 @@ class Controller:
         if train:
             self._switch("training", timer)
             with timer.phase("train"):
-                m.update(self.policy.train_step(train, self.algorithm.compute_loss))
+                m.update(self.policy.train_step(train, self.algorithm.loss))
                 for learner in self.learners:
                     m.update(learner.train_step(train))
             with timer.phase("sync"):

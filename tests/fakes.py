@@ -84,4 +84,4 @@ class FakeAlgorithm:
     def select(self, trajs):  # noqa: ANN001, ANN201
         return trajs
 
-    compute_loss = None
+    loss = None

@@ -10,7 +10,8 @@ never branches on the algorithm's name:
     algo.prompts_wanted(trajs, rounds)  how many more prompts the step should draw
                                      (DAPO dynamic sampling refills; 0 = train now)
     algo.select(trajs)               the samples to train on ([] = skip the step)
-    algo.compute_loss                the trainer's per-micro-batch LossFn
+    algo.loss                        what the trainer takes (`losses.StepLoss`: the
+                                     LossFn, its aggregation, the entropy term)
 
 What the algorithm needs from other roles is declared, not fetched:
 `needs_reference` (ref_logp on every trajectory) and `needs_values`
@@ -35,7 +36,7 @@ from torch import Tensor
 from hybrid_engine.algorithms.advantages import broadcast_to_tokens, get_advantage, token_level_rewards
 from hybrid_engine.algorithms.dapo import filter_degenerate_groups, overlong_penalty
 from hybrid_engine.algorithms.kl import kl_divergence, kl_in_reward
-from hybrid_engine.algorithms.losses import LossFn, policy_loss_fn
+from hybrid_engine.algorithms.losses import StepLoss, step_loss
 from hybrid_engine.config import AlgorithmConfig
 from hybrid_engine.trajectory import Trajectory
 
@@ -79,13 +80,9 @@ class Algorithm:
             raise ValueError("algorithm.dynamic_sampling keeps the groups whose rewards differ; "
                              "a group of 1 never does, so no step would train: set "
                              f"rollout.num_samples_per_prompt >= 2 (got {num_samples})")
-        self.loss_agg = cfg.loss_agg
-        self.loss_agg_constant = (cfg.loss_agg_constant or float(max_tokens)
-                                  if cfg.loss_agg == "constant" else None)
-        self.compute_loss: LossFn = policy_loss_fn(cfg, constant=self.loss_agg_constant)
+        self.loss: StepLoss = step_loss(cfg, max_tokens)
         self.needs_reference = cfg.kl_coef > 0
         self.needs_values = self.estimator.per_token
-        self.entropy_grad = cfg.entropy_coef != 0
 
     def _rewards(self, trajs: Sequence[Trajectory], mask_NT: Tensor) -> tuple[Tensor, Tensor | None]:
         """Sequence rewards after DAPO overlong shaping, and the per-token KL (or None)."""

@@ -62,6 +62,7 @@ __all__ = [
     "LossFn",
     "LossInputs",
     "PolicyLoss",
+    "StepLoss",
     "combine_metrics",
     "get_policy_loss",
     "gspo",
@@ -69,6 +70,7 @@ __all__ = [
     "policy_loss_fn",
     "ppo",
     "register_policy_loss",
+    "step_loss",
     "tis_weights",
 ]
 
@@ -389,6 +391,28 @@ def _regularizers(
     elif cfg.entropy_coef != 0:
         raise ValueError("entropy_coef != 0 needs entropy_BT")
     return extra
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """What the trainer takes from an algorithm for a step's updates: the
+    per-micro-batch `LossFn`, the aggregation mode it was built with (the trainer
+    computes the whole step's normaliser from it) and its constant, and whether
+    the entropy enters the loss with grad (an entropy bonus)."""
+
+    fn: LossFn
+    agg: str = "token_mean"
+    agg_constant: float | None = None
+    entropy_grad: bool = False
+
+
+def step_loss(cfg: AlgorithmConfig, max_tokens: int, fn: LossFn | None = None) -> StepLoss:
+    """The config's StepLoss: `policy_loss_fn(cfg)`, or fn (a custom LossFn) with
+    the config's aggregation; loss_agg='constant' defaults its constant to
+    max_tokens (rollout.max_tokens)."""
+    constant = (cfg.loss_agg_constant or float(max_tokens)) if cfg.loss_agg == "constant" else None
+    return StepLoss(fn or policy_loss_fn(cfg, constant=constant), cfg.loss_agg, constant,
+                    cfg.entropy_coef != 0)
 
 
 def policy_loss_fn(

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid_engine.algorithms.losses import LossFn
+from hybrid_engine.algorithms.losses import LossFn, StepLoss
 from hybrid_engine.checkpoint import (export_adapter, export_hf, load_training_state,
                                       save_training_state)
 from hybrid_engine.config import RunConfig, apply_overrides
@@ -413,8 +413,8 @@ class HybridActor:
         return gather_response_field(trajs, idx, batch, logp_BT)
 
     def train_step(
-        self, trajs: Sequence[Trajectory] | TrainBatch, loss_fn: LossFn | None = None, *,
-        entropy_grad: bool | None = None,
+        self, trajs: Sequence[Trajectory] | TrainBatch, loss: StepLoss | LossFn | None = None,
+        *, entropy_grad: bool | None = None,
     ) -> dict[str, float]:
         """The RL step's updates (collective): on trajectories, train.ppo_epochs x
         train.mini_batches_per_rollout optimizer steps on seeded, shuffled
@@ -426,9 +426,12 @@ class HybridActor:
             trajs: the step's trajectories with advantages (the same list on
                 every rank; each trains on its slice of every mini-batch), or
                 this rank's TrainBatch.
-            loss_fn: a `LossFn`; None = `policy_loss_fn(cfg.algorithm)`.
-                Wrapped to also report the rollout/trainer mismatch.
-            entropy_grad: entropy with grad (default: algorithm.entropy_coef != 0).
+            loss: an Algorithm's `loss` (`losses.StepLoss`: its LossFn,
+                aggregation and entropy term), or a bare `LossFn` (the config's
+                aggregation), or None: the config's algorithm. The LossFn is
+                wrapped to also report the rollout/trainer mismatch.
+            entropy_grad: entropy with grad, replacing loss's (default:
+                loss's; the config's is algorithm.entropy_coef != 0).
 
         Returns:
             The trainer's global metrics (combined over the updates:
@@ -438,7 +441,7 @@ class HybridActor:
             during the generation before this step.
         """
         self.phases.to_train()
-        metrics = policy_train(self.trainer, self.cfg, trajs, self.pad_id, loss_fn, entropy_grad)
+        metrics = policy_train(self.trainer, self.cfg, trajs, self.pad_id, loss, entropy_grad)
         self.phases.trainer_weights_changed()
         metrics["mem_released_bytes"] = float(self.released_bytes)
         if self.offload is not None:  # the offload during this step's generation

@@ -53,7 +53,7 @@ from hybrid_engine.policy.ahead import Inflight, SerialWorker, timed
 from hybrid_engine.policy.inflight import InstallGate
 from hybrid_engine.policy.training import (logprob_samples, policy_train, sampling_overrides,
                                            train_batch)
-from hybrid_engine.algorithms.losses import LossFn
+from hybrid_engine.algorithms.losses import LossFn, StepLoss
 from hybrid_engine.checkpoint import (export_adapter, export_hf, load_training_state,
                                       save_training_state)
 from hybrid_engine.config import RolloutConfig, RunConfig
@@ -397,14 +397,14 @@ class SeparatePolicy:
 
     # --- training ----------------------------------------------------------------
 
-    def train_step(self, trajs: Sequence[Trajectory] | TrainBatch, loss_fn: LossFn | None = None,
-                   *, entropy_grad: bool | None = None) -> dict[str, float]:
+    def train_step(self, trajs: Sequence[Trajectory] | TrainBatch,
+                   loss: StepLoss | LossFn | None = None, *, entropy_grad: bool | None = None,
+                   ) -> dict[str, float]:
         """The RL step's updates on the trainer ranks (as `HybridActor.train_step`);
         their metrics on every rank (collective)."""
         metrics = None
         if self.is_trainer:
-            metrics = policy_train(self.trainer, self.cfg, trajs, self.pad_id, loss_fn,
-                                   entropy_grad)
+            metrics = policy_train(self.trainer, self.cfg, trajs, self.pad_id, loss, entropy_grad)
             metrics["mem_released_bytes"] = 0.0  # each layout owns its ranks
         self._stale = True
         return _from_rank(0, metrics)

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hybrid_engine.algorithms.losses import LossFn, policy_loss_fn
+from hybrid_engine.algorithms.losses import LossFn, StepLoss, step_loss
 from hybrid_engine.algorithms.mismatch import with_mismatch_metrics
 from hybrid_engine.parallel.batch_slices import train_batch_of
 from hybrid_engine.roles.updates import policy_updates
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from hybrid_engine.roles.trainer import Trainer
     from hybrid_engine.rollout.engine import Completions
 
-__all__ = ["completions_to_trajectories", "logprob_samples", "sampling_overrides", "policy_step",
-           "policy_train", "train_batch"]
+__all__ = ["completions_to_trajectories", "logprob_samples", "sampling_overrides", "policy_loss",
+           "policy_step", "policy_train", "train_batch"]
 
 
 def logprob_samples(cfg: RunConfig) -> int | None:
@@ -74,30 +74,37 @@ def train_batch(trajs: Sequence[Trajectory] | TrainBatch, pad_id: int,
     return train_batch_of(trajs, pad_id=pad_id, train=cfg.train)
 
 
-def policy_step(trainer: Trainer, cfg: RunConfig, batch: TrainBatch, loss_fn: LossFn | None,
-                entropy_grad: bool | None, *, advance_lr: bool = True) -> dict[str, float]:
+def policy_loss(cfg: RunConfig, loss: StepLoss | LossFn | None,
+                entropy_grad: bool | None) -> StepLoss:
+    """The StepLoss a train_step uses: loss as given (an Algorithm's `loss`), a bare
+    LossFn with the config's aggregation, or None: the config's (`step_loss`);
+    entropy_grad, when given, replaces its entropy term."""
+    if not isinstance(loss, StepLoss):
+        loss = step_loss(cfg.algorithm, cfg.rollout.max_tokens, loss)
+    return loss if entropy_grad is None else dataclasses.replace(loss, entropy_grad=entropy_grad)
+
+
+def policy_step(trainer: Trainer, batch: TrainBatch, loss: StepLoss, *,
+                advance_lr: bool = True) -> dict[str, float]:
     """One optimizer step of the policy trainer on this rank's batch (collective
-    over the train group); loss_fn None = `policy_loss_fn(cfg.algorithm)`,
-    wrapped to also report the rollout/trainer mismatch."""
-    alg = cfg.algorithm
-    constant = alg.loss_agg_constant or float(cfg.rollout.max_tokens)
-    if loss_fn is None:
-        loss_fn = policy_loss_fn(alg, constant=constant if alg.loss_agg == "constant" else None)
+    over the train group), loss.fn wrapped to also report the rollout/trainer
+    mismatch."""
     return trainer.train_step(
-        batch, with_mismatch_metrics(loss_fn), loss_agg=alg.loss_agg,
-        loss_agg_constant=constant if alg.loss_agg == "constant" else None,
-        entropy_grad=alg.entropy_coef != 0 if entropy_grad is None else entropy_grad,
+        batch, with_mismatch_metrics(loss.fn), loss_agg=loss.agg,
+        loss_agg_constant=loss.agg_constant, entropy_grad=loss.entropy_grad,
         advance_lr=advance_lr)
 
 
 def policy_train(trainer: Trainer, cfg: RunConfig, trajs: Sequence[Trajectory] | TrainBatch,
-                 pad_id: int, loss_fn: LossFn | None,
+                 pad_id: int, loss: StepLoss | LossFn | None,
                  entropy_grad: bool | None) -> dict[str, float]:
     """The policy's updates of one RL step (collective over the train group):
     `updates.policy_updates` on trajectories (train.ppo_epochs x
-    train.mini_batches_per_rollout optimizer steps); one step on a TrainBatch."""
+    train.mini_batches_per_rollout optimizer steps); one step on a TrainBatch.
+    loss: see `policy_loss`."""
+    step_loss_ = policy_loss(cfg, loss, entropy_grad)
     if isinstance(trajs, TrainBatch):
-        return policy_step(trainer, cfg, trajs, loss_fn, entropy_grad)
+        return policy_step(trainer, trajs, step_loss_)
     missing = sum(t.advantages is None for t in trajs)
     if missing:  # collate would train them with zero advantages: nothing but the LR moves
         raise ValueError(f"train_step: {missing} of {len(trajs)} trajectories have no advantages "
@@ -105,6 +112,6 @@ def policy_train(trainer: Trainer, cfg: RunConfig, trajs: Sequence[Trajectory] |
 
     def step(mini: list[Trajectory], last: bool) -> dict[str, float]:
         batch, _ = train_batch(mini, pad_id, cfg)
-        return policy_step(trainer, cfg, batch, loss_fn, entropy_grad, advance_lr=last)
+        return policy_step(trainer, batch, step_loss_, advance_lr=last)
 
     return policy_updates(trainer, trajs, cfg, pad_id, step)

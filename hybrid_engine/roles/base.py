@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
     from torch.distributed.tensor import DTensor
 
-    from hybrid_engine.algorithms.losses import LossFn, LossInputs
+    from hybrid_engine.algorithms.losses import LossFn, StepLoss
     from hybrid_engine.rollout.engine import Completions
     from hybrid_engine.trajectory import TrainBatch, Trajectory
 
@@ -95,8 +95,8 @@ class Policy(Protocol):
         """`collect` started now and finished by `result()` (async_rollout.max_staleness > 0)."""
         ...
 
-    def train_step(self, trajs: Sequence[Trajectory], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on the trajectories (each rank its slice)."""
+    def train_step(self, trajs: Sequence[Trajectory], loss: StepLoss) -> dict[str, float]:
+        """The step's updates on the trajectories (each rank its slice)."""
         ...
 
     def sync_weights(self) -> dict[str, float]:
@@ -175,13 +175,13 @@ class Algorithm(Protocol):
     """Advantages and the loss; knows neither the task nor the layout.
 
     Attributes:
-        loss_agg: the aggregation mode of the loss (`AlgorithmConfig.loss_agg`),
-            which the trainer needs to compute the whole step's normaliser.
-        loss_agg_constant: its constant for loss_agg="constant", else None.
+        loss: what the trainer takes (`algorithms.losses.StepLoss`): the
+            per-micro-batch LossFn (contract in `algorithms.losses`), the
+            aggregation it was built with, whose whole-step normaliser the
+            trainer computes, and whether the entropy enters with grad.
     """
 
-    loss_agg: str
-    loss_agg_constant: float | None
+    loss: StepLoss
 
     def compute_advantages(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
         """Fills per-token advantages and info["degenerate"] of every trajectory;
@@ -195,12 +195,6 @@ class Algorithm(Protocol):
 
     def select(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
         """The trajectories to train on; [] skips the step (no signal)."""
-        ...
-
-    def compute_loss(
-        self, inputs: LossInputs, normalizer: Tensor | float | None
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The per-micro-batch `LossFn` (contract in `algorithms.losses`)."""
         ...
 
 

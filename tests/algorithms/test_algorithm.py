@@ -135,7 +135,7 @@ def test_group_estimator_rejects_k_1_and_bad_counts() -> None:
 def test_drgrpo_constant_defaults_to_max_tokens() -> None:
     algo = Algorithm(AlgorithmConfig(advantage="drgrpo", loss_agg="constant"), num_samples=2,
                      max_tokens=16)
-    assert algo.loss_agg_constant == 16.0
+    assert (algo.loss.agg, algo.loss.agg_constant) == ("constant", 16.0)
 
 
 def test_mismatch_metrics_by_hand() -> None:

@@ -480,6 +480,22 @@ def _check_tied_replicate(path: str, vocab: int) -> dict:
                 losses=(rep.losses, full.losses))
 
 
+def _check_step_loss(path: str, vocab: int) -> dict:
+    """One optimizer step under the config's StepLoss (token_mean) and under a custom
+    algorithm's (seq_mean_token_sum, its LossFn built for that mode), from the same
+    weights on the same batch."""
+    from hybrid_engine.algorithms.losses import StepLoss, policy_loss_fn
+    from hybrid_engine.config import AlgorithmConfig
+    from hybrid_engine.policy.training import policy_step
+
+    out = {}
+    for agg in ("token_mean", "seq_mean_token_sum"):
+        run = start_run(path, {"micro_batch_size": 4}, vocab=vocab)
+        loss = StepLoss(policy_loss_fn(AlgorithmConfig(loss_agg=agg)), agg)
+        out[agg] = policy_step(run.trainer, run.batch, loss)["loss"]
+    return out
+
+
 def _check_packing(path: str, vocab: int) -> dict:
     """train.packing against padded micro-batches: one micro-batch's log-probs and
     gradients, then 3 steps (losses, gradient norms, weights); the rows the decoder
@@ -535,6 +551,7 @@ def _two_rank_checks(root: str) -> dict:
         tied_replicate=_check_tied_replicate(f"{root}/llama", vocab["llama"]),
         packing=_check_packing(qwen2, vocab["qwen2"]),
         packing_gemma2=_check_packing(f"{root}/gemma2", vocab["gemma2"]),
+        step_loss=_check_step_loss(qwen2, vocab["qwen2"]),
     )
 
 
@@ -1100,3 +1117,34 @@ def test_rank_metrics_weight_the_split_by_its_own_tokens():
     assert m["mismatch_drift_abs_mean"] == pytest.approx(0.2)  # rank 1 weighs 0
     assert m["mismatch_drift_abs_max"] == pytest.approx(0.5)
     assert m["mismatch_numerics_abs_mean"] == pytest.approx(1e-3)
+
+
+def test_the_algorithms_aggregation_is_the_one_the_step_uses(two_ranks):
+    """A custom algorithm's aggregation (its StepLoss) changes the step's loss: per
+    sequence, token sums (8 rows of 3-13 response tokens) are several times the
+    per-token mean."""
+    out = two_ranks[0]["step_loss"]
+    assert out == two_ranks[1]["step_loss"]
+    assert abs(out["seq_mean_token_sum"]) > 2 * abs(out["token_mean"]) > 0
+
+
+def test_a_train_step_takes_the_algorithms_loss_else_the_configs():
+    from hybrid_engine.algorithms.algorithm import Algorithm
+    from hybrid_engine.algorithms.losses import StepLoss
+    from hybrid_engine.config import AlgorithmConfig, RunConfig, apply_overrides
+    from hybrid_engine.policy.training import policy_loss
+
+    cfg = apply_overrides(RunConfig(), {"algorithm.entropy_coef": 0.01,
+                                        "rollout.max_tokens": 16})
+    custom = Algorithm(AlgorithmConfig(loss_agg="constant"), num_samples=2, max_tokens=16).loss
+    assert policy_loss(cfg, custom, None) is custom
+    assert (custom.agg, custom.agg_constant, custom.entropy_grad) == ("constant", 16.0, False)
+    default = policy_loss(cfg, None, None)
+    assert (default.agg, default.agg_constant, default.entropy_grad) == ("token_mean", None, True)
+
+    def bare(inputs, normalizer):  # noqa: ANN001, ANN202
+        raise AssertionError
+
+    wrapped = policy_loss(cfg, bare, False)  # a bare LossFn: the config's aggregation
+    assert isinstance(wrapped, StepLoss) and wrapped.fn is bare and wrapped.agg == "token_mean"
+    assert not wrapped.entropy_grad  # entropy_grad given: it wins
