@@ -148,10 +148,10 @@ def staleness_metrics(trajs: Sequence[Any], step: int, k: int) -> dict[str, floa
     out = {"staleness_mean": sum(st) / len(st), "staleness_max": float(max(st))}
     if k:
         out.update({f"staleness/{d}": st.count(d) / len(st) for d in range(k + 1)})
-    versions = [t.info["token_versions"] for t in trajs if "token_versions" in t.info]
+    versions = [t.token_versions for t in trajs if t.token_versions is not None]
     if versions:  # sequences sampled by more than one version: per token too
         tok = [step - v for vs in versions for v in vs]
-        newer = sum(v > t.policy_version for t in trajs for v in t.info.get("token_versions", ()))
+        newer = sum(v > t.policy_version for t in trajs for v in t.token_versions or ())
         out["staleness_token_mean"] = sum(tok) / max(len(tok), 1)
         out["newer_weights_token_frac"] = newer / max(sum(len(t.response_ids) for t in trajs), 1)
     return out

@@ -57,17 +57,21 @@ class Trajectory:
             the colocated policy's drift scorer when samples can be stale),
             else None: with it the mismatch metric splits into drift and
             numerics.
+        values: R critic values of the response positions (filled by the critic's
+            scorer; token-level advantage estimators need them), else None.
+        returns: R returns the critic trains towards (filled by a token-level
+            advantage estimator, GAE), else None.
         group_id: the prompt group this sample belongs to.
         policy_version: the version of the weights that sampled it (its oldest
             token, when versions differ within it): the RL step counter when
             they did, steps that trained nothing included (its staleness at
             step s is s - policy_version; `async_rollout.max_staleness` bounds it).
+        token_versions: R ints, the version that sampled each response token,
+            when they may differ within a sequence (partial rollouts' parked
+            prefixes; in-flight weight updates), else None (all policy_version).
         info: free-form metadata; always has "degenerate" (bool, default False).
-            "token_versions" (R ints): the version that sampled each response
-            token, when they differ within a sequence (partial rollouts'
-            parked prefixes; in-flight weight updates). "installs" (R ints,
-            until `stamp_version`): weight installs since the batch was
-            submitted, per token (in-flight updates).
+            "installs" (R ints, until `stamp_version`): weight installs since
+            the batch was submitted, per token (in-flight updates).
     """
 
     prompt_ids: list[int]
@@ -80,8 +84,11 @@ class Trajectory:
     ref_logp: FloatSeq | None = None
     old_logp: FloatSeq | None = None
     engine_logp: FloatSeq | None = None
+    values: FloatSeq | None = None
+    returns: FloatSeq | None = None
     group_id: int = 0
     policy_version: int = 0
+    token_versions: list[int] | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -120,7 +127,7 @@ def stamp_version(trajs: Sequence[Trajectory], version: int) -> None:
         t.policy_version = version
         installs = t.info.pop("installs", None)
         if installs is not None:
-            t.info["token_versions"] = [version + i for i in installs]
+            t.token_versions = [version + i for i in installs]
             t.policy_version += installs[0] if installs else 0
 
 
@@ -130,7 +137,12 @@ def trajectory_to_json(t: Trajectory) -> dict[str, Any]:
 
 
 def trajectory_from_json(d: dict[str, Any]) -> Trajectory:
-    """Inverse of `trajectory_to_json`."""
+    """Inverse of `trajectory_to_json` (also of a checkpoint whose trajectories kept
+    values, returns and token_versions under info)."""
+    d = {**d, "info": dict(d.get("info", {}))}
+    for key in ("values", "returns", "token_versions"):
+        if key in d["info"]:
+            d[key] = d["info"].pop(key)
     return Trajectory(**d)
 
 

@@ -144,3 +144,22 @@ def test_micro_batch_membership_does_not_change_the_loss(mode):
                                ref_logp_BT=b.ref_logp_BT))[0]
     for split in ({"micro_batch_size": 1}, {"micro_batch_size": 4}, {"max_tokens": 25}):
         torch.testing.assert_close(total(**split), whole, rtol=1e-6, atol=1e-7)
+
+
+def test_values_returns_and_token_versions_are_typed_fields_that_survive_json():
+    """Core data between roles travels in typed fields (and a checkpoint that kept
+    them under info loads into them)."""
+    import json
+
+    from hybrid_engine.trajectory import Trajectory, trajectory_from_json, trajectory_to_json
+
+    t = Trajectory(prompt_ids=[1], response_ids=[2, 3], rollout_logp=[-0.5, -0.25],
+                   values=[0.5, 1.0], returns=[1.0, 1.0], token_versions=[3, 4])
+    back = trajectory_from_json(json.loads(json.dumps(trajectory_to_json(t))))
+    assert (back.values, back.returns, back.token_versions) == ([0.5, 1.0], [1.0, 1.0], [3, 4])
+    old = trajectory_to_json(Trajectory(prompt_ids=[1], response_ids=[2], rollout_logp=[0.0]))
+    old["info"].update(values=[0.5], returns=[1.0], token_versions=[7])
+    del old["values"], old["returns"], old["token_versions"]
+    loaded = trajectory_from_json(old)
+    assert (loaded.values, loaded.returns, loaded.token_versions) == ([0.5], [1.0], [7])
+    assert set(loaded.info) == {"degenerate"}

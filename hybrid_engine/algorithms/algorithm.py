@@ -5,7 +5,7 @@ Job: bind an `AlgorithmConfig` to the pure functions of this package
 expose them through the `roles.base.Algorithm` surface, so the controller
 never branches on the algorithm's name:
 
-    algo.compute_advantages(trajs)   fills advantages (+ info["returns"] for
+    algo.compute_advantages(trajs)   fills advantages (+ returns for
                                      GAE), marks degenerate samples, returns metrics
     algo.prompts_wanted(trajs, rounds)  how many more prompts the step should draw
                                      (DAPO dynamic sampling refills; 0 = train now)
@@ -15,7 +15,7 @@ never branches on the algorithm's name:
 
 What the algorithm needs from other roles is declared, not fetched:
 `needs_reference` (ref_logp on every trajectory) and `needs_values`
-(info["values"], response-local, from a critic).
+(values, response-local, from a critic).
 
 Invariant: every rank calls it on the same complete list of trajectories and
 gets the same result (pure tensor math, no collectives). A sample is
@@ -104,11 +104,11 @@ class Algorithm:
 
     def compute_advantages(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
         """Fills every trajectory's advantages and info["degenerate"] (and
-        info["returns"] for token estimators); returns metrics.
+        returns for token estimators); returns metrics.
 
         Raises:
             ValueError: the count is not a multiple of K, or a needed field
-                (ref_logp, info["values"]) is missing.
+                (ref_logp, values) is missing.
         """
         n = len(trajs)
         if n == 0 or n % self.k:
@@ -141,17 +141,17 @@ class Algorithm:
 
     def _token_advantages(self, trajs: Sequence[Trajectory], rewards_N: Tensor, mask_NT: Tensor,
                           kl_NT: Tensor | None) -> Tensor:
-        """GAE over info["values"]; stores info["returns"] (response-local)."""
-        if any("values" not in t.info for t in trajs):
+        """GAE over values; stores returns (response-local)."""
+        if any(t.values is None for t in trajs):
             raise ValueError(f"algorithm.advantage={self.cfg.advantage!r} needs a critic's "
-                             "values on every trajectory (info['values'])")
-        values_NT = _pad_rows([t.info["values"] for t in trajs])
+                             "values on every trajectory (Trajectory.values)")
+        values_NT = _pad_rows([t.values for t in trajs])
         rewards_NT = token_level_rewards(rewards_N, mask_NT, kl_NT=kl_NT,
                                          kl_coef=self.cfg.kl_coef if kl_NT is not None else 0.0)
         adv_NT, ret_NT = self.estimator(rewards_NT, values_NT, mask_NT, gamma=self.cfg.gamma,
                                         lam=self.cfg.lam)
         for i, t in enumerate(trajs):
-            t.info["returns"] = ret_NT[i, : len(t.response_ids)]
+            t.returns = ret_NT[i, : len(t.response_ids)]
         return adv_NT
 
     def _signal_groups(self, trajs: Sequence[Trajectory]) -> Tensor:

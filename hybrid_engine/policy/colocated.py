@@ -354,7 +354,7 @@ class HybridActor:
         """Records trajs as fresh (partial rollouts: those with every token of this
         version, not a parked prefix) for the drift scorer; returns them."""
         for t in trajs:
-            if version is None or set(t.info.get("token_versions", [version])) == {version}:
+            if version is None or set(t.token_versions or [version]) == {version}:
                 self.fresh[id(t)] = t
         return trajs
 

@@ -3,8 +3,8 @@
 Job: the FSDP2 roles work on TrainBatches of this rank's rows; the
 controller works on the step's trajectories (the same list on every rank).
 `ReferenceScorer.score` fills every trajectory's ref_logp, `CriticScorer.score`
-its info["values"], `CriticScorer.train_step` trains the critic on
-info["returns"] (as many updates as the policy's) -- each computing its
+its values, `CriticScorer.train_step` trains the critic on
+their returns (as many updates as the policy's) -- each computing its
 slice and gathering the rest.
 
 Invariant: after `score`, every rank's trajectories carry identical values
@@ -59,7 +59,7 @@ class CriticScorer:
         batch, idx = self._batch(trajs)
         for t, v in zip(trajs, gather_response_field(trajs, idx, batch, self.critic.values(batch)),
                         strict=True):
-            t.info["values"] = v
+            t.values = v
         return {}
 
     def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
@@ -69,8 +69,8 @@ class CriticScorer:
 
         def step(mini: list[Trajectory], last: bool) -> dict[str, float]:
             batch, idx = self._batch(mini)
-            returns_BT = scatter_response_field(batch, idx, [t.info["returns"] for t in mini])
-            old_BT = scatter_response_field(batch, idx, [t.info["values"] for t in mini])
+            returns_BT = scatter_response_field(batch, idx, [t.returns for t in mini])
+            old_BT = scatter_response_field(batch, idx, [t.values for t in mini])
             return self.critic.train_step(batch, returns_BT, old_BT, clip=self.cfg.value_clip,
                                           coef=self.cfg.value_coef, advance_lr=last)
 

@@ -10,7 +10,7 @@ two), generation stops as soon as the step has its groups, or has spent
 unfinished sequences are parked with their tokens, log-probs and per-token
 versions and continue next step, after the sync, as new requests (prompt +
 tokens so far) sampled with the new weights. Their prefix is the old
-version's, their continuation the new one's; `info["token_versions"]` says
+version's, their continuation the new one's; `token_versions` says
 which token came from which, and the trajectory's policy_version is its
 oldest token's.
 
@@ -262,7 +262,7 @@ class PartialRollouts:
                                        "num_turns": 0, "num_segments": 1, "context_full": False})
                 else:
                     t = partial_turns.trajectory(env, group, s, first_id + i)
-                t.info["token_versions"] = list(s.versions)
+                t.token_versions = list(s.versions)
                 t.policy_version = s.versions[0] if s.versions else version
                 if len(group.prompt_ids) < len(group.source_ids):
                     t.info["source_prompt_ids"] = list(group.source_ids)

@@ -116,10 +116,10 @@ def test_gae_needs_values_and_fills_returns() -> None:
     with pytest.raises(ValueError, match="critic"):
         algo.compute_advantages(trajs)
     for t in trajs:
-        t.info["values"] = torch.zeros(3)
+        t.values = torch.zeros(3)
     algo.compute_advantages(trajs)
     # gamma = lam = 1, zero values: return and advantage = the outcome reward on every token.
-    assert torch.allclose(torch.as_tensor(trajs[0].info["returns"]), torch.ones(3))
+    assert torch.allclose(torch.as_tensor(trajs[0].returns), torch.ones(3))
     assert torch.allclose(torch.as_tensor(trajs[0].advantages), torch.ones(3))
     assert trajs[1].degenerate
 

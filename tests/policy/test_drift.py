@@ -114,7 +114,7 @@ def test_only_trajectories_wholly_of_the_current_weights_count_as_fresh() -> Non
     holder = SimpleNamespace(fresh={})
     trajs = _trajs(3)
     for t, versions in zip(trajs, ([3, 3, 3], [2, 3, 3], [2, 2, 2]), strict=True):
-        t.info["token_versions"] = versions
+        t.token_versions = versions
     assert HybridActor._sampled_now(holder, trajs, 3) is trajs
     assert list(holder.fresh.values()) == [trajs[0]]
     plain = _trajs(2)

@@ -149,9 +149,9 @@ def test_stamp_version_turns_install_counts_into_token_versions() -> None:
     queued = Trajectory(prompt_ids=[1], response_ids=[5, 6], rollout_logp=[-0.1] * 2,
                         info={"installs": [1, 2]})  # an install landed before it started
     stamp_version([t, plain, queued], 4)
-    assert t.policy_version == 4 and t.info["token_versions"] == [4, 4, 6]
-    assert queued.policy_version == 5 and queued.info["token_versions"] == [5, 6]
-    assert "installs" not in t.info and "token_versions" not in plain.info
+    assert t.policy_version == 4 and t.token_versions == [4, 4, 6]
+    assert queued.policy_version == 5 and queued.token_versions == [5, 6]
+    assert "installs" not in t.info and plain.token_versions is None
 
 
 @pytest.mark.parametrize("overrides, match", [

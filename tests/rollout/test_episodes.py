@@ -247,7 +247,9 @@ class Recorder:
 
 def _plain(trajs) -> list[tuple]:
     return [(t.prompt_ids, t.response_ids, [float(x) for x in t.rollout_logp], t.loss_mask,
-             t.group_id, {k: v for k, v in t.info.items()}) for t in trajs]
+             t.group_id, {**t.info, **({} if t.token_versions is None
+                                       else {"token_versions": t.token_versions})})
+            for t in trajs]
 
 
 def _rollout(model_dir: str, tp: int = 1):

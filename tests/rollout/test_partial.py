@@ -60,7 +60,7 @@ def _parked_then_continued(model_dir: str, other_dir: str) -> dict:
     second = pool.collect(rollout, PROMPTS[3:], num_samples=2, seed=2, version=1)
     continued = []
     for t in second:
-        v = t.info["token_versions"]
+        v = t.token_versions
         if 0 in v and 1 in v:
             n0 = v.count(0)
             key = next(k for k in parked if list(k[0]) == t.prompt_ids
@@ -77,7 +77,7 @@ def _parked_then_continued(model_dir: str, other_dir: str) -> dict:
     reloaded.load_state_dict(saved)
     out = {
         "first_groups": len(first) // 2, "second_groups": len(second) // 2,
-        "first_versions": sorted({x for t in first for x in t.info["token_versions"]}),
+        "first_versions": sorted({x for t in first for x in t.token_versions}),
         "parked": len(parked), "continued": continued, "metrics0": m0,
         "metrics1": pool.metrics(), "reload_equal": reloaded.state_dict() == saved,
         "group_ids": [t.group_id for t in second],
