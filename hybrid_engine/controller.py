@@ -56,14 +56,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_engine.config import RunConfig
-from hybrid_engine.evaluation import Evaluator
+from hybrid_engine.evaluation import Evaluator, score_with
 from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.metrics import PhaseTimer, staleness_metrics, trajectory_metrics
 from hybrid_engine.parallel import signals
 from hybrid_engine.parallel.dist import any_rank
 from hybrid_engine.policy.ahead import batches_to_json, resumable_batches, split_burst
 from hybrid_engine.roles.base import (Algorithm, Checkpointer, Environment, Layout, Learner,
-                                      Pending, Policy, Scorer, layout_of)
+                                      Pending, Policy, Scorer)
 from hybrid_engine.trajectory import stamp_version
 
 __all__ = ["Controller", "FinalEvaluationFailed"]
@@ -121,7 +121,7 @@ class Controller:
         self.on_samples = on_samples or (lambda s, t: None)
         self.guards = guards or Guards(cfg)
         self.state = _State()
-        self.evaluator = Evaluator(policy, env, cfg, lambda trajs: self._score(trajs, [env]))
+        self.evaluator = Evaluator(policy, env, cfg)
         # async_rollout.max_staleness: (version, handle) of the batches of steps s, s+1, ...
         self._ahead: deque[tuple[int, Pending]] = deque()
 
@@ -204,7 +204,7 @@ class Controller:
                     busy_s += seconds
             if not partial:  # partial rollouts set it per trajectory (its oldest token's)
                 stamp_version(new, version)
-            self._score(new, [self.env, *self.scorers], timer)
+            score_with(self.policy, [self.env, *self.scorers], new, timer)
             trajs, rounds = trajs + new, rounds + 1
             want = self.algorithm.prompts_wanted(trajs, rounds)
         return trajs, rounds, busy_s
@@ -248,14 +248,6 @@ class Controller:
         with timer.phase("switch") if timer else contextlib.nullcontext():
             self.policy.switch_to(layout)
 
-    def _score(self, trajs: list, roles: Sequence[Environment | Scorer],
-               timer: PhaseTimer | None = None) -> None:
-        """Each role scores trajs in turn, in the layout it needs (`layout_of`)."""
-        for role in roles:
-            if (layout := layout_of(role)) is not None:
-                self._switch(layout, timer)
-            with timer.phase("score") if timer else contextlib.nullcontext():
-                role.score(trajs)
 
     # --- the run -------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ the metrics are computed identically on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import Counter
@@ -42,10 +43,25 @@ from typing import Any
 
 from hybrid_engine.config import RunConfig
 from hybrid_engine.metrics import TOOL_METRICS, PhaseTimer, trajectory_metrics
+from hybrid_engine.roles.base import layout_of
 
-__all__ = ["Evaluator", "answer_key", "majority_correct", "pass_at_k"]
+__all__ = ["Evaluator", "answer_key", "majority_correct", "pass_at_k", "score_with"]
 
 _EVAL_SEED_OFFSET = 5_003_333  # the sampled pass's seed offset (far from the steps' seeds)
+
+
+def score_with(policy: Any, roles: Sequence[Any], trajs: list,
+               timer: PhaseTimer | None = None) -> None:
+    """Each role scores trajs in turn (the environment's reward, then the
+    reference, the critic, ...), the policy switched to the layout the role
+    needs first (`layout_of`): the one scoring path of training and evaluation.
+    timer: times the switches as `switch`, the scoring as `score`."""
+    for role in roles:
+        if (layout := layout_of(role)) is not None:
+            with timer.phase("switch") if timer else contextlib.nullcontext():
+                policy.switch_to(layout)
+        with timer.phase("score") if timer else contextlib.nullcontext():
+            role.score(trajs)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -152,13 +168,14 @@ class Evaluator:
         env: has `eval_prompts(num)`, a `tokenizer` and, optionally,
             `eval_sources(num)` (each prompt's data_source or None).
         cfg: the run config (`eval`, `rollout.max_tokens`, `seed`).
-        score: scores trajectories in place (the controller's, in the layout
-            the environment needs).
+        score: scores trajectories in place; None: the environment's reward in
+            the layout it needs (`score_with`, as training scores).
     """
 
     def __init__(self, policy: Any, env: Any, cfg: RunConfig,
-                 score: Callable[[list], None]) -> None:
-        self.policy, self.env, self.cfg, self.score = policy, env, cfg, score
+                 score: Callable[[list], None] | None = None) -> None:
+        self.policy, self.env, self.cfg = policy, env, cfg
+        self.score = score or (lambda trajs: score_with(policy, [env], trajs))
 
     def __call__(self, step: int) -> dict[str, float]:
         """The metrics of an evaluation at `step`, with eval_s (its seconds)."""

@@ -331,13 +331,7 @@ def evaluate_model(cfg: RunConfig, *, checkpoint: str | None = None,
                 raise ValueError(f"--checkpoint={checkpoint!r} (a run's checkpoints/step_<n>) "
                                  f"does not load: {problem}")
             step = int(actor.load(checkpoint)["step"])
-
-        def score(trajs: list) -> None:
-            if (layout := getattr(env, "layout", None)) is not None:
-                actor.switch_to(layout)
-            env.score(trajs)
-
-        metrics = Evaluator(actor, env, cfg, score)(step)
+        metrics = Evaluator(actor, env, cfg)(step)
     finally:
         if cleanup is None:
             shutdown()
