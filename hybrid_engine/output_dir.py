@@ -1,6 +1,6 @@
 """A run's output folder: one job at a time, and nothing half-written from a dead one.
 
-Job: `OutputDir.lock` takes an exclusive flock on `out/.lock` from rank 0 for
+Job: `OutputDir(path)` takes an exclusive flock on `out/.lock` from rank 0 for
 the job's life (a second job on the folder is refused, not interleaved; the
 kernel drops the lock when the process dies, so a crash leaves no stale
 lock); `sweep_unfinished` removes the folders a dead job's save or export
