@@ -528,3 +528,18 @@ def test_bad_tool_settings(model_dir, tmp_path, args, expected) -> None:
     expected = [e.replace("{tmp}", str(tmp_path)) for e in
                 ([expected] if isinstance(expected, str) else expected)]
     _has(_refusal(model_dir, tmp_path / "run", *base, *args), expected)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--algorithm.rollout_correction=icepopp"],
+     ["algorithm.rollout_correction", "did you mean 'icepop'", "token_tis"]),
+    (["--algorithm.rollout_correction=token_mask", "--algorithm.correction_low=3",
+      "--algorithm.correction_high=1"], "correction_low=3.0 must be below"),
+    (["--algorithm.rollout_correction=icepop", "--algorithm.correction_low=6"],
+     "keeps ratios in [6.0, 5.0]"),
+    (["--algorithm.correction_cap=-2"], "algorithm.correction_cap must be > 0"),
+    (["--algorithm.rollout_correction=seq_tis", "--algorithm.behaviour_logp=rollout"],
+     "would never act"),
+])
+def test_bad_rollout_correction(model_dir, tmp_path, args, expected) -> None:
+    _has(_refusal(model_dir, tmp_path / "run", *args), expected)

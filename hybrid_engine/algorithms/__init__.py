@@ -8,6 +8,8 @@ errors suggest the closest name:
     get_advantage(cfg.advantage)         grpo, drgrpo, rloo, reinforce_pp, gae
     get_policy_loss(name)                ppo (clip-higher, dual-clip), gspo
     get_kl_estimator(cfg.kl_estimator)   k1, k2, k3
+    CORRECTIONS.get(cfg.rollout_correction)  token_tis, seq_tis, token_mask, seq_mask,
+                                         icepop, geo_mask (`correction`)
     aggregate_loss(..., cfg.loss_agg)    token_mean, seq_mean_token_sum,
                                          seq_mean_token_mean, constant
 
@@ -58,7 +60,6 @@ from hybrid_engine.algorithms.losses import (
     policy_loss_fn,
     ppo,
     register_policy_loss,
-    tis_weights,
 )
 from hybrid_engine.algorithms.value_loss import value_loss
 
@@ -94,7 +95,6 @@ __all__ = [
     "register_policy_loss",
     "reinforce_pp",
     "rloo",
-    "tis_weights",
     "token_level_rewards",
     "value_loss",
 ]

@@ -36,6 +36,7 @@ from torch import Tensor
 from hybrid_engine.algorithms.advantages import broadcast_to_tokens, get_advantage, token_level_rewards
 from hybrid_engine.algorithms.dapo import filter_degenerate_groups, overlong_penalty
 from hybrid_engine.algorithms.kl import kl_divergence, kl_in_reward
+from hybrid_engine.algorithms.correction import check_correction
 from hybrid_engine.algorithms.losses import StepLoss, step_loss
 from hybrid_engine.config import AlgorithmConfig
 from hybrid_engine.trajectory import Trajectory
@@ -80,6 +81,7 @@ class Algorithm:
             raise ValueError("algorithm.dynamic_sampling keeps the groups whose rewards differ; "
                              "a group of 1 never does, so no step would train: set "
                              f"rollout.num_samples_per_prompt >= 2 (got {num_samples})")
+        check_correction(cfg)
         self.loss: StepLoss = step_loss(cfg, max_tokens)
         self.needs_reference = cfg.kl_coef > 0
         self.needs_values = self.estimator.per_token

@@ -50,7 +50,8 @@ from hybrid_engine.algorithms.aggregation import (
     masked_extreme,
     masked_mean,
 )
-from hybrid_engine.algorithms.kl import MAX_LOG_RATIO, get_kl_estimator, k3, kl_divergence
+from hybrid_engine.algorithms.correction import correction_weights
+from hybrid_engine.algorithms.kl import MAX_LOG_RATIO, get_kl_estimator, kl_divergence
 from hybrid_engine.algorithms.registry import Registry
 
 if TYPE_CHECKING:
@@ -71,7 +72,6 @@ __all__ = [
     "ppo",
     "register_policy_loss",
     "step_loss",
-    "tis_weights",
 ]
 
 Metrics = dict[str, Tensor]
@@ -259,45 +259,6 @@ def gspo(
     return torch.where(mask, loss, 0.0), metrics
 
 
-@torch.no_grad()
-def tis_weights(
-    old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, cap: float
-) -> tuple[Tensor, Metrics]:
-    """Truncated importance sampling weights (Yao et al. 2025, "Your efficient RL
-    framework secretly brings you off-policy RL training").
-
-    w = min(exp(old_logp - rollout_logp), cap), detached, where
-    old_logp is the TRAINER's log-prob of the sampled token under the weights
-    that generated the rollout (recomputed by the trainer's forward before any
-    update of this step), and rollout_logp is the ROLLOUT ENGINE's (vLLM's)
-    log-prob of the same token, returned at sampling. They differ only by
-    numerics (kernels, dtypes), and w corrects the policy gradient for
-    sampling from vLLM's slightly different distribution. The per-token
-    policy loss is multiplied by w.
-
-    Args:
-        old_logp_BT: [B, T] trainer log-probs of the rollout policy.
-        rollout_logp_BT: [B, T] vLLM sampled-token log-probs.
-        mask_BT: [B, T] bool loss mask.
-        cap: C > 0, the truncation.
-
-    Returns:
-        (w_BT, metrics): [B, T] float32 weights, 0 outside the mask; metrics
-        tis_weight_mean, tis_capped_frac, rollout_kl (k3 estimate of
-        KL(pi_rollout || pi_trainer), the mismatch).
-    """
-    mask = mask_BT.bool()
-    log_w = torch.where(mask, old_logp_BT.float() - rollout_logp_BT.float(), 0.0)
-    log_w = log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    w = torch.where(mask, log_w.exp().clamp(max=cap), 0.0)
-    metrics = {
-        "tis_weight_mean": masked_mean(w, mask),
-        "tis_capped_frac": masked_mean(log_w.exp() > cap, mask),
-        "rollout_kl": masked_mean(k3(log_w), mask),
-    }
-    return w, metrics
-
-
 # --------------------------------------------------------------------------
 # Composition: the closure the trainer calls per micro-batch
 # --------------------------------------------------------------------------
@@ -317,7 +278,8 @@ class LossInputs:
         ref_logp_BT: reference policy's log-probs; needed when the KL is in the loss.
         entropy_BT: per-token entropy of the policy (grad); needed when entropy_coef != 0
             (else NaN outside the metric's sample is allowed).
-        rollout_logp_BT: the rollout engine's sampled-token log-probs; needed with tis_cap.
+        rollout_logp_BT: the rollout engine's sampled-token log-probs; needed with a
+            rollout correction.
         engine_logp_BT: the engine's log-probs of the same tokens under the weights
             the trainer holds now (metrics only: splits the mismatch), or None.
     """
@@ -351,7 +313,8 @@ def _behaviour_logp(inputs: LossInputs, cfg: AlgorithmConfig) -> Tensor:
 def _policy_term(
     pg_fn: PolicyLoss, inputs: LossInputs, mask: Tensor, cfg: AlgorithmConfig
 ) -> tuple[Tensor, Metrics]:
-    """The policy-gradient loss per token, times the TIS weight when tis_cap is set."""
+    """The policy-gradient loss per token, times the rollout correction's weight
+    (`algorithms.correction`) when algorithm.rollout_correction is set."""
     old = _behaviour_logp(inputs, cfg)
     pg_BT, metrics = pg_fn(
         inputs.logp_BT,
@@ -362,12 +325,16 @@ def _policy_term(
         clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip,
     )
-    if cfg.tis_cap is not None:
+    name = getattr(cfg, "rollout_correction", "none")
+    if name != "none":
         if inputs.rollout_logp_BT is None:
-            raise ValueError("tis_cap is set: LossInputs.rollout_logp_BT is required")
-        w_BT, tis_metrics = tis_weights(old, inputs.rollout_logp_BT, mask, cfg.tis_cap)
+            raise ValueError(f"rollout_correction={name!r}: LossInputs.rollout_logp_BT is "
+                             "required")
+        w_BT, correction_metrics = correction_weights(
+            name, old, inputs.rollout_logp_BT, mask, cap=cfg.correction_cap,
+            low=cfg.correction_low, high=cfg.correction_high)
         pg_BT = pg_BT * w_BT
-        metrics.update(tis_metrics)
+        metrics.update(correction_metrics)
     return pg_BT, metrics
 
 
@@ -420,9 +387,10 @@ def policy_loss_fn(
 ) -> LossFn:
     """Builds the per-micro-batch loss closure from the algorithm config.
 
-    loss_BT = w_tis * L_policy + kl_coef * KL(pi || pi_ref) - entropy_coef * H,
+    loss_BT = w * L_policy + kl_coef * KL(pi || pi_ref) - entropy_coef * H,
     reduced by `aggregate_loss(loss_BT, mask, cfg.loss_agg, normalizer=...)`.
-    The TIS weight multiplies the policy-gradient term only; the KL term is
+    The rollout correction's weight w (`algorithms.correction`; 1 without one)
+    multiplies the policy-gradient term only; the KL term is
     in the loss only when kl_coef > 0 and not kl_in_reward.
 
     Args:

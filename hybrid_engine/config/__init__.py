@@ -126,12 +126,12 @@ class RunConfig:
             raise ValueError("memory.offload_optimizer needs placement=colocated: under "
                              "placement=separate the trainer ranks hold no vLLM engine")
         a, k = self.algorithm, self.async_rollout.max_staleness
-        if k and a.behaviour_logp != "rollout" and a.tis_cap is None:
+        if k and a.behaviour_logp != "rollout" and a.rollout_correction == "none":
             raise ValueError(
                 f"async_rollout.max_staleness={k} trains on batches sampled "
                 "with older weights: set algorithm.behaviour_logp=rollout (the ratio to the "
-                "sampling policy) or algorithm.tis_cap (truncated importance weights); without "
-                "either the loss would treat stale samples as on-policy")
+                "sampling policy) or algorithm.rollout_correction (importance weights or "
+                "masks); without either the loss would treat stale samples as on-policy")
         self._check_partial()
         self._check_inflight()
         self._check_lora()

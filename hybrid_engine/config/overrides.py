@@ -36,6 +36,7 @@ from hybrid_engine.names import closest, did_you_mean
 
 __all__ = [
     "apply_overrides",
+    "deprecated",
     "register_renamed",
     "doc_field",
     "flatten",
@@ -309,13 +310,18 @@ def register_renamed(root: type, renamed: Mapping[str, str]) -> None:
     _RENAMED[root] = dict(renamed)
 
 
+def deprecated(key: str, use: str) -> None:
+    """The one-line deprecation notice of config key `key` (once per process)."""
+    if key not in _NOTICED:
+        _NOTICED.add(key)
+        log.warning("config key %r is deprecated: use %s", key, use)
+
+
 def _current_key(root: type, key: str) -> str:
     new = _RENAMED.get(root, {}).get(key)
     if new is None:
         return key
-    if key not in _NOTICED:
-        _NOTICED.add(key)
-        log.warning("config key %r is deprecated: use %r", key, new)
+    deprecated(key, repr(new))
     return new
 
 

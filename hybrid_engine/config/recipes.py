@@ -172,7 +172,8 @@ def qwen05b_grpo() -> RunConfig:
             prompts_per_step=64,
             mini_batches_per_rollout=4,  # 4 updates per rollout: clip-higher acts
         ),
-        algorithm=AlgorithmConfig(clip_high=0.28, tis_cap=2.0),
+        algorithm=AlgorithmConfig(clip_high=0.28, rollout_correction="token_tis",
+                                  correction_cap=2.0),
         sync=SyncConfig(bucket_mb=512.0),
         output_dir="runs/qwen05b_grpo",
         eval=EvalConfig(every=25),

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hybrid_engine.config.overrides import doc_field as _field
-from hybrid_engine.config.overrides import validate_fields
+from hybrid_engine.config.overrides import deprecated, validate_fields
 
 __all__ = ["AlgorithmConfig", "AsyncConfig", "EnvConfig", "EvalConfig", "ExportConfig",
            "GuardsConfig", "LogConfig", "MemoryConfig", "ModelConfig", "PREFIXES", "RolloutConfig", "SyncConfig", "TRACKERS",
@@ -38,6 +38,7 @@ LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "co
 _ADVANTAGES = "hybrid_engine.algorithms.advantages:ADVANTAGES"
 _POLICY_LOSSES = "hybrid_engine.algorithms.losses:POLICY_LOSSES"
 _KL_ESTIMATORS = "hybrid_engine.algorithms.kl:KL_ESTIMATORS"
+_CORRECTIONS = "hybrid_engine.algorithms.correction:CORRECTIONS"
 _ENVS = "hybrid_engine.envs:ENVS"
 _TOOL_PARSERS = "hybrid_engine.tools.parsers:PARSERS"
 
@@ -247,12 +248,20 @@ class AlgorithmConfig:
         False, "Subtract kl_coef * KL from the reward instead of adding it to the loss (with a "
         "group estimator: before the group normalisation, as verl).")
     entropy_coef: float = _field(0.0, "Weight of the entropy bonus in the loss; 0 = off.")
+    rollout_correction: str = _field(
+        "none", "Weights or masks on the policy gradient from pi_trainer / pi_rollout of the "
+        "sampled tokens (docs/algorithms.md#rollout-correction); 'none' = off.",
+        registry=_CORRECTIONS)
+    correction_cap: float = _field(
+        2.0, "token_tis / seq_tis: the importance weight's cap.", gt=0)
+    correction_low: float | None = _field(
+        None, "Mask corrections: the lowest ratio kept; None = the correction's own (token_mask "
+        "/ seq_mask 0, icepop 0.5, geo_mask 0.99).", ge=0)
+    correction_high: float | None = _field(
+        None, "Mask corrections: the highest ratio kept; None = the correction's own "
+        "(token_mask / seq_mask 3, icepop 5, geo_mask 1.01).", gt=0)
     tis_cap: float | None = _field(
-        None,
-        "Truncated importance sampling cap on pi_train / pi_rollout per token "
-        "(corrects vLLM vs trainer logprob mismatch); None disables it.",
-        gt=0,
-    )
+        None, "Deprecated: rollout_correction=token_tis with correction_cap = this.", gt=0)
     gamma: float = _field(1.0, "Discount factor (GAE only; REINFORCE++ here is the "
                           "outcome-reward form, undiscounted).", ge=0, le=1)
     lam: float = _field(1.0, "GAE lambda.", ge=0, le=1)
@@ -290,11 +299,24 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         _validate_fields(self)
-        if self.behaviour_logp == "rollout" and self.tis_cap is not None:
+        p = _prefix(self)
+        if self.tis_cap is not None:
+            if self.rollout_correction not in ("none", "token_tis"):
+                raise ValueError(f"{p}tis_cap (token_tis) and {p}rollout_correction="
+                                 f"{self.rollout_correction!r} both set: keep one")
+            deprecated(f"{p}tis_cap", f"{p}rollout_correction=token_tis with {p}correction_cap")
+            object.__setattr__(self, "rollout_correction", "token_tis")
+            object.__setattr__(self, "correction_cap", self.tis_cap)
+            object.__setattr__(self, "tis_cap", None)
+        lo, hi = self.correction_low, self.correction_high
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(f"{p}correction_low={lo} must be below {p}correction_high={hi}")
+        if self.behaviour_logp == "rollout" and self.rollout_correction != "none":
             raise ValueError(
-                f"{_prefix(self)}tis_cap would never act with {_prefix(self)}behaviour_logp="
-                "'rollout' (its weight exp(old - rollout) is then 1): the ratio to the "
-                "rollout's log-probs is already the importance ratio; unset one of them")
+                f"{p}rollout_correction={self.rollout_correction!r} would never act with "
+                f"{p}behaviour_logp='rollout' (its ratio exp(old - rollout) is then 1): the "
+                "ratio to the rollout's log-probs is already the importance ratio; unset one "
+                "of them")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -546,7 +568,7 @@ class AsyncConfig:
 
     max_staleness: int = _field(
         0, "k: generation runs up to k steps ahead of training; 0 = synchronous. k > 0 needs "
-        "algorithm.behaviour_logp=rollout or algorithm.tis_cap.", ge=0)
+        "algorithm.behaviour_logp=rollout or algorithm.rollout_correction.", ge=0)
     schedule: Literal["auto", "stream", "burst"] = _field(
         "auto", "How generation runs ahead: 'stream' one batch per step, 'burst' k + 1 steps' "
         "batches per pass; 'auto': burst colocated, stream separate.")

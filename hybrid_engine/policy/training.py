@@ -32,12 +32,12 @@ __all__ = ["completions_to_trajectories", "logprob_samples", "sampling_overrides
 def logprob_samples(cfg: RunConfig) -> int | None:
     """Completions per prompt group whose sampled-token log-probs the engine asks
     vLLM for: all (None) when training reads them (algorithm.behaviour_logp=rollout,
-    tis_cap, kl_in_reward) or samples may be stale (async_rollout.max_staleness > 0:
+    a rollout_correction, kl_in_reward) or samples may be stale (async_rollout.max_staleness > 0:
     partial rollouts, in-flight updates, the drift split); else
     rollout.mismatch_sample, for the mismatch monitor alone. Building a log-prob
     entry per sampled token is host work on vLLM's critical path."""
     alg = cfg.algorithm
-    if (alg.behaviour_logp == "rollout" or alg.tis_cap is not None
+    if (alg.behaviour_logp == "rollout" or alg.rollout_correction != "none"
             or (alg.kl_in_reward and alg.kl_coef > 0) or cfg.async_rollout.max_staleness > 0):
         return None
     return cfg.rollout.mismatch_sample

@@ -283,9 +283,11 @@ def test_select_keeps_the_first_prompts_per_step_groups_with_signal() -> None:
     assert free.select(trajs) == trajs[:2] + trajs[4:]
 
 
-def test_behaviour_logp_rollout_refuses_a_tis_cap_that_could_never_act() -> None:
-    with pytest.raises(ValueError, match="tis_cap would never act"):
+def test_behaviour_logp_rollout_refuses_a_correction_that_could_never_act() -> None:
+    with pytest.raises(ValueError, match="rollout_correction='token_tis' would never act"):
         AlgorithmConfig(behaviour_logp="rollout", tis_cap=2.0)
+    with pytest.raises(ValueError, match="rollout_correction='icepop' would never act"):
+        AlgorithmConfig(behaviour_logp="rollout", rollout_correction="icepop")
     with pytest.raises(ValueError, match="behaviour_logp"):
         AlgorithmConfig(behaviour_logp="both")
 

@@ -21,7 +21,6 @@ from hybrid_engine.algorithms import (
     loss_normalizer,
     policy_loss_fn,
     ppo,
-    tis_weights,
     value_loss,
 )
 from hybrid_engine.config import AlgorithmConfig
@@ -119,21 +118,25 @@ def test_gspo_hand_example_and_gradient():
     )
 
 
-def test_tis_weights_hand_example():
+def test_token_tis_weights_hand_example():
+    from hybrid_engine.algorithms.correction import correction_weights
+
     # old - rollout = (0, log 3, -log 2, log 1.5), cap 2 -> (1, 2, 0.5, 1.5).
     old = torch.zeros(1, 5)
     rollout = -_t([[0, math.log(3), -math.log(2), math.log(1.5), 0]])
     mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)
-    w, m = tis_weights(old, rollout, mask, cap=2.0)
+    w, m = correction_weights("token_tis", old, rollout, mask, cap=2.0)
     torch.testing.assert_close(w, _t([[1, 2, 0.5, 1.5, 0]]))
-    assert m["tis_weight_mean"].item() == pytest.approx(1.25)
-    assert m["tis_capped_frac"].item() == pytest.approx(0.25)
+    assert m["correction/weight_mean"].item() == pytest.approx(1.25)
+    assert m["correction/clipped_frac"].item() == pytest.approx(0.25)
+    # the ratios (1, 3, 0.5, 1.5): torch.quantile's linear interpolation
+    assert m["correction/ratio_p50"].item() == pytest.approx(1.25)
     # k3(x) = e^x - 1 - x: 0, 0.901388, 0.193147, 0.094535 -> mean 0.297268
     assert m["rollout_kl"].item() == pytest.approx(0.297268, abs=1e-5)
 
 
 def test_loss_fn_with_tis_scales_the_policy_gradient():
-    cfg = AlgorithmConfig(tis_cap=2.0)
+    cfg = AlgorithmConfig(rollout_correction="token_tis", correction_cap=2.0)
     old = torch.full((1, 4), LOG_OLD)
     logp = old.clone().requires_grad_()  # ratio 1, inside the clip range
     rollout = old - _t([[0, math.log(3), -math.log(2), math.log(1.5)]])
@@ -148,7 +151,7 @@ def test_loss_fn_with_tis_scales_the_policy_gradient():
     assert loss.item() == pytest.approx(-1.25)  # -(1 + 2 + 0.5 + 1.5) / 4
     loss.backward()
     torch.testing.assert_close(logp.grad, -_t([[1, 2, 0.5, 1.5]]) / 4)
-    assert m["tis_capped_frac"].item() == pytest.approx(0.25)
+    assert m["correction/clipped_frac"].item() == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("kl_in_reward", [False, True])
@@ -199,7 +202,7 @@ def test_loss_fn_missing_inputs_are_clear_errors():
     with pytest.raises(ValueError, match="ref_logp_BT"):
         policy_loss_fn(AlgorithmConfig(kl_coef=0.1))(LossInputs(**base))
     with pytest.raises(ValueError, match="rollout_logp_BT"):
-        policy_loss_fn(AlgorithmConfig(tis_cap=2.0))(LossInputs(**base))
+        policy_loss_fn(AlgorithmConfig(rollout_correction="icepop"))(LossInputs(**base))
     with pytest.raises(ValueError, match="entropy_BT"):
         policy_loss_fn(AlgorithmConfig(entropy_coef=0.01))(LossInputs(**base))
     with pytest.raises(ValueError, match="constant > 0"):

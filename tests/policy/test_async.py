@@ -39,9 +39,10 @@ def test_staleness_metrics_count_each_samples_version() -> None:
 
 
 def test_max_staleness_needs_an_importance_correction() -> None:
-    with pytest.raises(ValueError, match="behaviour_logp=rollout.*tis_cap"):
+    with pytest.raises(ValueError, match="behaviour_logp=rollout.*rollout_correction"):
         apply_overrides(RunConfig(), {"async_rollout.max_staleness": 1})
-    for extra in ({"algorithm.behaviour_logp": "rollout"}, {"algorithm.tis_cap": 2.0}):
+    for extra in ({"algorithm.behaviour_logp": "rollout"}, {"algorithm.tis_cap": 2.0},
+                  {"algorithm.rollout_correction": "icepop"}):
         cfg = apply_overrides(RunConfig(), {"async_rollout.max_staleness": 1, **extra})
         assert cfg.async_rollout.max_staleness == 1
     with pytest.raises(ValueError, match="max_staleness"):
@@ -277,6 +278,25 @@ def test_max_staleness_2_runs_two_batches_ahead(model_dir, reward_file, tmp_path
     _train(model_dir, reward_file, burst, 1, *burst_run, "--resume")
     resumed = [r for r in _rows(burst) if "staleness_max" in r]
     assert [_stable(r) for r in resumed[2:]] == [_stable(r) for r in rows[2:]]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_stale_samples_are_corrected_against_the_weights_that_sampled_them(
+        model_dir, reward_file, tmp_path) -> None:
+    """k = 2 with a rollout correction (icepop) instead of behaviour_logp=rollout:
+    the ratio old / rollout is 1 (to fp32 noise) on a fresh batch and spreads out
+    on batches sampled one and two updates earlier."""
+    out = tmp_path / "icepop"
+    train(model_dir, reward_file, out, 1, "--rollout.tensor_parallel_size=1",
+          "--async_rollout.max_staleness=2", "--async_rollout.schedule=stream",
+          "--algorithm.rollout_correction=icepop", "--train.num_steps=3")
+    rows = [r for r in _rows(out) if "staleness_max" in r]
+    assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 2.0]
+    spread = [r["correction/ratio_p90"] - r["correction/ratio_p10"] for r in rows]
+    assert spread[0] < 1e-3 < spread[1] and spread[2] > 1e-3, rows
+    assert all(0.0 <= r["correction/clipped_frac"] <= 1.0 and r["rollout_kl"] >= 0
+               for r in rows)
 
 
 def _controller(**overrides):  # noqa: ANN202

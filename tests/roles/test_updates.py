@@ -95,6 +95,7 @@ def test_without_old_logprobs_only_the_first_update_measures_the_mismatch(
 @pytest.mark.parametrize("overrides, expected", [
     ({}, 1), ({"rollout.mismatch_sample": 3}, 3), ({"rollout.mismatch_sample": 0}, 0),
     ({"algorithm.behaviour_logp": "rollout"}, None), ({"algorithm.tis_cap": 2.0}, None),
+    ({"algorithm.rollout_correction": "seq_mask"}, None),
     ({"algorithm.kl_coef": 0.1, "algorithm.kl_in_reward": True}, None),
     ({"algorithm.kl_coef": 0.1}, 1),  # the KL loss term reads the reference, not vLLM
     ({"async_rollout.max_staleness": 1, "algorithm.behaviour_logp": "rollout"}, None),
