@@ -199,7 +199,8 @@ def test_a_batch_that_stalls_times_out_together_and_warns_once(files, caplog) ->
         trajs = _trajs(env, [str(2 * i) for i in range(10)])
         t0 = time.monotonic()
         env.score(trajs)
-        assert time.monotonic() - t0 < 6  # two timeouts and a worker restart
+        # two timeouts and a worker restart (a few seconds on a slow, busy machine)
+        assert time.monotonic() - t0 < 8.5
         assert [t.reward for t in trajs] == [-0.5] * 10
         assert trajectory_metrics(trajs)["reward/timeouts"] == 10.0
     said = [r for r in caplog.records if "every sample of this batch (10)" in r.getMessage()]
