@@ -163,10 +163,12 @@ def _faulty_runs(model_dir: Path, root: Path, faults: dict[str, str], *extra: st
         return dict(zip(faults, pool.map(run, faults)))
 
 
-def _shm_left(since: float, settle_s: float = 10.0) -> list[str]:
+def _shm_left(since: float, settle_s: float = 30.0) -> list[str]:
     """The /dev/shm segments made since `since` that no process maps, once a dead
     rank's semaphores had settle_s to go: its reward workers' (multiprocessing,
-    spawn) are unlinked by its resource tracker a moment after its exit."""
+    spawn) are unlinked by its resource tracker once every process holding the
+    tracker's pipe (the rank, its workers) is gone, which on a loaded 2-core
+    machine took more than 10 s after a relaunched run."""
     from hybrid_engine.rollout import cpu_shm
 
     deadline = time.monotonic() + settle_s
