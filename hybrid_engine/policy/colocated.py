@@ -63,7 +63,6 @@ from hybrid_engine.checkpoint import (export_adapter, export_hf, load_training_s
                                       save_training_state)
 from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.parallel import watchdog
-from hybrid_engine.parallel.dist import all_groups, init_distributed, set_collective_timeout
 from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_path
 from hybrid_engine.parallel.offload import OptimizerOffload
 from hybrid_engine.parallel.sharding import (
@@ -76,6 +75,7 @@ from hybrid_engine.parallel.batch_slices import gather_response_field
 from hybrid_engine.policy.ahead import Generated, timed
 from hybrid_engine.policy.memory import ReleasePolicy
 from hybrid_engine.policy.phases import Phases
+from hybrid_engine.policy.process import PolicyProcess
 from hybrid_engine.policy.training import (completions_to_trajectories, logprob_samples,
                                            policy_train, sampling_overrides, train_batch)
 from hybrid_engine.roles.base import Layout
@@ -175,12 +175,8 @@ class HybridActor:
     def __init__(self, cfg: RunConfig) -> None:
         cfg.validate_for_run()
         self.cfg = cfg
-        self._owns_group = init_distributed(cfg.collective_timeout_s, single_process=True)
-        # A stopped or hung peer aborts the job after collective_timeout_s (vLLM's own
-        # all-reduces have no timeout); None on one rank or when a host runs its own.
-        self._watchdog = None if watchdog.current() else watchdog.start(cfg.collective_timeout_s)
-        host_groups = [] if self._owns_group else all_groups()
-        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self._process = PolicyProcess(cfg.collective_timeout_s)
+        self.rank, world = self._process.rank, self._process.world
         self.model_path = str(resolve_model_path(cfg.model.path))
         # The model contract before anything is built (seconds, not an engine start).
         check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size, world)
@@ -206,9 +202,7 @@ class HybridActor:
                                  wire_dtype=DTYPES[cfg.model.rollout_dtype],
                                  shard_group_size=shard_group_size(train_cfg, world),
                                  adapter=adapter)
-        # Groups made here (vLLM's, the FSDP mesh's) get cfg's timeout; a host's are its own.
-        set_collective_timeout(cfg.collective_timeout_s,
-                               [g for g in all_groups() if g not in host_groups])
+        self._process.time_out_own_groups()  # vLLM's, the FSDP mesh's; a host's keep theirs
         self.partial = PartialRollouts(cfg.rollout, cfg.async_rollout) if cfg.async_rollout.partial else None
         self._schedule = None  # the last multi-turn sampling's ScheduleStats (rollout_metrics)
         self.tokenizer = self.rollout.tokenizer
@@ -517,8 +511,6 @@ class HybridActor:
         vLLM's teardown also destroys the default group: call after the job's
         last collective. Idempotent.
         """
-        if self._watchdog is not None:
-            watchdog.stop()  # a clean shutdown is not a silent rank
+        self._process.stop_watchdog()
         self.rollout.shutdown()
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        self._process.leave()

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from hybrid_engine.policy.ahead import Inflight, SerialWorker, timed
 from hybrid_engine.policy.inflight import InstallGate
+from hybrid_engine.policy.process import PolicyProcess
 from hybrid_engine.policy.training import (logprob_samples, policy_train, sampling_overrides,
                                            train_batch)
 from hybrid_engine.algorithms.losses import LossFn, StepLoss
@@ -58,14 +59,7 @@ from hybrid_engine.checkpoint import (export_adapter, export_hf, load_training_s
                                       save_training_state)
 from hybrid_engine.config import RolloutConfig, RunConfig
 from hybrid_engine.parallel import watchdog
-from hybrid_engine.parallel.dist import (
-    all_groups,
-    init_distributed,
-    resync_group_counter,
-    set_collective_timeout,
-    set_train_group,
-    split_ranks,
-)
+from hybrid_engine.parallel.dist import resync_group_counter, set_train_group, split_ranks
 from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_path
 from hybrid_engine.parallel.sharding import (
     model_dims_at,
@@ -184,12 +178,8 @@ class SeparatePolicy:
     def __init__(self, cfg: RunConfig) -> None:
         cfg.validate_for_run()
         self.cfg = cfg
-        self._owns_group = init_distributed(cfg.collective_timeout_s, single_process=True)
-        # A stopped or hung peer aborts the job after collective_timeout_s (vLLM's own
-        # all-reduces have no timeout); None on one rank or when a host runs its own.
-        self._watchdog = None if watchdog.current() else watchdog.start(cfg.collective_timeout_s)
-        host_groups = [] if self._owns_group else all_groups()
-        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self._process = PolicyProcess(cfg.collective_timeout_s)
+        self.rank, world = self._process.rank, self._process.world
         self.num_trainers, _ = split_ranks(world, cfg.rollout)
         self.is_trainer = self.rank < self.num_trainers
         self.model_path = str(resolve_model_path(cfg.model.path))
@@ -218,8 +208,7 @@ class SeparatePolicy:
                                  wire_dtype=DTYPES[cfg.model.rollout_dtype],
                                  num_trainers=self.num_trainers, group=sync_group,
                                  shard_group_size=shard_group_size(train_cfg, self.num_trainers))
-        set_collective_timeout(cfg.collective_timeout_s,
-                               [g for g in all_groups() if g not in host_groups])
+        self._process.time_out_own_groups()
         self._shared = _SharedRollout(self.rollout, cfg.rollout, src=self.num_trainers)
         # What vLLM resolved, on every rank (the run's record is written by rank 0).
         self.engine_facts = _from_rank(self.num_trainers, getattr(self.rollout, "facts", None))
@@ -511,8 +500,7 @@ class SeparatePolicy:
 
     def shutdown(self) -> None:
         """Stops the engine (rollout ranks); destroys the group if this object made it."""
-        if self._watchdog is not None:
-            watchdog.stop()  # a clean shutdown is not a silent rank
+        self._process.stop_watchdog()
         try:
             self._gen.cancel_queued()  # batches ahead not started: nothing will train them
             self._join_sync()
@@ -521,5 +509,4 @@ class SeparatePolicy:
             self._gen.shutdown()
             if self.rollout is not None:
                 self.rollout.shutdown()
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        self._process.leave()
