@@ -154,12 +154,21 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     """Evaluates a model folder or checkpoint on this world (see `_cmd_train` for
     errors); rank 0 prints a table, then the metrics as one JSON line."""
+    if args.output:
+        from hybrid_engine.preflight import check_file_target
+
+        try:
+            check_file_target(Path(args.output), "--output")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.nproc is not None:
         return _relaunch(args, overrides)
     from hybrid_engine.job import evaluate_model
 
     out = _run_on_world(args, overrides, lambda cfg, cleanup: evaluate_model(
-        cfg, checkpoint=args.checkpoint, cleanup=cleanup))
+        cfg, checkpoint=args.checkpoint, output=args.output, cleanup=cleanup),
+        config=eval_config)
     if out is None:
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
@@ -170,7 +179,8 @@ def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _run_on_world(args: argparse.Namespace, overrides: list[str], job) -> dict | None:  # noqa: ANN001
+def _run_on_world(args: argparse.Namespace, overrides: list[str], job,  # noqa: ANN001
+                  config=None) -> dict | None:  # noqa: ANN001
     """job(config, cleanup) on every rank of this world, for train and eval; the
     shutdowns job appends to cleanup run last, after the watchdog had its say.
     Bad input (a ValueError: config, files, model, rewards, checkpoints), a run
@@ -187,7 +197,7 @@ def _run_on_world(args: argparse.Namespace, overrides: list[str], job) -> dict |
     configure_logging()
     store = _default_store()
     try:
-        cfg = train_config(args, overrides)
+        cfg = (config or train_config)(args, overrides)
         set_collective_timeout(cfg.collective_timeout_s)
         cleanup: list = []
         try:
@@ -221,6 +231,25 @@ def train_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
     return cfg
 
 
+def eval_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
+    """The eval subcommand's config: as train's, with the whole evaluation set
+    (eval.num_prompts=0) when the problems come from a file and neither
+    --config nor a flag sets eval.num_prompts.
+
+    Raises:
+        ValueError: as `train_config`.
+    """
+    from hybrid_engine.config import RENAMED_KEYS, apply_overrides, load_yaml, parse_cli_overrides
+
+    cfg = train_config(args, overrides)
+    told = {o.split("=", 1)[0] for o in parse_cli_overrides(overrides)}
+    told |= set(load_yaml(args.config)) if args.config else set()
+    if ("eval.num_prompts" not in {RENAMED_KEYS.get(k, k) for k in told}
+            and (cfg.env.dataset_path or cfg.env.eval_dataset_path)):
+        cfg = apply_overrides(cfg, {"eval.num_prompts": 0})
+    return cfg
+
+
 def _relaunch(args: argparse.Namespace, overrides: list[str]) -> int:
     """`train --nproc N` (or eval): this command again on N local ranks under
     `hybrid_engine.launch` (torchrun whose SIGINT/SIGTERM go to the ranks: a
@@ -240,6 +269,7 @@ def _relaunch(args: argparse.Namespace, overrides: list[str]) -> int:
     argv = ["-m", "hybrid_engine.cli", args.cmd, f"--recipe={args.recipe}"]
     argv += [f"--config={args.config}"] if args.config else []
     argv += [f"--checkpoint={args.checkpoint}"] if getattr(args, "checkpoint", None) else []
+    argv += [f"--output={args.output}"] if getattr(args, "output", None) else []
     argv += [flag for flag, key in (("--resume", "resume"), ("--overwrite", "overwrite"),
                                     ("--allow-model-change", "allow_model_change"),
                                     ("--no-progress", "no_progress")) if getattr(args, key, False)]
@@ -253,7 +283,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         description="Generates completions of the eval section's prompts with vLLM on this "
                     "world and scores them with the env's rewards, as a training run's "
                     "evaluation does: greedy accuracy, and with --eval.num_samples=N mean@N, "
-                    "pass@k and maj@k (docs/configuration.md, Evaluation). Writes nothing.",
+                    "pass@k and maj@k (docs/configuration.md, Evaluation). A model folder "
+                    "needs the engine alone (no trainer is built); an evaluation file "
+                    "(--env.eval_dataset_path) alone is enough, and is evaluated whole unless "
+                    "--eval.num_prompts says otherwise. Writes nothing but --output.",
         epilog="--model.path=DIR takes a run's final/ folder or any HF folder; --checkpoint "
                "takes a run's checkpoints/step_<n> (with --model.path the run's base model). "
                "Any --section.key=value overrides config fields, e.g. --eval.num_samples=8 "
@@ -263,6 +296,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--checkpoint", metavar="DIR",
                     help="a run's checkpoints/step_<n>: its weights, and its step seeds the "
                          "sampled pass as in the run")
+    ev.add_argument("--output", metavar="FILE",
+                    help="write every evaluated completion as a JSON line (prompt, completion, "
+                         "answer, rewards, correct, sample index; docs/configuration.md, "
+                         "Evaluation samples)")
     _add_launch_flags(ev)
 
 

@@ -104,6 +104,8 @@ class Controller:
             the guards have flagged them; it writes, it decides nothing.
         on_samples: called with (step, trajectories) once a step's advantages are
             set, before it trains (the job's samples tables).
+        on_eval_samples: called with the rows of every evaluated completion
+            (`eval_samples.sample_rows`; the job's eval.samples_file).
         guards: the stop checks on metrics (mismatch alarm, non-finite streak);
             default `Guards(cfg)`. A failed check raises `RunAborted` on every rank,
             after the metrics are written and before the step's checkpoint.
@@ -114,6 +116,7 @@ class Controller:
                  checkpointer: Checkpointer | None = None,
                  on_metrics: Callable[[int, dict[str, float]], None] | None = None,
                  on_samples: Callable[[int, list], None] | None = None,
+                 on_eval_samples: Callable[[list[dict]], None] | None = None,
                  guards: Guards | None = None) -> None:
         self.policy, self.env, self.algorithm, self.cfg = policy, env, algorithm, cfg
         self.scorers, self.learners = list(scorers), list(learners)
@@ -121,7 +124,7 @@ class Controller:
         self.on_samples = on_samples or (lambda s, t: None)
         self.guards = guards or Guards(cfg)
         self.state = _State()
-        self.evaluator = Evaluator(policy, env, cfg)
+        self.evaluator = Evaluator(policy, env, cfg, write_samples=on_eval_samples)
         # async_rollout.max_staleness: (version, handle) of the batches of steps s, s+1, ...
         self._ahead: deque[tuple[int, Pending]] = deque()
 

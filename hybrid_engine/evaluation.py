@@ -25,6 +25,9 @@ samples correct, then averaged over prompts:
             parsed value; a sample with no answer does not vote; a tie goes to the
             answer reached first (by sample order); no answer at all counts wrong.
 
+With `write_samples`, every completion of both passes is also a JSON line
+(`eval_samples`: prompt, completion, answer, reward parts, correct, ...).
+
 When the evaluation problems carry a `data_source` column, each metric is also
 reported per source, as eval/<source>/<metric>.
 
@@ -42,6 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybrid_engine.config import RunConfig
+from hybrid_engine.eval_samples import sample_rows
 from hybrid_engine.metrics import TOOL_METRICS, PhaseTimer, trajectory_metrics
 from hybrid_engine.roles.base import layout_of
 
@@ -170,11 +174,15 @@ class Evaluator:
         cfg: the run config (`eval`, `rollout.max_tokens`, `seed`).
         score: scores trajectories in place; None: the environment's reward in
             the layout it needs (`score_with`, as training scores).
+        write_samples: takes the rows of every evaluated completion
+            (`eval_samples.sample_rows`), e.g. `SampleFile.write`; None = nobody.
     """
 
     def __init__(self, policy: Any, env: Any, cfg: RunConfig,
-                 score: Callable[[list], None] | None = None) -> None:
+                 score: Callable[[list], None] | None = None,
+                 write_samples: Callable[[list[dict]], None] | None = None) -> None:
         self.policy, self.env, self.cfg = policy, env, cfg
+        self.write_samples = write_samples
         self.score = score or (lambda trajs: score_with(policy, [env], trajs))
 
     def __call__(self, step: int) -> dict[str, float]:
@@ -190,12 +198,14 @@ class Evaluator:
             if e.greedy:
                 trajs = self._collect(prompts, 1, 0, {"top_k": 1, **max_tokens})
                 out.update(greedy_metrics(trajs, sources))
+                self._write(trajs, step, "greedy", sources)
             if e.num_samples:
                 seed = self.cfg.seed * 1_000_003 + step + _EVAL_SEED_OFFSET
                 trajs = self._collect(prompts, e.num_samples, seed, {
                     "temperature": e.temperature, "top_p": e.top_p, **max_tokens})
                 answers = [answer_key(self._text(t)) for t in trajs]
                 out.update(sampled_metrics(trajs, sources, e.num_samples, e.ks(), answers))
+                self._write(trajs, step, "sampled", sources, answers)
         out["eval/prompts"] = float(len(prompts))
         return {**out, "eval_s": timer.metrics["eval_s"]}
 
@@ -204,6 +214,12 @@ class Evaluator:
                                     sampling=sampling)
         self.score(trajs)
         return trajs
+
+    def _write(self, trajs: list, step: int, kind: str, sources: Sequence[str | None],
+               answers: Sequence[str | None] | None = None) -> None:
+        if self.write_samples is not None:
+            self.write_samples(sample_rows(self.env, trajs, step=step, kind=kind,
+                                           sources=sources, extracted=answers))
 
     def _text(self, traj: Any) -> str:
         """The answer's text: a chat environment's final turn (`final_text`), else

@@ -11,6 +11,7 @@ Output folder layout (cfg.output_dir):
     config.yaml        the resolved config of the run
     metrics.jsonl      one JSON object per step (and step 0: the first eval)
     samples.jsonl      every log.samples_every steps, the samples table's rows
+    <eval.samples_file>  with that knob, every evaluated completion (`eval_samples`)
     tb/                TensorBoard event files (scalars; the samples tables as text)
     wandb/, mlruns/    W&B's and MLflow's files, when log.trackers names them
     trackers.json      their run ids, so that a resumed run continues them
@@ -47,10 +48,11 @@ from hybrid_engine.evaluation import Evaluator
 from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.parallel.dist import set_collective_timeout
 from hybrid_engine.envs import make_env
-from hybrid_engine.metrics import MetricsSink, plot_metrics
+from hybrid_engine.metrics import MetricsSink, SampleFile, plot_metrics
 from hybrid_engine.output_dir import OutputDir
 from hybrid_engine.rollout.episodes import is_multi_turn
-from hybrid_engine.preflight import preflight
+from hybrid_engine.preflight import check_file_target, preflight
+from hybrid_engine.policy.engine_only import EnginePolicy
 from hybrid_engine.policy.separate import SeparatePolicy
 
 __all__ = ["Job", "JobCheckpointer", "RunAborted", "check_env_fits_algorithm",
@@ -170,6 +172,8 @@ class Job:
                                      on_metrics=self._on_metrics,
                                      on_samples=lambda step, trajs: self.sink.write_samples(
                                          step, trajs, self._decode),
+                                     on_eval_samples=lambda rows: self.sink.write_eval_samples(
+                                         rows),
                                      guards=Guards(cfg, lambda: latest_checkpoint(
                                          self.out / "checkpoints")))
         start = None
@@ -177,7 +181,7 @@ class Job:
             self.controller.load_state_dict(self.checkpointer.load_latest())
             start = self.controller.state.step + 1
         self.sink = MetricsSink(self.out, cfg.log, resume=start, run_name=self.out.resolve().name,
-                                config=flatten(to_dict(cfg)))
+                                config=flatten(to_dict(cfg)), eval_samples=cfg.eval.samples_file)
         self.bar = None
         if progress and self.rank0:
             from tqdm import tqdm
@@ -295,12 +299,16 @@ class Job:
             close()
 
 
-def evaluate_model(cfg: RunConfig, *, checkpoint: str | None = None,
+def evaluate_model(cfg: RunConfig, *, checkpoint: str | None = None, output: str | None = None,
                    cleanup: list | None = None) -> dict[str, Any]:
     """`hybrid-engine eval`: the eval section's metrics of cfg.model.path, or of a
-    training checkpoint of it, on this world (collective; writes nothing).
-    Returns {"model", "checkpoint", "step", metrics...}; a checkpoint's step seeds
-    the sampled pass as in the run, so its evaluation there repeats exactly.
+    training checkpoint of it, on this world (collective). A model folder needs
+    the engine alone (`EnginePolicy`: no trainer); a checkpoint's weights load
+    into the trainer first. Returns {"model", "checkpoint", "step", metrics...};
+    a checkpoint's step seeds the sampled pass as in the run, so its evaluation
+    there repeats exactly.
+    output: a JSON-lines file to write every evaluated completion to
+    (`eval_samples`; rank 0 writes); None = nothing is written.
     cleanup: a list to append the shutdown (engine, reward workers) to, for the
     caller to run after its own error handling; None = shut down before returning.
 
@@ -310,10 +318,13 @@ def evaluate_model(cfg: RunConfig, *, checkpoint: str | None = None,
     preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
               local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
               resume=False, overwrite=False, writes_output=False)
+    if output:
+        check_file_target(Path(output), "--output")
     if checkpoint and not (Path(checkpoint) / COMPLETE_MARKER).is_file():
         raise ValueError(f"--checkpoint={checkpoint!r} is not a complete checkpoint folder "
                          "(a run's checkpoints/step_<n>)")
-    actor, env, step = make_policy(cfg), None, 0
+    actor = make_policy(cfg) if checkpoint else EnginePolicy(cfg)
+    env, step = None, 0
 
     def shutdown() -> None:
         close = getattr(env, "close", None)
@@ -331,7 +342,8 @@ def evaluate_model(cfg: RunConfig, *, checkpoint: str | None = None,
                 raise ValueError(f"--checkpoint={checkpoint!r} (a run's checkpoints/step_<n>) "
                                  f"does not load: {problem}")
             step = int(actor.load(checkpoint)["step"])
-        metrics = Evaluator(actor, env, cfg)(step)
+        samples = SampleFile(output) if output else None
+        metrics = Evaluator(actor, env, cfg, write_samples=samples and samples.write)(step)
     finally:
         if cleanup is None:
             shutdown()

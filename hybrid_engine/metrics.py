@@ -36,7 +36,8 @@ import torch.distributed as dist
 from hybrid_engine.config import LogConfig
 from hybrid_engine.parallel import watchdog
 
-__all__ = ["MetricsSink", "PhaseTimer", "plot_curves", "plot_metrics", "staleness_metrics", "trajectory_metrics"]
+__all__ = ["MetricsSink", "PhaseTimer", "SampleFile", "append_whole", "keep_rows_before",
+           "plot_curves", "plot_metrics", "staleness_metrics", "trajectory_metrics"]
 
 log = logging.getLogger("hybrid_engine.train")
 
@@ -170,17 +171,23 @@ class MetricsSink:
             trackers' runs); None = start fresh.
         run_name, config: the trackers' run name (default: the folder's name) and
             the resolved config ({dotted key: value}) they record.
+        eval_samples: the evaluations' JSON-lines file (eval.samples_file,
+            relative to output_dir; its rows of steps before `resume` kept); None = none.
     """
 
     def __init__(self, output_dir: str | Path, log: LogConfig | None = None, *,
                  resume: int | None = None, run_name: str | None = None,
-                 config: Mapping[str, Any] | None = None) -> None:
+                 config: Mapping[str, Any] | None = None,
+                 eval_samples: str | None = None) -> None:
         self.dir, self.log = Path(output_dir), log or LogConfig()
-        self.writer, self.trackers = None, None
+        self.writer, self.trackers, self.eval_samples = None, None, None
         self.path, self.samples_path = self.dir / "metrics.jsonl", self.dir / "samples.jsonl"
         if not _rank0():
             return
         self.dir.mkdir(parents=True, exist_ok=True)
+        if eval_samples:
+            (self.dir / eval_samples).parent.mkdir(parents=True, exist_ok=True)
+            self.eval_samples = SampleFile(self.dir / eval_samples, resume=resume)
         from hybrid_engine.tracking import Trackers
 
         # The servers first: a tracker that does not start leaves the run folder's files as
@@ -189,9 +196,9 @@ class MetricsSink:
                                  config or {}, resume=resume is not None,
                                  timeout_s=self.log.tracker_timeout_s)
         if "jsonl" in self.log.trackers:
-            _keep_rows_before(self.path, resume)
+            keep_rows_before(self.path, resume)
             if self.log.samples_every or self.samples_path.exists():
-                _keep_rows_before(self.samples_path, resume)
+                keep_rows_before(self.samples_path, resume)
         if "tensorboard" in self.log.trackers:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -202,7 +209,7 @@ class MetricsSink:
             return
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         if "jsonl" in self.log.trackers:
-            _append(self.path, (json.dumps(row) + "\n").encode())
+            append_whole(self.path, (json.dumps(row) + "\n").encode())
         if self.writer is not None:
             for k, v in metrics.items():
                 self.writer.add_scalar(k, float(v), step)
@@ -222,12 +229,17 @@ class MetricsSink:
 
         columns, rows = samples_table(step, trajs, decode, self.log.samples_per_table)
         if "jsonl" in self.log.trackers:
-            _append(self.samples_path, "".join(json.dumps(dict(zip(columns, r))) + "\n"
+            append_whole(self.samples_path, "".join(json.dumps(dict(zip(columns, r))) + "\n"
                                                for r in rows).encode())
         if self.writer is not None:
             self.writer.add_text("samples_table", _markdown(columns, rows), step)
             self.writer.flush()
         self.trackers.table(step, columns, rows)
+
+    def write_eval_samples(self, rows: Sequence[dict]) -> None:
+        """An evaluation's rows (`eval_samples.sample_rows`) into eval.samples_file."""
+        if self.eval_samples is not None:
+            self.eval_samples.write(rows)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -236,7 +248,28 @@ class MetricsSink:
             self.trackers.finish()
 
 
-def _keep_rows_before(path: Path, resume: int | None) -> None:
+class SampleFile:
+    """A JSON-lines file of rows with a "step", written by rank 0 alone (every
+    rank holds the same rows): evaluation samples (`eval_samples`).
+
+    Args:
+        path: the file; its folder must exist.
+        resume: keep the rows of steps before this one (a resumed run's file);
+            None = start the file empty.
+    """
+
+    def __init__(self, path: str | Path, *, resume: int | None = None) -> None:
+        self.path, self.rank0 = Path(path), _rank0()
+        if self.rank0:
+            keep_rows_before(self.path, resume)
+
+    def write(self, rows: Sequence[dict]) -> None:
+        """Appends rows whole (a full disk leaves the file as it was)."""
+        if self.rank0 and rows:
+            append_whole(self.path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+
+
+def keep_rows_before(path: Path, resume: int | None) -> None:
     """Rewrites a JSON-lines file (replaced whole, never torn) with its rows before
     step `resume`; None = empty."""
     kept = []
@@ -273,7 +306,7 @@ def _staleness_histogram(writer: Any, step: int, metrics: Mapping[str, float]) -
         global_step=step)
 
 
-def _append(path: Path, data: bytes) -> None:
+def append_whole(path: Path, data: bytes) -> None:
     """Appends data whole or not at all: a short or failed write (a full disk)
     is cut back to the old size before the error goes on."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from hybrid_engine.envs.dataset import Example, Records
 
 __all__ = ["check_gpu", "check_head_size", "check_inputs", "check_layout", "check_kv_cache", "check_lora_targets",
-           "check_model_folder",
+           "check_file_target", "check_model_folder", "check_trains_on_something",
            "check_model_for_run", "check_output_dir", "check_reward_model_folder",
            "check_prompts", "check_rollout_limits", "check_safetensors", "preflight",
            "warnings_for", "DatasetRows", "check_dataset", "check_eval_split"]
@@ -97,7 +97,10 @@ def check_inputs(cfg: RunConfig, *, resume: bool, overwrite: bool,
 
         load_tools(cfg.env.tools)  # each loads, with a schema from its hints; names unique
     if writes_output:
+        check_trains_on_something(cfg)
         check_output_dir(Path(cfg.output_dir), resume=resume, overwrite=overwrite)
+        if os.path.isabs(cfg.eval.samples_file):  # a relative one goes under output_dir
+            check_file_target(Path(cfg.eval.samples_file), "eval.samples_file")
     examples = check_dataset(cfg.env, cfg.eval)
     if examples:
         from hybrid_engine.envs.rewards import check_columns
@@ -282,7 +285,10 @@ def warnings_for(cfg: RunConfig, examples: DatasetRows | None) -> list[str]:
 def eval_overlap(cfg: RunConfig, parts: Split) -> str | None:
     """The warning when evaluation problems the run asks for (the first
     eval.num_prompts of env.eval_dataset_path) are training prompts too (the same
-    file, or the same prompts): None when none is."""
+    file, or the same prompts): None when none is, or with no training file (an
+    evaluation of the eval file alone)."""
+    if not cfg.env.dataset_path:
+        return None
     n = cfg.eval.num_prompts or len(parts.trained)
     both = int(parts.trained[:n].sum())
     if not both:
@@ -293,6 +299,25 @@ def eval_overlap(cfg: RunConfig, parts: Split) -> str | None:
             f"training prompts of env.dataset_path={e.dataset_path!r}, so the evaluation "
             "measures problems the run trains on: give held-out problems, or leave "
             "env.eval_dataset_path empty to hold out 1/16 of env.dataset_path")
+
+
+def check_trains_on_something(cfg: RunConfig) -> None:
+    """A training run with env.eval_dataset_path has env.dataset_path too (an
+    evaluation file alone is `hybrid-engine eval`'s input)."""
+    e = cfg.env
+    if e.eval_dataset_path and not e.dataset_path:
+        raise ValueError(f"env.eval_dataset_path={e.eval_dataset_path!r} needs env.dataset_path "
+                         "(the training problems) in a training run: give it, or evaluate the "
+                         "file alone with `hybrid-engine eval`")
+
+
+def check_file_target(path: Path, what: str) -> None:
+    """A file to be written: not a folder, in a folder that exists."""
+    if path.is_dir():
+        raise ValueError(f"{what}={str(path)!r} is a folder: name a file")
+    if not path.parent.is_dir():
+        raise ValueError(f"{what}={str(path)!r}: its folder {str(path.parent)!r} does not "
+                         "exist")
 
 
 def check_reward_model_folder(folder: Path) -> None:

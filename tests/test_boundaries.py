@@ -89,7 +89,7 @@ LAYERS = (
      "tools", "user_code", "names"},
     {"parallel", "reshard", "rollout"},
     {"roles", "envs", "checkpoint", "metrics", "output_dir"},
-    {"policy", "preflight", "evaluation"},
+    {"policy", "preflight", "evaluation", "eval_samples"},
     {"controller", "job"},
     {"cli", "demo", "launch", "scale", "testing"},
 )

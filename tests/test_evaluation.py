@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from fractions import Fraction
 
 import pytest
@@ -121,7 +122,7 @@ class _RecordingPolicy:
                            group_id=i) for i, p in enumerate(prompts) for j in range(num_samples)]
 
 
-def _evaluate(tmp_path, overrides: dict, steps=(3,)):  # noqa: ANN202
+def _evaluate(tmp_path, overrides: dict, steps=(3,), write_samples=None):  # noqa: ANN202
     """An Evaluator over a 5-row eval file (rows 1 and 3 from source "b"), scored
     as correct when the sample index is even; (policy calls, metrics per step)."""
     from hybrid_engine.envs import make_env
@@ -141,8 +142,85 @@ def _evaluate(tmp_path, overrides: dict, steps=(3,)):  # noqa: ANN202
             t.reward_components = {"correct": float(t.response_ids[0] % 2 == 1)}
             t.reward = t.reward_components["correct"]
 
-    ev = Evaluator(policy, env, cfg, score)
+    ev = Evaluator(policy, env, cfg, score, write_samples=write_samples)
     return policy.calls, [ev(s) for s in steps], env
+
+
+def test_the_samples_file_holds_each_sample_once_and_gives_back_pass_at_k(tmp_path) -> None:
+    """The rows an evaluation writes (`eval_samples`): each prompt x sample of each
+    pass once, with its prompt, completion, answer, rewards and correctness, and
+    the sampled pass's pass@k and mean@n recomputed from the lines alone (the
+    unbiased estimator, written out here) equal the reported ones."""
+    from hybrid_engine.metrics import SampleFile
+
+    out = SampleFile(tmp_path / "samples.jsonl")
+    _, (m,), _ = _evaluate(tmp_path, {"eval.num_prompts": 0, "eval.num_samples": 4,
+                                      "eval.pass_k": (1, 2, 3)}, write_samples=out.write)
+    rows = [json.loads(ln) for ln in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    keys = [(r["pass"], r["prompt_index"], r["sample"]) for r in rows]
+    assert sorted(keys) == sorted([("greedy", p, 0) for p in range(5)]
+                                  + [("sampled", p, k) for p in range(5) for k in range(4)])
+    assert {r["step"] for r in rows} == {3}
+    first = rows[0]
+    assert first["prompt"] == "0+0=" and first["answer"] == "0" and first["data_source"] == "a"
+    assert first["rewards"] == {"correct": 1.0} and first["correct"] is True
+    assert first["completion"] == _tokenizer().decode([5], skip_special_tokens=True)
+    sampled = [r for r in rows if r["pass"] == "sampled"]
+    assert all("extracted" in r for r in sampled)
+    counts = {}
+    for r in sampled:
+        counts.setdefault(r["prompt_index"], []).append(r["correct"])
+    for k in (1, 2, 3):
+        want = sum(1 - math.comb(len(c) - sum(c), k) / math.comb(len(c), k)
+                   for c in counts.values()) / len(counts)
+        assert m[f"eval/pass@{k}"] == pytest.approx(want, abs=1e-12), k
+    assert m["eval/mean@4"] == pytest.approx(sum(r["correct"] for r in sampled) / len(sampled))
+    accuracy = [r["correct"] for r in rows if r["pass"] == "greedy"]
+    assert m["eval/accuracy"] == sum(accuracy) / len(accuracy)
+    # A resumed run's file keeps the rows of the steps before the resume, and only them.
+    SampleFile(tmp_path / "samples.jsonl", resume=4).write([{"step": 4}])
+    kept = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert len(kept) == len(rows) + 1
+    SampleFile(tmp_path / "samples.jsonl", resume=3)
+    assert (tmp_path / "samples.jsonl").read_text() == ""
+
+
+def _tokenizer():  # noqa: ANN202
+    from hybrid_engine.models.tokenizer import build_tokenizer
+
+    return build_tokenizer()
+
+
+def test_eval_takes_an_eval_file_alone_and_evaluates_all_of_it(tmp_path, capsys) -> None:
+    """`hybrid-engine eval` with an evaluation file and no training file: its whole
+    file unless --eval.num_prompts (or --config) says otherwise; a generated task
+    keeps the default; --output into a folder that does not exist is one error
+    line before any engine."""
+    from hybrid_engine import cli
+
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                            for i in range(3)))
+
+    def config(*flags: str) -> RunConfig:
+        args, rest = cli._parser().parse_known_args(["eval", "--model.path=m", *flags])
+        return cli.eval_config(args, rest)
+
+    cfg = config(f"--env.eval_dataset_path={path}")
+    assert cfg.eval.num_prompts == 0 and not cfg.env.dataset_path
+    assert config(f"--env.eval_dataset_path={path}", "--eval.num_prompts=2").eval.num_prompts == 2
+    (tmp_path / "c.yaml").write_text("eval:\n  num_prompts: 1\n")
+    assert config(f"--env.eval_dataset_path={path}", f"--config={tmp_path / 'c.yaml'}"
+                  ).eval.num_prompts == 1
+    assert config().eval.num_prompts == RunConfig().eval.num_prompts  # generated problems
+    from hybrid_engine.envs import make_env
+
+    env = make_env(cfg.env, _tokenizer())
+    assert len(env.eval_prompts(0)) == 3
+    assert cli.main(["eval", "--model.path=m", f"--env.eval_dataset_path={path}",
+                     f"--output={tmp_path / 'none' / 'out.jsonl'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --output=") and "does not exist" in err[0]
 
 
 def test_the_evaluator_uses_every_eval_knob(tmp_path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 import time
@@ -68,7 +69,8 @@ def _argv(model: Path, out: Path, *extra: str) -> list[str]:
             f"--env.dataset_path={model.parent / 'train.jsonl'}",
             f"--env.eval_dataset_path={model.parent / 'eval.jsonl'}",
             # Evaluated after the last step only: a fault in steps 1-3 meets no evaluation.
-            "--eval.at_end=true", "--eval.num_prompts=0", f"--eval.num_samples={EVAL_K}", *extra]
+            "--eval.at_end=true", "--eval.num_prompts=0", f"--eval.num_samples={EVAL_K}",
+            "--eval.samples_file=eval_samples.jsonl", *extra]
 
 
 def _train(model: Path, out: Path, *extra: str, fault: str | None = None,
@@ -121,6 +123,19 @@ def test_the_reference_run_trains_every_step(model_dir, reference) -> None:
     assert all(0.0 <= last[m] <= 1.0 for m in metrics), last
     assert 0.0 < last[f"eval/pass@{EVAL_K}"] and "eval/accuracy" in last
     assert not any(k.startswith("eval/") for s in range(1, STEPS) for k in ref[s])
+    # eval.samples_file: that evaluation's every completion once, written by rank 0.
+    rows = _eval_rows(reference / "eval_samples.jsonl")
+    assert sorted((r["pass"], r["prompt_index"], r["sample"]) for r in rows) == sorted(
+        [("greedy", p, 0) for p in range(len(EVAL_ROWS))]
+        + [("sampled", p, k) for p in range(len(EVAL_ROWS)) for k in range(EVAL_K)])
+    assert {r["step"] for r in rows} == {STEPS}
+    assert {r["prompt"] for r in rows} == set(EVAL_ROWS)
+    greedy = [r["correct"] for r in rows if r["pass"] == "greedy"]
+    assert last["eval/accuracy"] == sum(greedy) / len(greedy)
+
+
+def _eval_rows(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
 
 
 KILL_PHASES = ("rollout", "train", "sync", "save")
@@ -233,6 +248,7 @@ def test_killed_rank_stops_the_job_and_resume_reproduces(reference, killed_runs,
     assert run.resumed.returncode == 0, run.resumed.stdout[-3000:]
     assert "errno: 17" not in run.resumed.stdout
     assert _steps(run.out) == _steps(reference)
+    assert _eval_rows(run.out / "eval_samples.jsonl") == _eval_rows(reference / "eval_samples.jsonl")
     assert not list(ckpts.glob("*.tmp-*"))  # the killed save's folder was swept
 
 
@@ -505,23 +521,41 @@ def test_a_failed_save_stops_with_one_error_and_resume_continues(model_dir, refe
 
 
 def test_eval_on_the_final_model_reproduces_the_runs_last_greedy_evaluation(
-        model_dir, reference) -> None:
-    """`hybrid-engine eval` on the run's final/ export, 2 ranks, the run's eval keys:
-    the same prompts and greedy metrics as the run's last evaluation, exactly."""
+        model_dir, reference, tmp_path) -> None:
+    """`hybrid-engine eval` on the run's final/ export, 2 ranks, the eval file alone
+    (evaluated whole by default), no trainer built: the same prompts, greedy
+    metrics and greedy completions as the run's last evaluation, exactly; its
+    --output holds each prompt x sample once, and its pass@k comes back from
+    those lines."""
+    out = tmp_path / "samples.jsonl"
     proc = run_job(
         ["eval", "--recipe=tiny_grpo_debug",
          f"--model.path={reference / 'final'}", "--rollout.max_tokens=8",
          f"--env.reward_fn={model_dir.parent / 'reward.py'}:reward",
-         f"--env.dataset_path={model_dir.parent / 'train.jsonl'}",
          f"--env.eval_dataset_path={model_dir.parent / 'eval.jsonl'}",
-         "--eval.num_prompts=0", "--eval.num_samples=2"], 2, timeout=300, check=False)
+         "--eval.num_samples=2", f"--output={out}"], 2, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "no trainer (evaluation only)" in proc.stdout
     got = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith('{"model"')][-1])
     assert re.search(rf"^eval/accuracy +{got['eval/accuracy']:.4f}$", proc.stdout, re.M)  # table
     last = _steps(reference)[STEPS]
     for key in ("eval/prompts", "eval/accuracy", "eval/reward_mean", "eval/response_len_mean"):
         assert got[key] == last[key], key
     assert got["step"] == 0 and "eval/pass@2" in got and "eval/pass@4" not in got
+    rows = _eval_rows(out)
+    assert sorted((r["pass"], r["prompt_index"], r["sample"]) for r in rows) == sorted(
+        [("greedy", p, 0) for p in range(len(EVAL_ROWS))]
+        + [("sampled", p, k) for p in range(len(EVAL_ROWS)) for k in range(2)])
+    fields = ("prompt_index", "prompt", "completion", "answer", "rewards", "correct")
+    run_greedy = [r for r in _eval_rows(reference / "eval_samples.jsonl") if r["pass"] == "greedy"]
+    assert ([[r[f] for f in fields] for r in rows if r["pass"] == "greedy"]
+            == [[r[f] for f in fields] for r in run_greedy])
+    correct = {}
+    for r in rows:
+        if r["pass"] == "sampled":
+            correct.setdefault(r["prompt_index"], []).append(r["correct"])
+    pass2 = sum(1 - math.comb(2 - sum(c), 2) / math.comb(2, 2) for c in correct.values())
+    assert got["eval/pass@2"] == pytest.approx(pass2 / len(correct), abs=1e-12)
 
 
 def test_a_damaged_newest_checkpoint_yields_to_the_one_before(model_dir, reference,

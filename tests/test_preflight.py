@@ -302,6 +302,11 @@ def test_bad_chat_template_settings(model_dir, tmp_path, args, expected) -> None
      ["env.eval_dataset_path", "q.jsonl', row 0: no column 'prompt'"]),
     (["--env.dataset_path={tmp}/q.jsonl", "--env.preprocess={tmp}/pre.py:boom"],
      ["row 0", "KeyError", "'solution'"]),
+    (["--env.eval_dataset_path={tmp}/good.jsonl"],
+     ["env.eval_dataset_path=", "needs env.dataset_path (the training problems) in a training "
+      "run", "`hybrid-engine eval`"]),
+    (["--env.dataset_path={tmp}/good.jsonl", "--eval.samples_file={tmp}/none/s.jsonl"],
+     ["eval.samples_file=", "/none/s.jsonl': its folder", "does not exist"]),
     (["--env.rewards=maths:1.0"], "unknown reward 'maths'; the built-in ones are math, format"),
     (["--env.rewards=math:one"], "the weight of 'math' must be a number, got 'one'"),
     (["--env.rewards=math,format", "--env.format_pattern=(unclosed"],

@@ -446,10 +446,9 @@ class EnvConfig:
         if self.min_digits > self.max_digits:
             raise ValueError(f"{_prefix(self)}min_digits={self.min_digits} must be <= "
                              f"{_prefix(self)}max_digits={self.max_digits}")
-        for key in ("eval_dataset_path", "preprocess"):
-            if getattr(self, key) and not self.dataset_path:
-                raise ValueError(f"{_prefix(self)}{key} needs {_prefix(self)}dataset_path (the "
-                                 "training problems); without it prompts are generated")
+        if self.preprocess and not (self.dataset_path or self.eval_dataset_path):
+            raise ValueError(f"{_prefix(self)}preprocess needs {_prefix(self)}dataset_path (the "
+                             "training problems); without it prompts are generated")
         if self.chat_template == "none" and (self.system_prompt or self.chat_template_kwargs):
             pre = _prefix(self)
             raise ValueError(f"{pre}system_prompt and {pre}chat_template_kwargs need a chat "
@@ -540,6 +539,9 @@ class EvalConfig:
     top_p: float = _field(1.0, "Nucleus sampling of the sampled pass.", gt=0, le=1)
     max_tokens: int | None = _field(
         None, "New-token limit of both passes; None = rollout.max_tokens.", ge=1)
+    samples_file: str = _field(
+        "", "A JSON-lines file of every evaluated completion (prompt, completion, answer, "
+        "rewards, correct, step); relative to output_dir; '' = none.")
 
     def __post_init__(self) -> None:
         _validate_fields(self)

@@ -141,10 +141,12 @@ def sandbox(cfg: EnvConfig) -> Sandbox:
 
 
 def dataset_spec(cfg: EnvConfig) -> DatasetSpec | None:
-    """Where cfg's problems come from (None: generated)."""
-    if not cfg.dataset_path:
+    """Where cfg's problems come from (None: generated). An evaluation file alone
+    (`hybrid-engine eval`) is the whole problem set: the evaluation problems,
+    and training problems nothing draws (a training run refuses it, `preflight`)."""
+    if not (cfg.dataset_path or cfg.eval_dataset_path):
         return None
-    return DatasetSpec(cfg.dataset_path, eval_path=cfg.eval_dataset_path,
+    return DatasetSpec(cfg.dataset_path or cfg.eval_dataset_path, eval_path=cfg.eval_dataset_path,
                        prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                        preprocess=cfg.preprocess)
 
