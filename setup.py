@@ -63,6 +63,8 @@ setup(
         "pyyaml>=6",
         "tqdm>=4.66",
         "psutil>=5.9",  # memory budgets, the launcher, RSS in metrics (vLLM needs it too)
+        "requests>=2.31",  # the http reward term (retries through urllib3)
+        "openai>=1.40",  # the judge reward term (any OpenAI-compatible server)
         "tensorboard>=2.16",
     ],
     extras_require={

@@ -95,6 +95,7 @@ def trajectory_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     """Reward mean/std, accuracy (mean of the "correct" component when the
     environment gives one), response length, each reward component's mean,
     reward/timeouts (reward calls killed at their timeout, a count),
+    reward/unparsed (a judge's replies without a score, a count),
     prompts_truncated (prompts the rollout cut to fit max_model_len) and, for a
     chat environment's episodes, the tool metrics (`_tool_metrics`)."""
     n = max(len(trajs), 1)
@@ -113,6 +114,8 @@ def trajectory_metrics(trajs: Sequence[Any]) -> dict[str, float]:
         out[f"reward/{k}"] = sum(t.reward_components.get(k, 0.0) for t in trajs) / n
     if any("reward_timeouts" in t.info for t in trajs):
         out["reward/timeouts"] = float(sum(t.info.get("reward_timeouts", 0) for t in trajs))
+    if any("reward_unparsed" in t.info for t in trajs):  # a judge's replies without a score
+        out["reward/unparsed"] = float(sum(t.info.get("reward_unparsed", 0) for t in trajs))
     if any("num_tool_calls" in t.info for t in trajs):  # a chat environment's episodes
         out.update(_tool_metrics(trajs))
     # A reward-model environment keeps the task's correctness in info (not in the reward).

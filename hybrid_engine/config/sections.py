@@ -13,6 +13,7 @@ parsing of override strings, and its bounds are checked generically.
 from __future__ import annotations
 
 import re
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -376,7 +377,7 @@ class EnvConfig:
     )
     rewards: str = _field(
         "", "Weighted reward terms 'NAME[:WEIGHT],...': math, format, code, task (the env's "
-        "own), reward_model, or file.py:function; '' = the env's own.")
+        "own), reward_model, http, judge, or file.py:function; '' = the env's own.")
     reward_fn: str = _field(
         "", "A user reward 'file.py:function' or 'module:function' as the whole reward "
         "(env.rewards=SPEC:1.0); '' = the env's own.")
@@ -392,6 +393,35 @@ class EnvConfig:
         ge=0)
     reward_on_timeout: float = _field(
         0.0, "The value of a reward function call that timed out (counted in reward/timeouts).")
+    reward_url: str = _field(
+        "", "The http reward term's scoring endpoint (batched JSON POSTs; configuration.md#reward-"
+        "services); '' = none.")
+    judge_url: str = _field(
+        "", "The judge reward term's OpenAI-compatible API base, e.g. http://host:8000/v1 (key: "
+        "$OPENAI_API_KEY); '' = none.")
+    judge_model: str = _field(
+        "", "The judge's model name; '' = the first model the server lists.")
+    judge_template: str = _field(
+        "", "The judge's prompt, with {completion} and optionally {prompt}, {answer}; or a file "
+        "holding it; '' = a built-in 0-10 rubric.")
+    judge_pattern: str = _field(
+        r"(?i)score\s*[:=]?\s*(-?\d+(?:\.\d+)?)", "Regex whose group 1 reads the score from "
+        "the judge's reply (the first match).")
+    judge_range: tuple[float, float] = _field(
+        (0.0, 10.0), "The judge's score range (lo, hi): the term is (score - lo) / (hi - lo), "
+        "clipped to [0, 1].")
+    judge_on_unparsed: float = _field(
+        0.0, "The judge term's value when its reply has no score (counted in reward/unparsed).")
+    judge_max_tokens: int = _field(512, "New-token limit of the judge's reply.", ge=1)
+    service_timeout_s: float = _field(
+        30.0, "Seconds one request of the http or judge term may take (past it, after the "
+        "retries: env.reward_on_timeout, counted in reward/timeouts).", gt=0)
+    service_retries: int = _field(
+        2, "Retries of a failed request (connection error, timeout, 5xx), with backoff.", ge=0)
+    service_concurrency: int = _field(
+        8, "Requests of the http and judge terms in flight at once, per rank.", ge=1)
+    service_batch_size: int = _field(
+        32, "Samples per POST of the http term.", ge=1)
     tools: str = _field(
         "", "tools: the functions the model may call, 'file.py:fn1,fn2', 'module:fn', python or "
         "calculator (their JSON schemas, from hints and docstrings, go to the template).")
@@ -480,6 +510,32 @@ class EnvConfig:
         except re.error as e:
             raise ValueError(f"{pre}format_pattern={self.format_pattern!r} is not a regex: "
                              f"{e}") from None
+        self._check_services(terms)
+
+    def _check_services(self, terms: set[str]) -> None:
+        """The http and judge terms have their endpoints (well-formed URLs), the
+        judge a score pattern with a group and a range lo < hi."""
+        pre = _prefix(self)
+        for term, key in (("http", "reward_url"), ("judge", "judge_url")):
+            url = getattr(self, key)
+            if self.rewards and (term in terms) != bool(url):
+                raise ValueError(f"{pre}rewards names {term} if and only if {pre}{key} is set "
+                                 "(the endpoint it scores with)")
+            parts = urllib.parse.urlsplit(url)
+            if url and (parts.scheme not in ("http", "https") or not parts.hostname):
+                raise ValueError(f"{pre}{key}={url!r} is not an http(s) URL (e.g. "
+                                 "http://localhost:8000/score)")
+        try:
+            groups = re.compile(self.judge_pattern).groups
+        except re.error as e:
+            raise ValueError(f"{pre}judge_pattern={self.judge_pattern!r} is not a regex: "
+                             f"{e}") from None
+        if not groups:
+            raise ValueError(f"{pre}judge_pattern={self.judge_pattern!r} has no group: its "
+                             "group 1 is the score")
+        lo, hi = self.judge_range
+        if not lo < hi:
+            raise ValueError(f"{pre}judge_range=({lo:g}, {hi:g}) needs lo < hi")
 
     def _check_sandbox(self) -> None:
         """A sandbox run ends (timeout_s + about a second) before the worker that

@@ -9,14 +9,17 @@ with each part in `reward_components` under its name (logged as
 
     task          the wrapped environment's own reward, in this process
     reward_model  a reward model's score (collective: every rank, every sample)
+    http, judge   a service's score, requested from this process (`envs/services.py`)
     functions     built-in (math, format) or the user's, in the reward pool's
                   worker processes (`envs/reward_pool.py`)
 
 Each trajectory is scored exactly once across the ranks: rank r scores the
 samples r, r + N, ... of the batch every rank holds, and the results are
-gathered to every rank. A function call past env.reward_timeout_s is killed:
-its term takes env.reward_on_timeout, and the sample's `reward_timeouts`
-(info) counts it.
+gathered to every rank. A function call past env.reward_timeout_s is killed
+(a service request that failed is given up): its term takes
+env.reward_on_timeout, and the sample's `reward_timeouts` (info) counts it. A
+judge's reply without a score takes env.judge_on_unparsed, counted in the
+sample's `reward_unparsed` (info).
 
 Invariant: a term that raises, returns a non-number, or (batched) a list of
 the wrong length is a `RewardError` naming the term and the sample, raised on
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hybrid_engine.envs.base import RewardError, decode, eos_token_id
@@ -85,12 +88,17 @@ class RewardsEnv:
         pool: where function terms run.
         on_timeout: the value of a term whose call timed out.
         reward_model: the `RewardModelEnv` a reward_model term scores with.
+        services: the scorer of each service term by name (`services.services`):
+            samples -> one `Outcome` each.
     """
 
     def __init__(self, base_env: Any, terms: Sequence[RewardTerm], tokenizer: Any, *,
-                 pool: RewardPool, on_timeout: float = 0.0, reward_model: Any = None) -> None:
+                 pool: RewardPool, on_timeout: float = 0.0, reward_model: Any = None,
+                 services: Mapping[str, Callable[[Sequence[tuple]], list[Outcome]]] | None = None
+                 ) -> None:
         self.base_env, self.terms, self.tokenizer = base_env, list(terms), tokenizer
         self.pool, self.on_timeout, self.reward_model = pool, on_timeout, reward_model
+        self.services = dict(services or {})
         self._warned_timeouts = False
         self.eos_id = eos_token_id(tokenizer)
         names = "+".join(t.name for t in self.terms)
@@ -133,9 +141,11 @@ class RewardsEnv:
         if errors:
             raise RewardError(errors[0])
         for idx, share, _ in gathered:
-            for i, (parts, total, timeouts) in zip(idx, share, strict=True):
+            for i, (parts, total, counts) in zip(idx, share, strict=True):
                 trajs[i].reward_components, trajs[i].reward = parts, total
-                trajs[i].info["reward_timeouts"] = timeouts
+                trajs[i].info["reward_timeouts"] = counts["timeout"]
+                if "judge" in self.services:
+                    trajs[i].info["reward_unparsed"] = counts["unparsed"]
                 if "math" in parts and "correct" not in parts:
                     trajs[i].info["correct"] = parts["math"]
         self._warn_if_all_timed_out(trajs)
@@ -178,19 +188,22 @@ class RewardsEnv:
         return prompt, completion, answer, dict(ex.extras) if ex else {}
 
     def _score_share(self, share: Sequence[Any], rm: Sequence[float | None]) -> list[tuple]:
-        """[(components, weighted total, timeouts)] of this rank's trajectories.
+        """[(components, weighted total, {"timeout": n, "unparsed": n})] of this
+        rank's trajectories.
 
         Raises:
             RewardError: a term failed on one of them.
         """
         samples = [self._sample(t) for t in share]
-        out = [({}, 0.0, 0) for _ in share]
+        out = [({}, 0.0, {"timeout": 0, "unparsed": 0}) for _ in share]
         for term in self.terms:
             values = self._term_values(term, share, samples, rm)
             for i, (outcome, (prompt, *_)) in enumerate(zip(values, samples, strict=True)):
-                parts, total, timeouts = out[i]
-                if outcome.kind == "timeout":
-                    new, timeouts = {term.name: self.on_timeout}, timeouts + 1
+                parts, total, counts = out[i]
+                if outcome.kind in ("timeout", "unparsed"):
+                    counts[outcome.kind] += 1
+                    new = {term.name: self.on_timeout if outcome.kind == "timeout"
+                           else float(outcome.value)}
                 elif outcome.kind == "error":
                     raise RewardError(self._where(term, prompt) + f" raised {outcome.value}")
                 else:
@@ -202,7 +215,7 @@ class RewardsEnv:
                 if clash:
                     raise RewardError(f"{self._where(term, prompt)} reward component "
                                       f"{sorted(clash)[0]!r} is given by two terms of env.rewards")
-                out[i] = ({**parts, **new}, total + term.weight * math.fsum(new.values()), timeouts)
+                out[i] = ({**parts, **new}, total + term.weight * math.fsum(new.values()), counts)
         return out
 
     def _where(self, term: RewardTerm, prompt: str) -> str:
@@ -218,6 +231,8 @@ class RewardsEnv:
             return self._task_values(share)
         if not samples:
             return []
+        if term.name in self.services:
+            return self.services[term.name](samples)
         cols = [{k: v for k, v in c.items() if term.columns is None or k in term.columns}
                 for *_, c in samples]
         if not term.batched:

@@ -105,10 +105,12 @@ def make_env(cfg: EnvConfig, tokenizer: Any) -> Environment:
     from hybrid_engine.envs.composed import RewardsEnv
     from hybrid_engine.envs.reward_pool import RewardPool
 
+    from hybrid_engine.envs.services import services
+
     pool = RewardPool(cfg.reward_workers, cfg.reward_timeout_s,
                       preload=[t.spec for t in terms if t.spec])
     return RewardsEnv(env, terms, tokenizer, pool=pool, on_timeout=cfg.reward_on_timeout,
-                      reward_model=rm)
+                      reward_model=rm, services=services(cfg, [t.name for t in terms]))
 
 
 def reward_terms(cfg: EnvConfig) -> list:
@@ -126,8 +128,13 @@ def reward_terms(cfg: EnvConfig) -> list:
         return []
     # code's cases stop before the worker's timeout (env.reward_timeout_s) would kill it
     budget_s = max(cfg.reward_timeout_s - 1.5, 0.0) if cfg.reward_timeout_s else 0.0
-    return parse_rewards(cfg.rewards, format_pattern=cfg.format_pattern,
-                         settings={"code": {"sandbox": sandbox(cfg), "budget_s": budget_s}})
+    terms = parse_rewards(cfg.rewards, format_pattern=cfg.format_pattern,
+                          settings={"code": {"sandbox": sandbox(cfg), "budget_s": budget_s}})
+    if any(t.name == "judge" for t in terms):
+        from hybrid_engine.envs.services import judge_template
+
+        judge_template(cfg.judge_template)  # its placeholders, before any engine starts
+    return terms
 
 
 def sandbox(cfg: EnvConfig) -> Sandbox:

@@ -2,8 +2,10 @@
 
 Job: parse 'math:1.0,format:0.1,my.py:fn:0.5' into `RewardTerm`s, each a
 built-in reward (math, format, code), the environment's own (`task`), a reward model
-(`reward_model`, the model at env.reward_model_path) or a user function
-('file.py:function' / 'module:function'), with a weight (default 1.0).
+(`reward_model`, the model at env.reward_model_path), a service (`http`, the
+endpoint at env.reward_url; `judge`, the LLM judge at env.judge_url:
+`envs/services.py`) or a user function ('file.py:function' / 'module:function'),
+with a weight (default 1.0).
 
 A function term is called per sample as
 
@@ -31,7 +33,7 @@ from typing import Any
 
 from hybrid_engine.envs.user_code import load_function
 
-__all__ = ["BUILTIN_REWARDS", "RewardTerm", "check_columns", "function_term", "parse_rewards"]
+__all__ = ["BUILTIN_REWARDS", "SERVICE_TERMS", "RewardTerm", "check_columns", "function_term", "parse_rewards"]
 
 BUILTIN_REWARDS = {
     "math": "hybrid_engine.envs.verifiers:math_reward",
@@ -42,6 +44,9 @@ BUILTIN_REWARDS = {
 
 MODEL_TERMS = ("task", "reward_model")
 """Terms scored in the ranks' own processes: the environment's own reward, a reward model."""
+
+SERVICE_TERMS = ("http", "judge")
+"""Terms scored by a service, from the ranks' own processes (`envs/services.py`)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ def _split_weight(item: str) -> tuple[str, float]:
     head = item.split(":", 1)[0]
     parts = item.rsplit(":", 1)
     has_weight = ":" in item and (head in BUILTIN_REWARDS or head in MODEL_TERMS
-                                  or item.count(":") == 2)
+                                  or head in SERVICE_TERMS or item.count(":") == 2)
     if not has_weight:
         return item, 1.0
     try:
@@ -176,7 +181,7 @@ def parse_rewards(text: str, *, format_pattern: str = "",
             raise ValueError(f"env.rewards={text!r}: an empty item (items are "
                              "NAME[:WEIGHT], separated by commas)")
         name, weight = _split_weight(item)
-        if name in MODEL_TERMS:
+        if name in MODEL_TERMS or name in SERVICE_TERMS:
             terms.append(RewardTerm(name, weight))
         elif name in BUILTIN_REWARDS:
             fixed = {**_default_settings(name, format_pattern), **(settings or {}).get(name, {})}
@@ -184,7 +189,7 @@ def parse_rewards(text: str, *, format_pattern: str = "",
         elif ":" in name and name.rsplit(":", 1)[1].isidentifier():
             terms.append(function_term(name, weight))
         else:
-            known = ", ".join([*BUILTIN_REWARDS, *MODEL_TERMS])
+            known = ", ".join([*BUILTIN_REWARDS, *MODEL_TERMS, *SERVICE_TERMS])
             raise ValueError(f"env.rewards: unknown reward {name.split(':')[0]!r}; the built-in "
                              f"ones are {known}, or name a function as 'file.py:function'")
     names = [t.name for t in terms]
