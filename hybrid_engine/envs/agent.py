@@ -286,9 +286,13 @@ class ChatEnv(ProblemEnv):
         """The reward parts the task returned over the episode; all 0 when the
         episode passed its token budget and at_budget is 'zero'."""
         parts = {k: float(v) for k, v in traj.info.get("episode_parts", {}).items()}
-        if traj.info.get("over_budget") and self.at_budget == "zero":
+        if self.scores_zero(traj):
             parts = {k: 0.0 for k in parts}
         return parts or {"episode": 0.0}
+
+    def scores_zero(self, traj: Trajectory) -> bool:
+        """The episode passed env.max_episode_tokens and env.at_budget is 'zero'."""
+        return bool(traj.info.get("over_budget")) and self.at_budget == "zero"
 
 
 class ToolTask:

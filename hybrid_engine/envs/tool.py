@@ -117,7 +117,7 @@ class CalcEnv(ChatEnv):
                            messages=[{"role": "user", "content": text}])
 
     def _reward(self, traj: Trajectory, prompt_text: str) -> dict[str, float]:
-        if traj.info.get("over_budget") and self.at_budget == "zero":
+        if self.scores_zero(traj):
             return {"correct": 0.0}
         text = self.final_text(traj).partition("\n")[0].strip()
         expected = self.answer_for(prompt_text)

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from hybrid_engine.trajectory import Trajectory
 
-__all__ = ["MAX_STEP_THREADS", "EpisodeRecord", "advance", "advance_all", "end_when_full",
-           "finish", "record", "request_seed", "turn_seed"]
+__all__ = ["MAX_STEP_THREADS", "EpisodeRecord", "advance", "advance_all", "each_step",
+           "end_when_full", "finish", "record", "request_seed", "turn_seed"]
+
+T = TypeVar("T")
 
 _SEED_MASK = 0x7FFFFFFF
 MAX_STEP_THREADS = 64
@@ -68,17 +71,23 @@ def advance(env: Any, ep: EpisodeRecord, segment: list[int], logp: list[float]) 
     return not done
 
 
-def advance_all(env: Any, items: list[tuple[EpisodeRecord, list[int], list[float]]],
-                ) -> list[bool]:
-    """`advance` on each (record, segment, log-probs), in threads when the env
-    says its steps may run at once (`concurrent_steps`: tools of different
-    episodes then run together); True = still running, in order."""
+def each_step(env: Any, step: Callable[..., T], items: Sequence[tuple]) -> list[T]:
+    """step(*item) for each item, in order, in threads when the env says its
+    steps may run at once (`concurrent_steps`: tools of different episodes
+    then run together)."""
     if not getattr(env, "concurrent_steps", False) or len(items) < 2:
-        return [advance(env, *item) for item in items]
+        return [step(*item) for item in items]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(len(items), MAX_STEP_THREADS)) as pool:
-        return list(pool.map(lambda item: advance(env, *item), items))
+        return list(pool.map(lambda item: step(*item), items))
+
+
+def advance_all(env: Any, items: list[tuple[EpisodeRecord, list[int], list[float]]],
+                ) -> list[bool]:
+    """`advance` on each (record, segment, log-probs) (`each_step`); True =
+    still running, in order."""
+    return each_step(env, lambda *item: advance(env, *item), items)
 
 
 def record(ep: EpisodeRecord, segment: list[int], logp: list[float], env_ids: list[int]) -> None:

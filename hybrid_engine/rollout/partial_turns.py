@@ -41,13 +41,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hybrid_engine.rollout.episode_record import (
-    MAX_STEP_THREADS, EpisodeRecord, finish, request_seed,
-)
+from hybrid_engine.rollout.episode_record import EpisodeRecord, each_step, finish, request_seed
 from hybrid_engine.rollout.episodes import turn_stops
 from hybrid_engine.trajectory import Trajectory
 
@@ -184,12 +181,7 @@ def _seed(engine_seed: int, s: Any) -> int:
 
 def _step_all(env: Any, items: list[tuple[Any, Any, bool]], version: int) -> None:
     """`_step` on each (group, sample, full), in threads when the env allows it."""
-    if not getattr(env, "concurrent_steps", False) or len(items) < 2:
-        for item in items:
-            _step(env, *item, version)
-        return
-    with ThreadPoolExecutor(max_workers=min(len(items), MAX_STEP_THREADS)) as pool:
-        list(pool.map(lambda item: _step(env, *item, version), items))
+    each_step(env, lambda *item: _step(env, *item, version), items)
 
 
 def _step(env: Any, group: Any, s: Any, full: bool, version: int) -> None:
