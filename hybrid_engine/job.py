@@ -52,6 +52,7 @@ from hybrid_engine.metrics import MetricsSink, SampleFile, plot_metrics
 from hybrid_engine.output_dir import OutputDir
 from hybrid_engine.rollout.episodes import is_multi_turn
 from hybrid_engine.preflight import check_file_target, preflight
+from hybrid_engine.roles.base import JobPolicy
 from hybrid_engine.policy.engine_only import EnginePolicy
 from hybrid_engine.policy.separate import SeparatePolicy
 
@@ -64,7 +65,7 @@ log = logging.getLogger("hybrid_engine.train")
 class JobCheckpointer:
     """Saves policy (+ critic) and controller state to checkpoints/step_<n>, keeps the newest k."""
 
-    def __init__(self, actor: HybridActor | SeparatePolicy, critic: Any, root: Path, keep: int) -> None:
+    def __init__(self, actor: JobPolicy, critic: Any, root: Path, keep: int) -> None:
         self.actor, self.critic, self.root, self.keep = actor, critic, root, keep
 
     def save(self, step: int, extra: dict) -> None:
@@ -109,7 +110,7 @@ class JobCheckpointer:
         return extra
 
 
-def make_policy(cfg: RunConfig) -> HybridActor | SeparatePolicy:
+def make_policy(cfg: RunConfig) -> JobPolicy:
     """The policy for cfg.placement (collective)."""
     if cfg.placement == "separate":
         return SeparatePolicy(cfg)
@@ -209,10 +210,10 @@ class Job:
         scorers, learners, self.critic = [], [], None
         # Stale samples (colocated): the engine's log-probs under the current weights
         # split the mismatch into drift and numerics; first, in the inference layout.
-        drift = getattr(self.actor, "drift_scorer", lambda: None)()
+        drift = self.actor.drift_scorer()
         if drift is not None:
             scorers.append(drift)
-        trains = getattr(self.actor, "is_trainer", True)  # separate: only ranks 0..M-1 train
+        trains = self.actor.is_trainer  # separate: only ranks 0..M-1 train
         if self.algorithm.needs_reference:
             from hybrid_engine.roles.reference import Reference
             from hybrid_engine.roles.scorers import ReferenceScorer

@@ -170,7 +170,10 @@ class HybridActor:
             trajectory; emptied by every sync), for the drift scorer.
         offload: the `OptimizerOffload` (memory.offload_optimizer), else None.
         rank: this process's rank in the default group.
+        is_trainer: True: every rank trains.
     """
+
+    is_trainer = True
 
     def __init__(self, cfg: RunConfig) -> None:
         cfg.validate_for_run()

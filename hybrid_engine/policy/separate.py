@@ -460,6 +460,10 @@ class SeparatePolicy:
         """Wraps a role built on the trainer ranks (None elsewhere) for every rank."""
         return TrainerSide(role)
 
+    def drift_scorer(self) -> None:
+        """None: the drift split needs the engine on the trainer's ranks (colocated)."""
+        return None
+
     def switch_to(self, layout: Layout) -> None:
         """Nothing to switch: the trainer and the engine hold different ranks."""
 

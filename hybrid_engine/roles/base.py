@@ -1,11 +1,10 @@
 """The roles' interfaces, as typing.Protocols: what the controller may call.
 
 Job: state the colocation contract between roles in one place, small enough
-to read at a glance. Implementations: `rollout.engine.VLLMRollout`,
-`roles.trainer.Trainer`, `roles.reference.Reference`, `roles.sync.WeightSync`,
-the policies in `policy/`, the environments in `envs/`, the scorers in
-`roles.scorers`; the controller and tests depend on these Protocols, never
-on an implementation's extras.
+to read at a glance. Implementations: `roles.trainer.Trainer`,
+`roles.reference.Reference`, the policies in `policy/`, the environments in
+`envs/`, the scorers in `roles.scorers`; the controller, the job and tests
+depend on these Protocols, never on an implementation's extras.
 
 Invariant: roles exchange dataclasses (`Trajectory`, `TrainBatch`,
 `Completions`) and tensors with documented shapes, not untyped dicts; only
@@ -15,19 +14,18 @@ called by every rank, in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from torch import Tensor, nn
+    from torch import Tensor
     from torch.distributed.tensor import DTensor
 
     from hybrid_engine.algorithms.losses import LossFn, StepLoss
-    from hybrid_engine.rollout.engine import Completions
     from hybrid_engine.trajectory import TrainBatch, Trajectory
 
-__all__ = ["Algorithm", "Checkpointer", "Environment", "Layout", "Learner", "Pending", "Policy", "Reference",
-           "Rollout", "Scorer", "Trainer", "WeightSync", "layout_of"]
+__all__ = ["Algorithm", "Checkpointer", "Environment", "JobPolicy", "Layout", "Learner", "Pending",
+           "Policy", "Reference", "Scorer", "Trainer", "layout_of"]
 
 # Which layout holds a colocated device: the engine with its memory ("inference")
 # or the trainer, with the engine's memory released where configured ("training").
@@ -40,35 +38,6 @@ def layout_of(role: object) -> Layout | None:
     for one on the engine (the drift scorer); None, when it has none, runs in
     either (a rule-based reward)."""
     return getattr(role, "layout", None)
-
-
-@runtime_checkable
-class Rollout(Protocol):
-    """Samples completions; releases its memory while the trainer runs (`VLLMRollout`)."""
-
-    def generate(
-        self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
-        seed: int = 0, stop: Sequence[str] | None = None, include_stop_str: bool = False,
-        max_tokens: int | Sequence[int] | None = None,
-    ) -> Completions:
-        """K completions per prompt with sampled-token log-probs (collective)."""
-        ...
-
-    def release_memory(self) -> int:
-        """Frees the KV cache (GPU: and the weights); returns the bytes freed."""
-        ...
-
-    def wake_weights(self) -> None:
-        """Re-allocates the weights before a sync writes them (no-op where kept)."""
-        ...
-
-    def restore_memory(self) -> int:
-        """Re-allocates what `release_memory` freed, before generation."""
-        ...
-
-    def load_full_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Loads full HF-named tensors (the naive sync path)."""
-        ...
 
 
 class Pending(Protocol):
@@ -120,6 +89,40 @@ class Policy(Protocol):
 
     def load_rollout_state(self, state: dict | None) -> None:
         """Restores what `rollout_state` returned."""
+        ...
+
+
+class JobPolicy(Policy, Protocol):
+    """What the job needs of a policy besides the controller's calls (`job.Job`,
+    `job.make_policy`): its model, tokenizer and persistence, and the roles that
+    run beside its trainer. All methods collective."""
+
+    model_path: str
+    tokenizer: Any
+    pad_id: int
+    is_trainer: bool  # this rank trains (separate placement: ranks 0..M-1)
+    trainer: Any  # the FSDP2 `roles.trainer.Trainer` on training ranks, else None
+    engine_facts: dict  # what vLLM resolved, on every rank
+
+    def drift_scorer(self) -> Scorer | None:
+        """The scorer splitting the mismatch into drift and numerics, where the
+        placement and settings make one; else None."""
+        ...
+
+    def run_with_trainer(self, role: Any) -> Any:
+        """role (built on training ranks, None elsewhere) as every rank calls it."""
+        ...
+
+    def save(self, path: Any, *, extra: dict | None = None, critic: Any = None) -> None: ...
+
+    def load(self, path: Any, *, critic: Any = None) -> dict | None: ...
+
+    def export_hf(self, path: Any, dtype: Any = None) -> None: ...
+
+    def export_adapter(self, path: Any) -> None: ...
+
+    def shutdown(self) -> None:
+        """After the job's last collective (the engine's teardown destroys the group)."""
         ...
 
 
@@ -225,14 +228,4 @@ class Reference(Protocol):
 
     def score(self, batch: TrainBatch) -> Tensor:
         """ref_logp_BT, aligned like TrainBatch's per-token fields."""
-        ...
-
-
-@runtime_checkable
-class WeightSync(Protocol):
-    """Moves fresh weights from the training layout into the inference layout."""
-
-    def sync(self, model: nn.Module, rollout: Rollout) -> dict[str, float]:
-        """Writes the training layout's current weights (`Trainer.module`) into the
-        rollout engine (collective); returns metrics (bytes moved, seconds)."""
         ...

@@ -35,12 +35,11 @@ class ReferenceScorer:
     def __init__(self, reference: Reference, *, pad_id: int, train_cfg: TrainConfig) -> None:
         self.reference, self.pad_id, self.train_cfg = reference, pad_id, train_cfg
 
-    def score(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+    def score(self, trajs: Sequence[Trajectory]) -> None:
         batch, idx = train_batch_of(trajs, pad_id=self.pad_id, train=self.train_cfg)
         for t, v in zip(trajs, gather_response_field(trajs, idx, batch, self.reference.score(batch)),
                         strict=True):
             t.ref_logp = v
-        return {}
 
 
 class CriticScorer:
@@ -55,12 +54,11 @@ class CriticScorer:
     def _batch(self, trajs: Sequence[Trajectory]):  # noqa: ANN202
         return train_batch_of(trajs, pad_id=self.pad_id, train=self.critic.train_cfg)
 
-    def score(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+    def score(self, trajs: Sequence[Trajectory]) -> None:
         batch, idx = self._batch(trajs)
         for t, v in zip(trajs, gather_response_field(trajs, idx, batch, self.critic.values(batch)),
                         strict=True):
             t.values = v
-        return {}
 
     def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
         """The critic's updates of the step (`updates.run_updates`, its train config's
