@@ -19,7 +19,7 @@ No floor: this compares two whole commands, not an operation.
 Prints a table; the last stdout line is JSON. Writes
 benchmarks/results/eval_memory_<device>_<yyyymm>.md.
 
-    python benchmarks/bench_eval_memory.py                 # qwen2-180m, N=2, 3 jobs each (~8 min)
+    python benchmarks/bench_eval_memory.py                 # qwen2-180m, N=2, 3 jobs each (~2 min)
     python benchmarks/bench_eval_memory.py --quick         # tiny preset, 1 job each
 """
 
