@@ -153,7 +153,10 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     """Evaluates a model folder or checkpoint on this world (see `_cmd_train` for
-    errors); rank 0 prints a table, then the metrics as one JSON line."""
+    errors); rank 0 prints a table, then the metrics as one JSON line. With
+    --compare, two samples files side by side instead (`_compare`)."""
+    if args.compare:
+        return _compare(*args.compare)
     if args.output:
         from hybrid_engine.preflight import check_file_target
 
@@ -176,6 +179,26 @@ def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         for k, v in out.items():
             print(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
         print(json.dumps(out), flush=True)
+    return 0
+
+
+def _compare(a: str, b: str, shown: int = 20) -> int:
+    """`eval --compare A B`: which prompts flipped between two evaluations' samples
+    files (`eval_samples.compare`), then the same as one JSON line."""
+    from hybrid_engine.eval_samples import compare, read_rows
+
+    try:
+        out = compare(read_rows(a), read_rows(b))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"prompts in both: {out['prompts']} (only in A: {out['only_a']}, only in B: "
+          f"{out['only_b']})\nright: A {out['a_right']}, B {out['b_right']}")
+    for name, what in (("fixed", "wrong in A, right in B"), ("broken", "right in A, wrong in B")):
+        print(f"{name} ({what}): {len(out[name])}")
+        for prompt in out[name][:shown]:
+            print("  " + " ".join(prompt.split())[:100])
+    print(json.dumps(out), flush=True)
     return 0
 
 
@@ -296,6 +319,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--checkpoint", metavar="DIR",
                     help="a run's checkpoints/step_<n>: its weights, and its step seeds the "
                          "sampled pass as in the run")
+    ev.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                    help="no evaluation: two samples files (--output, eval.samples_file; a "
+                         "run's last step) side by side, the prompts that flipped from A to B")
     ev.add_argument("--output", metavar="FILE",
                     help="write every evaluated completion as a JSON line (prompt, completion, "
                          "answer, rewards, correct, sample index; docs/configuration.md, "

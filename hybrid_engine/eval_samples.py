@@ -29,7 +29,7 @@ from typing import Any
 
 from hybrid_engine.envs.base import decode
 
-__all__ = ["sample_rows"]
+__all__ = ["compare", "per_prompt", "read_rows", "sample_rows"]
 
 
 def _answer(env: Any, prompt: str) -> str | None:
@@ -63,3 +63,55 @@ def sample_rows(env: Any, trajs: Sequence[Any], *, step: int, kind: str,
         rows.append(row)
     return rows
 
+
+
+def read_rows(path: str) -> list[dict]:
+    """The rows of an evaluation samples file, those of its last step (a run's
+    file holds every evaluation).
+
+    Raises:
+        ValueError: the file is missing, has a line that is not JSON, or holds
+            no row with a "correct" value.
+    """
+    import json
+    from pathlib import Path
+
+    try:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+    except OSError as e:
+        raise ValueError(f"--compare: cannot read {path!r} ({e.strerror})") from None
+    try:
+        rows = [json.loads(ln) for ln in lines]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--compare: {path!r}, line {e.lineno}: not JSON") from None
+    rows = [r for r in rows if r.get("correct") is not None]
+    if not rows:
+        raise ValueError(f"--compare: {path!r} holds no sample with a correctness "
+                         "(an evaluation samples file: hybrid-engine eval --output)")
+    last = max(r["step"] for r in rows)
+    return [r for r in rows if r["step"] == last]
+
+
+def per_prompt(rows: Sequence[dict]) -> dict[str, float]:
+    """{prompt: its share of correct samples} (the greedy pass where there is
+    one, else the sampled pass's mean@n)."""
+    kind = "greedy" if any(r["pass"] == "greedy" for r in rows) else "sampled"
+    counts: dict[str, list[bool]] = {}
+    for r in rows:
+        if r["pass"] == kind:
+            counts.setdefault(r["prompt"], []).append(bool(r["correct"]))
+    return {p: sum(c) / len(c) for p, c in counts.items()}
+
+
+def compare(a: Sequence[dict], b: Sequence[dict]) -> dict[str, Any]:
+    """Two evaluations' rows prompt by prompt (the prompts both hold): how many
+    each got right, and the prompts that flipped (fixed: wrong in a, right in
+    b; broken: the other way), a prompt counting as right when at least half
+    its samples are."""
+    pa, pb = per_prompt(a), per_prompt(b)
+    both = [p for p in pa if p in pb]
+    fixed = [p for p in both if pa[p] < 0.5 <= pb[p]]
+    broken = [p for p in both if pb[p] < 0.5 <= pa[p]]
+    return {"prompts": len(both), "only_a": len(pa) - len(both), "only_b": len(pb) - len(both),
+            "a_right": sum(pa[p] >= 0.5 for p in both), "b_right": sum(pb[p] >= 0.5 for p in both),
+            "fixed": fixed, "broken": broken}

@@ -300,3 +300,30 @@ def test_the_plot_draws_every_evaluation_curve_under_the_run_name(tmp_path) -> N
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     plot_metrics(path, tmp_path / "metrics.png", title="my-run")
     assert (tmp_path / "metrics.png").stat().st_size > 1000
+
+
+def test_compare_lists_the_prompts_that_flipped_between_two_samples_files(tmp_path,
+                                                                          capsys) -> None:
+    """`hybrid-engine eval --compare A B`: prompt by prompt (a run's file: its last
+    step; greedy where there is one, else at least half the samples right), no
+    engine; a file that is not one is one error line."""
+    from hybrid_engine import cli
+
+    def row(step: int, prompt: str, correct: bool, kind: str = "greedy") -> dict:
+        return {"step": step, "pass": kind, "prompt": prompt, "correct": correct}
+
+    a = [row(0, "p1", True), row(0, "p2", True), row(0, "p3", False), row(0, "p4", False),
+         row(5, "p1", False), row(5, "p2", True), row(5, "p3", False), row(5, "p4", False),
+         row(5, "p5", True)]  # the run's last step, 5, is A
+    b = [row(0, p, c, "sampled") for p, cs in (("p1", (1, 1)), ("p2", (0, 0)), ("p3", (1, 0)),
+                                               ("p4", (0, 0))) for c in map(bool, cs)]
+    for name, rows in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main(["eval", "--compare", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got == {"prompts": 4, "only_a": 1, "only_b": 0, "a_right": 1, "b_right": 2,
+                   "fixed": ["p1", "p3"], "broken": ["p2"]}
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    assert cli.main(["eval", "--compare", str(tmp_path / "a.jsonl"), str(tmp_path / "bad.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --compare: {str(tmp_path / 'bad.jsonl')!r}, line 1: not JSON"]
