@@ -255,9 +255,11 @@ def train_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
 
 
 def eval_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
-    """The eval subcommand's config: as train's, with the whole evaluation set
-    (eval.num_prompts=0) when the problems come from a file and neither
-    --config nor a flag sets eval.num_prompts.
+    """The eval subcommand's config: as train's, with what neither --config nor
+    a flag sets fitted to an evaluation: the whole evaluation set
+    (eval.num_prompts=0) when the problems come from a file, and one engine per
+    rank (rollout.tensor_parallel_size=1) when the recipe's does not divide the
+    world (e.g. one process).
 
     Raises:
         ValueError: as `train_config`.
@@ -267,10 +269,14 @@ def eval_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
     cfg = train_config(args, overrides)
     told = {o.split("=", 1)[0] for o in parse_cli_overrides(overrides)}
     told |= set(load_yaml(args.config)) if args.config else set()
-    if ("eval.num_prompts" not in {RENAMED_KEYS.get(k, k) for k in told}
-            and (cfg.env.dataset_path or cfg.env.eval_dataset_path)):
-        cfg = apply_overrides(cfg, {"eval.num_prompts": 0})
-    return cfg
+    told = {RENAMED_KEYS.get(k, k) for k in told}
+    fitted = {}
+    if "eval.num_prompts" not in told and (cfg.env.dataset_path or cfg.env.eval_dataset_path):
+        fitted["eval.num_prompts"] = 0
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if "rollout.tensor_parallel_size" not in told and world % cfg.rollout.tensor_parallel_size:
+        fitted["rollout.tensor_parallel_size"] = 1
+    return apply_overrides(cfg, fitted) if fitted else cfg
 
 
 def _relaunch(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -309,7 +315,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                     "pass@k and maj@k (docs/configuration.md, Evaluation). A model folder "
                     "needs the engine alone (no trainer is built); an evaluation file "
                     "(--env.eval_dataset_path) alone is enough, and is evaluated whole unless "
-                    "--eval.num_prompts says otherwise. Writes nothing but --output.",
+                    "--eval.num_prompts says otherwise; a TP that does not divide the ranks, "
+                    "unless set, becomes 1. Writes nothing but --output.",
         epilog="--model.path=DIR takes a run's final/ folder or any HF folder; --checkpoint "
                "takes a run's checkpoints/step_<n> (with --model.path the run's base model). "
                "Any --section.key=value overrides config fields, e.g. --eval.num_samples=8 "

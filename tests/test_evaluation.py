@@ -208,6 +208,9 @@ def test_eval_takes_an_eval_file_alone_and_evaluates_all_of_it(tmp_path, capsys)
 
     cfg = config(f"--env.eval_dataset_path={path}")
     assert cfg.eval.num_prompts == 0 and not cfg.env.dataset_path
+    # One process: the recipe's TP 2 does not divide it, so one engine (unless told).
+    assert cfg.rollout.tensor_parallel_size == 1
+    assert config("--rollout.tensor_parallel_size=2").rollout.tensor_parallel_size == 2
     assert config(f"--env.eval_dataset_path={path}", "--eval.num_prompts=2").eval.num_prompts == 2
     (tmp_path / "c.yaml").write_text("eval:\n  num_prompts: 1\n")
     assert config(f"--env.eval_dataset_path={path}", f"--config={tmp_path / 'c.yaml'}"
