@@ -185,6 +185,16 @@ def test_the_samples_file_holds_each_sample_once_and_gives_back_pass_at_k(tmp_pa
     assert (tmp_path / "samples.jsonl").read_text() == ""
 
 
+def _eval_cli(argv: list[str]) -> int:
+    """`hybrid-engine eval ARGV` up to where it would start an engine, in this
+    process (through the command's parser, not `cli.main`, which sets the
+    libraries' log levels in os.environ for every later subprocess)."""
+    from hybrid_engine import cli
+
+    args, rest = cli._parser().parse_known_args(["eval", *argv])
+    return cli._cmd_eval(args, rest)
+
+
 def _tokenizer():  # noqa: ANN202
     from hybrid_engine.models.tokenizer import build_tokenizer
 
@@ -220,8 +230,8 @@ def test_eval_takes_an_eval_file_alone_and_evaluates_all_of_it(tmp_path, capsys)
 
     env = make_env(cfg.env, _tokenizer())
     assert len(env.eval_prompts(0)) == 3
-    assert cli.main(["eval", "--model.path=m", f"--env.eval_dataset_path={path}",
-                     f"--output={tmp_path / 'none' / 'out.jsonl'}"]) == 2
+    assert _eval_cli(["--model.path=m", f"--env.eval_dataset_path={path}",
+                      f"--output={tmp_path / 'none' / 'out.jsonl'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --output=") and "does not exist" in err[0]
 
@@ -310,7 +320,6 @@ def test_compare_lists_the_prompts_that_flipped_between_two_samples_files(tmp_pa
     """`hybrid-engine eval --compare A B`: prompt by prompt (a run's file: its last
     step; greedy where there is one, else at least half the samples right), no
     engine; a file that is not one is one error line."""
-    from hybrid_engine import cli
 
     def row(step: int, prompt: str, correct: bool, kind: str = "greedy") -> dict:
         return {"step": step, "pass": kind, "prompt": prompt, "correct": correct}
@@ -322,11 +331,11 @@ def test_compare_lists_the_prompts_that_flipped_between_two_samples_files(tmp_pa
                                                ("p4", (0, 0))) for c in map(bool, cs)]
     for name, rows in (("a", a), ("b", b)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert cli.main(["eval", "--compare", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) == 0
+    assert _eval_cli(["--compare", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got == {"prompts": 4, "only_a": 1, "only_b": 0, "a_right": 1, "b_right": 2,
                    "fixed": ["p1", "p3"], "broken": ["p2"]}
     (tmp_path / "bad.jsonl").write_text("{not json\n")
-    assert cli.main(["eval", "--compare", str(tmp_path / "a.jsonl"), str(tmp_path / "bad.jsonl")]) == 2
+    assert _eval_cli(["--compare", str(tmp_path / "a.jsonl"), str(tmp_path / "bad.jsonl")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --compare: {str(tmp_path / 'bad.jsonl')!r}, line 1: not JSON"]
