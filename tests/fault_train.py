@@ -14,8 +14,9 @@ SIGTERM to its parent, torchrun), launch or launch-term (SIGKILL or SIGTERM to
 torchrun's parent: hybrid_engine.launch when it started torchrun), or fsize (save
 only: at the n-th save, before any shard is written, this rank's files may no
 longer grow past 64 KiB, RLIMIT_FSIZE, as on a full disk).
-Just before the signal the rank writes time.time() to HE_FAULT_STAMP. Without
-HE_FAULT it is the plain CLI.
+Just before the signal the rank writes time.time() to HE_FAULT_STAMP; a SIGTERM
+to a launcher is waited for until it has come back to this rank (up to 10 s),
+so it lands inside the armed step. Without HE_FAULT it is the plain CLI.
 """
 
 from __future__ import annotations
@@ -74,9 +75,22 @@ def _arm() -> None:
                 resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
             else:
                 os.kill(target, sig)
+                if sig == signal.SIGTERM and target != os.getpid():
+                    _until_forwarded()
         return original(*args, **kwargs)
 
     setattr(owner, name, armed)
+
+
+def _until_forwarded(timeout_s: float = 10.0) -> None:
+    """Waits until the SIGTERM sent to a launcher has come back to this rank, so
+    it lands inside the armed phase's step, not after the step's stop check (a
+    race the launcher's scheduling would otherwise decide)."""
+    from hybrid_engine.parallel import signals
+
+    deadline = time.monotonic() + timeout_s
+    while signals.requested() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":
