@@ -164,9 +164,18 @@ def _dump_stacks(ranks: Mapping[int, mp.process.BaseProcess], logs: Path) -> Non
         time.sleep(0.02)  # polling the logs, not waiting for a guess
 
 
-def _kill(procs: Sequence[mp.process.BaseProcess]) -> None:
+def _kill(procs: Sequence[mp.process.BaseProcess], grace_s: float = 0.0) -> None:
+    """Kills every rank's process tree, after up to grace_s for them to exit on
+    their own: a rank that has sent its result still runs multiprocessing's
+    finalizers, which unlink its named semaphores (its reward pool's); killed
+    there, they stay in /dev/shm, since its resource tracker is the server's
+    and outlives it."""
+    deadline = time.monotonic() + grace_s
     for p in procs:
         if p.pid is not None:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
             kill_tree(p.pid)
     for p in procs:
         p.join(timeout=10)
@@ -221,7 +230,9 @@ def run_ranks(
             )
             p.start()
             procs.append(p)
-        return _collect(procs, results, world_size, timeout, logs)
+        out = _collect(procs, results, world_size, timeout, logs)
+        _kill(procs, grace_s=30.0)  # every rank sent its result: let it finish exiting
+        return out
     finally:
         _kill(procs)
         if tmp is not None:
