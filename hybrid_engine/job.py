@@ -213,15 +213,16 @@ class Job:
         drift = self.actor.drift_scorer()
         if drift is not None:
             scorers.append(drift)
-        trains = self.actor.is_trainer  # separate: only ranks 0..M-1 train
+        placement = self.actor.placement
         if self.algorithm.needs_reference:
             from hybrid_engine.roles.reference import Reference
             from hybrid_engine.roles.scorers import ReferenceScorer
 
             scorer = None
-            if trains:
+            if placement.holds("reference"):
                 lora = self.actor.trainer if cfg.model.lora_rank else None  # its own base
-                ref = Reference(self.actor.model_path, cfg.model, lora and lora.mesh,
+                mesh = lora.mesh if lora else placement.mesh("reference")
+                ref = Reference(self.actor.model_path, cfg.model, mesh,
                                 logits_chunk_tokens=cfg.train.logits_chunk_tokens,
                                 temperature=cfg.rollout.temperature,
                                 adapted=lora and lora.module)
@@ -232,8 +233,9 @@ class Job:
             from hybrid_engine.roles.scorers import CriticScorer
 
             critic = None
-            if trains:
-                self.critic = Critic(self.actor.model_path, cfg.train, cfg.model)
+            if placement.holds("critic"):
+                self.critic = Critic(self.actor.model_path, cfg.train, cfg.model,
+                                     mesh=placement.mesh("critic"))
                 critic = CriticScorer(self.critic, pad_id=self.actor.pad_id,
                                       algorithm_cfg=cfg.algorithm)
             critic = self.actor.run_with_trainer(critic)

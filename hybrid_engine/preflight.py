@@ -111,15 +111,13 @@ def check_inputs(cfg: RunConfig, *, resume: bool, overwrite: bool,
 
 def check_layout(cfg: RunConfig, hf: Any, *, world_size: int, local_world_size: int) -> None:
     """The model against the parallel layout, the memory and the installed vLLM."""
-    trainers = world_size
-    if cfg.placement == "separate":
-        from hybrid_engine.parallel.dist import split_ranks
-
-        trainers, rollout_ranks = split_ranks(world_size, cfg.rollout)
-        check_parallel(hf, cfg.rollout.tensor_parallel_size, rollout_ranks, what="rollout ranks")
-    else:
-        check_parallel(hf, cfg.rollout.tensor_parallel_size, world_size)
+    from hybrid_engine.parallel.placement import rank_map
     from hybrid_engine.parallel.sharding import check_shard_group
+
+    ranks = rank_map(cfg.placement, cfg, world_size)
+    trainers, rollout_ranks = len(ranks["actor"]), len(ranks["rollout"])
+    check_parallel(hf, cfg.rollout.tensor_parallel_size, rollout_ranks,
+                   what="world size" if rollout_ranks == world_size else "rollout ranks")
 
     check_shard_group(cfg.train, trainers)
     check_kv_cache(cfg.memory.kv_cache_gib, local_world_size)

@@ -7,7 +7,9 @@
 - production code never imports the test harness `hybrid_engine.testing`;
 - layers: a module imports only from its own layer or those below (`LAYERS`),
   lazy imports inside functions and TYPE_CHECKING imports included;
-- no import cycles between modules (the same imports).
+- no import cycles between modules (the same imports);
+- groups are passed, not found: no module-level process group, and no object
+  sets a hook (`before_*`, `after_*`, `between_*`, `on_*`) on another.
 """
 
 from __future__ import annotations
@@ -170,3 +172,38 @@ def test_an_upward_import_or_a_cycle_added_on_purpose_is_caught() -> None:
     assert upward_imports(modules) == ["hybrid_engine.parallel.bad -> hybrid_engine.policy",
                                        "hybrid_engine.parallel.bad -> hybrid_engine.policy.colocated"]
     assert import_cycles(modules) == [["hybrid_engine.config.bad", "hybrid_engine.config.bad_too"]]
+
+
+HOOK_NAMES = ("before_", "after_", "between_", "on_")
+
+
+def placement_leaks(modules: dict[str, ast.Module]) -> list[str]:
+    """'path:line what' for state that belongs to the placement found elsewhere:
+    a module-level name bound to a process group (groups are passed, not found),
+    and a hook set on another object (`a.b.before_x = ...`: the owner passes a
+    callback where it calls, instead)."""
+    out = []
+    for path, tree in modules.items():
+        for node in tree.body:
+            if isinstance(node, ast.AnnAssign) and "ProcessGroup" in ast.unparse(node.annotation):
+                out.append(f"{path}:{node.lineno} module-level process group "
+                           f"{ast.unparse(node.target)}")
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            for t in targets:
+                if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Attribute)
+                        and t.attr.startswith(HOOK_NAMES)):
+                    out.append(f"{path}:{node.lineno} hook set on another object "
+                               f"{ast.unparse(t)}")
+    return out
+
+
+def test_groups_are_passed_and_no_object_sets_a_hook_on_another() -> None:
+    assert placement_leaks(_modules()) == []
+    bad = {"parallel/bad.py": ast.parse(
+        "import torch.distributed as dist\n_G: dist.ProcessGroup | None = None\n"
+        "class P:\n    def f(self):\n        self.trainer.before_step = self.wait\n")}
+    assert placement_leaks(bad) == [
+        "parallel/bad.py:2 module-level process group _G",
+        "parallel/bad.py:5 hook set on another object self.trainer.before_step"]

@@ -126,7 +126,7 @@ def _check_roundtrip(path: str, vocab: int, root: str) -> dict:
     # A save killed after writing its shards: no marker, never renamed.
     from pathlib import Path
 
-    tmp = tmp_folder(Path(ckpt))
+    tmp = tmp_folder(Path(ckpt), trainer.group)
     _write_state(tmp, trainer, critic, {"rl_step": 3}, Path(ckpt))
     torch.distributed.barrier()
 

@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
-from hybrid_engine.checkpoint.folders import WRITE_ERRORS, agree, commit, group_rank, tmp_folder
+from hybrid_engine.checkpoint.folders import (WRITE_ERRORS, Group, agree, commit, group_rank,
+                                              tmp_folder)
 from hybrid_engine.models.experts import checkpoint_tensors
 from hybrid_engine.parallel.lora import adapter_state_dict, lora_config, merged_parameters
 from hybrid_engine.parallel.params import full_tensor, reshard_all, sharded_named_parameters
@@ -50,13 +51,13 @@ def _write_shard(folder: Path, tensors: dict[str, Tensor], index: int,
 
 
 def _gather_and_write(module: FSDPModule, folder: Path, dtype: torch.dtype | None,
-                      max_shard_bytes: int) -> Exception | None:
+                      max_shard_bytes: int, group: Group) -> Exception | None:
     """Collective: all-gathers one weight at a time (LoRA adapters merged in:
     `lora.merged_parameters`); rank 0 buffers at most about one shard of full
     tensors and writes it. A write error stops rank 0's writing but not its
     part in the gathers (the other ranks' collectives still match); it is
     returned. dtype None: the dtype of the model's first parameter."""
-    is_writer, err = group_rank() == 0, None
+    is_writer, err = group_rank(group) == 0, None
     dtype = dtype or next(module.parameters()).dtype  # merged LoRA weights come in fp32
     model_type = getattr(getattr(module, "config", None), "model_type", "")
     weight_map: dict[str, str] = {}
@@ -109,11 +110,12 @@ def export_hf(
     hf_config_source: str | os.PathLike,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 1024**3,
+    group: Group = None,
 ) -> None:
     """Writes the policy as a HF folder that `AutoModelForCausalLM.from_pretrained` loads.
 
-    Collective. Parameters are all-gathered one at a time (`full_tensor()`)
-    and only rank 0 keeps them, at most about max_shard_bytes at once. Names
+    Collective over group. Parameters are all-gathered one at a time
+    (`full_tensor()`) and only its rank 0 keeps them, at most about max_shard_bytes at once. Names
     are the HF checkpoint names (a Mixture-of-Experts' fused experts written one
     tensor per expert, as `save_pretrained` does: `models.experts`); a tied lm_head is one parameter, written
     once as the embedding (no lm_head.weight), as HF expects. The folder is
@@ -126,22 +128,24 @@ def export_hf(
             (dtype updated), tokenizer and generation config are copied from it.
         dtype: dtype of the written weights; None keeps the parameters' (master) dtype.
         max_shard_bytes: split the weights into indexed files past this size.
+        group: the ranks the model is sharded over (`Trainer.group`); None: the
+            default group.
     """
     from transformers import AutoConfig
 
     module = model.module if hasattr(model, "module") else model
     reshard_all(module)  # the guard: a forward without backward leaves the root unsharded
     path, source = Path(path), Path(hf_config_source)
-    tmp = tmp_folder(path)
+    tmp = tmp_folder(path, group)
     err = None
-    if group_rank() == 0:
+    if group_rank(group) == 0:
         try:
             tmp.mkdir(parents=True)
         except OSError as e:
             err = e
-    agree(err, tmp, path)
-    err = _gather_and_write(module, tmp, dtype, max_shard_bytes)
-    if group_rank() == 0 and err is None:
+    agree(err, tmp, path, group)
+    err = _gather_and_write(module, tmp, dtype, max_shard_bytes, group)
+    if group_rank(group) == 0 and err is None:
         try:
             config = AutoConfig.from_pretrained(source)
             config.dtype = dtype or next(module.parameters()).dtype
@@ -149,25 +153,26 @@ def export_hf(
             _copy_side_files(source, tmp)
         except WRITE_ERRORS as e:
             err = e
-    agree(err, tmp, path)
-    commit(tmp, path)
+    agree(err, tmp, path, group)
+    commit(tmp, path, group)
 
 
 def export_adapter(path: str | os.PathLike, *, model: Trainer | FSDPModule, lora: ModelConfig,
-                   base_model: str) -> None:
+                   base_model: str, group: Group = None) -> None:
     """Writes a LoRA policy's adapters as a PEFT folder: adapter_config.json (the
     model section's rank, alpha, dropout and targets; base_model_name_or_path =
     base_model) and adapter_model.safetensors in the master dtype, PEFT's names.
 
-    Collective (each adapter is all-gathered); rank 0 writes; committed
-    atomically like a checkpoint."""
+    Collective over group (the ranks the model is sharded over; None: the
+    default group), as `export_hf`: each adapter is all-gathered; its rank 0
+    writes; committed atomically like a checkpoint."""
     module = model.module if hasattr(model, "module") else model
     reshard_all(module)
     tensors = adapter_state_dict(module)
     path = Path(path)
-    tmp = tmp_folder(path)
+    tmp = tmp_folder(path, group)
     err = None
-    if group_rank() == 0:
+    if group_rank(group) == 0:
         try:
             tmp.mkdir(parents=True)
             config = lora_config(lora)
@@ -178,5 +183,5 @@ def export_adapter(path: str | os.PathLike, *, model: Trainer | FSDPModule, lora
                       str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         except WRITE_ERRORS as e:
             err = e
-    agree(err, tmp, path)
-    commit(tmp, path)
+    agree(err, tmp, path, group)
+    commit(tmp, path, group)

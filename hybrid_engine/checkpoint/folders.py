@@ -26,8 +26,6 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hybrid_engine.parallel.dist import train_group
-
 __all__ = ["COMPLETE_MARKER", "MANIFEST", "WRITE_ERRORS", "CheckpointWriteError", "agree",
            "check_complete", "checkpoint_problem", "commit", "group_rank", "latest_checkpoint",
            "prune_checkpoints", "step_checkpoint_path", "step_checkpoints", "tmp_folder"]
@@ -36,15 +34,20 @@ COMPLETE_MARKER = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 
 
-def group_rank() -> int:
-    """This process's rank in the train group (the group checkpoints run over)."""
-    return dist.get_rank(train_group())
+Group = dist.ProcessGroup | None
+"""The ranks that write a folder together (None: the default group): the
+placement's group of the roles the folder holds."""
 
 
-def tmp_folder(path: Path) -> Path:
-    """`<path>.tmp-<token>`, the same on every rank (rank 0 draws the token)."""
-    token = [uuid.uuid4().hex[:12] if group_rank() == 0 else None]
-    dist.broadcast_object_list(token, group=train_group(), group_src=0)
+def group_rank(group: Group) -> int:
+    """This process's rank in group."""
+    return dist.get_rank(group)
+
+
+def tmp_folder(path: Path, group: Group) -> Path:
+    """`<path>.tmp-<token>`, the same on every rank of group (its rank 0 draws the token)."""
+    token = [uuid.uuid4().hex[:12] if group_rank(group) == 0 else None]
+    dist.broadcast_object_list(token, group=group, group_src=0)
     return path.with_name(f"{path.name}.tmp-{token[0]}")
 
 
@@ -86,20 +89,20 @@ def _probe_write(folder: Path) -> bool:
     return False
 
 
-def agree(err: BaseException | None, tmp: Path, path: Path) -> None:
-    """Collective: raises CheckpointWriteError on every rank if any rank failed
+def agree(err: BaseException | None, tmp: Path, path: Path, group: Group) -> None:
+    """Collective over group: raises CheckpointWriteError on every rank if any rank failed
     (rank 0 removes tmp first); returns normally on all ranks otherwise."""
     mine = None
     if err is not None:
         failed_rank, what, full = _failure(err)
         free = shutil.disk_usage(tmp.parent).free / 2**20
         mine = (failed_rank, what, full or _probe_write(tmp.parent) or free < 64, free)
-    every: list[Any] = [None] * dist.get_world_size(train_group())
-    dist.all_gather_object(every, mine, group=train_group())
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
     failed = [(r, f) for r, f in enumerate(every) if f is not None]
     if not failed:
         return
-    if group_rank() == 0:
+    if group_rank(group) == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     # The message is built from gathered values only: every rank's is the same.
     rank, (failed_rank, what, _, free) = failed[0]
@@ -122,10 +125,10 @@ def _crc32(f: Path) -> int:
     return crc
 
 
-def _my_share(folder: Path, names: list[str]) -> dict[str, list[int]]:
+def _my_share(folder: Path, names: list[str], group: Group) -> dict[str, list[int]]:
     """[bytes, crc32] of this rank's share of names (every N-th file, so ranks
     read in parallel on a file system they share)."""
-    n, r = dist.get_world_size(train_group()), group_rank()
+    n, r = dist.get_world_size(group), group_rank(group)
     return {name: [(folder / name).stat().st_size, _crc32(folder / name)]
             for name in names[r::n]}
 
@@ -134,23 +137,23 @@ def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
-def commit(tmp: Path, path: Path, *, manifest: bool = False) -> None:
-    """Collective: barrier, then rank 0 marks tmp complete and renames it to path.
+def commit(tmp: Path, path: Path, group: Group, *, manifest: bool = False) -> None:
+    """Collective over group: barrier, then rank 0 marks tmp complete and renames it to path.
 
     With manifest, the ranks first checksum tmp's files between them and rank
     0 writes MANIFEST.json. An existing folder at path is moved aside first
     and deleted after the rename, so path holds either the old or the new
     complete checkpoint. A failure on any rank raises CheckpointWriteError
     on every rank and removes tmp."""
-    dist.barrier(group=train_group())
+    dist.barrier(group=group)
     err = None
     try:
-        sums = _my_share(tmp, _files(tmp)) if manifest else {}
+        sums = _my_share(tmp, _files(tmp), group) if manifest else {}
     except OSError as e:
         err, sums = e, {}
-    shares: list[Any] = [None] * dist.get_world_size(train_group())
-    dist.all_gather_object(shares, sums, group=train_group())
-    if group_rank() == 0 and err is None:
+    shares: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shares, sums, group=group)
+    if group_rank(group) == 0 and err is None:
         try:
             if manifest:
                 table = {k: v for share in shares for k, v in share.items()}
@@ -158,8 +161,8 @@ def commit(tmp: Path, path: Path, *, manifest: bool = False) -> None:
             (tmp / COMPLETE_MARKER).write_text("ok\n")
         except OSError as e:
             err = e
-    agree(err, tmp, path)
-    if group_rank() == 0:
+    agree(err, tmp, path, group)
+    if group_rank(group) == 0:
         old = None
         if path.exists():
             old = path.with_name(f"{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
@@ -167,7 +170,7 @@ def commit(tmp: Path, path: Path, *, manifest: bool = False) -> None:
         os.replace(tmp, path)
         if old is not None:
             shutil.rmtree(old)
-    dist.barrier(group=train_group())
+    dist.barrier(group=group)
 
 
 def _problem_in(folder: Path, names: list[str], table: dict[str, list[int]]) -> str | None:
@@ -183,18 +186,16 @@ def _problem_in(folder: Path, names: list[str], table: dict[str, list[int]]) -> 
     return None
 
 
-def checkpoint_problem(path: str | os.PathLike, *, group: Any = None) -> str | None:
+def checkpoint_problem(path: str | os.PathLike, *, group: Group = None) -> str | None:
     """Why path is not a sound checkpoint, or None: not complete, or a file
     missing, truncated or changed since it was written (MANIFEST.json).
 
-    Collective over group (default: the train group) when a process group is
+    Collective over group (default: the default group) when a process group is
     up: each rank reads every N-th file and all agree on the answer. A
     checkpoint written before manifests existed is taken as sound.
     """
     path = Path(path)
     collective = dist.is_initialized()
-    if collective and group is None:
-        group = train_group()
     n, r = (dist.get_world_size(group), dist.get_rank(group)) if collective else (1, 0)
     if not (path / COMPLETE_MARKER).is_file():
         problem = f"no {COMPLETE_MARKER} marker"
@@ -213,14 +214,14 @@ def checkpoint_problem(path: str | os.PathLike, *, group: Any = None) -> str | N
     return problem
 
 
-def check_complete(path: Path) -> None:
-    """Collective: raises ValueError unless path is a complete, undamaged checkpoint."""
+def check_complete(path: Path, group: Group) -> None:
+    """Collective over group: raises ValueError unless path is a complete, undamaged checkpoint."""
     if not (path / COMPLETE_MARKER).is_file():
         raise ValueError(
             f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker): the save "
             "was interrupted or the path is wrong; load an earlier checkpoint"
         )
-    problem = checkpoint_problem(path)
+    problem = checkpoint_problem(path, group=group)
     if problem is not None:
         raise ValueError(f"checkpoint {path} is damaged: {problem}; load an earlier checkpoint")
 

@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from hybrid_engine.checkpoint.folders import (WRITE_ERRORS, agree, check_complete, commit,
                                               group_rank, tmp_folder)
 from hybrid_engine.checkpoint.origin import folder_digest, run_origin, weights_digest
-from hybrid_engine.parallel.dist import train_group
 from hybrid_engine.parallel.params import reshard_all
 
 if TYPE_CHECKING:
@@ -149,35 +148,36 @@ def _write_state(
 
     Leaves folder without the COMPLETE marker (that is `_commit`'s job). A
     write failure on any rank raises CheckpointWriteError on every rank."""
-    rank, err = group_rank(), None
+    group = trainer.group
+    rank, err = group_rank(group), None
     if rank == 0:
         try:
             (folder / "rng").mkdir(parents=True, exist_ok=True)
         except OSError as e:
             err = e
-    agree(err, folder, path)
+    agree(err, folder, path, group)
     try:  # DCP hands every rank's write failure to every rank
         dcp.save(_dcp_state(trainer, critic), checkpoint_id=folder / "dcp",
-                 process_group=train_group())
+                 process_group=group)
     except (CheckpointException, OSError) as e:
         err = e
-    agree(err, folder, path)
+    agree(err, folder, path, group)
     try:
         _write_rest(folder, trainer, critic, extra)
     except WRITE_ERRORS as e:
         err = e
-    agree(err, folder, path)
+    agree(err, folder, path, group)
 
 
 def _write_rest(folder: Path, trainer: Trainer, critic: Critic | None, extra: dict | None) -> None:
     """This rank's RNG file; rank 0 also meta.json."""
-    rank = group_rank()
+    rank = group_rank(trainer.group)
     buf = io.BytesIO()  # serialised first: a failed file write then says why (errno),
     torch.save(_rng_state(), buf)  # where torch.save to a path says "inline_container.cc"
     (folder / "rng" / f"rank{rank}.pt").write_bytes(buf.getbuffer())
     if rank == 0:
         meta = {
-            "world_size": dist.get_world_size(train_group()),
+            "world_size": dist.get_world_size(trainer.group),
             "step": trainer.step,
             "scheduler": trainer.scheduler.state_dict(),
             "critic": None if critic is None else {
@@ -225,8 +225,8 @@ def save_training_state(
 ) -> None:
     """Writes a resumable checkpoint of the policy (and critic) to path, atomically.
 
-    Collective over the train group (`dist.train_group`: every rank unless
-    placement is separate). Each rank writes
+    Collective over the trainer's group (`Trainer.group`: the ranks the
+    placement trains on). Each rank writes
     only its own shards; path may already hold an older checkpoint, which is
     replaced.
 
@@ -242,9 +242,9 @@ def save_training_state(
             left at `<path>.tmp-*` and an older checkpoint at path is intact.
     """
     path = Path(path)
-    tmp = tmp_folder(path)
+    tmp = tmp_folder(path, trainer.group)
     _write_state(tmp, trainer, critic, extra, path)
-    commit(tmp, path, manifest=True)
+    commit(tmp, path, trainer.group, manifest=True)
 
 
 def load_training_state(
@@ -270,7 +270,7 @@ def load_training_state(
             a model of another shape.
     """
     path = Path(path)
-    check_complete(path)
+    check_complete(path, None if trainer is None else trainer.group)
     meta = json.loads((path / "meta.json").read_text())
     _check_base(path, meta.get("lora_base"), trainer)
     if (meta["critic"] is None) != (critic is None):
@@ -278,7 +278,8 @@ def load_training_state(
                          f"but critic={'given' if critic is not None else 'None'}")
     state = _dcp_state(trainer, critic)
     _check_shapes(path, state)
-    dcp.load(state, checkpoint_id=path / "dcp", process_group=train_group())
+    group = trainer.group
+    dcp.load(state, checkpoint_id=path / "dcp", process_group=group)
     set_state_dict(trainer.module, trainer.optimizer, options=_OPTIONS,
                    model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer.scheduler.load_state_dict(meta["scheduler"])
@@ -289,9 +290,9 @@ def load_training_state(
                        optim_state_dict=state["critic_optim"])
         critic.scheduler.load_state_dict(meta["critic"]["scheduler"])
         critic.step = meta["critic"]["step"]
-    if meta["world_size"] == dist.get_world_size(train_group()):
-        _set_rng_state(torch.load(path / "rng" / f"rank{group_rank()}.pt", weights_only=True))
-    elif group_rank() == 0:
+    if meta["world_size"] == dist.get_world_size(group):
+        _set_rng_state(torch.load(path / "rng" / f"rank{group_rank(group)}.pt", weights_only=True))
+    elif group_rank(group) == 0:
         logger.warning("checkpoint %s was written by %d ranks, loading on %d: RNG states "
-                       "not restored", path, meta["world_size"], dist.get_world_size(train_group()))
+                       "not restored", path, meta["world_size"], dist.get_world_size(group))
     return meta["extra"]

@@ -168,7 +168,7 @@ class RewardModel:
         _check_config(self.config, folder)
         self.micro_batch_size = micro_batch_size
         if mesh is None and dist.is_initialized():
-            mesh = dp_mesh(whole_world=True)  # every rank scores, whatever the placement
+            mesh = dp_mesh()  # every rank scores, whatever the placement
         self.mesh = mesh
         if mesh is None:
             self.device = default_device()

@@ -2,11 +2,11 @@
 
 Job: every rank holds the whole step's trajectories (the rollout gathers
 them); the FSDP2 roles (trainer, reference, critic) each process only this
-rank's contiguous slice, ranks counted in the train group
-(`hybrid_engine.parallel.dist.train_group`: the trainer ranks under separate
-placement). `local_batch` collates that slice, and `gather_response_field`
-gives every rank of that group the per-token results of every slice, so the
-algorithm then runs on identical data everywhere.
+rank's contiguous slice, ranks counted in the role's group (the ranks the
+placement gives it: `Trainer.group`, every rank when colocated). `local_batch`
+collates that slice, and `gather_response_field` gives every rank of that
+group the per-token results of every slice, so the algorithm then runs on
+identical data everywhere.
 
 Invariant: a rank whose slice is empty still takes part in every collective:
 it gets a one-row batch whose loss mask is all False (a copy of the first
@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from hybrid_engine.parallel.dist import all_gather_ragged, train_group, train_rank_world
+from hybrid_engine.parallel.dist import all_gather_ragged
 from hybrid_engine.trajectory import TrainBatch, Trajectory, collate_trajectories
 
 if TYPE_CHECKING:
@@ -32,28 +33,35 @@ __all__ = ["gather_response_field", "local_batch", "local_range", "scatter_respo
            "train_batch_of"]
 
 
-def _world() -> tuple[int, int]:
-    return train_rank_world()
+Group = dist.ProcessGroup | None  # None: the default group
 
 
-def local_range(num: int) -> range:
-    """This rank's contiguous share of num items (the first num % world ranks get one more)."""
-    rank, world = _world()
+def _rank_world(group: Group) -> tuple[int, int]:
+    """(rank, size) in group; (0, 1) when not distributed."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def local_range(num: int, group: Group) -> range:
+    """This rank's contiguous share of num items over group (the first num %
+    size ranks get one more)."""
+    rank, world = _rank_world(group)
     return range(num * rank // world, num * (rank + 1) // world)
 
 
 def local_batch(
-    trajs: Sequence[Trajectory], *, pad_id: int, micro_batch_size: int | None = None,
-    max_tokens_per_micro_batch: int | None = None,
+    trajs: Sequence[Trajectory], group: Group, *, pad_id: int,
+    micro_batch_size: int | None = None, max_tokens_per_micro_batch: int | None = None,
 ) -> tuple[TrainBatch, range]:
-    """This rank's trajectories collated, and their indices in trajs.
+    """This rank's trajectories (its slice over group) collated, and their indices in trajs.
 
     Raises:
         ValueError: trajs is empty.
     """
     if not trajs:
         raise ValueError("local_batch needs at least one trajectory")
-    idx = local_range(len(trajs))
+    idx = local_range(len(trajs), group)
     mine = [trajs[i] for i in idx]
     if not mine:  # a placeholder row: no loss token, so no contribution
         t = trajs[0]
@@ -65,25 +73,25 @@ def local_batch(
     return batch, idx
 
 
-def train_batch_of(trajs: Sequence[Trajectory], *, pad_id: int, train: TrainConfig,
-                   ) -> tuple[TrainBatch, range]:
+def train_batch_of(trajs: Sequence[Trajectory], group: Group, *, pad_id: int,
+                   train: TrainConfig) -> tuple[TrainBatch, range]:
     """`local_batch` with train's micro-batch bounds (micro_batch_size, or
     max_tokens_per_micro_batch): what the policy, its reference and the critic
     all score and train on."""
-    return local_batch(trajs, pad_id=pad_id, micro_batch_size=train.micro_batch_size,
+    return local_batch(trajs, group, pad_id=pad_id, micro_batch_size=train.micro_batch_size,
                        max_tokens_per_micro_batch=train.max_tokens_per_micro_batch)
 
 
 def gather_response_field(
-    trajs: Sequence[Trajectory], idx: range, batch: TrainBatch, x_BT: Tensor,
+    trajs: Sequence[Trajectory], idx: range, batch: TrainBatch, x_BT: Tensor, group: Group,
 ) -> list[Tensor]:
     """Response-local slices of this rank's [B, T] result for every trajectory of
-    the step (collective: gathered from all ranks, in trajs' order)."""
+    the step (collective over group: gathered from its ranks, in trajs' order)."""
     local = [v.detach().cpu().float() for v in batch.per_trajectory(x_BT)][: len(idx)]
-    _, world = _world()
+    _, world = _rank_world(group)
     if world == 1:
         return local
-    out = [v for part in all_gather_ragged(local, train_group()) for v in part]
+    out = [v for part in all_gather_ragged(local, group) for v in part]
     if len(out) != len(trajs):
         raise AssertionError(f"gathered {len(out)} rows for {len(trajs)} trajectories")
     return out

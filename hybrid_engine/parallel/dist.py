@@ -3,11 +3,8 @@
 Invariant: the package only tears down a process group it created itself; a
 host trainer's group (torchrun, accelerate launch) is used as is.
 
-The *train group* is the process group the FSDP2 roles (trainer, reference,
-critic), their batch slicing and their checkpoints run over: the default
-group when the policy is colocated, the trainer ranks' subgroup under
-separate placement (`set_train_group`, called once before any FSDP2 role is
-built). `train_group()` is None for the default group.
+Groups are passed, not found: the placement (`parallel/placement.py`) makes
+each role's group and hands it to whoever runs over it.
 """
 
 from __future__ import annotations
@@ -24,28 +21,7 @@ if TYPE_CHECKING:
     from hybrid_engine.config import RolloutConfig
 
 __all__ = ["all_gather_ragged", "any_rank", "all_groups", "collective_timeouts", "free_port", "init_distributed", "is_launched", "rank0_logger",
-           "resync_group_counter", "set_collective_timeout", "set_train_group", "split_ranks",
-           "train_group", "train_rank_world"]
-
-_TRAIN_GROUP: dist.ProcessGroup | None = None
-
-
-def set_train_group(group: dist.ProcessGroup | None) -> None:
-    """Makes group the train group of this process (None: the default group)."""
-    global _TRAIN_GROUP
-    _TRAIN_GROUP = group
-
-
-def train_group() -> dist.ProcessGroup | None:
-    """The FSDP2 roles' process group; None = the default group."""
-    return _TRAIN_GROUP
-
-
-def train_rank_world() -> tuple[int, int]:
-    """(rank, size) in the train group; (0, 1) when not distributed."""
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(_TRAIN_GROUP), dist.get_world_size(_TRAIN_GROUP)
+           "resync_group_counter", "set_collective_timeout", "split_ranks"]
 
 
 def split_ranks(world_size: int, cfg: RolloutConfig) -> tuple[int, int]:

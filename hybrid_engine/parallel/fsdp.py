@@ -92,21 +92,18 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def dp_mesh(device: torch.device | None = None, *, whole_world: bool = False) -> DeviceMesh:
-    """A 1-D data-parallel mesh ("dp") over the train group (`dist.train_group`:
-    the default group unless placement is separate), or over every rank when
-    whole_world (e.g. a reward model that every rank runs).
+def dp_mesh(group: dist.ProcessGroup | None = None, device: torch.device | None = None,
+            ) -> DeviceMesh:
+    """A 1-D data-parallel mesh ("dp") over group's ranks (None: every rank of
+    the default group); the placement hands each role its group.
 
     Raises:
         ValueError: torch.distributed is not initialised (FSDP2 needs a group;
             use `hybrid_engine.parallel.dist.init_distributed` or `run_ranks`).
     """
-    from hybrid_engine.parallel.dist import train_group
-
     if not dist.is_initialized():
         raise ValueError("torch.distributed is not initialised: FSDP2 needs a process group")
     device = device or default_device()
-    group = None if whole_world else train_group()
     if group is not None:
         return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))

@@ -65,6 +65,7 @@ from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.parallel import watchdog
 from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_path
 from hybrid_engine.parallel.offload import OptimizerOffload
+from hybrid_engine.parallel.placement import Placement
 from hybrid_engine.parallel.sharding import (
     first_phase_estimate,
     model_dims_at,
@@ -170,16 +171,15 @@ class HybridActor:
             trajectory; emptied by every sync), for the drift scorer.
         offload: the `OptimizerOffload` (memory.offload_optimizer), else None.
         rank: this process's rank in the default group.
-        is_trainer: True: every rank trains.
+        placement: the `Placement` ("colocated": every role on every rank).
     """
-
-    is_trainer = True
 
     def __init__(self, cfg: RunConfig) -> None:
         cfg.validate_for_run()
         self.cfg = cfg
         self._process = PolicyProcess(cfg.collective_timeout_s)
         self.rank, world = self._process.rank, self._process.world
+        self.placement = Placement.build("colocated", cfg, world, self.rank)
         self.model_path = str(resolve_model_path(cfg.model.path))
         # The model contract before anything is built (seconds, not an engine start).
         check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size, world)
@@ -190,6 +190,7 @@ class HybridActor:
                   else f"FSDP2, {train_cfg.sharding}")
         log.info("loading %s into the trainer (%s)", self.model_path, layout)
         self.trainer = Trainer(self.model_path, train_cfg, cfg.model,
+                               mesh=self.placement.mesh("actor"),
                                logits_chunk_tokens=cfg.train.logits_chunk_tokens,
                                temperature=cfg.rollout.temperature)
         log.info("starting the vLLM engine (TP=%d)", cfg.rollout.tensor_parallel_size)
@@ -392,7 +393,7 @@ class HybridActor:
     # --- training ----------------------------------------------------------------
 
     def _batch(self, trajs: Sequence[Trajectory] | TrainBatch) -> tuple[TrainBatch, range | None]:
-        return train_batch(trajs, self.pad_id, self.cfg)
+        return train_batch(trajs, self.pad_id, self.cfg, self.trainer)
 
     def compute_logprobs(self, trajs: Sequence[Trajectory] | TrainBatch) -> list[torch.Tensor] | tuple:
         """Trainer log-probs under the current weights (collective, no grad), in the
@@ -407,7 +408,7 @@ class HybridActor:
         logp_BT, entropy_BT = self.trainer.compute_logprobs(batch)
         if idx is None:
             return logp_BT, entropy_BT
-        return gather_response_field(trajs, idx, batch, logp_BT)
+        return gather_response_field(trajs, idx, batch, logp_BT, self.trainer.group)
 
     def train_step(
         self, trajs: Sequence[Trajectory] | TrainBatch, loss: StepLoss | LossFn | None = None,
@@ -500,13 +501,14 @@ class HybridActor:
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Writes the current policy as a HF folder (atomic; collective)."""
         with watchdog.phase("export"):
-            export_hf(path, model=self.trainer, hf_config_source=self.model_path, dtype=dtype)
+            export_hf(path, model=self.trainer, hf_config_source=self.model_path, dtype=dtype,
+                      group=self.trainer.group)
 
     def export_adapter(self, path: str | Path) -> None:
         """Writes a LoRA policy's adapters as a PEFT folder over model.path (collective)."""
         with watchdog.phase("export"):
             export_adapter(path, model=self.trainer, lora=self.cfg.model,
-                           base_model=self.model_path)
+                           base_model=self.model_path, group=self.trainer.group)
 
     def shutdown(self) -> None:
         """Stops the engine; destroys the process group if this actor created it.

@@ -41,7 +41,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import wait
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,8 @@ from hybrid_engine.checkpoint import (export_adapter, export_hf, load_training_s
                                       save_training_state)
 from hybrid_engine.config import RolloutConfig, RunConfig
 from hybrid_engine.parallel import watchdog
-from hybrid_engine.parallel.dist import resync_group_counter, set_train_group, split_ranks
+from hybrid_engine.parallel.dist import resync_group_counter
+from hybrid_engine.parallel.placement import Placement
 from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_path
 from hybrid_engine.parallel.sharding import (
     model_dims_at,
@@ -109,12 +110,19 @@ class _SharedRollout:
 class _LocalRollout(_SharedRollout):
     """The rollout ranks' own view of the engine (no broadcast): also what the
     per-episode loop needs (`rollout.agent_loop`), so multi-turn episodes run
-    per episode on the rollout ranks."""
+    per episode on the rollout ranks. between_steps: given to every generate
+    (in-flight updates; they need a single-turn environment)."""
 
-    def __init__(self, engine: Any, cfg: RolloutConfig) -> None:
+    def __init__(self, engine: Any, cfg: RolloutConfig,
+                 between_steps: Callable[[], bool] | None = None) -> None:
         super().__init__(engine, cfg, src=None)
         self.ranks, self.group = engine.ranks, engine.group
-        self.between_steps = None  # in-flight updates need a single-turn environment
+        self.between_steps = between_steps
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> Completions:
+        if self.between_steps is not None:
+            kwargs["between_steps"] = self.between_steps
+        return super().generate(prompts, **kwargs)
 
     def open_run(self, kind: str) -> Any:
         self.engine.cfg = self.cfg  # evaluation swaps the sampling config
@@ -180,8 +188,10 @@ class SeparatePolicy:
         self.cfg = cfg
         self._process = PolicyProcess(cfg.collective_timeout_s)
         self.rank, world = self._process.rank, self._process.world
-        self.num_trainers, _ = split_ranks(world, cfg.rollout)
-        self.is_trainer = self.rank < self.num_trainers
+        # Every rank makes every group, before any engine exists (names must agree).
+        self.placement = Placement.build("separate", cfg, world, self.rank)
+        self.num_trainers = len(self.placement.ranks["actor"])
+        self.is_trainer = self.placement.holds("actor")
         self.model_path = str(resolve_model_path(cfg.model.path))
         from hybrid_engine.preflight import check_model_for_run
 
@@ -191,10 +201,6 @@ class SeparatePolicy:
         # Every rank resolves the layout (sharding=auto: collective): the plan needs it.
         train_cfg = resolve_train_config(cfg, model_dims_at(self.model_path), self.num_trainers,
                                          colocated=False, device=default_device())
-        # Every rank makes both groups, before any engine exists (names must agree).
-        trainer_group = dist.new_group(list(range(self.num_trainers)))
-        rollout_ranks = list(range(self.num_trainers, world))
-        rollout_group = dist.new_group(rollout_ranks)
         # Generation ahead: the sync runs on its own thread behind the next step, so
         # it gets its own group (collectives of one group must not interleave
         # between threads). Not with the naive or verified sync: they gather full
@@ -202,7 +208,7 @@ class SeparatePolicy:
         self._behind = (cfg.async_rollout.max_staleness > 0 and cfg.sync.method == "reshard"
                         and not cfg.sync.verify)
         sync_group = dist.new_group(list(range(world))) if self._behind else None
-        hf_config = self._build_side(train_cfg, trainer_group, rollout_ranks, rollout_group)
+        hf_config = self._build_side(train_cfg)
         resync_group_counter()  # only the rollout ranks made vLLM's groups
         self.syncer = WeightSync(hf_config, cfg.sync, tp=cfg.rollout.tensor_parallel_size,
                                  wire_dtype=DTYPES[cfg.model.rollout_dtype],
@@ -223,8 +229,7 @@ class SeparatePolicy:
                  "ranks %d-%d", time.perf_counter() - t0, self.num_trainers - 1,
                  cfg.rollout.tensor_parallel_size, self.num_trainers, world - 1)
 
-    def _build_side(self, train_cfg: Any, trainer_group: dist.ProcessGroup,
-                    rollout_ranks: list[int], rollout_group: dist.ProcessGroup) -> Any:
+    def _build_side(self, train_cfg: Any) -> Any:
         """This rank's side: the FSDP2 trainer (trainer ranks) or the vLLM engine
         (rollout ranks), and the tokenizer; returns the model's HF config."""
         self.trainer, self.rollout = None, None
@@ -234,8 +239,8 @@ class SeparatePolicy:
 
             from hybrid_engine.roles.trainer import Trainer
 
-            set_train_group(trainer_group)
             self.trainer = Trainer(self.model_path, train_cfg, cfg.model,
+                                   mesh=self.placement.mesh("actor"),
                                    logits_chunk_tokens=cfg.train.logits_chunk_tokens,
                                    temperature=cfg.rollout.temperature)
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -246,7 +251,10 @@ class SeparatePolicy:
 
         self.rollout = VLLMRollout(self.model_path, cfg.rollout, memory=cfg.memory,
                                    dtype=cfg.model.rollout_dtype,
-                                   ranks=rollout_ranks, group=rollout_group,
+                                   # generation ahead: syncs land in back buffers
+                                   double_buffer=cfg.async_rollout.max_staleness > 0,
+                                   ranks=list(self.placement.ranks["rollout"]),
+                                   group=self.placement.group("rollout"),
                                    logprob_samples=logprob_samples(cfg))
         self.tokenizer = self.rollout.tokenizer
         return AutoConfig.from_pretrained(self.model_path)
@@ -259,8 +267,6 @@ class SeparatePolicy:
         self._local = (_LocalRollout(self.rollout, cfg.rollout) if self.rollout is not None
                        else None)
         self._gen = SerialWorker("generation")
-        if self.rollout is not None:
-            self.rollout.double_buffer = cfg.async_rollout.max_staleness > 0
         # async_rollout.inflight_updates: the sync's install lands between two engine steps
         # of the batch being sampled (agreed by the TP group), not after it.
         self._gate = (InstallGate(self.rollout.tp_all) if self.rollout is not None
@@ -275,8 +281,6 @@ class SeparatePolicy:
         self._sync_thread = SerialWorker("sync")
         self._sync_job: Any = None
         self._sync_metrics: dict[str, float] | None = None
-        if self.trainer is not None and self._behind:
-            self.trainer.before_weights_change = self._join_sync
 
     def rollout_metrics(self) -> dict[str, float]:
         """Multi-turn: rollout/engine_idle of the last batch the rollout ranks
@@ -367,19 +371,18 @@ class SeparatePolicy:
                     sync.result()
                 # in-flight updates: the engine offers every step boundary to the gate
                 gate = self._gate
-                self.rollout.between_steps = None if gate is None else gate.between_steps
-                try:
-                    def run() -> tuple[list[Trajectory], float]:
-                        stats = ScheduleStats()
-                        out = timed(lambda: collect(self._local, env, ids, stats=stats,
-                                                    num_samples=num_samples, seed=seed))
-                        if is_multi_turn(env):
-                            self._schedule = stats  # read by rollout_metrics
-                        return out
+                local = self._local if gate is None else _LocalRollout(
+                    self.rollout, self.cfg.rollout, between_steps=gate.between_steps)
 
-                    return run() if gate is None else gate.sample(handed, run)
-                finally:
-                    self.rollout.between_steps = None
+                def run() -> tuple[list[Trajectory], float]:
+                    stats = ScheduleStats()
+                    out = timed(lambda: collect(local, env, ids, stats=stats,
+                                                num_samples=num_samples, seed=seed))
+                    if is_multi_turn(env):
+                        self._schedule = stats  # read by rollout_metrics
+                    return out
+
+                return run() if gate is None else gate.sample(handed, run)
 
             future = self._gen.submit(job)
         return Inflight(future, lambda obj: _from_rank(self.num_trainers, obj), _all_ranks)
@@ -393,7 +396,10 @@ class SeparatePolicy:
         their metrics on every rank (collective)."""
         metrics = None
         if self.is_trainer:
-            metrics = policy_train(self.trainer, self.cfg, trajs, self.pad_id, loss, entropy_grad)
+            # Generation ahead: the sync behind reads the weights until the optimizer
+            # step (forward and backward only read them), so that step waits for it.
+            metrics = policy_train(self.trainer, self.cfg, trajs, self.pad_id, loss, entropy_grad,
+                                   before_update=self._join_sync if self._behind else None)
             metrics["mem_released_bytes"] = 0.0  # each layout owns its ranks
         self._stale = True
         return _from_rank(0, metrics)
@@ -405,9 +411,9 @@ class SeparatePolicy:
         if self.is_trainer:
             from hybrid_engine.parallel.batch_slices import gather_response_field
 
-            batch, idx = train_batch(trajs, self.pad_id, self.cfg)
+            batch, idx = train_batch(trajs, self.pad_id, self.cfg, self.trainer)
             logp_BT, _ = self.trainer.compute_logprobs(batch)
-            out = gather_response_field(trajs, idx, batch, logp_BT)
+            out = gather_response_field(trajs, idx, batch, logp_BT, self.trainer.group)
         return _from_rank(0, out)
 
     def sync_weights(self) -> dict[str, float]:
@@ -491,7 +497,8 @@ class SeparatePolicy:
         """Writes the current policy as a HF folder (trainer ranks; collective)."""
         with watchdog.phase("export"):
             if self.is_trainer:
-                export_hf(path, model=self.trainer, hf_config_source=self.model_path, dtype=dtype)
+                export_hf(path, model=self.trainer, hf_config_source=self.model_path,
+                          dtype=dtype, group=self.trainer.group)
             dist.barrier()
 
     def export_adapter(self, path: str | Path) -> None:
@@ -499,7 +506,7 @@ class SeparatePolicy:
         with watchdog.phase("export"):
             if self.is_trainer:
                 export_adapter(path, model=self.trainer, lora=self.cfg.model,
-                               base_model=self.model_path)
+                               base_model=self.model_path, group=self.trainer.group)
             dist.barrier()
 
     def shutdown(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hybrid_engine.algorithms.losses import LossFn, StepLoss, step_loss
@@ -65,13 +65,13 @@ def sampling_overrides(rollout: Any, sampling: Mapping[str, Any] | None) -> Iter
         rollout.cfg = cfg
 
 
-def train_batch(trajs: Sequence[Trajectory] | TrainBatch, pad_id: int,
-                cfg: RunConfig) -> tuple[TrainBatch, range | None]:
-    """This rank's TrainBatch of the step's trajectories (and their indices);
-    a TrainBatch is passed through (indices None)."""
+def train_batch(trajs: Sequence[Trajectory] | TrainBatch, pad_id: int, cfg: RunConfig,
+                trainer: Trainer) -> tuple[TrainBatch, range | None]:
+    """This rank's TrainBatch of the step's trajectories (its slice over the
+    trainer's group) and their indices; a TrainBatch is passed through (indices None)."""
     if isinstance(trajs, TrainBatch):
         return trajs, None
-    return train_batch_of(trajs, pad_id=pad_id, train=cfg.train)
+    return train_batch_of(trajs, trainer.group, pad_id=pad_id, train=cfg.train)
 
 
 def policy_loss(cfg: RunConfig, loss: StepLoss | LossFn | None,
@@ -85,33 +85,37 @@ def policy_loss(cfg: RunConfig, loss: StepLoss | LossFn | None,
 
 
 def policy_step(trainer: Trainer, batch: TrainBatch, loss: StepLoss, *,
-                advance_lr: bool = True) -> dict[str, float]:
+                advance_lr: bool = True, before_update: Callable[[], None] | None = None,
+                ) -> dict[str, float]:
     """One optimizer step of the policy trainer on this rank's batch (collective
-    over the train group), loss.fn wrapped to also report the rollout/trainer
-    mismatch."""
+    over its group), loss.fn wrapped to also report the rollout/trainer
+    mismatch; before_update as in `Trainer.train_step`."""
     return trainer.train_step(
         batch, with_mismatch_metrics(loss.fn), loss_agg=loss.agg,
         loss_agg_constant=loss.agg_constant, entropy_grad=loss.entropy_grad,
-        advance_lr=advance_lr)
+        advance_lr=advance_lr, before_update=before_update)
 
 
 def policy_train(trainer: Trainer, cfg: RunConfig, trajs: Sequence[Trajectory] | TrainBatch,
                  pad_id: int, loss: StepLoss | LossFn | None,
-                 entropy_grad: bool | None) -> dict[str, float]:
-    """The policy's updates of one RL step (collective over the train group):
+                 entropy_grad: bool | None, *, before_update: Callable[[], None] | None = None,
+                 ) -> dict[str, float]:
+    """The policy's updates of one RL step (collective over the trainer's group):
     `updates.policy_updates` on trajectories (train.ppo_epochs x
     train.mini_batches_per_rollout optimizer steps); one step on a TrainBatch.
-    loss: see `policy_loss`."""
+    loss: see `policy_loss`; before_update: called before each optimizer step
+    (`Trainer.train_step`)."""
     step_loss_ = policy_loss(cfg, loss, entropy_grad)
     if isinstance(trajs, TrainBatch):
-        return policy_step(trainer, trajs, step_loss_)
+        return policy_step(trainer, trajs, step_loss_, before_update=before_update)
     missing = sum(t.advantages is None for t in trajs)
     if missing:  # collate would train them with zero advantages: nothing but the LR moves
         raise ValueError(f"train_step: {missing} of {len(trajs)} trajectories have no advantages "
                          "(set them, e.g. with Algorithm.compute_advantages, first)")
 
     def step(mini: list[Trajectory], last: bool) -> dict[str, float]:
-        batch, _ = train_batch(mini, pad_id, cfg)
-        return policy_step(trainer, batch, step_loss_, advance_lr=last)
+        batch, _ = train_batch(mini, pad_id, cfg, trainer)
+        return policy_step(trainer, batch, step_loss_, advance_lr=last,
+                           before_update=before_update)
 
     return policy_updates(trainer, trajs, cfg, pad_id, step)

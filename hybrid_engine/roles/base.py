@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
     from hybrid_engine.algorithms.losses import LossFn, StepLoss
+    from hybrid_engine.parallel.placement import Placement
     from hybrid_engine.trajectory import TrainBatch, Trajectory
 
 __all__ = ["Algorithm", "Checkpointer", "Environment", "JobPolicy", "Layout", "Learner", "Pending",
@@ -100,7 +101,7 @@ class JobPolicy(Policy, Protocol):
     model_path: str
     tokenizer: Any
     pad_id: int
-    is_trainer: bool  # this rank trains (separate placement: ranks 0..M-1)
+    placement: Placement  # which ranks hold which role, and their groups
     trainer: Any  # the FSDP2 `roles.trainer.Trainer` on training ranks, else None
     engine_facts: dict  # what vLLM resolved, on every rank
 

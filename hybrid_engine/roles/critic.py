@@ -164,6 +164,11 @@ class Critic:
         values_BT = torch.cat([torch.zeros_like(out_BT[:, :1]), out_BT[:, :-1]], 1)
         return torch.where(mb.loss_mask_BT.to(dev), values_BT, 0.0)
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group of its mesh: the ranks it is sharded over."""
+        return self.mesh.get_group()
+
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> Tensor:
         """Values of this rank's rows, micro-batch by micro-batch, no grad.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh
@@ -79,6 +80,11 @@ class Reference:
             compute_dtype=model_cfg.compute_dtype, requires_grad=False,
             trust_remote_code=model_cfg.trust_remote_code,
         )
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group of its mesh: the ranks it is sharded over."""
+        return self.mesh.get_group()
 
     def score(self, batch: TrainBatch) -> Tensor:
         """Reference log-probs of the batch's loss tokens (no grad).

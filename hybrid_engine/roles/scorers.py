@@ -36,9 +36,10 @@ class ReferenceScorer:
         self.reference, self.pad_id, self.train_cfg = reference, pad_id, train_cfg
 
     def score(self, trajs: Sequence[Trajectory]) -> None:
-        batch, idx = train_batch_of(trajs, pad_id=self.pad_id, train=self.train_cfg)
-        for t, v in zip(trajs, gather_response_field(trajs, idx, batch, self.reference.score(batch)),
-                        strict=True):
+        group = self.reference.group
+        batch, idx = train_batch_of(trajs, group, pad_id=self.pad_id, train=self.train_cfg)
+        scores = self.reference.score(batch)
+        for t, v in zip(trajs, gather_response_field(trajs, idx, batch, scores, group), strict=True):
             t.ref_logp = v
 
 
@@ -52,11 +53,13 @@ class CriticScorer:
         self.critic, self.pad_id, self.cfg = critic, pad_id, algorithm_cfg
 
     def _batch(self, trajs: Sequence[Trajectory]):  # noqa: ANN202
-        return train_batch_of(trajs, pad_id=self.pad_id, train=self.critic.train_cfg)
+        return train_batch_of(trajs, self.critic.group, pad_id=self.pad_id,
+                              train=self.critic.train_cfg)
 
     def score(self, trajs: Sequence[Trajectory]) -> None:
         batch, idx = self._batch(trajs)
-        for t, v in zip(trajs, gather_response_field(trajs, idx, batch, self.critic.values(batch)),
+        values = self.critic.values(batch)
+        for t, v in zip(trajs, gather_response_field(trajs, idx, batch, values, self.critic.group),
                         strict=True):
             t.values = v
 

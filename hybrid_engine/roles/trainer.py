@@ -234,9 +234,6 @@ class Trainer:
                                       self.device)
         self.train_cfg, self.model_path = train_cfg, model_path
         self.lora = model_cfg.lora_rank > 0  # adapters on a frozen base (`parallel/lora.py`)
-        # Called right before the optimizer writes the weights (forward and backward
-        # only read them): separate placement's sync behind the next step waits there.
-        self.before_weights_change: Callable[[], None] | None = None
         self.chunk_tokens, self.temperature = logits_chunk_tokens, temperature
         self.module, self.load_stats = build_fsdp_model(
             model_path, self.mesh, master_dtype=model_cfg.master_dtype,
@@ -292,6 +289,11 @@ class Trainer:
         """Checkpoint name -> this rank's Shard(0) DTensor parameter (no copy; tied once)."""
         return dict(sharded_named_parameters(self.module))
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group of its mesh: the ranks it is sharded over."""
+        return self.mesh.get_group()
+
     def compute_logprobs(self, batch: TrainBatch) -> tuple[Tensor, Tensor]:
         """Per-token log-probs and entropy under the current weights, no grad.
 
@@ -311,6 +313,7 @@ class Trainer:
         loss_agg_constant: float | None = None,
         entropy_grad: bool = False,
         advance_lr: bool = True,
+        before_update: Callable[[], None] | None = None,
     ) -> dict[str, float]:
         """One optimizer step over this rank's rows of the global batch.
 
@@ -327,6 +330,9 @@ class Trainer:
             entropy_grad: pass entropy with grad (entropy bonus in the loss).
             advance_lr: step the LR schedule after this update (False for all but
                 the last update of an RL step: the schedule counts RL steps).
+            before_update: called right before the optimizer writes the weights
+                (forward and backward only read them): e.g. waiting for a sync
+                that still reads them (separate placement, generation ahead).
 
         Returns:
             Global metrics (floats): loss, grad_norm (before clipping), lr (of
@@ -339,13 +345,14 @@ class Trainer:
         with maybe_profile(self._calls, dist.get_rank()):
             t0 = time.perf_counter()
             metrics = self._train_step(batch, loss_fn, loss_agg, loss_agg_constant, entropy_grad,
-                                       advance_lr)
+                                       advance_lr, before_update)
             metrics["train_step_s"] = time.perf_counter() - t0  # this rank's; not profiler I/O
         return metrics
 
     def _train_step(self, batch: TrainBatch, loss_fn: LossFn, loss_agg: str,
                     loss_agg_constant: float | None, entropy_grad: bool,
-                    advance_lr: bool) -> dict[str, float]:
+                    advance_lr: bool, before_update: Callable[[], None] | None,
+                    ) -> dict[str, float]:
         self._check_sharded()
         group = self.mesh.get_group()
         norm = loss_normalizer(batch.loss_mask_BT, loss_agg, constant=loss_agg_constant)
@@ -357,8 +364,8 @@ class Trainer:
         for i in range(num_mb):
             with self._micro_batch_comm(last=i == num_mb - 1):
                 per_mb.append(self._accumulate(batch, i, loss_fn, norm, entropy_grad))
-        if self.before_weights_change is not None:  # e.g. a sync still reading the weights
-            self.before_weights_change()
+        if before_update is not None:
+            before_update()
         grad_norm, lr, skipped = clip_and_step(self.optimizer, self.scheduler,
                                                self.train_cfg.grad_clip, advance_lr=advance_lr)
         self.step += not skipped

@@ -130,10 +130,11 @@ def run_updates(
 def compute_old_logp(trainer: Trainer, trajs: Sequence[Trajectory], pad_id: int,
                      cfg: RunConfig) -> None:
     """Stores every trajectory's old_logp: the trainer's log-probs under its current
-    weights, each rank computing its slice, gathered (collective over the train group)."""
-    batch, idx = train_batch_of(trajs, pad_id=pad_id, train=cfg.train)
+    weights, each rank computing its slice, gathered (collective over the trainer's group)."""
+    batch, idx = train_batch_of(trajs, trainer.group, pad_id=pad_id, train=cfg.train)
     logp_BT, _ = trainer.compute_logprobs(batch)
-    for t, v in zip(trajs, gather_response_field(trajs, idx, batch, logp_BT), strict=True):
+    for t, v in zip(trajs, gather_response_field(trajs, idx, batch, logp_BT, trainer.group),
+                    strict=True):
         t.old_logp = v
 
 

@@ -105,7 +105,7 @@ class VLLMRollout(WeightStaging):
     def __init__(self, model_path: str, cfg: RolloutConfig, *, memory: MemoryConfig | None = None,
                  dtype: str = "bfloat16", ranks: Sequence[int] | None = None,
                  group: object = None, reserve_bytes: int = 0, lora_rank: int = 0,
-                 logprob_samples: int | None = None) -> None:
+                 logprob_samples: int | None = None, double_buffer: bool = False) -> None:
         import torch.distributed as dist
 
         self.ranks = list(ranks) if ranks is not None else None
@@ -136,11 +136,8 @@ class VLLMRollout(WeightStaging):
         self.llm = self._start_engine(model_path, dtype)
         self.facts = vllm_compat.engine_facts(self.llm)
         self.tokenizer = self.llm.get_tokenizer()
-        self._init_weights()
+        self._init_weights(double_buffer)
         self._kv_released = False  # release_memory() dropped the KV cache
-        # async_rollout.inflight_updates: called after every engine step of a generation;
-        # installs pending weights there and returns True (see _step_loop).
-        self.between_steps: Callable[[], bool] | None = None
         self.num_truncated = 0
         self._request_serial = 0  # hand-driven request ids are unique per engine
 
@@ -211,6 +208,7 @@ class VLLMRollout(WeightStaging):
         self, prompts: Sequence[str | Sequence[int]], *, num_samples: int | None = None,
         seed: int = 0, stop: Sequence[str] | None = None, include_stop_str: bool = False,
         max_tokens: int | Sequence[int] | None = None, keys: Sequence[int] | None = None,
+        between_steps: Callable[[], bool] | None = None,
     ) -> Completions:
         """Samples K completions per prompt; collective over the whole world.
 
@@ -236,6 +234,8 @@ class VLLMRollout(WeightStaging):
             keys: one per prompt, in place of its position in the seeds
                 (cfg.seed, seed, key, j): a multi-turn episode's turn keeps
                 its draws whichever episodes share the call.
+            between_steps: called after every engine step (in-flight updates): True
+                when it installed weights; tokens count installs (`Completions.installs`).
 
         Returns:
             Completions, prompt-major, in the order of `prompts`.
@@ -253,6 +253,7 @@ class VLLMRollout(WeightStaging):
             [prompt_ids[p] for p in mine], list(mine), k, seed, stop=stop,
             include_stop_str=include_stop_str,
             max_tokens=None if limits is None else [limits[p] for p in mine], keys=keys,
+            between_steps=between_steps,
         )
         if num_replicas > 1:  # every replica's results, as tensors (no pickling)
             token_ids = self._gather_replicas(token_ids, torch.int64)
@@ -328,10 +329,11 @@ class VLLMRollout(WeightStaging):
                 seed: int, *, stop: Sequence[str] | None = None,
                 include_stop_str: bool = False, max_tokens: Sequence[int] | None = None,
                 keys: Sequence[int] | None = None,
+                between_steps: Callable[[], bool] | None = None,
                 ) -> tuple[list[list[int]], list[list[float]], list[list[int]] | None]:
         """Samples this replica's share; stop / include_stop_str / max_tokens
-        (one per prompt) as in `generate`. Returns token ids, log-probs and,
-        with an install hook (`between_steps`), each token's install count.
+        (one per prompt) and between_steps as in `generate`. Returns token ids,
+        log-probs and, with between_steps, each token's install count.
 
         Stop strings on vLLM 0.32 (measured, tests/rollout/test_episodes.py): a
         completion ended by a stop string has token_ids (and logprobs) through
@@ -354,8 +356,8 @@ class VLLMRollout(WeightStaging):
                     hash((self.cfg.seed, seed, key, j)) & 0x7FFFFFFF,
                     logprobs=self.wants_logprobs(j), stop=stop_strs,
                     include_stop_str=include_stop_str))
-        if self.between_steps is not None:
-            return self._step_loop(requests, params)
+        if between_steps is not None:
+            return self._step_loop(requests, params, between_steps)
         outs = self.llm.generate(requests, params, use_tqdm=False,
                                  lora_request=self.lora_request) if requests else []
         token_ids, logprobs = [], []
@@ -393,7 +395,7 @@ class VLLMRollout(WeightStaging):
         self._request_serial += 1
         return f"{kind}-{self._request_serial}"
 
-    def _step_loop(self, requests: list, params: list,
+    def _step_loop(self, requests: list, params: list, between_steps: Callable[[], bool],
                    ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
         """`LLM.generate`'s loop run by hand (async_rollout.inflight_updates): after every
         engine step `between_steps()` may install new weights (it returns True when
@@ -406,7 +408,7 @@ class VLLMRollout(WeightStaging):
         while run.running():
             for i, count in run.step():
                 installs[i] += [done] * count
-            if run.running() and self.between_steps():
+            if run.running() and between_steps():
                 done += 1
         return run.tokens, run.logps, installs
 

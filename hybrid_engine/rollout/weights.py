@@ -96,9 +96,9 @@ class WeightStaging:
     llm: LLM
     backend: Any
 
-    def _init_weights(self) -> None:
+    def _init_weights(self, double_buffer: bool = False) -> None:
         self.weights_valid = True
-        self.double_buffer = False
+        self.double_buffer = double_buffer
         self.staging_bytes = 0
         self._staging: dict[str, torch.Tensor] = {}
         self._arena: torch.Tensor | None = None

@@ -19,13 +19,13 @@ def _rank(n: int) -> dict:
     from hybrid_engine.parallel.batch_slices import gather_response_field, local_batch, scatter_response_field
 
     trajs = _trajs(n)
-    batch, idx = local_batch(trajs, pad_id=0, micro_batch_size=2)
+    batch, idx = local_batch(trajs, None, pad_id=0, micro_batch_size=2)
     # A per-token "result": 100 * trajectory index + column, computed on this rank only.
     x_BT = torch.zeros(batch.tokens_BT.shape)
     for b, i in enumerate(batch.order_B.tolist()):
         if len(idx):
             x_BT[b] = 100 * idx[i] + torch.arange(x_BT.shape[1])
-    got = gather_response_field(trajs, idx, batch, x_BT)
+    got = gather_response_field(trajs, idx, batch, x_BT, None)
     back = scatter_response_field(batch, idx, got)
     return {"idx": list(idx), "loss_tokens": batch.num_loss_tokens, "got": [g.tolist() for g in got],
             "roundtrip": bool(torch.equal(torch.where(batch.loss_mask_BT, back, 0),

@@ -130,8 +130,8 @@ def _double_buffer(model_dir: str) -> dict:
 
     cfg = RolloutConfig(tensor_parallel_size=1, num_samples_per_prompt=2, max_tokens=8,
                         max_model_len=64, enforce_eager=True)
-    rollout = VLLMRollout(model_dir, cfg, memory=MemoryConfig(kv_cache_gib=0.05), dtype="float32")
-    rollout.double_buffer = True
+    rollout = VLLMRollout(model_dir, cfg, memory=MemoryConfig(kv_cache_gib=0.05), dtype="float32",
+                          double_buffer=True)
     first = rollout.generate(PROMPTS, seed=3)
     shapes = {t.name: t.shape for t in build_plan(model_dims(AutoConfig.from_pretrained(model_dir)), 1, 1)
               .targets[0]}

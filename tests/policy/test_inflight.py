@@ -201,15 +201,13 @@ def _install_mid_batch(model_dir: str, other_dir: str) -> dict:
         rollout.load_full_weights(load_file(f"{other_dir}/model.safetensors").items())
         return rollout.commit_weights(running=running)
 
-    rollout.between_steps = boundary
     with ThreadPoolExecutor(1, thread_name_prefix="generation") as pool:
-        batch = pool.submit(rollout.generate, PROMPTS, seed=1)
+        batch = pool.submit(rollout.generate, PROMPTS, seed=1, between_steps=boundary)
         batch.add_done_callback(lambda _: fifth.set())
         fifth.wait()  # 5 engine steps in (or, failing, the batch over: landed is then False)
         landed = gate.hand_over(commit, [batch])[1]
         out = batch.result()
-    rollout.between_steps = None
-    again = rollout.generate(PROMPTS, seed=1)  # the hook unset: LLM.generate, new weights
+    again = rollout.generate(PROMPTS, seed=1)  # no hook: LLM.generate, new weights
     rows = []
     for i, (toks, lps, inst) in enumerate(zip(out.token_ids, out.logprobs, out.installs,
                                               strict=True)):
@@ -222,8 +220,8 @@ def _install_mid_batch(model_dir: str, other_dir: str) -> dict:
             "cont_vs_new": max((abs(a - b) for a, b in zip(lps[n0:], new[n0:])), default=0.0),
             "prefix_vs_new": max((abs(a - b) for a, b in zip(lps[:n0], new[:n0])), default=0.0),
         })
-    rollout.between_steps = lambda: False  # the step loop without installs = LLM.generate
-    looped = rollout.generate(PROMPTS, seed=1)
+    # the step loop without installs = LLM.generate
+    looped = rollout.generate(PROMPTS, seed=1, between_steps=lambda: False)
     rollout.shutdown()
     return {"landed": landed, "rows": rows, "plain_installs": plain.installs,
             "looped_equal": (looped.token_ids, looped.logprobs) == (again.token_ids,
@@ -284,10 +282,9 @@ def _tp_agreement(model_dir: str) -> dict:
     # gate does not mind which is which): under run_ranks a new thread's OpenMP
     # default is the machine's cores, not the rank's share vLLM bound, and the CPU
     # attention kernel checks the two agree (torchrun sets OMP_NUM_THREADS first).
-    rollout.between_steps = boundary
     with ThreadPoolExecutor(1, thread_name_prefix="sync") as pool:
         landed = pool.submit(sync)
-        out = rollout.generate(PROMPTS, seed=1)
+        out = rollout.generate(PROMPTS, seed=1, between_steps=boundary)
         started.set_result(None)
         ready.set()
         landed = landed.result()

@@ -452,7 +452,7 @@ def _check_profile(path: str, vocab: int, folder: str) -> dict:
 
 
 def _check_weights_hook(path: str, vocab: int) -> dict:
-    """Trainer.before_weights_change runs once per optimizer step, after backward
+    """train_step's before_update runs once per optimizer step, after backward
     (gradients exist) and before the weights change (what separate placement's
     sync behind the step relies on: it packs from the weights until then)."""
     run = start_run(path, {}, vocab=vocab)
@@ -463,8 +463,8 @@ def _check_weights_hook(path: str, vocab: int) -> dict:
         grads = all(p.grad is not None for p in run.trainer.module.parameters())
         seen.append((grads, max_diff(full_weights(run.trainer.module), before)))
 
-    run.trainer.before_weights_change = hook
-    run.steps(2)
+    for _ in range(2):
+        run.trainer.train_step(run.batch, run.loss_fn, before_update=hook)
     return dict(seen=seen[:1], calls=len(seen),
                 moved=max_diff(full_weights(run.trainer.module), before))
 
@@ -900,7 +900,7 @@ def test_train_step_metrics_and_falling_loss(two_ranks):
     assert out["replicate_bf16"]["vs_fsdp_bf16"] < 1e-3
 
 
-def test_before_weights_change_runs_after_backward_before_the_update(two_ranks):
+def test_before_update_runs_after_backward_before_the_weights_change(two_ranks):
     for out in two_ranks:
         h = out["weights_hook"]
         assert h["calls"] == 2  # once per optimizer step

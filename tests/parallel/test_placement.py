@@ -1,0 +1,82 @@
+"""The placement: which ranks hold which role, and the groups it hands them."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_engine.config import RunConfig
+from hybrid_engine.config.sections import RolloutConfig
+from hybrid_engine.parallel.placement import KINDS, ROLES, Placement, rank_map
+from hybrid_engine.testing import run_ranks
+
+
+def _cfg(**rollout) -> RunConfig:
+    return RunConfig(rollout=RolloutConfig(**rollout))
+
+
+def test_colocated_puts_every_role_on_every_rank() -> None:
+    assert rank_map("colocated", _cfg(), 3) == dict.fromkeys(ROLES, (0, 1, 2))
+
+
+def test_separate_puts_the_trainer_roles_first_and_the_rollout_after() -> None:
+    ranks = rank_map("separate", _cfg(num_ranks=1), 3)
+    assert ranks == {"actor": (0, 1), "reference": (0, 1), "critic": (0, 1), "rollout": (2,)}
+    # num_ranks=0: half the world, in multiples of the rollout's TP
+    assert rank_map("separate", _cfg(tensor_parallel_size=2), 6)["rollout"] == (4, 5)
+
+
+def test_bad_kinds_and_worlds_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"placement='nowhere' is not one of \['colocated'"):
+        rank_map("nowhere", _cfg(), 2)
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        rank_map("separate", _cfg(), 1)
+    assert set(KINDS) == {"colocated", "separate"}
+
+
+def _groups(kind: str) -> dict:
+    import torch.distributed as dist
+
+    p = Placement.build(kind, _cfg(num_ranks=1), dist.get_world_size(), dist.get_rank())
+    out = {"describe": p.describe()}
+    for role in ROLES:
+        group = p.group(role)
+        out[role] = {"holds": p.holds(role),
+                     "group": None if group is None else dist.get_process_group_ranks(group)}
+        if p.holds(role):
+            mesh = p.mesh(role)
+            out[role]["mesh"] = mesh.mesh.tolist()
+            # a collective over the role's group reaches exactly its ranks
+            t = mesh.mesh.new_ones(()).float()
+            dist.all_reduce(t, group=mesh.get_group())
+            out[role]["sum"] = float(t)
+        else:
+            with pytest.raises(ValueError) as e:
+                p.mesh(role)
+            out[role]["error"] = str(e.value)
+    return out
+
+
+def _both() -> dict:
+    return {"separate": _groups("separate"), "colocated": _groups("colocated")}
+
+
+def test_each_role_gets_the_group_and_mesh_of_its_ranks() -> None:
+    out = run_ranks(_both, 3, timeout=60)
+    for rank, r in enumerate(out):
+        sep, col = r["separate"], r["colocated"]
+        assert sep["describe"] == "actor+reference+critic on ranks 0-1; rollout on ranks 2"
+        for role in ("actor", "reference", "critic"):
+            assert sep[role]["holds"] == (rank < 2)
+            assert sep[role]["group"] == [0, 1]
+            if rank < 2:
+                assert sep[role]["mesh"] == [0, 1] and sep[role]["sum"] == 2.0
+            else:
+                assert sep[role]["error"] == (f"rank 2 holds no {role} under "
+                                              "placement='separate' (its ranks: [0, 1])")
+        assert sep["rollout"]["group"] == [2] and sep["rollout"]["holds"] == (rank == 2)
+        if rank < 2:
+            assert sep["rollout"]["error"] == (f"rank {rank} holds no rollout under "
+                                               "placement='separate' (its ranks: [2])")
+        for role in ROLES:  # colocated: the default group, a mesh over the world
+            assert col[role] == {"holds": True, "group": None, "mesh": [0, 1, 2], "sum": 3.0}
+        assert col["describe"] == "actor+rollout+reference+critic on ranks 0-2"
