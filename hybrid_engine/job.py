@@ -50,10 +50,12 @@ from hybrid_engine.parallel.dist import set_collective_timeout
 from hybrid_engine.envs import make_env
 from hybrid_engine.metrics import MetricsSink, SampleFile, plot_metrics
 from hybrid_engine.output_dir import OutputDir
+from hybrid_engine.parallel.placement import Placement
 from hybrid_engine.rollout.episodes import is_multi_turn
 from hybrid_engine.preflight import check_file_target, preflight
 from hybrid_engine.roles.base import JobPolicy
 from hybrid_engine.policy.engine_only import EnginePolicy
+from hybrid_engine.policy.grouped import GroupedPolicy
 from hybrid_engine.policy.separate import SeparatePolicy
 
 __all__ = ["Job", "JobCheckpointer", "RunAborted", "check_env_fits_algorithm",
@@ -110,11 +112,17 @@ class JobCheckpointer:
         return extra
 
 
+POLICIES: dict[str, type] = {
+    "colocated": HybridActor,
+    "separate": SeparatePolicy,
+    "grouped": GroupedPolicy,
+}
+"""The policy of each placement (`parallel.placement.KINDS` says where its roles live)."""
+
+
 def make_policy(cfg: RunConfig) -> JobPolicy:
     """The policy for cfg.placement (collective)."""
-    if cfg.placement == "separate":
-        return SeparatePolicy(cfg)
-    return HybridActor(cfg)
+    return POLICIES[cfg.placement](cfg)
 
 
 class Job:
@@ -206,42 +214,50 @@ class Job:
 
     def _scorers(self, cfg: RunConfig) -> tuple[list, list]:
         """(scorers, learners) the algorithm needs: the drift scorer, the reference,
-        the critic (which also learns); sets self.critic."""
+        the critic (which also learns), each built on the ranks the placement gives
+        it and called on every rank (`roles.mirrored`); sets self.critic."""
         scorers, learners, self.critic = [], [], None
         # Stale samples (colocated): the engine's log-probs under the current weights
         # split the mismatch into drift and numerics; first, in the inference layout.
         drift = self.actor.drift_scorer()
         if drift is not None:
             scorers.append(drift)
-        placement = self.actor.placement
+        placement, members = self.actor.placement, []
         if self.algorithm.needs_reference:
-            from hybrid_engine.roles.reference import Reference
-            from hybrid_engine.roles.scorers import ReferenceScorer
-
-            scorer = None
-            if placement.holds("reference"):
-                lora = self.actor.trainer if cfg.model.lora_rank else None  # its own base
-                mesh = lora.mesh if lora else placement.mesh("reference")
-                ref = Reference(self.actor.model_path, cfg.model, mesh,
-                                logits_chunk_tokens=cfg.train.logits_chunk_tokens,
-                                temperature=cfg.rollout.temperature,
-                                adapted=lora and lora.module)
-                scorer = ReferenceScorer(ref, pad_id=self.actor.pad_id, train_cfg=cfg.train)
-            scorers.append(self.actor.run_with_trainer(scorer))
+            members.append(("reference", self._reference(cfg, placement), "ref_logp"))
+        critic = None
         if self.algorithm.needs_values:
             from hybrid_engine.roles.critic import Critic
             from hybrid_engine.roles.scorers import CriticScorer
 
-            critic = None
             if placement.holds("critic"):
                 self.critic = Critic(self.actor.model_path, cfg.train, cfg.model,
                                      mesh=placement.mesh("critic"))
                 critic = CriticScorer(self.critic, pad_id=self.actor.pad_id,
                                       algorithm_cfg=cfg.algorithm)
-            critic = self.actor.run_with_trainer(critic)
-            scorers.append(critic)
-            learners.append(critic)
+            members.append(("critic", critic, "values"))
+        if members:
+            from hybrid_engine.roles.mirrored import Mirrored, MirroredLearner
+
+            scores = Mirrored(placement, members)
+            scorers.append(scores)
+            if self.algorithm.needs_values:
+                learners.append(MirroredLearner(placement, "critic", critic, scores))
         return scorers, learners
+
+    def _reference(self, cfg: RunConfig, placement: Placement) -> Any:
+        """The reference's scorer on the ranks holding it, else None."""
+        from hybrid_engine.roles.reference import Reference
+        from hybrid_engine.roles.scorers import ReferenceScorer
+
+        if not placement.holds("reference"):
+            return None
+        lora = self.actor.trainer if cfg.model.lora_rank else None  # its own base
+        mesh = lora.mesh if lora else placement.mesh("reference")
+        ref = Reference(self.actor.model_path, cfg.model, mesh,
+                        logits_chunk_tokens=cfg.train.logits_chunk_tokens,
+                        temperature=cfg.rollout.temperature, adapted=lora and lora.module)
+        return ReferenceScorer(ref, pad_id=self.actor.pad_id, train_cfg=cfg.train)
 
     def _on_metrics(self, step: int, m: dict[str, float]) -> None:
         """Writes the metrics and moves the bar (the controller's guards decide stops)."""

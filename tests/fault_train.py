@@ -8,7 +8,10 @@ phase: rollout (entering the n-th generate), train (the n-th optimizer step),
 sync (the n-th weight sync), save (the n-th checkpoint commit: shards
 written, the folder not yet marked complete), build (the vLLM engine's
 construction, at start-up), export (the final HF export) or start (n ignored:
-at once, before the CLI runs, i.e. before the rendezvous). signal: kill
+at once, before the CLI runs, i.e. before the rendezvous); on a rank of
+placement=grouped's critic group: critic-generate (the n-th collect it waits
+in), critic-score (the n-th critic scoring), critic-train (the critic's n-th
+update) or critic-sync (the n-th sync it waits in). signal: kill
 (default), stop or term (to this rank), launcher or launcher-term (SIGKILL or
 SIGTERM to its parent, torchrun), launch or launch-term (SIGKILL or SIGTERM to
 torchrun's parent: hybrid_engine.launch when it started torchrun), or fsize (save
@@ -52,13 +55,21 @@ def _arm() -> None:
         time.sleep(0.5)  # the signal has landed before the CLI starts
         return
     from hybrid_engine.checkpoint import export, state
+    from hybrid_engine.policy.grouped import GroupedPolicy
+    from hybrid_engine.roles.critic import Critic
+    from hybrid_engine.roles.scorers import CriticScorer
     from hybrid_engine.roles.sync import WeightSync
     from hybrid_engine.roles.trainer import Trainer
     from hybrid_engine.rollout.engine import VLLMRollout
 
     owner, name = {"rollout": (VLLMRollout, "generate"), "train": (Trainer, "train_step"),
                    "sync": (WeightSync, "sync"), "save": (state, "commit"),
-                   "build": (VLLMRollout, "__init__"), "export": (export, "_gather_and_write")}[phase]
+                   "build": (VLLMRollout, "__init__"), "export": (export, "_gather_and_write"),
+                   # a rank of placement=grouped's critic group
+                   "critic-generate": (GroupedPolicy, "collect"),
+                   "critic-score": (CriticScorer, "score"),
+                   "critic-train": (Critic, "train_step"),
+                   "critic-sync": (GroupedPolicy, "sync_weights")}[phase]
     if how == "fsize":
         owner, name = state, "_write_state"
     original, calls = getattr(owner, name), [0]

@@ -117,8 +117,10 @@ def _check_roundtrip(path: str, vocab: int, root: str) -> dict:
     for _ in range(2):
         _step(trainer, critic, batch, loss_fn)
     ckpt = f"{root}/ckpt"
-    save_training_state(ckpt, trainer=trainer, critic=critic, extra={"rl_step": 1})  # replaced
-    save_training_state(ckpt, trainer=trainer, critic=critic, extra={"rl_step": 2, "x": [1.5]})
+    save_training_state(ckpt, trainer=trainer, critic=critic, extra={"rl_step": 1},
+                        group=trainer.group)  # replaced
+    save_training_state(ckpt, trainer=trainer, critic=critic, extra={"rl_step": 2, "x": [1.5]},
+                        group=trainer.group)
     saved = _snapshot(trainer, critic)
     draws = _rng_draws()
     continued = _step(trainer, critic, batch, loss_fn)
@@ -127,16 +129,16 @@ def _check_roundtrip(path: str, vocab: int, root: str) -> dict:
     from pathlib import Path
 
     tmp = tmp_folder(Path(ckpt), trainer.group)
-    _write_state(tmp, trainer, critic, {"rl_step": 3}, Path(ckpt))
+    _write_state(tmp, trainer, critic, {"rl_step": 3}, Path(ckpt), trainer.group)
     torch.distributed.barrier()
 
     fresh, fresh_critic, _, _ = _roles(path, vocab)
     try:
-        load_training_state(tmp, trainer=fresh, critic=fresh_critic)
+        load_training_state(tmp, trainer=fresh, critic=fresh_critic, group=fresh.group)
         partial_error = ""
     except ValueError as e:
         partial_error = str(e)
-    extra = load_training_state(ckpt, trainer=fresh, critic=fresh_critic)
+    extra = load_training_state(ckpt, trainer=fresh, critic=fresh_critic, group=fresh.group)
     loaded = _snapshot(fresh, fresh_critic)
     loaded_draws = _rng_draws()
     resumed = _step(fresh, fresh_critic, batch, loss_fn)
@@ -160,13 +162,13 @@ def _check_layouts(path: str, vocab: int, root: str) -> dict:
     trainer, _, batch, loss_fn = _roles(path, vocab, with_critic=False, sharding="replicate")
     for _ in range(2):
         trainer.train_step(batch, loss_fn)
-    save_training_state(f"{root}/ckpt", trainer=trainer, extra={})
+    save_training_state(f"{root}/ckpt", trainer=trainer, extra={}, group=trainer.group)
     saved = snap(trainer)
     continued = trainer.train_step(batch, loss_fn)["loss"]
     out = {}
     for sharding in ("replicate", "full"):
         fresh, _, _, _ = _roles(path, vocab, with_critic=False, sharding=sharding)
-        load_training_state(f"{root}/ckpt", trainer=fresh)
+        load_training_state(f"{root}/ckpt", trainer=fresh, group=fresh.group)
         out[sharding] = dict(mismatched=_same(saved, snap(fresh)),
                              resumed=fresh.train_step(batch, loss_fn)["loss"])
     return dict(continued=continued, **out)
@@ -187,7 +189,8 @@ def _check_integrity(path: str, vocab: int, root: str) -> dict:
     trainer, critic, batch, loss_fn = _roles(path, vocab)
     _step(trainer, critic, batch, loss_fn)
     good, out = Path(root) / "good", {}
-    save_training_state(good, trainer=trainer, critic=critic, extra={"rl_step": 1})
+    save_training_state(good, trainer=trainer, critic=critic, extra={"rl_step": 1},
+                        group=trainer.group)
     out["sound"] = checkpoint_problem(good)
     manifest = __import__("json").loads((good / "MANIFEST.json").read_text())
     shard = sorted(n for n in manifest if n.endswith(".distcp"))[-1]
@@ -204,7 +207,7 @@ def _check_integrity(path: str, vocab: int, root: str) -> dict:
         dist.barrier()
         out[f"{how}_problem"] = checkpoint_problem(bad)
         try:
-            load_training_state(bad, trainer=trainer, critic=critic)
+            load_training_state(bad, trainer=trainer, critic=critic, group=trainer.group)
             out[f"{how}_error"] = ""
         except ValueError as e:
             out[f"{how}_error"] = str(e)
@@ -215,7 +218,8 @@ def _check_integrity(path: str, vocab: int, root: str) -> dict:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limits[1]))
     try:
-        save_training_state(good, trainer=trainer, critic=critic, extra={"rl_step": 2})
+        save_training_state(good, trainer=trainer, critic=critic, extra={"rl_step": 2},
+                            group=trainer.group)
         out["write_error"] = ""
     except CheckpointWriteError as e:
         out["write_error"] = str(e)
@@ -223,7 +227,8 @@ def _check_integrity(path: str, vocab: int, root: str) -> dict:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     dist.barrier()
     out["left"] = sorted(p.name for p in Path(root).iterdir())
-    out["after_failed_save"] = load_training_state(good, trainer=trainer, critic=critic)
+    out["after_failed_save"] = load_training_state(good, trainer=trainer, critic=critic,
+                                                   group=trainer.group)
     return out
 
 
@@ -281,7 +286,8 @@ def _check_save_before_training(path: str, vocab: int, root: str) -> dict:
     for save in (False, True):
         trainer, critic, batch, loss_fn = _roles(path, vocab)
         if save:
-            save_training_state(f"{root}/fresh", trainer=trainer, critic=critic)
+            save_training_state(f"{root}/fresh", trainer=trainer, critic=critic,
+                                group=trainer.group)
         _step(trainer, critic, batch, loss_fn)
         runs.append(_snapshot(trainer, critic))
     return {"differ": _same(*runs)}
@@ -295,7 +301,7 @@ def _save_lora(path: str, root: str) -> None:
 
     trainer = Trainer(path, TrainConfig(**TRAIN_KW),
                       ModelConfig(compute_dtype="float32", lora_rank=6), logits_chunk_tokens=16)
-    save_training_state(f"{root}/lora", trainer=trainer)
+    save_training_state(f"{root}/lora", trainer=trainer, group=trainer.group)
 
 
 def _two_rank_checks(root: str) -> dict:
@@ -325,7 +331,8 @@ def _one_rank_load(root: str) -> dict:
     from hybrid_engine.checkpoint import load_training_state
 
     trainer, critic, _, _ = _roles(f"{root}/untied", SPECS["untied"]["vocab_size"])
-    extra = load_training_state(f"{root}/rt_untied/ckpt", trainer=trainer, critic=critic)
+    extra = load_training_state(f"{root}/rt_untied/ckpt", trainer=trainer, critic=critic,
+                                group=trainer.group)
     return dict(extra=extra, weights=full_weights(trainer.module),
                 optim=_optim_state(trainer.optimizer), step=trainer.step)
 
@@ -355,9 +362,9 @@ def test_load_rejects_folder_without_marker(tmp_path):
 
     (tmp_path / "ckpt").mkdir()
     with pytest.raises(ValueError, match="not a complete checkpoint"):
-        load_training_state(tmp_path / "ckpt", trainer=None)
+        load_training_state(tmp_path / "ckpt", trainer=None, group=None)
     with pytest.raises(ValueError, match="not a complete checkpoint"):
-        load_training_state(tmp_path / "missing", trainer=None)
+        load_training_state(tmp_path / "missing", trainer=None, group=None)
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -346,8 +346,11 @@ def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False
         changed = max(float((local(after[n]) - before[n]).abs().max()) for n in before)
         summary["max_weight_change"] = changed
         summary["critic"] = job.critic is not None
-        summary["reference"] = any(type(getattr(s, "role", s)).__name__ == "ReferenceScorer"
-                                   for s in job.controller.scorers)
+        from hybrid_engine.roles.mirrored import Mirrored
+
+        summary["reference"] = any(type(role).__name__ == "ReferenceScorer"
+                                   for s in job.controller.scorers if isinstance(s, Mirrored)
+                                   for _, role, _ in s.members)
     finally:
         job.shutdown()
     assert torch.isfinite(torch.tensor([h.get("loss", 0.0) for h in summary["history"]])).all()

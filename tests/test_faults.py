@@ -75,18 +75,19 @@ def _argv(model: Path, out: Path, *extra: str) -> list[str]:
 
 def _train(model: Path, out: Path, *extra: str, fault: str | None = None,
            stamp: Path | None = None, master_port: int | None = None,
-           launcher: str = "torchrun"):  # noqa: ANN202
-    """The job under torchrun (what a fault meets), rank 1 armed with fault."""
-    env = {"HE_FAULT": fault, "HE_FAULT_RANK": "1", "HE_FAULT_STAMP": str(stamp)} if fault else {}
+           launcher: str = "torchrun", nproc: int = 2, fault_rank: int = 1):  # noqa: ANN202
+    """The job under torchrun (what a fault meets), fault_rank armed with fault."""
+    env = ({"HE_FAULT": fault, "HE_FAULT_RANK": str(fault_rank), "HE_FAULT_STAMP": str(stamp)}
+           if fault else {})
     return run_torchrun([str(HERE / "fault_train.py"), *_argv(model, out, *extra)],
-                        2, timeout=300, env=env, check=False, master_port=master_port,
+                        nproc, timeout=300, env=env, check=False, master_port=master_port,
                         launcher=launcher)
 
 
-def _run(model: Path, out: Path, *extra: str):  # noqa: ANN202
+def _run(model: Path, out: Path, *extra: str, nproc: int = 2):  # noqa: ANN202
     """The job without a fault (references, resumes): the same ranks, forked
     instead of started by torchrun (`run_job`)."""
-    return run_job(_argv(model, out, *extra), 2, timeout=300, check=False)
+    return run_job(_argv(model, out, *extra), nproc, timeout=300, check=False)
 
 
 def _steps(out: Path) -> dict[int, dict]:
@@ -142,8 +143,8 @@ KILL_PHASES = ("rollout", "train", "sync", "save")
 
 
 def _faulty_runs(model_dir: Path, root: Path, faults: dict[str, str], *extra: str,
-                 resume: tuple[str, ...] = (), relaunch: tuple[str, ...] = ()
-                 ) -> dict[str, SimpleNamespace]:
+                 resume: tuple[str, ...] = (), relaunch: tuple[str, ...] = (),
+                 nproc: int = 2, fault_rank: int = 1) -> dict[str, SimpleNamespace]:
     """One job per {name: fault}, two at a time (each mostly waits for its peers to
     notice), the ones named in `resume` resumed after their fault; those also in
     `relaunch` under torchrun on the killed launch's fixed --master_port at once,
@@ -161,17 +162,18 @@ def _faulty_runs(model_dir: Path, root: Path, faults: dict[str, str], *extra: st
         out, stamp = root / name / "run", root / name / "fault_at"
         stamp.parent.mkdir()
         started, port = time.time(), free_port()
-        proc = _train(model_dir, out, *extra, fault=faults[name], stamp=stamp, master_port=port)
+        proc = _train(model_dir, out, *extra, fault=faults[name], stamp=stamp, master_port=port,
+                      nproc=nproc, fault_rank=fault_rank)
         exited = time.time()
         ckpts = out / "checkpoints"
         r = SimpleNamespace(proc=proc, out=out, resumed=None,
                             down_after=exited - float(stamp.read_text()) if stamp.exists() else None,
                             latest=latest_checkpoint(ckpts), tmp_left=bool(list(ckpts.glob("*.tmp-*"))))
         if name in relaunch:
-            r.resumed = _train(model_dir, out, *extra, "--resume", master_port=port)
+            r.resumed = _train(model_dir, out, *extra, "--resume", master_port=port, nproc=nproc)
         r.shm_left = _shm_left(started)
         if name in resume and name not in relaunch:
-            r.resumed = _run(model_dir, out, *extra, "--resume")
+            r.resumed = _run(model_dir, out, *extra, "--resume", nproc=nproc)
         return r
 
     with ThreadPoolExecutor(2) as pool:
@@ -210,10 +212,11 @@ def killed_runs(model_dir, tmp_path_factory) -> dict[str, SimpleNamespace]:
 DEAD_BOUND_S = 10  # a dead peer's survivors are gone within this, whatever they wait in
 
 
-def _assert_died_line(run: SimpleNamespace, phase: str | None) -> None:
-    """The survivor's one error line names the dead rank and its phase (any, if
-    None); the job was down within DEAD_BOUND_S of the kill and left nothing in
-    /dev/shm."""
+def _assert_died_line(run: SimpleNamespace, phase: str | None, rank: int = 1,
+                      group: str | None = None) -> None:
+    """A survivor's one error line names the dead rank, its group (placement=
+    grouped) and its phase (any, if None); the job was down within DEAD_BOUND_S
+    of the kill and left nothing in /dev/shm."""
     text = run.proc.stdout
     assert run.proc.returncode != 0 and run.down_after is not None, text[-3000:]
     print(f"job down {run.down_after:.1f} s after SIGKILL in {phase}")
@@ -221,8 +224,10 @@ def _assert_died_line(run: SimpleNamespace, phase: str | None) -> None:
     errors = [ln for ln in text.splitlines() if ln.startswith("error")]
     assert len(errors) == 1, text[-3000:]
     named = re.escape(phase) if phase else r"\w+"
-    assert re.match(rf"error: rank 1 \(pid \d+, in phase '{named}'\) died \(killed or crashed\); "
-                    r"this rank \(0\) was in phase '\w+'; aborting the job$", errors[0]), errors
+    who = f", {group} group" if group else ""
+    assert re.match(rf"error: rank {rank} \(pid \d+{who}, in phase '{named}'\) died \(killed or "
+                    rf"crashed\); this rank \((?!{rank})\d\) was in phase '\w+'; aborting the "
+                    r"job$", errors[0]), errors
     assert text.count("Traceback (most recent") == text.count("ChildFailedError:") <= 1, text[-3000:]
     assert run.shm_left == []
 
@@ -293,6 +298,50 @@ def test_killed_rank_with_generation_ahead_stops_the_job_and_resume_reproduces(
     assert [ref[s]["staleness_max"] for s in sorted(ref)] == [0.0, 1.0, 1.0, 1.0]
     # Separate placement: rank 0 trains, yet records the rollout rank's engine.
     assert json.loads((ahead_reference / "engine.json").read_text())["attention_backend"]
+
+
+# Group colocation, PPO: the actor, its rollout and its reference on ranks 0-1, the
+# critic on rank 2 (its own group), which is the rank killed.
+GROUPED = ("--placement=grouped", "--placement_map=actor,rollout:0-1;critic:2",
+           "--algorithm.advantage=gae", "--rollout.tensor_parallel_size=1")
+# The critic rank's phase at each kill: waiting for the trajectories, scoring,
+# training, waiting in the sync, writing its shards of the checkpoint.
+CRITIC_KILLS = {"critic-generate": "generate", "critic-score": "score",
+                "critic-train": "train", "critic-sync": "sync", "save": "save"}
+
+
+@pytest.fixture(scope="module")
+def grouped_reference(model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("grouped_reference") / "run"
+    proc = _run(model_dir, out, *GROUPED, nproc=3)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def grouped_killed_runs(model_dir, tmp_path_factory) -> dict[str, SimpleNamespace]:
+    """Rank 2 (the critic group) SIGKILLed in step 3, once per phase; the
+    training kill resumed from step 2's checkpoint."""
+    return _faulty_runs(model_dir, tmp_path_factory.mktemp("grouped_killed"),
+                        {f: f"{f}:3" for f in CRITIC_KILLS}, *GROUPED, resume=("critic-train",),
+                        nproc=3, fault_rank=2)
+
+
+@pytest.mark.parametrize("fault", list(CRITIC_KILLS))
+def test_a_killed_critic_rank_stops_a_grouped_job_and_resume_reproduces(
+        grouped_reference, grouped_killed_runs, fault) -> None:
+    """The job is down within 10 s with one line naming rank 2, the critic group
+    and its phase; the resume from step 2 (both groups' shards) reproduces the
+    uninterrupted run."""
+    run = grouped_killed_runs[fault]
+    _assert_died_line(run, CRITIC_KILLS[fault], rank=2, group="critic")
+    assert run.latest == step_checkpoint_path(run.out / "checkpoints", 2)
+    if run.resumed is None:
+        return
+    assert run.resumed.returncode == 0, run.resumed.stdout[-3000:]
+    ref = _steps(grouped_reference)
+    assert all("critic/vf_loss" in ref[s] for s in range(1, STEPS + 1))
+    assert _steps(run.out) == ref
 
 
 def _summary(stdout: str) -> dict:

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from hybrid_engine.checkpoint.folders import (WRITE_ERRORS, agree, check_complete, commit,
-                                              group_rank, tmp_folder)
+from hybrid_engine.checkpoint.folders import (WRITE_ERRORS, Group, agree, check_complete,
+                                              commit, group_rank, tmp_folder)
 from hybrid_engine.checkpoint.origin import folder_digest, run_origin, weights_digest
 from hybrid_engine.parallel.params import reshard_all
 
@@ -109,14 +109,17 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------
 
 
-def _dcp_state(trainer: Trainer, critic: Critic | None) -> dict[str, Any]:
-    """The DCP state dict: sharded model and optimizer state of the policy (and critic).
+def _dcp_state(trainer: Trainer | None, critic: Critic | None) -> dict[str, Any]:
+    """The DCP state dict of the roles this rank holds: sharded model and optimizer
+    state of the policy ("model", "optim") and of the critic ("critic_model",
+    "critic_optim"); under group colocation the two come from different ranks.
 
     Both roles keep their FSDP root resharded outside a step, so the
     optimizer's DTensors are the module's (the trainer's guard)."""
-    reshard_all(trainer.module)
-    model_sd, optim_sd = _state_dicts(trainer.module, trainer.optimizer)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {}
+    if trainer is not None:
+        reshard_all(trainer.module)
+        state["model"], state["optim"] = _state_dicts(trainer.module, trainer.optimizer)
     if critic is not None:
         reshard_all(critic.module)
         state["critic_model"], state["critic_optim"] = _state_dicts(critic.module,
@@ -141,14 +144,13 @@ def _state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> t
     return model_sd, optim_sd
 
 
-def _write_state(
-    folder: Path, trainer: Trainer, critic: Critic | None, extra: dict | None, path: Path
-) -> None:
-    """Collective: every rank writes its DCP shards and RNG file, rank 0 meta.json.
+def _write_state(folder: Path, trainer: Trainer | None, critic: Critic | None,
+                 extra: dict | None, path: Path, group: Group) -> None:
+    """Collective over group: every rank writes its DCP shards and RNG file, the
+    group's rank 0 meta.json.
 
     Leaves folder without the COMPLETE marker (that is `_commit`'s job). A
     write failure on any rank raises CheckpointWriteError on every rank."""
-    group = trainer.group
     rank, err = group_rank(group), None
     if rank == 0:
         try:
@@ -157,35 +159,45 @@ def _write_state(
             err = e
     agree(err, folder, path, group)
     try:  # DCP hands every rank's write failure to every rank
-        dcp.save(_dcp_state(trainer, critic), checkpoint_id=folder / "dcp",
-                 process_group=group)
+        dcp.save(_dcp_state(trainer, critic), checkpoint_id=folder / "dcp", process_group=group)
     except (CheckpointException, OSError) as e:
         err = e
     agree(err, folder, path, group)
     try:
-        _write_rest(folder, trainer, critic, extra)
+        _write_rest(folder, _meta(trainer, critic, extra, group), group)
     except WRITE_ERRORS as e:
         err = e
     agree(err, folder, path, group)
 
 
-def _write_rest(folder: Path, trainer: Trainer, critic: Critic | None, extra: dict | None) -> None:
-    """This rank's RNG file; rank 0 also meta.json."""
-    rank = group_rank(trainer.group)
+def _meta(trainer: Trainer | None, critic: Critic | None, extra: dict | None,
+          group: Group) -> dict | None:
+    """meta.json's content on the group's rank 0 (None elsewhere): the policy's
+    from rank 0 (every placement trains there), the critic's from the ranks
+    holding it (collective over group: they may be other ranks)."""
+    mine: dict[str, Any] = {}
+    if trainer is not None and group_rank(group) == 0:  # the digests read the weights once
+        mine.update(step=trainer.step, scheduler=trainer.scheduler.state_dict(),
+                    lora_base=_base_of(trainer), origin=_origin(trainer))
+    if critic is not None:
+        mine["critic"] = {"step": critic.step, "scheduler": critic.scheduler.state_dict()}
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, mine, group=group)  # small: steps and schedules
+    if group_rank(group) != 0:
+        return None
+    meta = {"world_size": len(parts), "critic": None, "extra": extra}
+    for part in reversed(parts):  # rank 0's own values last: they win
+        meta.update(part)
+    return meta
+
+
+def _write_rest(folder: Path, meta: dict | None, group: Group) -> None:
+    """This rank's RNG file; the group's rank 0 also meta.json."""
+    rank = group_rank(group)
     buf = io.BytesIO()  # serialised first: a failed file write then says why (errno),
     torch.save(_rng_state(), buf)  # where torch.save to a path says "inline_container.cc"
     (folder / "rng" / f"rank{rank}.pt").write_bytes(buf.getbuffer())
-    if rank == 0:
-        meta = {
-            "world_size": dist.get_world_size(trainer.group),
-            "step": trainer.step,
-            "scheduler": trainer.scheduler.state_dict(),
-            "critic": None if critic is None else {
-                "step": critic.step, "scheduler": critic.scheduler.state_dict()},
-            "extra": extra,
-            "lora_base": _base_of(trainer),
-            "origin": _origin(trainer),
-        }
+    if meta is not None:
         (folder / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -219,22 +231,26 @@ def _lora_rank(trainer: Trainer) -> int:
 def save_training_state(
     path: str | os.PathLike,
     *,
-    trainer: Trainer,
+    trainer: Trainer | None,
     critic: Critic | None = None,
     extra: dict | None = None,
+    group: Group,
 ) -> None:
     """Writes a resumable checkpoint of the policy (and critic) to path, atomically.
 
-    Collective over the trainer's group (`Trainer.group`: the ranks the
-    placement trains on). Each rank writes
-    only its own shards; path may already hold an older checkpoint, which is
-    replaced.
+    Collective over group: the trainer's (`Trainer.group`: the ranks the
+    placement trains on), or under group colocation the whole world (None), the
+    policy's ranks passing the trainer and the critic's the critic. Each rank
+    writes only its own shards; path may already hold an older checkpoint,
+    which is replaced.
 
     Args:
         path: the checkpoint folder (on a file system all ranks share).
-        trainer: the policy trainer (module, optimizer, scheduler, step).
-        critic: the value model, if the run has one.
+        trainer: the policy trainer (module, optimizer, scheduler, step) on the
+            ranks that hold it (rank 0 among them), else None.
+        critic: the value model on the ranks that hold it, if the run has one.
         extra: controller state (JSON-able), taken from rank 0.
+        group: the ranks that write together (`Trainer.group`; None: the default group).
 
     Raises:
         CheckpointWriteError: on every rank, if a write failed on any rank (the
@@ -242,24 +258,28 @@ def save_training_state(
             left at `<path>.tmp-*` and an older checkpoint at path is intact.
     """
     path = Path(path)
-    tmp = tmp_folder(path, trainer.group)
-    _write_state(tmp, trainer, critic, extra, path)
-    commit(tmp, path, trainer.group, manifest=True)
+    tmp = tmp_folder(path, group)
+    _write_state(tmp, trainer, critic, extra, path, group)
+    commit(tmp, path, group, manifest=True)
 
 
 def load_training_state(
-    path: str | os.PathLike, *, trainer: Trainer, critic: Critic | None = None
+    path: str | os.PathLike, *, trainer: Trainer | None, critic: Critic | None = None,
+    group: Group,
 ) -> dict | None:
     """Restores a checkpoint written by `save_training_state` in place.
 
-    Collective. The roles must be freshly built with the same model and
-    config. Model and optimizer state reshard to any rank count (DCP); RNG
-    states are restored only when the rank count matches (else a warning).
+    Collective over group, as for the save. The roles must be freshly built with
+    the same model and config. Model and optimizer state reshard to any rank
+    count (DCP); RNG states are restored only when the rank count matches
+    (else a warning).
 
     Args:
         path: a complete checkpoint folder.
-        trainer: the policy trainer to fill.
-        critic: the critic to fill; must be given iff the checkpoint has one.
+        trainer: the policy trainer to fill, on the ranks that hold it.
+        critic: the critic to fill, on the ranks that hold it; some rank of group
+            must hold one iff the checkpoint has one.
+        group: as for the save.
 
     Returns:
         The `extra` dict passed to save (None if none was).
@@ -270,20 +290,19 @@ def load_training_state(
             a model of another shape.
     """
     path = Path(path)
-    check_complete(path, None if trainer is None else trainer.group)
+    check_complete(path, group)
     meta = json.loads((path / "meta.json").read_text())
-    _check_base(path, meta.get("lora_base"), trainer)
-    if (meta["critic"] is None) != (critic is None):
-        raise ValueError(f"{path}: checkpoint has critic={meta['critic'] is not None}, "
-                         f"but critic={'given' if critic is not None else 'None'}")
+    if trainer is not None:
+        _check_base(path, meta.get("lora_base"), trainer)
+    _check_critic(path, meta, critic, group)
     state = _dcp_state(trainer, critic)
     _check_shapes(path, state)
-    group = trainer.group
     dcp.load(state, checkpoint_id=path / "dcp", process_group=group)
-    set_state_dict(trainer.module, trainer.optimizer, options=_OPTIONS,
-                   model_state_dict=state["model"], optim_state_dict=state["optim"])
-    trainer.scheduler.load_state_dict(meta["scheduler"])
-    trainer.step = meta["step"]
+    if trainer is not None:
+        set_state_dict(trainer.module, trainer.optimizer, options=_OPTIONS,
+                       model_state_dict=state["model"], optim_state_dict=state["optim"])
+        trainer.scheduler.load_state_dict(meta["scheduler"])
+        trainer.step = meta["step"]
     if critic is not None:
         set_state_dict(critic.module, critic.optimizer, options=_OPTIONS,
                        model_state_dict=state["critic_model"],
@@ -296,3 +315,15 @@ def load_training_state(
         logger.warning("checkpoint %s was written by %d ranks, loading on %d: RNG states "
                        "not restored", path, meta["world_size"], dist.get_world_size(group))
     return meta["extra"]
+
+
+def _check_critic(path: Path, meta: dict, critic: Critic | None, group: Group) -> None:
+    """The run has a critic (on some rank of group) iff the checkpoint holds one."""
+    held = critic is not None
+    if dist.is_initialized():
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, held, group=group)
+        held = any(every)
+    if (meta["critic"] is None) == held:
+        raise ValueError(f"{path}: checkpoint has critic={meta['critic'] is not None}, "
+                         f"but critic={'given' if held else 'None'}")

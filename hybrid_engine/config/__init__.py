@@ -95,11 +95,16 @@ class RunConfig:
     eval: EvalConfig = _field(EvalConfig, "Held-out evaluation.")
     log: LogConfig = _field(LogConfig, "The step line, sample tables and trackers.")
     export: ExportConfig = _field(ExportConfig, "What the run leaves behind.")
-    placement: Literal["colocated", "separate"] = _field(
+    placement: Literal["colocated", "separate", "grouped"] = _field(
         "colocated",
         "'colocated': every rank trains (FSDP2) and rolls out (vLLM), taking turns; "
-        "'separate': ranks 0..M-1 only train, the last rollout.num_ranks only roll out.",
+        "'separate': ranks 0..M-1 only train, the last rollout.num_ranks only roll out; "
+        "'grouped': see placement_map.",
     )
+    placement_map: str = _field(
+        "", "placement=grouped: each group's roles and ranks, e.g. "
+        "'actor,reference,rollout:0-3;critic:4-5' (the actor's group takes turns as "
+        "colocated; the critic trains on its own).")
     output_dir: str = _field("runs/default", "Directory for logs, metrics and checkpoints.")
     seed: int = _field(0, "Global seed (model init, prompt order).", ge=0)
     checkpoint_every: int = _field(
@@ -133,6 +138,7 @@ class RunConfig:
                 "sampling policy) or algorithm.rollout_correction (importance weights or "
                 "masks); without either the loss would treat stale samples as on-policy")
         self._check_partial()
+        self._check_grouped()
         self._check_inflight()
         self._check_lora()
         e = self.eval.max_tokens
@@ -162,6 +168,20 @@ class RunConfig:
             raise ValueError("async_rollout.partial=true needs async_rollout.step_token_budget > 0 "
                              "(with no budget a step waits for every group it started and "
                              "nothing is ever parked)")
+
+    def _check_grouped(self) -> None:
+        if self.placement != "grouped":
+            if self.placement_map:
+                raise ValueError(f"placement_map={self.placement_map!r} places roles for "
+                                 f"placement=grouped; this run is placement={self.placement}")
+            return
+        if not self.placement_map.strip():
+            raise ValueError("placement=grouped needs placement_map, the roles and ranks of "
+                             "each group, e.g. 'actor,reference,rollout:0-3;critic:4-5'")
+        if self.async_rollout.max_staleness:
+            raise ValueError("placement=grouped runs the groups' phases in step: set "
+                             "async_rollout.max_staleness=0 (generation ahead needs "
+                             "placement=colocated or separate)")
 
     def _check_inflight(self) -> None:
         r = self.async_rollout

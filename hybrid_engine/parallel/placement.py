@@ -17,6 +17,9 @@ placement is one such function and one line there:
     colocated   every role on every rank: the layouts take turns on each device
     separate    actor, reference and critic on ranks 0..M-1 (FSDP2 over them),
                 rollout on M..N-1 (`split_ranks`)
+    grouped     the groups of cfg.placement_map, e.g. 'actor,reference,rollout:0-3;
+                critic:4-5': the actor's group takes turns between its layouts as
+                colocated does, the critic trains on its own ranks
 
 Invariant: every rank makes every group, in one order, before any engine
 exists (torch names a group by a counter that must agree across ranks).
@@ -59,9 +62,112 @@ def separate(cfg: RunConfig, world: int) -> RankMap:
             "rollout": tuple(range(m, world))}
 
 
+_MAP_FORM = "'roles:ranks;roles:ranks', e.g. 'actor,reference,rollout:0-3;critic:4-5'"
+
+
+def _parse_ranks(text: str) -> tuple[int, ...]:
+    """'0-3' / '4' / '0,2,5' / '0-1,4' as ranks, in order."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"placement_map: {text!r} is not a rank list ('0-3', '4' or '0,2')")
+        out += range(int(lo), int(hi or lo) + 1)
+    return tuple(out)
+
+
+def _parse_map(spec: str) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """placement_map's groups as (roles, ranks); checks the form and the role names."""
+    groups = []
+    for text in filter(None, (g.strip() for g in spec.split(";"))):
+        roles, colon, ranks = text.rpartition(":")
+        names = tuple(r.strip() for r in roles.split(",")) if colon else ()
+        if not names or not all(names):
+            raise ValueError(f"placement_map: group {text!r} is not 'roles:ranks' ({_MAP_FORM})")
+        unknown = [r for r in names if r not in ROLES]
+        if unknown:
+            raise ValueError(f"placement_map: {unknown} are not roles; the roles are "
+                             f"{list(ROLES)}")
+        groups.append((names, _parse_ranks(ranks)))
+    return groups
+
+
+def _used_roles(cfg: RunConfig) -> set[str]:
+    """The roles cfg's algorithm builds: the actor and its rollout, the reference
+    (a KL term), the critic (a per-token advantage estimator)."""
+    from hybrid_engine.algorithms.advantages import get_advantage
+
+    used = {"actor", "rollout"}
+    if cfg.algorithm.kl_coef > 0:
+        used.add("reference")
+    if get_advantage(cfg.algorithm.advantage).per_token:
+        used.add("critic")
+    return used
+
+
+def grouped(cfg: RunConfig, world: int) -> RankMap:
+    """cfg.placement_map over world ranks: every rank in one group, every role the
+    algorithm uses in one group, the rollout and the reference in the actor's,
+    the critic in another; rollout.tensor_parallel_size divides the actor's ranks.
+    A role the algorithm does not use may not be placed; it is mapped to the
+    actor's ranks (never built)."""
+    groups, where, owner = _parse_map(cfg.placement_map), {}, {}
+    for i, (roles, ranks) in enumerate(groups):
+        for role in roles:
+            if role in where:
+                raise ValueError(f"placement_map puts {role} in two groups")
+            where[role] = i
+        for r in ranks:
+            if r >= world:
+                raise ValueError(f"placement_map names rank {r}; this world has ranks "
+                                 f"0-{world - 1}")
+            if r in owner:
+                raise ValueError(f"placement_map puts rank {r} in two groups "
+                                 f"({','.join(groups[owner[r]][0])} and {','.join(roles)}): "
+                                 "under placement=grouped each rank holds one group's roles")
+            owner[r] = i
+    left = sorted(set(range(world)) - set(owner))
+    if left:
+        raise ValueError(f"placement_map leaves ranks {left} of the {world} without a role "
+                         "(every rank must be in a group)")
+    _check_groups(cfg, where, groups)
+    actor = groups[where["actor"]][1]
+    return {role: groups[where[role]][1] if role in where else actor for role in ROLES}
+
+
+def _check_groups(cfg: RunConfig, where: dict[str, int],
+                  groups: list[tuple[tuple[str, ...], tuple[int, ...]]]) -> None:
+    """The roles of a grouped map against what the algorithm builds (see `grouped`)."""
+    used = _used_roles(cfg)
+    for role in ROLES:
+        if role in used and role not in where:
+            raise ValueError(f"placement_map puts no rank under {role}, which this run "
+                             f"uses (placement_map={cfg.placement_map!r})")
+        if role not in used and role in where:
+            why = {"reference": "algorithm.kl_coef=0", "critic":
+                   f"algorithm.advantage={cfg.algorithm.advantage!r} uses no values"}[role]
+            raise ValueError(f"placement_map places a {role}, but this run has none ({why})")
+    actor = where["actor"]
+    if 0 not in groups[actor][1]:
+        raise ValueError("placement_map: the actor's group must hold rank 0 (it writes the "
+                         "run's metrics, checkpoints and final model)")
+    for role in ("rollout", "reference"):
+        if role in where and where[role] != actor:
+            raise ValueError(f"placement_map: {role} must share the actor's group (the "
+                             "actor's ranks train, sample and score the reference in turns)")
+    if where.get("critic") == actor:
+        raise ValueError("placement_map puts the critic in the actor's group: that is "
+                         "placement=colocated")
+    n, tp = len(groups[actor][1]), cfg.rollout.tensor_parallel_size
+    if n % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the actor group's "
+                         f"{n} ranks (placement_map={cfg.placement_map!r})")
+
+
 KINDS: dict[str, Callable[[RunConfig, int], RankMap]] = {
     "colocated": colocated,
     "separate": separate,
+    "grouped": grouped,
 }
 
 

@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterator
 import torch.distributed as dist
 
 __all__ = ["Watchdog", "add_cleanup", "current", "left_with_error", "peer_left_with_error",
-           "phase", "settle", "start", "stop", "watch_launcher"]
+           "phase", "set_group", "settle", "start", "stop", "watch_launcher"]
 
 log = logging.getLogger("hybrid_engine.watchdog")
 
@@ -85,6 +85,22 @@ def add_cleanup(fn: Callable[[], None]) -> None:
 def current() -> Watchdog | None:
     """The running watchdog of this process, if any."""
     return _ACTIVE
+
+
+def set_group(name: str) -> None:
+    """Names the group of ranks this rank belongs to (placement=grouped: its roles,
+    e.g. "critic"), published with its beat: a peer that sees it die names the
+    group too. A no-op without a running watchdog."""
+    wd = _ACTIVE
+    if wd is not None:
+        wd.group = name
+        with contextlib.suppress(Exception):
+            wd._publish()
+
+
+def _group_of(state: dict) -> str:
+    """', <name> group' for a peer that published one, else ''."""
+    return f", {state['group']} group" if state.get("group") else ""
 
 
 @contextlib.contextmanager
@@ -311,6 +327,7 @@ class Watchdog:
         self.silence_s = max(self.interval_s, timeout_s - 3 * self.interval_s)
         self.store = store or _connect(min(timeout_s, 30.0))
         self.phase, self.progress, self.beat = "build", 0, 0
+        self.group: str | None = None  # `set_group`: named in a peer's verdict on this rank
         self.failed_in: str | None = None  # the innermost phase an exception left
         self.error: str | None = None  # what this rank reported itself (left_with_error)
         self._progress_at = time.monotonic()
@@ -361,7 +378,7 @@ class Watchdog:
     def _publish(self) -> None:
         self.store.set(self._key(self.rank), json.dumps({
             "beat": self.beat, "phase": self.phase, "progress": self.progress,
-            "pid": os.getpid(), "host": self._host}))
+            "pid": os.getpid(), "host": self._host, "group": self.group}))
 
     def _run(self) -> None:
         store_failing_since, next_beat = None, time.monotonic() + self.interval_s
@@ -430,7 +447,8 @@ class Watchdog:
                 reported = reported or bool(state.get("error"))
                 self._local_pids.pop(r, None)
                 continue
-            died.append(f"rank {r} (pid {pid}, in phase {state.get('phase', 'start')!r})")
+            died.append(f"rank {r} (pid {pid}{_group_of(state)}, in phase "
+                        f"{state.get('phase', 'start')!r})")
         if reported or not died:
             return None, reported
         return (f"{', '.join(died)} died (killed or crashed); this rank ({self.rank}) was in "
@@ -460,9 +478,9 @@ class Watchdog:
             if now - seen[1] > self.silence_s:
                 silent.append({"rank": r, "silent_s": now - seen[1], **seen[2]})
         if silent:
-            who = ", ".join(f"rank {s['rank']}" + (f" (last in phase {s['phase']!r})"
-                                                    if "phase" in s else " (never started)")
-                            for s in silent)
+            who = ", ".join(f"rank {s['rank']}" + (
+                f" ({_group_of(s)[2:] + ', ' if s.get('group') else ''}last in phase "
+                f"{s['phase']!r})" if "phase" in s else " (never started)") for s in silent)
             return (f"{who} silent for {max(s['silent_s'] for s in silent):.0f} s "
                     f"(collective_timeout_s={self.timeout_s:g}): "
                     f"stopped, hung or dead; this rank ({self.rank}) waits in phase "
@@ -501,8 +519,9 @@ class Watchdog:
             if self._aborted_elsewhere():
                 self._exit(None, [])
             if gone:
-                who = ", ".join(f"rank {r} (host {s.get('host', '?').split('/')[0]}, in phase "
-                                f"{s.get('phase', 'start')!r})" for r, s in gone)
+                who = ", ".join(f"rank {r} (host {s.get('host', '?').split('/')[0]}"
+                                f"{_group_of(s)}, in phase {s.get('phase', 'start')!r})"
+                                for r, s in gone)
                 self._exit(f"{who} closed its connections and stopped beating: it died or its "
                            f"host went down; this rank ({self.rank}) was in phase "
                            f"{self.failed_in or self.phase!r}; aborting the job", [])

@@ -142,14 +142,15 @@ class DriftScorer:
 
 def _release_policy(cfg: RunConfig, trainer: Trainer, rollout: VLLMRollout,
                     model_path: str) -> ReleasePolicy:
-    """memory.release per training phase; before the first is measured, its growth
-    is estimated from the trainer's resolved layout."""
-    world = dist.get_world_size()
+    """memory.release per training phase, decided together by the trainer's ranks;
+    before the first is measured, its growth is estimated from the trainer's
+    resolved layout."""
+    world = dist.get_world_size(trainer.group)
     first = first_phase_estimate(cfg, trainer.train_cfg, model_dims_at(model_path), world,
                                  cuda=trainer.device.type == "cuda")
     return ReleasePolicy(cfg.memory.release, budget=cfg.memory.budget,
                          local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                         device=trainer.device, first_estimate=first,
+                         device=trainer.device, first_estimate=first, group=trainer.group,
                          engine=lambda: (rollout.weight_bytes(), rollout.kv_cache_bytes()),
                          trainer=trainer.kept_bytes)
 
@@ -159,6 +160,11 @@ class HybridActor:
 
     Args:
         cfg: the run config (model, rollout, train, algorithm, sync sections).
+        placement: where it lives: None builds the colocated one (every rank);
+            placement=grouped passes its own, whose actor group holds both
+            layouts (every collective of this object then runs over that group).
+        process: the process's `PolicyProcess` when the caller holds it (grouped);
+            None makes (and, on shutdown, leaves) one.
 
     Attributes:
         trainer: the FSDP2 `Trainer` (its `module` is the sync source).
@@ -171,21 +177,26 @@ class HybridActor:
             trajectory; emptied by every sync), for the drift scorer.
         offload: the `OptimizerOffload` (memory.offload_optimizer), else None.
         rank: this process's rank in the default group.
-        placement: the `Placement` ("colocated": every role on every rank).
+        placement: the `Placement` (colocated: every role on every rank).
     """
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, *, placement: Placement | None = None,
+                 process: PolicyProcess | None = None) -> None:
         cfg.validate_for_run()
         self.cfg = cfg
-        self._process = PolicyProcess(cfg.collective_timeout_s)
-        self.rank, world = self._process.rank, self._process.world
-        self.placement = Placement.build("colocated", cfg, world, self.rank)
+        self._owns_process = process is None
+        self._process = process or PolicyProcess(cfg.collective_timeout_s)
+        self.rank = self._process.rank
+        self.placement = placement or Placement.build("colocated", cfg, self._process.world,
+                                                      self.rank)
+        ranks, group = self.placement.ranks["actor"], self.placement.group("actor")
+        world = len(ranks)
         self.model_path = str(resolve_model_path(cfg.model.path))
         # The model contract before anything is built (seconds, not an engine start).
         check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size, world)
         t0 = time.perf_counter()
         train_cfg = resolve_train_config(cfg, model_dims_at(self.model_path), world, colocated=True,
-                                         device=default_device())
+                                         device=default_device(), group=group)
         layout = ("replicated, DDP-style" if train_cfg.sharding == "replicate"
                   else f"FSDP2, {train_cfg.sharding}")
         log.info("loading %s into the trainer (%s)", self.model_path, layout)
@@ -200,10 +211,11 @@ class HybridActor:
         self.rollout = VLLMRollout(self.model_path, cfg.rollout, memory=cfg.memory,
                                    dtype=cfg.model.rollout_dtype, reserve_bytes=reserve,
                                    lora_rank=adapter.lora_rank if adapter else 0,
-                                   logprob_samples=logprob_samples(cfg))
+                                   logprob_samples=logprob_samples(cfg),
+                                   ranks=None if group is None else list(ranks), group=group)
         self.syncer = WeightSync(self.trainer.module.config, cfg.sync,
                                  tp=cfg.rollout.tensor_parallel_size,
-                                 wire_dtype=DTYPES[cfg.model.rollout_dtype],
+                                 wire_dtype=DTYPES[cfg.model.rollout_dtype], group=group,
                                  shard_group_size=shard_group_size(train_cfg, world),
                                  adapter=adapter)
         self._process.time_out_own_groups()  # vLLM's, the FSDP mesh's; a host's keep theirs
@@ -462,12 +474,6 @@ class HybridActor:
         else:
             self.phases.to_train()
 
-    def run_with_trainer(self, role: Any) -> Any:
-        """A role that runs with the trainer (reference, critic), as the controller
-        should call it: colocated, every rank trains, so the role itself (its
-        `layout` says the controller switches to the training layout first)."""
-        return role
-
     def drift_scorer(self) -> DriftScorer | None:
         """The scorer that splits the mismatch metric when samples can be stale
         (async_rollout.max_staleness > 0 or partial rollouts), the engine's prompt
@@ -488,13 +494,15 @@ class HybridActor:
         """Atomic DCP checkpoint of the policy (and critic) with extra JSON state.
         The layout after it is the one before (`Phases.optimizer_on_device`)."""
         with watchdog.phase("save"), self.phases.optimizer_on_device():
-            save_training_state(path, trainer=self.trainer, critic=critic, extra=extra)
+            save_training_state(path, trainer=self.trainer, critic=critic, extra=extra,
+                                group=self.trainer.group)
 
     def load(self, path: str | Path, *, critic: Any = None) -> dict | None:
         """Restores a checkpoint; the next generate syncs vLLM. Returns its extra.
         The layout after it is the one before."""
         with self.phases.optimizer_on_device():
-            extra = load_training_state(path, trainer=self.trainer, critic=critic)
+            extra = load_training_state(path, trainer=self.trainer, critic=critic,
+                                        group=self.trainer.group)
             self.phases.trainer_weights_changed()
         return extra
 
@@ -511,11 +519,14 @@ class HybridActor:
                            base_model=self.model_path, group=self.trainer.group)
 
     def shutdown(self) -> None:
-        """Stops the engine; destroys the process group if this actor created it.
+        """Stops the engine; destroys the process group if this actor created it
+        (not when the caller passed its `PolicyProcess`: the caller leaves).
 
         vLLM's teardown also destroys the default group: call after the job's
         last collective. Idempotent.
         """
-        self._process.stop_watchdog()
+        if self._owns_process:
+            self._process.stop_watchdog()
         self.rollout.shutdown()
-        self._process.leave()
+        if self._owns_process:
+            self._process.leave()

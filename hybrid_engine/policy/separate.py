@@ -19,8 +19,8 @@ its whole TP shard, cast to the rollout dtype in the pack kernel).
                          (`policy.inflight.InstallGate`, agreed by the TP group)
     train_step           trainer ranks step; metrics broadcast from rank 0
     sync_weights         trainer ranks send, rollout ranks receive and re-pack
-    run_with_trainer(role)   a reference or critic: built on the trainer ranks,
-                         its scores (and metrics) mirrored to the rollout ranks
+    (a reference or critic is built on the trainer ranks, `placement.ranks`;
+    the job mirrors its scores and metrics to the rollout ranks: `roles.mirrored`)
     switch_to(layout)    nothing to switch: each layout owns its ranks
 
 Memory: nothing is released between phases: each layout owns its ranks.
@@ -38,7 +38,6 @@ in-flight updates (each token records its version).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -73,7 +72,7 @@ from hybrid_engine.rollout.agent_loop import ScheduleStats
 from hybrid_engine.rollout.engine import Completions
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
-__all__ = ["SeparatePolicy", "TrainerSide"]
+__all__ = ["SeparatePolicy"]
 
 log = logging.getLogger(__name__)
 
@@ -140,32 +139,6 @@ class _LocalRollout(_SharedRollout):
 
     def wants_logprobs(self, j: int) -> bool:
         return self.engine.wants_logprobs(j)
-
-
-class TrainerSide:
-    """A role that runs on the trainer ranks (reference, critic), called on every
-    rank: its per-trajectory results and its metrics are copied from rank 0.
-
-    Args:
-        role: the role on trainer ranks; None on rollout ranks.
-    """
-
-    layout = "training"
-
-    def __init__(self, role: Any) -> None:
-        self.role = role
-
-    def score(self, trajs: Sequence[Trajectory]) -> None:
-        if self.role is not None:
-            self.role.score(trajs)
-        scored = _from_rank(0, list(trajs))
-        if self.role is None:
-            for mine, theirs in zip(trajs, scored, strict=True):
-                for f in dataclasses.fields(mine):
-                    setattr(mine, f.name, getattr(theirs, f.name))
-
-    def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
-        return _from_rank(0, self.role.train_step(trajs) if self.role is not None else None)
 
 
 class SeparatePolicy:
@@ -462,10 +435,6 @@ class SeparatePolicy:
         if job is not None:
             self._sync_metrics = job.result()
 
-    def run_with_trainer(self, role: Any) -> TrainerSide:
-        """Wraps a role built on the trainer ranks (None elsewhere) for every rank."""
-        return TrainerSide(role)
-
     def drift_scorer(self) -> None:
         """None: the drift split needs the engine on the trainer's ranks (colocated)."""
         return None
@@ -480,7 +449,8 @@ class SeparatePolicy:
         self._join_sync()
         with watchdog.phase("save"):
             if self.is_trainer:
-                save_training_state(path, trainer=self.trainer, critic=critic, extra=extra)
+                save_training_state(path, trainer=self.trainer, critic=critic, extra=extra,
+                                    group=self.trainer.group)
             dist.barrier()
 
     def load(self, path: str | Path, *, critic: Any = None) -> dict | None:
@@ -489,7 +459,8 @@ class SeparatePolicy:
         extra = None
         self._join_sync()
         if self.is_trainer:
-            extra = load_training_state(path, trainer=self.trainer, critic=critic)
+            extra = load_training_state(path, trainer=self.trainer, critic=critic,
+                                        group=self.trainer.group)
         self._stale = True
         return _from_rank(0, extra)
 

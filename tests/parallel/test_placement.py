@@ -30,7 +30,7 @@ def test_bad_kinds_and_worlds_are_refused() -> None:
         rank_map("nowhere", _cfg(), 2)
     with pytest.raises(ValueError, match="at least 2 ranks"):
         rank_map("separate", _cfg(), 1)
-    assert set(KINDS) == {"colocated", "separate"}
+    assert set(KINDS) == {"colocated", "separate", "grouped"}
 
 
 def _groups(kind: str) -> dict:

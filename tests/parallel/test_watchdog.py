@@ -116,6 +116,21 @@ def test_a_dead_peer_is_named_with_its_phase_and_a_reported_one_is_not() -> None
     wd.close()
 
 
+def test_a_peer_of_a_named_group_is_named_with_it() -> None:
+    """placement=grouped names each rank's group (`set_group`): a verdict on it says
+    which group lost a rank; the published state carries it."""
+    wd = _dog()
+    msg, _ = wd.judge_dead({2: 4321}, {2: {**_state(3, phase="train"), "group": "critic"}})
+    assert msg.startswith("rank 2 (pid 4321, critic group, in phase 'train') died")
+    wd.check({2: {**_state(0, phase="score"), "group": "critic"}}, now=0.0)
+    msg, _ = wd.check({2: {**_state(0, phase="score"), "group": "critic"}}, now=30.0)
+    assert msg.startswith("rank 2 (critic group, last in phase 'score') silent for 30 s")
+    wd.group = "actor+rollout"
+    wd._publish()
+    assert json.loads(wd.store.get(wd._key(0)))["group"] == "actor+rollout"
+    wd.close()
+
+
 def test_pid_alive_tells_running_from_gone_and_zombie() -> None:
     import os
     import subprocess

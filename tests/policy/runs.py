@@ -11,9 +11,10 @@ import pytest
 from hybrid_engine.testing import run_job
 
 # Keys that differ between placements or runs by nature: times, memory, the sync's own
-# report, and the mismatch split (the colocated policy's drift scorer, when samples are stale).
+# report, the mismatch split (the colocated policy's drift scorer, when samples are
+# stale) and the bytes moved between groups of ranks (placement/*).
 VARYING = ("_s", "mem_", "sync_", "tok_s", "mismatch_drift", "mismatch_numerics",
-           "mismatch_split")
+           "mismatch_split", "placement/")
 
 
 def train(model: Path, reward: Path, out: Path, nproc: int, *extra: str):  # noqa: ANN201

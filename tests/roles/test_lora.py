@@ -176,10 +176,10 @@ def _resume(path: str, root: str) -> dict:
 
     straight = start_run(path, {"micro_batch_size": 2}, vocab=VOCAB, model_kw=LORA).steps(2)
     ckpt = f"{root}/lora_ckpt"
-    save_training_state(ckpt, trainer=straight.trainer)
+    save_training_state(ckpt, trainer=straight.trainer, group=straight.trainer.group)
     straight.steps(1)
     resumed = start_run(path, {"micro_batch_size": 2}, vocab=VOCAB, model_kw=LORA)
-    load_training_state(ckpt, trainer=resumed.trainer)
+    load_training_state(ckpt, trainer=resumed.trainer, group=resumed.trainer.group)
     resumed.steps(1)
     other = f"{root}/other_base"  # the same shapes, one weight changed
     if dist.get_rank() == 0:
@@ -192,7 +192,8 @@ def _resume(path: str, root: str) -> dict:
     for model, kw in ((other, LORA), (path, {})):
         try:
             load_training_state(ckpt, trainer=start_run(model, {"micro_batch_size": 2},
-                                                        vocab=VOCAB, model_kw=kw).trainer)
+                                                        vocab=VOCAB, model_kw=kw).trainer,
+                                group=None)
         except ValueError as e:
             refusals.append(str(e))
     a, b = full_weights(straight.trainer.module), full_weights(resumed.trainer.module)

@@ -83,6 +83,8 @@ def test_reference_equals_initial_policy_after_training(two_ranks):
 class _Recorder:
     """Stands in for a role's model: records the micro-batches it is asked to score."""
 
+    group = None  # one process: no group
+
     def __init__(self) -> None:
         self.bounds: list = []
 
@@ -108,6 +110,6 @@ def test_the_scorers_micro_batch_as_training_does(max_tokens, bounds):
     ref = _Recorder()
     ReferenceScorer(ref, pad_id=0, train_cfg=train).score(trajs)
     critic = _Recorder()
-    CriticScorer(SimpleNamespace(values=critic.score, train_cfg=train), pad_id=0,
+    CriticScorer(SimpleNamespace(values=critic.score, train_cfg=train, group=None), pad_id=0,
                  algorithm_cfg=AlgorithmConfig()).score(trajs)
     assert ref.bounds == critic.bounds == [bounds]
