@@ -1,8 +1,8 @@
 """A training job: builds every role from a RunConfig, runs the controller, saves.
 
 Job: the wiring that `hybrid-engine train` and `hybrid-engine demo` share --
-the policy (`HybridActor` colocated, or `SeparatePolicy` when
-cfg.placement is "separate"), the environment, the algorithm, the reference
+the policy (`POLICIES`: one per cfg.placement; the roles sit where its
+`Placement` says), the environment, the algorithm, the reference
 (when the KL needs it) and the critic (when the estimator needs values), the
 checkpointer (DCP, newest k kept, resume from the latest complete one), the
 metrics sink and progress bar, then the final HF export and plot.
@@ -168,7 +168,7 @@ class Job:
         self.output_dir.sweep_unfinished()
         if overwrite and not resume:
             self.output_dir.clear()
-        self.env = make_env(cfg.env, self.actor.tokenizer)
+        self.env = make_env(cfg.env, self.actor.tokenizer, self.actor.placement)
         check_env_fits_algorithm(cfg, self.env)
         self.algorithm = Algorithm(cfg.algorithm, num_samples=cfg.rollout.num_samples_per_prompt,
                                    max_tokens=cfg.rollout.max_tokens,

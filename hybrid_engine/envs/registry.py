@@ -30,6 +30,7 @@ from hybrid_engine.envs.tool import CalcEnv
 
 if TYPE_CHECKING:
     from hybrid_engine.config import EnvConfig
+    from hybrid_engine.parallel.placement import Placement
     from hybrid_engine.roles.base import Environment
     from hybrid_engine.tools.sandbox import Sandbox
 
@@ -74,7 +75,7 @@ def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
     return deco
 
 
-def make_env(cfg: EnvConfig, tokenizer: Any) -> Environment:
+def make_env(cfg: EnvConfig, tokenizer: Any, placement: Placement | None = None) -> Environment:
     """Builds the environment cfg.name names.
 
     Args:
@@ -83,9 +84,12 @@ def make_env(cfg: EnvConfig, tokenizer: Any) -> Environment:
             reward_model_path (without rewards, the reward model's score
             replaces the task's: see `envs.reward_model.RewardModelEnv`).
         tokenizer: the policy's tokenizer (`tokenizers.Tokenizer` or transformers).
+        placement: where the job's roles live: a reward model on some ranks only
+            (placement=grouped) is built there and its scores broadcast
+            (`PlacedRewardModel`); None, or a role on every rank: sharded over
+            the whole default group.
 
-    Collective when cfg.reward_model_path is set under a process group (the
-    reward model is FSDP2-sharded over the whole default group).
+    Collective when cfg.reward_model_path is set under a process group.
 
     Raises:
         ValueError: unknown name (lists the registered ones and the closest),
@@ -95,10 +99,13 @@ def make_env(cfg: EnvConfig, tokenizer: Any) -> Environment:
     env = ENVS.get(cfg.name)(cfg, tokenizer)
     rm = None
     if cfg.reward_model_path:
-        from hybrid_engine.envs.reward_model import RewardModel, RewardModelEnv
+        from hybrid_engine.envs.reward_model import (PlacedRewardModel, RewardModel,
+                                                     RewardModelEnv)
 
-        rm = RewardModelEnv(env, RewardModel(cfg.reward_model_path), tokenizer,
-                            task_metrics=not cfg.rewards)
+        placed = placement is not None and len(placement.ranks["reward_model"]) < placement.world
+        model = (PlacedRewardModel(cfg.reward_model_path, placement) if placed
+                 else RewardModel(cfg.reward_model_path))
+        rm = RewardModelEnv(env, model, tokenizer, task_metrics=not cfg.rewards)
     terms = reward_terms(cfg)
     if not terms:
         return rm or env

@@ -74,9 +74,11 @@ from hybrid_engine.reshard.plan import shard_rows
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from hybrid_engine.parallel.placement import Placement
     from hybrid_engine.trajectory import Trajectory
 
-__all__ = ["RewardModel", "RewardModelEnv", "ScoreModel", "write_tiny_reward_model"]
+__all__ = ["PlacedRewardModel", "RewardModel", "RewardModelEnv", "ScoreModel",
+           "write_tiny_reward_model"]
 
 _SEQ_CLS_ARCH = {
     "qwen2": "Qwen2ForSequenceClassification",
@@ -295,6 +297,37 @@ def _load_tokenizer(folder: Path, trust_remote_code: bool) -> Any:
 def _vocab(tokenizer: Any) -> dict[str, int] | None:
     get = getattr(tokenizer, "get_vocab", None)
     return None if get is None else dict(get())
+
+
+class PlacedRewardModel:
+    """A `RewardModel` on the ranks a placement gives it (placement=grouped: e.g.
+    beside the critic), scored from every rank: its ranks score (FSDP2 over
+    them) and the scores are broadcast from the first of them, [n] float32
+    (collective over the default group; every rank passes the same sequences).
+
+    Attributes:
+        model: the `RewardModel` on its ranks, else None.
+        tokenizer: the reward model's tokenizer, on every rank.
+        src: the rank the scores come from.
+    """
+
+    def __init__(self, path: str, placement: Placement) -> None:
+        from hybrid_engine.parallel.fsdp import resolve_model_path
+
+        self.src = placement.ranks["reward_model"][0]
+        self.model = (RewardModel(path, placement.mesh("reward_model"))
+                      if placement.holds("reward_model") else None)
+        self.tokenizer = (self.model.tokenizer if self.model is not None
+                          else _load_tokenizer(resolve_model_path(path), False))
+
+    def score(self, seqs: Sequence[Sequence[int]]) -> Tensor:
+        """`RewardModel.score` of seqs from the reward model's ranks, on every rank."""
+        out = self.model.score(seqs) if self.model is not None else torch.zeros(len(seqs))
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend() == "nccl" else torch.device("cpu"))
+        buf = out.to(device)
+        dist.broadcast(buf, src=self.src)
+        return buf.cpu()
 
 
 class RewardModelEnv:

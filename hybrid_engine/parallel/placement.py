@@ -42,9 +42,10 @@ if TYPE_CHECKING:
 
 __all__ = ["KINDS", "ROLES", "Placement", "rank_map"]
 
-ROLES = ("actor", "rollout", "reference", "critic")
+ROLES = ("actor", "rollout", "reference", "critic", "reward_model")
 """actor: the policy's training layout (FSDP2); rollout: its vLLM engines;
-reference and critic: the frozen reference and the value model (FSDP2)."""
+reference, critic and reward_model: the frozen reference, the value model and
+env.reward_model_path's model (FSDP2)."""
 
 RankMap = dict[str, tuple[int, ...]]
 
@@ -55,11 +56,12 @@ def colocated(cfg: RunConfig, world: int) -> RankMap:
 
 
 def separate(cfg: RunConfig, world: int) -> RankMap:
-    """The trainer's roles on ranks 0..M-1, the rollout on M..N-1 (`split_ranks`)."""
+    """The trainer's roles on ranks 0..M-1, the rollout on M..N-1 (`split_ranks`);
+    a reward model on every rank."""
     m, _ = split_ranks(world, cfg.rollout)
     train = tuple(range(m))
     return {"actor": train, "reference": train, "critic": train,
-            "rollout": tuple(range(m, world))}
+            "rollout": tuple(range(m, world)), "reward_model": tuple(range(world))}
 
 
 _MAP_FORM = "'roles:ranks;roles:ranks', e.g. 'actor,reference,rollout:0-3;critic:4-5'"
@@ -93,8 +95,8 @@ def _parse_map(spec: str) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
 
 
 def _used_roles(cfg: RunConfig) -> set[str]:
-    """The roles cfg's algorithm builds: the actor and its rollout, the reference
-    (a KL term), the critic (a per-token advantage estimator)."""
+    """The roles cfg builds: the actor and its rollout, the reference (a KL term),
+    the critic (a per-token advantage estimator), the reward model (a path)."""
     from hybrid_engine.algorithms.advantages import get_advantage
 
     used = {"actor", "rollout"}
@@ -102,6 +104,8 @@ def _used_roles(cfg: RunConfig) -> set[str]:
         used.add("reference")
     if get_advantage(cfg.algorithm.advantage).per_token:
         used.add("critic")
+    if cfg.env.reward_model_path:
+        used.add("reward_model")
     return used
 
 
@@ -109,8 +113,7 @@ def grouped(cfg: RunConfig, world: int) -> RankMap:
     """cfg.placement_map over world ranks: every rank in one group, every role the
     algorithm uses in one group, the rollout and the reference in the actor's,
     the critic in another; rollout.tensor_parallel_size divides the actor's ranks.
-    A role the algorithm does not use may not be placed; it is mapped to the
-    actor's ranks (never built)."""
+    A role the run does not use may not be placed; it gets no rank."""
     groups, where, owner = _parse_map(cfg.placement_map), {}, {}
     for i, (roles, ranks) in enumerate(groups):
         for role in roles:
@@ -131,8 +134,7 @@ def grouped(cfg: RunConfig, world: int) -> RankMap:
         raise ValueError(f"placement_map leaves ranks {left} of the {world} without a role "
                          "(every rank must be in a group)")
     _check_groups(cfg, where, groups)
-    actor = groups[where["actor"]][1]
-    return {role: groups[where[role]][1] if role in where else actor for role in ROLES}
+    return {role: groups[where[role]][1] if role in where else () for role in ROLES}
 
 
 def _check_groups(cfg: RunConfig, where: dict[str, int],
@@ -145,7 +147,8 @@ def _check_groups(cfg: RunConfig, where: dict[str, int],
                              f"uses (placement_map={cfg.placement_map!r})")
         if role not in used and role in where:
             why = {"reference": "algorithm.kl_coef=0", "critic":
-                   f"algorithm.advantage={cfg.algorithm.advantage!r} uses no values"}[role]
+                   f"algorithm.advantage={cfg.algorithm.advantage!r} uses no values",
+                   "reward_model": "env.reward_model_path is empty"}[role]
             raise ValueError(f"placement_map places a {role}, but this run has none ({why})")
     actor = where["actor"]
     if 0 not in groups[actor][1]:
@@ -187,7 +190,8 @@ class Placement:
 
     Args:
         kind: its name in `KINDS`.
-        ranks: {role: its ranks}, every role of `ROLES`.
+        ranks: {role: its ranks}, every role of `ROLES` (none for a role the run
+            does not build; the actor and the rollout always have some).
         rank, world: this process's rank and the world size.
 
     Attributes:
@@ -196,7 +200,7 @@ class Placement:
 
     def __init__(self, kind: str, ranks: Mapping[str, tuple[int, ...]], rank: int,
                  world: int) -> None:
-        missing = [r for r in ROLES if not ranks.get(r)]
+        missing = [r for r in ("actor", "rollout") if not ranks.get(r)]
         if missing:
             raise ValueError(f"placement={kind!r} puts no rank under {missing}")
         self.kind, self.ranks, self.rank, self.world = kind, dict(ranks), rank, world
@@ -204,7 +208,7 @@ class Placement:
         # one order; a role on every rank runs over the default group.
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for members in sorted({tuple(m) for m in self.ranks.values()}):
-            if len(members) < world:
+            if 0 < len(members) < world:
                 self._groups[members] = dist.new_group(list(members))
 
     @classmethod
@@ -218,7 +222,7 @@ class Placement:
 
     def group(self, role: str) -> dist.ProcessGroup | None:
         """The process group of role's ranks; None when they are every rank (the
-        default group)."""
+        default group) or none."""
         return self._groups.get(tuple(self.ranks[role]))
 
     def mesh(self, role: str, device: torch.device | None = None) -> DeviceMesh:
@@ -236,7 +240,8 @@ class Placement:
         """One line: each distinct rank set and the roles on it."""
         by_ranks: dict[tuple[int, ...], list[str]] = {}
         for role in ROLES:
-            by_ranks.setdefault(tuple(self.ranks[role]), []).append(role)
+            if self.ranks[role]:
+                by_ranks.setdefault(tuple(self.ranks[role]), []).append(role)
         return "; ".join(f"{'+'.join(roles)} on ranks {_span(r)}" for r, roles in by_ranks.items())
 
 

@@ -20,7 +20,8 @@ def test_colocated_puts_every_role_on_every_rank() -> None:
 
 def test_separate_puts_the_trainer_roles_first_and_the_rollout_after() -> None:
     ranks = rank_map("separate", _cfg(num_ranks=1), 3)
-    assert ranks == {"actor": (0, 1), "reference": (0, 1), "critic": (0, 1), "rollout": (2,)}
+    assert ranks == {"actor": (0, 1), "reference": (0, 1), "critic": (0, 1), "rollout": (2,),
+                     "reward_model": (0, 1, 2)}
     # num_ranks=0: half the world, in multiples of the rollout's TP
     assert rank_map("separate", _cfg(tensor_parallel_size=2), 6)["rollout"] == (4, 5)
 
@@ -64,7 +65,8 @@ def test_each_role_gets_the_group_and_mesh_of_its_ranks() -> None:
     out = run_ranks(_both, 3, timeout=60)
     for rank, r in enumerate(out):
         sep, col = r["separate"], r["colocated"]
-        assert sep["describe"] == "actor+reference+critic on ranks 0-1; rollout on ranks 2"
+        assert sep["describe"] == ("actor+reference+critic on ranks 0-1; rollout on ranks 2; "
+                                   "reward_model on ranks 0-2")
         for role in ("actor", "reference", "critic"):
             assert sep[role]["holds"] == (rank < 2)
             assert sep[role]["group"] == [0, 1]
@@ -74,9 +76,10 @@ def test_each_role_gets_the_group_and_mesh_of_its_ranks() -> None:
                 assert sep[role]["error"] == (f"rank 2 holds no {role} under "
                                               "placement='separate' (its ranks: [0, 1])")
         assert sep["rollout"]["group"] == [2] and sep["rollout"]["holds"] == (rank == 2)
+        assert sep["reward_model"]["group"] is None and sep["reward_model"]["sum"] == 3.0
         if rank < 2:
             assert sep["rollout"]["error"] == (f"rank {rank} holds no rollout under "
                                                "placement='separate' (its ranks: [2])")
         for role in ROLES:  # colocated: the default group, a mesh over the world
             assert col[role] == {"holds": True, "group": None, "mesh": [0, 1, 2], "sum": 3.0}
-        assert col["describe"] == "actor+rollout+reference+critic on ranks 0-2"
+        assert col["describe"] == "actor+rollout+reference+critic+reward_model on ranks 0-2"
