@@ -97,9 +97,9 @@ class RunConfig:
     export: ExportConfig = _field(ExportConfig, "What the run leaves behind.")
     placement: Literal["colocated", "separate", "grouped"] = _field(
         "colocated",
-        "'colocated': every rank trains (FSDP2) and rolls out (vLLM), taking turns; "
+        "'colocated': every rank trains (FSDP2) and rolls out (vLLM), in turns; "
         "'separate': ranks 0..M-1 only train, the last rollout.num_ranks only roll out; "
-        "'grouped': see placement_map.",
+        "'grouped': placement_map.",
     )
     placement_map: str = _field(
         "", "placement=grouped: each group's roles and ranks, e.g. "

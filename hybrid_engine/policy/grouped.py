@@ -49,6 +49,7 @@ from hybrid_engine.parallel.placement import ROLES, Placement
 from hybrid_engine.policy.ahead import Generated, timed
 from hybrid_engine.policy.colocated import HybridActor
 from hybrid_engine.policy.process import PolicyProcess
+from hybrid_engine.policy.training import refuse_parked_partials
 from hybrid_engine.roles.base import Layout
 from hybrid_engine.roles.mirrored import broadcast_pickled
 from hybrid_engine.rollout.engine import Completions
@@ -143,9 +144,7 @@ class GroupedPolicy:
         return None
 
     def load_rollout_state(self, state: dict | None) -> None:
-        if state is not None:
-            raise ValueError("this checkpoint holds parked partial rollouts, which only "
-                             "placement=colocated keeps: resume it colocated")
+        refuse_parked_partials(state)
 
     def drift_scorer(self) -> None:
         """None: the drift split is not offered under this placement yet."""

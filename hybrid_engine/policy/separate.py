@@ -51,7 +51,8 @@ import torch.distributed as dist
 from hybrid_engine.policy.ahead import Inflight, SerialWorker, timed
 from hybrid_engine.policy.inflight import InstallGate
 from hybrid_engine.policy.process import PolicyProcess
-from hybrid_engine.policy.training import (logprob_samples, policy_train, sampling_overrides,
+from hybrid_engine.policy.training import (logprob_samples, policy_train,
+                                           refuse_parked_partials, sampling_overrides,
                                            train_batch)
 from hybrid_engine.algorithms.losses import LossFn, StepLoss
 from hybrid_engine.checkpoint import (export_adapter, export_hf, load_training_state,
@@ -270,9 +271,7 @@ class SeparatePolicy:
         return None
 
     def load_rollout_state(self, state: dict | None) -> None:
-        if state is not None:
-            raise ValueError("this checkpoint holds parked partial rollouts, which only "
-                             "placement=colocated keeps: resume it colocated")
+        refuse_parked_partials(state)
 
     def _sampling(self, sampling: Mapping[str, Any] | None
                   ) -> contextlib.AbstractContextManager[None]:

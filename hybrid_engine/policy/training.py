@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from hybrid_engine.rollout.engine import Completions
 
 __all__ = ["completions_to_trajectories", "logprob_samples", "sampling_overrides", "policy_loss",
-           "policy_step", "policy_train", "train_batch"]
+           "policy_step", "policy_train", "refuse_parked_partials", "train_batch"]
 
 
 def logprob_samples(cfg: RunConfig) -> int | None:
@@ -41,6 +41,17 @@ def logprob_samples(cfg: RunConfig) -> int | None:
             or (alg.kl_in_reward and alg.kl_coef > 0) or cfg.async_rollout.max_staleness > 0):
         return None
     return cfg.rollout.mismatch_sample
+
+
+def refuse_parked_partials(state: dict | None) -> None:
+    """A policy that keeps no partial rollouts refuses a checkpoint that parked some.
+
+    Raises:
+        ValueError: state holds parked partial rollouts (it is not None).
+    """
+    if state is not None:
+        raise ValueError("this checkpoint holds parked partial rollouts, which only "
+                         "placement=colocated keeps: resume it colocated")
 
 
 def completions_to_trajectories(out: Completions) -> list[Trajectory]:
