@@ -1,16 +1,17 @@
-"""PPO with a critic and a reference, three placements on the same ranks: step time and peak memory.
+"""PPO with a critic, a reference and a reward model, three placements on the same ranks.
 
 Fresh `hybrid-engine train` jobs under torchrun on N ranks (default 6), one per
 placement per round, placements in rotating order, --jobs rounds; the same
 model, prompts, sampling and seeds (the recipe tiny_grpo_debug, GAE critic,
-KL reference, rollout TP 1):
+KL reference, a reward model of the policy's size whose score is half the
+reward, rollout TP 1):
 
-- colocated: every rank holds the actor, its engine, the reference and the
-  critic, taking turns;
+- colocated: every rank holds the actor, its engine, the reference, the
+  critic and the reward model, taking turns;
 - separate: the actor, reference and critic on the first G ranks (FSDP2 over
-  them), the engines on the last N - G;
+  them), the engines on the last N - G, the reward model on every rank;
 - grouped: the actor, its engine and the reference on the first G ranks, taking
-  turns; the critic on the last N - G (`placement_map`).
+  turns; the critic and the reward model on the last N - G (`placement_map`).
 
 Per job: the median step time over the steps after the first (the first
 compiles and warms the engine), each rank's peak RSS (the rank's own process,
@@ -53,7 +54,8 @@ REWARD = ("import zlib\n\ndef reward(prompt, completion, answer):\n"
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="small", help="tiny-model preset (hybrid_engine.models.tiny)")
+    p.add_argument("--preset", default="small",
+                   help="tiny-model preset (hybrid_engine.models.tiny)")
     p.add_argument("--nproc", type=int, default=6, help="ranks N")
     p.add_argument("--group", type=int, default=4,
                    help="G: the actor group's ranks (grouped) and the trainer ranks (separate)")
@@ -78,7 +80,7 @@ def _overrides(args: argparse.Namespace, mode: str, model: Path, out: Path) -> l
         "colocated": [],
         "separate": ["--placement=separate", f"--rollout.num_ranks={n - g}"],
         "grouped": ["--placement=grouped", f"--placement_map=actor,rollout,reference:0-{g - 1};"
-                    f"critic:{g}-{n - 1}"],
+                    f"critic,reward_model:{g}-{n - 1}"],
     }[mode]
     return [f"--model.path={model}", f"--output_dir={out}", "--no-progress",
             "--algorithm.advantage=gae", "--algorithm.kl_coef=0.05",
@@ -87,7 +89,8 @@ def _overrides(args: argparse.Namespace, mode: str, model: Path, out: Path) -> l
             f"--rollout.num_samples_per_prompt={args.samples}",
             f"--rollout.max_tokens={args.max_tokens}", "--train.sharding=full",
             "--checkpoint_every=0", "--eval.at_start=false", "--eval.at_end=false",
-            "--eval.every=0", f"--env.reward_fn={out.parent / 'reward.py'}:reward", *placement]
+            "--eval.every=0", "--env.reward_fn=", f"--env.reward_model_path={out.parent / 'rm'}",
+            f"--env.rewards={out.parent / 'reward.py'}:reward:1.0,reward_model:0.5", *placement]
 
 
 class PeakRss:
@@ -209,6 +212,10 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         model = _common.preset_model(work / "models", args.preset)
         (work / "reward.py").write_text(REWARD)
+        from hybrid_engine.envs.reward_model import write_tiny_reward_model
+        from hybrid_engine.models.tiny import PRESETS
+
+        write_tiny_reward_model(work / "rm", PRESETS[args.preset])
         jobs: dict[str, list[dict]] = {m: [] for m in MODES}
         for j in range(args.jobs):
             order = MODES[j % 3:] + MODES[:j % 3]  # rotating: no mode always runs first
@@ -219,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     table, summary = report(args, jobs)
     header = _common.result_header(__file__, argv)
-    body = (f"{header}Workload: preset {args.preset}, N={args.nproc} ranks, G={args.group}, "
+    body = (f"{header}Workload: PPO (GAE critic, KL reference, a reward model's score as half "
+            f"the reward), preset {args.preset}, N={args.nproc} ranks, G={args.group}, "
             f"{args.prompts} prompts x {args.samples} samples x {args.max_tokens} tokens, "
             f"{args.steps} steps ({args.steps - 1} timed after the first), {args.jobs} jobs "
             f"per placement.\n\n{table}\n")
