@@ -134,8 +134,8 @@ def _fast_run(overrides: dict, *, flat_steps=(), train_metrics=None,  # noqa: AN
 
 
 def _sample(step: int) -> list[str]:
-    return ["policy.switch_to inference", "policy.collect",
-            "policy.switch_to training", "scorer.score", "env.score", "algorithm.advantages",
+    return ["policy.switch_to inference", "policy.collect", "env.score",
+            "policy.switch_to training", "scorer.score", "algorithm.advantages",
             f"samples {step} (4 with advantages)", "algorithm.select"]
 
 

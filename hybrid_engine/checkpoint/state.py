@@ -176,13 +176,19 @@ def _meta(trainer: Trainer | None, critic: Critic | None, extra: dict | None,
     from rank 0 (every placement trains there), the critic's from the ranks
     holding it (collective over group: they may be other ranks)."""
     mine: dict[str, Any] = {}
-    if trainer is not None and group_rank(group) == 0:  # the digests read the weights once
-        mine.update(step=trainer.step, scheduler=trainer.scheduler.state_dict(),
-                    lora_base=_base_of(trainer), origin=_origin(trainer))
-    if critic is not None:
-        mine["critic"] = {"step": critic.step, "scheduler": critic.scheduler.state_dict()}
+    err = None
+    try:
+        if trainer is not None and group_rank(group) == 0:  # the digests read the weights once
+            mine.update(step=trainer.step, scheduler=trainer.scheduler.state_dict(),
+                        lora_base=_base_of(trainer), origin=_origin(trainer))
+        if critic is not None:
+            mine["critic"] = {"step": critic.step, "scheduler": critic.scheduler.state_dict()}
+    except WRITE_ERRORS as e:  # raised after the gather: every rank reaches the next agree
+        err = e
     parts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, mine, group=group)  # small: steps and schedules
+    if err is not None:
+        raise err
     if group_rank(group) != 0:
         return None
     meta = {"world_size": len(parts), "critic": None, "extra": extra}

@@ -158,9 +158,10 @@ class RunConfig:
                              "generated ahead; with async_rollout.partial=true nothing "
                              "runs ahead (leave it at auto)")
         if self.placement != "colocated":
-            raise ValueError("async_rollout.partial=true needs placement=colocated (under "
-                             "placement=separate, async_rollout.max_staleness overlaps "
-                             "generation with training instead)")
+            raise ValueError(f"async_rollout.partial=true needs placement=colocated (this run "
+                             f"is placement={self.placement}; under separate placement, "
+                             "async_rollout.max_staleness overlaps generation with training "
+                             "instead)")
         if not r.max_staleness:
             raise ValueError("async_rollout.partial=true needs async_rollout.max_staleness >= 1: "
                              "a parked sequence's prefix is at least one step old when it trains")

@@ -68,14 +68,17 @@ _MAP_FORM = "'roles:ranks;roles:ranks', e.g. 'actor,reference,rollout:0-3;critic
 
 
 def _parse_ranks(text: str) -> tuple[int, ...]:
-    """'0-3' / '4' / '0,2,5' / '0-1,4' as ranks, in order."""
+    """'0-3' / '4' / '0,2,5' / '0-1,4' as ranks, ascending (the order of the
+    group's ranks, vLLM's TP grid and the sync's shards)."""
     out: list[int] = []
     for part in text.split(","):
         lo, _, hi = part.strip().partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
             raise ValueError(f"placement_map: {text!r} is not a rank list ('0-3', '4' or '0,2')")
         out += range(int(lo), int(hi or lo) + 1)
-    return tuple(out)
+    if len(set(out)) < len(out):
+        raise ValueError(f"placement_map: {text!r} names a rank twice")
+    return tuple(sorted(out))
 
 
 def _parse_map(spec: str) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:

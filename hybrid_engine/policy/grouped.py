@@ -95,7 +95,8 @@ class GroupedPolicy:
         else:
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                self.model_path, trust_remote_code=cfg.model.trust_remote_code)
         facts = None if self.actor is None else (self.actor.engine_facts, self.actor.pad_id)
         (self.engine_facts, self.pad_id), _ = broadcast_pickled(facts, self.src)
         self._train_metrics: dict[str, float] = {}

@@ -11,14 +11,14 @@ wrappers run each role where it lives and give every rank its results:
         disjoint groups at the same time -- then each role's field is
         broadcast from the first of its ranks, as one flat float32 tensor
         (the response lengths are the same everywhere: no pickling)
-    MirroredLearner(placement, "critic", learner_or_None)
+    MirroredLearner(placement, "critic", learner_or_None, scores)
         train_step(trajs): the update on its ranks, its metrics broadcast
 
-A role on every rank is called as is, with nothing broadcast. For a role on
-some ranks, the learner reports with its metrics the bytes its scores
+A role on every rank is called as is, with nothing broadcast. A learner on
+some ranks (the critic) reports with its metrics the bytes its scores
 broadcast (`placement/<role>_bytes`) and its ranks' own seconds of scoring and
 training (`placement/<role>_score_s`, `placement/<role>_train_s`: the work
-the other group's overlaps).
+the other group's overlaps); a scorer alone (the reference) reports none.
 """
 
 from __future__ import annotations

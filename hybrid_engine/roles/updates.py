@@ -142,7 +142,7 @@ def policy_updates(
     trainer: Trainer, trajs: Sequence[Trajectory], cfg: RunConfig, pad_id: int,
     step_fn: Callable[[list[Trajectory], bool], dict[str, float]],
 ) -> dict[str, float]:
-    """The policy's updates of one RL step (collective over the train group).
+    """The policy's updates of one RL step (collective over the trainer's group).
 
     Old log-probs are computed first when more than one update follows and
     algorithm.behaviour_logp is 'trainer'; otherwise any stale old_logp is

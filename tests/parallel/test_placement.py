@@ -83,3 +83,19 @@ def test_each_role_gets_the_group_and_mesh_of_its_ranks() -> None:
         for role in ROLES:  # colocated: the default group, a mesh over the world
             assert col[role] == {"holds": True, "group": None, "mesh": [0, 1, 2], "sum": 3.0}
         assert col["describe"] == "actor+rollout+reference+critic+reward_model on ranks 0-2"
+
+
+def test_a_grouped_map_gives_each_role_its_ranks_in_ascending_order() -> None:
+    """The order a map lists ranks in does not matter (a group's ranks, vLLM's TP
+    grid and the sync's shards follow ascending ranks); a role the run does not
+    build gets none."""
+    from hybrid_engine.config import apply_overrides
+
+    cfg = apply_overrides(RunConfig(), {
+        "placement": "grouped", "algorithm.advantage": "gae",
+        "placement_map": "critic:3;actor,rollout:2,0-1"})
+    assert rank_map("grouped", cfg, 4) == {"actor": (0, 1, 2), "rollout": (0, 1, 2),
+                                           "reference": (), "critic": (3,), "reward_model": ()}
+    twice = apply_overrides(cfg, {"placement_map": "critic:3;actor,rollout:0-2,1"})
+    with pytest.raises(ValueError, match=r"placement_map: '0-2,1' names a rank twice"):
+        rank_map("grouped", twice, 4)
