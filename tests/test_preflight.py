@@ -179,6 +179,10 @@ def test_bad_model_folder(model_dir, tmp_path, kind) -> None:
      "placement=colocated"),
     (["--placement=grouped", "--placement_map=critic:0;actor,rollout:1",
       "--algorithm.advantage=gae"], "the actor's group must hold rank 0"),
+    (["--algorithm.advantage=gae", "--train.critic_sharding=hybrid",
+      "--train.critic_shard_group_size=2"], "train.critic_shard_group_size=2 must divide the "
+     "critic's 2 rank(s) and lie strictly between 1 and 2"),
+    (["--train.critic_sharding=hybrid"], "critic_sharding=hybrid needs train.critic_shard_group_size >= 2"),
     (["--placement=separate", "--memory.offload_optimizer=true"], "needs placement=colocated"),
     (["--model.lora_rank=-1"], "model.lora_rank must be >= 0"),
     (["--model.lora_target_modules=q_proj,lm_head"], "model.lora_target_modules has ['lm_head']"),

@@ -188,8 +188,9 @@ class TrainConfig:
         "auto", "Training layout over the data-parallel ranks: FSDP2 'full' / 'grad_op', DDP "
         "'replicate', HSDP 'hybrid', or 'auto' (the first that fits memory.budget).")
     cpu_shm_allreduce: bool = _field(
-        True, "sharding='replicate' on one CPU host: average gradients through vLLM-CPU's "
-        "shared-memory all-reduce instead of gloo's TCP loopback (gloo where the build has none).")
+        True, "sharding or critic_sharding 'replicate' on one CPU host: average gradients "
+        "through vLLM-CPU's shared-memory all-reduce instead of gloo's TCP loopback (gloo "
+        "where the build has none).")
     shard_group_size: int = _field(
         0,
         "sharding='hybrid' (and 'auto'): ranks per shard group; must divide the trainer "
@@ -199,6 +200,12 @@ class TrainConfig:
     replica_check_every: int = _field(
         10, "sharding='replicate'/'hybrid': every this many optimizer steps, stop the run if "
         "any replica's parameters differ bitwise; 0 = never.", ge=0)
+    critic_sharding: Literal["full", "grad_op", "replicate", "hybrid"] = _field(
+        "full", "The critic's training layout over its own ranks, as train.sharding: FSDP2 "
+        "'full' / 'grad_op', DDP 'replicate', HSDP 'hybrid' (PPO with GAE).")
+    critic_shard_group_size: int = _field(
+        0, "critic_sharding='hybrid': ranks per shard group; must divide the critic's ranks "
+        "and lie strictly between 1 and their number. 0 = unset.", ge=0)
     num_steps: int = _field(100, "RL steps (generate -> train -> sync) in the run.", ge=1)
     prompts_per_step: int = _field(
         32, "Prompts per RL step over all ranks; sequences = this * K.", ge=1
@@ -220,6 +227,9 @@ class TrainConfig:
             raise ValueError(f"{_prefix(self)}sharding=hybrid needs {_prefix(self)}"
                              f"shard_group_size >= 2 (ranks per shard group), got "
                              f"{self.shard_group_size}")
+        if self.critic_sharding == "hybrid" and self.critic_shard_group_size < 2:
+            raise ValueError(f"{_prefix(self)}critic_sharding=hybrid needs {_prefix(self)}"
+                             f"critic_shard_group_size >= 2, got {self.critic_shard_group_size}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

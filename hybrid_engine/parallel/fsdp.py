@@ -66,6 +66,7 @@ __all__ = [
     "HiddenStatesHead",
     "apply_fsdp",
     "build_fsdp_model",
+    "lay_out",
     "compute_autocast",
     "shard_and_load",
     "default_device",
@@ -347,16 +348,31 @@ def build_fsdp_model(
         from hybrid_engine.parallel.lora import add_adapters, init_adapters
 
         model, init = add_adapters(model, lora, master, trainable=requires_grad), init_adapters
+    return lay_out(model, folder, mesh, master=master, compute=compute, sharding=sharding,
+                   shard_group_size=shard_group_size, checkpointing=activation_checkpointing,
+                   compile_layers=compile_layers, grad_hook=grad_hook, init=init)
+
+
+def lay_out(model: nn.Module, folder: Path, mesh: DeviceMesh, *, master: torch.dtype,
+            compute: torch.dtype, sharding: str = "full", shard_group_size: int = 0,
+            checkpointing: bool = False, compile_layers: bool = False,
+            grad_hook: Callable | None = None, init: Callable[[nn.Module], None] | None = None,
+            load_into: nn.Module | None = None) -> tuple[nn.Module, LoadStats]:
+    """A model built under `empty_model` in one training layout over mesh, its
+    rows read from folder: FSDP2 (`shard_and_load`: full, grad_op, hybrid) or
+    replicated (`_build_replicated`). The arguments are `build_fsdp_model`'s and
+    `shard_and_load`'s. Returns (the model, what this rank read)."""
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     if sharding == "replicate":
-        return _build_replicated(model, folder, mesh, master, compute, activation_checkpointing,
-                                 grad_hook, init, compile_layers=compile_layers)
+        return _build_replicated(model, folder, mesh, master, compute, checkpointing,
+                                 grad_hook, init, compile_layers=compile_layers,
+                                 load_into=load_into)
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)
     size = {"hybrid": shard_group_size}.get(sharding, mesh.size())
     stats = shard_and_load(model, folder, fsdp_mesh(mesh, size), mp, init=init,
-                           checkpointing=activation_checkpointing, compile_layers=compile_layers,
-                           reshard_after_forward=sharding == "full")
+                           checkpointing=checkpointing, compile_layers=compile_layers,
+                           reshard_after_forward=sharding == "full", load_into=load_into)
     return model, stats
 
 
@@ -364,7 +380,8 @@ def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
                       master: torch.dtype, compute: torch.dtype,
                       checkpointing: bool, grad_hook: Callable | None = None,
                       init: Callable[[nn.Module], None] | None = None, *,
-                      compile_layers: bool = False) -> tuple[nn.Module, LoadStats]:
+                      compile_layers: bool = False,
+                      load_into: nn.Module | None = None) -> tuple[nn.Module, LoadStats]:
     """train.sharding=replicate: plain parameters, whole on every rank, gradients
     averaged by DDP (torch's composable `replicate`: buckets all-reduced while
     backward runs, the gradients views of the buckets) and compute_dtype through
@@ -374,7 +391,8 @@ def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
     each step: on the 181M W1 step (2 ranks, bf16 compute, one Xeon) its train
     phase took 2.80 s where this takes 1.83 s (benchmarks/results/
     step_w1_replicate_hsdp_* and step_w1_replicate_ddp_*). On one rank there is
-    nothing to average: the plain module, with no DDP hooks or buckets."""
+    nothing to average: the plain module, with no DDP hooks or buckets.
+    load_into and init: as in `shard_and_load`."""
     from torch.distributed._composable.replicate import replicate
 
     if checkpointing:
@@ -383,7 +401,7 @@ def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,
         _compile_layers(model)
     device = default_device() if mesh.device_type == "cuda" else torch.device(mesh.device_type)
     materialize(model, device)
-    stats = load_sharded_safetensors(model, folder)
+    stats = load_sharded_safetensors(load_into if load_into is not None else model, folder)
     if init is not None:
         with torch.no_grad():
             init(model)

@@ -185,7 +185,20 @@ def rank_map(kind: str, cfg: RunConfig, world: int) -> RankMap:
     """
     if kind not in KINDS:
         raise ValueError(f"placement={kind!r} is not one of {sorted(KINDS)}")
-    return KINDS[kind](cfg, world)
+    ranks = KINDS[kind](cfg, world)
+    _check_critic_layout(cfg, ranks["critic"])
+    return ranks
+
+
+def _check_critic_layout(cfg: RunConfig, ranks: tuple[int, ...]) -> None:
+    """train.critic_sharding=hybrid's shard groups against the critic's ranks."""
+    t, n = cfg.train, len(ranks)
+    size = t.critic_shard_group_size
+    if ("critic" in _used_roles(cfg) and t.critic_sharding == "hybrid"
+            and not (1 < size < n and n % size == 0)):
+        raise ValueError(f"train.critic_shard_group_size={size} must divide the critic's {n} "
+                         f"rank(s) and lie strictly between 1 and {n} "
+                         "(train.critic_sharding=hybrid)")
 
 
 class Placement:

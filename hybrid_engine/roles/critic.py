@@ -1,9 +1,9 @@
-"""Critic role: the FSDP2 value model of PPO (LM backbone + scalar head).
+"""Critic role: the value model of PPO (LM backbone + scalar head), trained on its ranks.
 
-Job: build the value model from the policy's HF folder with the policy's
-layout (`fsdp` helpers: fully_shard per decoder layer and at the root,
-sharded init read row-range by row-range from safetensors, no lm_head at
-all), own its AdamW optimizer and LR schedule, predict per-token values, and
+Job: build the value model from the policy's HF folder in its own training
+layout, train.critic_sharding (`fsdp.lay_out`: FSDP2 full, grad_op or hybrid,
+fully_shard per decoder layer and at the root, rows read range by range from
+safetensors; or replicate, whole under DDP; no lm_head at all), own its AdamW optimizer and LR schedule, predict per-token values, and
 take one optimizer step per `train_step` on `algorithms.value_loss.value_loss`
 (several per RL step: `roles.updates`, old values from before the first),
 normalised like the policy loss: by the loss-token count of the WHOLE step
@@ -14,29 +14,32 @@ Invariant: values align with log-probs. values_BT[b, t] is the value of the
 state tokens[b, :t], read at the output of position t - 1 (the position
 that predicts token t), and is 0 outside loss_mask_BT; `algorithms.gae`
 takes them in that layout. Like the trainer, every forward without backward
-ends with `module.reshard()`, and the optimizer is built over the sharded
-DTensors before any forward (see `roles.trainer`).
+ends with `reshard_all`, and the optimizer is built over the sharded
+parameters before any forward (see `roles.trainer`).
 
 Shape legend: B sequences, T positions, H hidden size.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from hybrid_engine.algorithms.value_loss import value_loss
-from hybrid_engine.parallel.fsdp import (DTYPES, attn_implementation, dp_mesh, empty_model,
-                                         resolve_model_path, shard_and_load)
+from hybrid_engine.parallel.fsdp import (DTYPES, attn_implementation, compute_autocast, dp_mesh,
+                                         empty_model, lay_out, resolve_model_path)
 from hybrid_engine.parallel.params import reshard_all
 from hybrid_engine.parallel.precision import resolve_compute_dtype
 from hybrid_engine.roles.logprobs import comm_device, num_micro_batches
-from hybrid_engine.roles.trainer import build_optimizer, clip_and_step
+from hybrid_engine.roles.trainer import (build_optimizer, check_replicas, clip_and_step,
+                                         micro_batch_comm)
+from hybrid_engine.rollout import shm_allreduce
 
 if TYPE_CHECKING:
     from hybrid_engine.config import ModelConfig, TrainConfig
@@ -73,8 +76,12 @@ def build_value_model(
     compute_dtype: str = "float32",
     activation_checkpointing: bool = False,
     trust_remote_code: bool = False,
-) -> ValueModel:
-    """The FSDP2 value model: backbone rows read from the policy's safetensors, head zeros.
+    sharding: str = "full",
+    shard_group_size: int = 0,
+    grad_hook: Callable | None = None,
+) -> nn.Module:
+    """The value model in its training layout: backbone rows read from the
+    policy's safetensors, head zeros.
 
     A zero head makes the first values exactly 0 on every rank count; its
     gradient (the hidden state times dL/dV) is not zero, so it learns at once.
@@ -82,11 +89,13 @@ def build_value_model(
     Args:
         model_path: the policy's HF folder (or hub id).
         mesh: 1-D data-parallel mesh.
-        master_dtype, compute_dtype, activation_checkpointing, trust_remote_code:
-            as in `fsdp.build_fsdp_model`.
+        master_dtype, compute_dtype, activation_checkpointing, trust_remote_code,
+        sharding, shard_group_size, grad_hook: as in `fsdp.build_fsdp_model`
+            (the critic's own train.critic_sharding and critic_shard_group_size).
 
     Returns:
-        The root FSDPModule (a ValueModel); every parameter a Shard(0) DTensor.
+        A ValueModel: the root FSDPModule, every parameter a Shard(0) DTensor;
+        sharding="replicate": plain whole parameters under DDP.
     """
     from transformers import AutoConfig, AutoModel
 
@@ -100,17 +109,17 @@ def build_value_model(
         model = ValueModel(backbone, config.hidden_size, dtype)
     model.eval()  # no dropout: values() and train_step() must agree exactly
     compute = DTYPES[resolve_compute_dtype(compute_dtype, mesh.device_type)]
-    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=dtype)
     # The backbone loads through a holder whose names are the checkpoint's ("model.*").
     holder = nn.Module()
     holder.model = model.model
 
     def zero_head(m: nn.Module) -> None:
         for p in m.value_head.parameters():
-            p.to_local().zero_()
+            (p.to_local() if isinstance(p, DTensor) else p).zero_()
 
-    shard_and_load(model, folder, mesh, mp, checkpointing=activation_checkpointing,
-                   device=comm_device(mesh), load_into=holder, init=zero_head)
+    model, _ = lay_out(model, folder, mesh, master=dtype, compute=compute, sharding=sharding,
+                       shard_group_size=shard_group_size, checkpointing=activation_checkpointing,
+                       grad_hook=grad_hook, load_into=holder, init=zero_head)
     return model
 
 
@@ -121,7 +130,7 @@ class Critic:
     with its own rows of the global batch.
 
     Attributes:
-        module: the root FSDPModule (a ValueModel).
+        module: the ValueModel in train.critic_sharding's layout (`build_value_model`).
         mesh: the 1-D data-parallel mesh.
         optimizer: AdamW over the sharded DTensor parameters.
         scheduler: LambdaLR with `lr_lambda(train_cfg)`.
@@ -146,20 +155,25 @@ class Critic:
         self.train_cfg = train_cfg
         self.mesh = mesh if mesh is not None else dp_mesh()
         self.device = comm_device(self.mesh)
-        self.module: FSDPModule = build_value_model(
+        self.module = build_value_model(
             model_path, self.mesh, master_dtype=model_cfg.master_dtype,
             compute_dtype=model_cfg.compute_dtype,
             activation_checkpointing=train_cfg.activation_checkpointing,
             trust_remote_code=model_cfg.trust_remote_code,
+            sharding=train_cfg.critic_sharding,
+            shard_group_size=train_cfg.critic_shard_group_size,
+            grad_hook=shm_allreduce.install if train_cfg.cpu_shm_allreduce else None,
         )
         self._param_ids, self.optimizer, self.scheduler = build_optimizer(self.module, train_cfg)
         self.step = 0
 
     def _forward(self, mb: TrainBatch) -> Tensor:
         """[B, T] values of a micro-batch on self.device (graph if grad is on)."""
-        dev = self.device
-        out_BT = self.module(mb.tokens_BT.to(dev), mb.attention_mask_BT.to(dev),
-                             mb.position_ids_BT.to(dev))
+        dev, autocast = self.device, compute_autocast(self.module)
+        with torch.autocast(dev.type, dtype=autocast or torch.float32,
+                            enabled=autocast is not None):
+            out_BT = self.module(mb.tokens_BT.to(dev), mb.attention_mask_BT.to(dev),
+                                 mb.position_ids_BT.to(dev))
         # values_BT[:, t] = head(output at t - 1): the state before token t.
         values_BT = torch.cat([torch.zeros_like(out_BT[:, :1]), out_BT[:, :-1]], 1)
         return torch.where(mb.loss_mask_BT.to(dev), values_BT, 0.0)
@@ -187,7 +201,7 @@ class Critic:
                 mb = batch.rows(start, end)
                 out_BT[start:end, : mb.tokens_BT.shape[1]] = self._forward(mb).cpu()
         finally:
-            self.module.reshard()  # a forward without backward leaves the root unsharded
+            reshard_all(self.module)  # a forward without backward leaves layers gathered
         return out_BT.to(batch.tokens_BT.device)
 
     def train_step(
@@ -225,10 +239,15 @@ class Critic:
         # Sums over this rank's tokens: loss (already / norm), clipped, values, err^2.
         sums = torch.zeros(4, dtype=torch.float64)
         for i in range(num_mb):
-            sums += self._accumulate(batch, returns_BT, old_values_BT, i, norm, clip, coef)
+            with micro_batch_comm(self.module, self.train_cfg.critic_sharding,
+                                  last=i == num_mb - 1):
+                sums += self._accumulate(batch, returns_BT, old_values_BT, i, norm, clip, coef)
         grad_norm, lr, skipped = clip_and_step(self.optimizer, self.scheduler,
                                                self.train_cfg.grad_clip, advance_lr=advance_lr)
         self.step += not skipped
+        cfg = self.train_cfg
+        check_replicas(self.module, self.mesh, cfg.critic_sharding, cfg.critic_shard_group_size,
+                       every=cfg.replica_check_every, step=self.step, skipped=skipped)
         sums = sums.to(self.device)
         dist.all_reduce(sums, group=group)
         n = max(float(norm), 1.0)

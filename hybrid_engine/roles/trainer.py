@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     from hybrid_engine.config import ModelConfig, TrainConfig
     from hybrid_engine.trajectory import TrainBatch
 
-__all__ = ["Trainer", "build_optimizer", "clip_and_step", "lr_lambda"]
+__all__ = ["Trainer", "build_optimizer", "check_replicas", "clip_and_step", "lr_lambda",
+           "micro_batch_comm"]
 
 _FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
@@ -180,6 +181,42 @@ def _clips_in_kernel(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> 
     over the whole model per step). FSDP2's DTensors keep clip_grad_norm_."""
     return (bool(optimizer.defaults.get("fused")) and bool(params)
             and not any(isinstance(p, DTensor) for p in params))
+
+
+
+def check_replicas(module: torch.nn.Module, mesh: DeviceMesh, sharding: str,
+                   shard_group_size: int, *, every: int, step: int, skipped: bool) -> None:
+    """Every `every` optimizer steps (0: never): the replicas of each rank's
+    weights under sharding (replicate, hybrid) are bitwise identical, else
+    ReplicaDrift (`parallel.replicas`)."""
+    if skipped or not every or step % every:
+        return
+    size = replicas.replica_group_size(sharding, shard_group_size, mesh.size())
+    replicas.check(list(module.parameters()), mesh.get_group(), size, layout=sharding,
+                   step=step, device=comm_device(mesh))
+
+
+@contextlib.contextmanager
+def micro_batch_comm(module: torch.nn.Module, sharding: str, *, last: bool) -> Iterator[None]:
+    """Every sharding but `full`: a micro-batch before the step's last keeps its
+    layers gathered after backward and its gradients whole and local (no
+    reduction): one all-gather and one reduction per layer per optimizer step
+    (replicate: no gather, one all-reduce). `full` reduces every micro-batch
+    (its gradients never exist whole)."""
+    # replicate: DDP, nothing to reshard; on one rank the plain module, nothing to defer
+    defer = sharding != "full" and not last and hasattr(module, "set_requires_gradient_sync")
+    fsdp = isinstance(module, FSDPModule)
+    if defer:
+        module.set_requires_gradient_sync(False)
+        if fsdp:
+            module.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        if defer:
+            module.set_requires_gradient_sync(True)
+            if fsdp:
+                module.set_reshard_after_backward(True)
 
 
 class Trainer:
@@ -362,7 +399,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         per_mb = []
         for i in range(num_mb):
-            with self._micro_batch_comm(last=i == num_mb - 1):
+            with micro_batch_comm(self.module, self.train_cfg.sharding, last=i == num_mb - 1):
                 per_mb.append(self._accumulate(batch, i, loss_fn, norm, entropy_grad))
         if before_update is not None:
             before_update()
@@ -380,35 +417,9 @@ class Trainer:
     def _check_replicas(self, skipped: bool) -> None:
         """Every train.replica_check_every optimizer steps: the replicas of each
         rank's weights (replicate, hybrid) are bitwise identical, else ReplicaDrift."""
-        every, cfg = self.train_cfg.replica_check_every, self.train_cfg
-        if skipped or not every or self.step % every:
-            return
-        size = replicas.replica_group_size(cfg.sharding, cfg.shard_group_size, self.mesh.size())
-        replicas.check(list(self.module.parameters()), self.mesh.get_group(), size,
-                       layout=cfg.sharding, step=self.step, device=self.device)
-
-    @contextlib.contextmanager
-    def _micro_batch_comm(self, *, last: bool) -> Iterator[None]:
-        """Every sharding but `full`: a micro-batch before the step's last keeps its
-        layers gathered after backward and its gradients whole and local (no
-        reduction): one all-gather and one reduction per layer per optimizer step
-        (replicate: no gather, one all-reduce). `full` reduces every micro-batch
-        (its gradients never exist whole)."""
-        # replicate: DDP, nothing to reshard; on one rank the plain module, nothing to defer
-        defer = (self.train_cfg.sharding != "full" and not last
-                 and hasattr(self.module, "set_requires_gradient_sync"))
-        fsdp = isinstance(self.module, FSDPModule)
-        if defer:
-            self.module.set_requires_gradient_sync(False)
-            if fsdp:
-                self.module.set_reshard_after_backward(False)
-        try:
-            yield
-        finally:
-            if defer:
-                self.module.set_requires_gradient_sync(True)
-                if fsdp:
-                    self.module.set_reshard_after_backward(True)
+        cfg = self.train_cfg
+        check_replicas(self.module, self.mesh, cfg.sharding, cfg.shard_group_size,
+                       every=cfg.replica_check_every, step=self.step, skipped=skipped)
 
     def _accumulate(
         self, batch: TrainBatch, i: int, loss_fn: LossFn, norm: Tensor, entropy_grad: bool

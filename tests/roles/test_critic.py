@@ -1,5 +1,6 @@
-"""FSDP2 critic on real gloo ranks: sharded init, values layout, a falling value loss,
-and 1 vs 2 ranks giving the same update.
+"""The critic on real gloo ranks: sharded init, values layout, a falling value loss,
+1 vs 2 ranks giving the same update, and each of its training layouts
+(train.critic_sharding) on 4 ranks giving the one-rank update and resuming exactly.
 
 Tolerances (fp32): other rank counts sum the same terms in another order, so the
 weights agree to float32 rounding, not bitwise. As in tests/roles/test_trainer.py,
@@ -77,16 +78,18 @@ def _check_layout(path: str) -> dict:
     )
 
 
-def _train(path: str, steps: int, lr: float, clip: float | None, shift: bool = False) -> dict:
+def _train(path: str, steps: int, lr: float, clip: float | None, shift: bool = False,
+           mb: int = 2, **layout) -> dict:
     """steps critic updates on a fixed batch; old values from before the first
-    (+ `_old_shift` with shift)."""
-    critic = _critic(path, lr, micro_batch_size=2)
-    batch = rank_batch(make_trajs(8, VOCAB, seed=5), micro_batch_size=2)
+    (+ `_old_shift` with shift); layout: train.critic_sharding and its group size."""
+    critic = _critic(path, lr, micro_batch_size=mb, **layout)
+    batch = rank_batch(make_trajs(8, VOCAB, seed=5), micro_batch_size=mb)
     returns, old = _returns(batch), critic.values(batch)
     if shift:
         old = old + _old_shift(batch)
     metrics = [critic.train_step(batch, returns, old, clip=clip, coef=0.5) for _ in range(steps)]
-    return dict(metrics=metrics, weights=full_weights(critic.module))
+    return dict(metrics=metrics, weights=full_weights(critic.module), critic=critic,
+                args=(batch, returns, old))
 
 
 def _two_rank_checks(root: str) -> dict:
@@ -98,12 +101,50 @@ def _two_rank_checks(root: str) -> dict:
     if dist.get_rank() == 0:
         write_tiny_model(path, TinyModelSpec(**SPEC))
     dist.barrier()
-    return dict(layout=_check_layout(path), fit=_train(path, 8, 1e-3, clip=None),
-                clipped=_train(path, 3, 2e-5, clip=0.2, shift=True))
+    fit, clipped = (_train(path, 8, 1e-3, clip=None), _train(path, 3, 2e-5, clip=0.2, shift=True))
+    return dict(layout=_check_layout(path), **{k: dict(metrics=r["metrics"], weights=r["weights"])
+                                               for k, r in (("fit", fit), ("clipped", clipped))})
 
 
 def _one_rank_parity(path: str) -> dict:
-    return _train(path, 3, 2e-5, clip=0.2, shift=True)
+    out = _train(path, 3, 2e-5, clip=0.2, shift=True)
+    return dict(metrics=out["metrics"], weights=out["weights"])
+
+
+LAYOUTS = {"grad_op": {}, "hybrid": {"critic_shard_group_size": 2}, "replicate": {}}
+
+
+def _layout_facts(critic, batch) -> dict:
+    """How the parameters are laid out: DTensor mesh dims (0: plain tensors), and
+    whether a decoder layer stays gathered after a forward without backward."""
+    from torch.distributed.tensor import DTensor
+
+    p = next(critic.module.parameters())
+    critic._forward(batch.rows(0, 1))
+    layer = next(critic.module.model.layers[0].parameters())
+    critic.values(batch)  # reshards
+    return dict(mesh_dims=p.device_mesh.ndim if isinstance(p, DTensor) else 0,
+                gathered_after_forward=not isinstance(layer, DTensor))
+
+
+def _four_rank_layouts(root: str) -> dict:
+    """Per layout: 3 updates (2 micro-batches per rank), then a resume: a fresh
+    critic loads a checkpoint of step 2 and repeats step 3."""
+    from hybrid_engine.checkpoint import load_training_state, save_training_state
+
+    path, out = f"{root}/model", {}
+    for name, kw in LAYOUTS.items():
+        run = _train(path, 2, 2e-5, clip=0.2, shift=True, mb=1, critic_sharding=name, **kw)
+        critic, args = run["critic"], run["args"]
+        save_training_state(f"{root}/ckpt-{name}", trainer=None, critic=critic, group=None)
+        third = critic.train_step(*args, clip=0.2, coef=0.5)
+        fresh = _critic(path, 2e-5, micro_batch_size=1, critic_sharding=name, **kw)
+        load_training_state(f"{root}/ckpt-{name}", trainer=None, critic=fresh, group=None)
+        again = fresh.train_step(*args, clip=0.2, coef=0.5)
+        out[name] = dict(metrics=[*run["metrics"], third], weights=full_weights(critic.module),
+                         resumed=again, resumed_weights=full_weights(fresh.module),
+                         **_layout_facts(critic, args[0]))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +214,20 @@ def test_one_and_two_ranks_give_the_same_update(two_ranks, model_root):
         assert a["vf_loss"] == pytest.approx(b["vf_loss"], rel=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
         assert a["vf_clip_frac"] == b["vf_clip_frac"]
+
+
+def test_each_critic_layout_gives_the_one_rank_update_and_resumes_exactly(two_ranks, model_root):
+    """train.critic_sharding on 4 ranks: each layout is the one asked for (replicate:
+    plain tensors; hybrid: a 2-D mesh; grad_op: layers kept gathered after a
+    forward), trains as one rank does, and a checkpoint of step 2 repeats step 3."""
+    one = run_ranks(_one_rank_parity, 1, f"{model_root}/model", timeout=120)[0]
+    four = run_ranks(_four_rank_layouts, 4, model_root, timeout=400)
+    expect = {"grad_op": (1, True), "hybrid": (2, True), "replicate": (0, True)}  # full: (1, False)
+    for name, r in four[0].items():
+        assert (r["mesh_dims"], r["gathered_after_forward"]) == expect[name], name
+        assert max_diff(one["weights"], r["weights"]) < 1e-6, name
+        for a, b in zip(one["metrics"], r["metrics"], strict=True):
+            assert a["vf_loss"] == pytest.approx(b["vf_loss"], rel=1e-6), name
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), name
+        assert r["resumed"] == r["metrics"][-1], name
+        assert max_diff(r["resumed_weights"], r["weights"]) == 0.0, name
