@@ -16,7 +16,8 @@ reward, rollout TP 1):
 Per job: the median step time over the steps after the first (the first
 compiles and warms the engine), each rank's peak RSS (the rank's own process,
 which holds the engine on CPU; sampled every 50 ms), and, grouped, the critic group's own
-seconds (scoring, training) with the time it overlapped the actor group's
+seconds (the reward model's and the critic's scoring, which run while the
+actor group scores the reference; training) with the time it overlapped the actor group's
 training: actor train + critic train - the train phase's wall time (both start
 at the phase's start; the phase ends when the later one does).
 
@@ -155,12 +156,14 @@ def run_job(args: argparse.Namespace, mode: str, model: Path, work: Path) -> dic
                       for k in ("generate", "score", "train", "sync")}}
     if mode == "grouped":
         critic_train = [r["placement/critic_train_s"] for r in timed]
-        out["critic_score_s"] = statistics.median(r["placement/critic_score_s"] for r in timed)
+        for role in ("critic", "reward_model"):
+            out[f"{role}_score_s"] = statistics.median(r[f"placement/{role}_score_s"]
+                                                       for r in timed)
         out["critic_train_s"] = statistics.median(critic_train)
         out["overlap_s"] = statistics.median(
             max(0.0, r["train_step_s"] + c - r["train_s"]) for r, c in zip(timed, critic_train))
         out["bytes"] = {k: statistics.median(r[f"placement/{k}_bytes"] for r in timed)
-                        for k in ("trajectory", "critic")}
+                        for k in ("trajectory", "critic", "reward_model")}
     return out
 
 
@@ -192,17 +195,20 @@ def report(args: argparse.Namespace, jobs: dict[str, list[dict]]) -> tuple[str, 
                                     for k in jobs[mode][0]["phases"]}}
     gj = jobs["grouped"]
     extra = {k: statistics.median(j[k] for j in gj)
-             for k in ("critic_score_s", "critic_train_s", "overlap_s")}
+             for k in ("critic_score_s", "reward_model_score_s", "critic_train_s", "overlap_s")}
     summary["grouped"].update(extra, bytes=gj[0]["bytes"])
     lines += ["", "Phases, median seconds (generate / score / train / sync):", ""]
     for mode in MODES:
         ph = summary[mode]["phases"]
         lines.append(f"- {mode}: " + " / ".join(f"{ph[k]:.2f}" for k in ph))
     lines += ["", f"Grouped: the critic group's own seconds per step, scoring "
-              f"{extra['critic_score_s']:.2f} and training {extra['critic_train_s']:.2f}; "
-              f"it overlapped the actor group's training for {extra['overlap_s']:.2f} s a step. "
+              f"{extra['reward_model_score_s']:.2f} with the reward model and "
+              f"{extra['critic_score_s']:.2f} with the critic while the actor group scored "
+              f"the reference, and training {extra['critic_train_s']:.2f}; its training "
+              f"overlapped the actor group's for {extra['overlap_s']:.2f} s a step. "
               f"Moved between the groups per step: {gj[0]['bytes']['trajectory'] / 1e3:.0f} kB "
-              f"of trajectories, {gj[0]['bytes']['critic'] / 1e3:.1f} kB of values."]
+              f"of trajectories, {gj[0]['bytes']['critic'] / 1e3:.1f} kB of values, "
+              f"{gj[0]['bytes']['reward_model'] / 1e3:.2f} kB of reward model scores."]
     return "\n".join(lines), summary
 
 

@@ -2,9 +2,9 @@
 
 Job: the RL loop and nothing else --
 
-    inference layout -> generate K per prompt -> score (reward, then each scorer
-    in the layout it needs: the drift scorer in inference, reference and critic
-    in training) [-> again, while the algorithm wants more prompts: dynamic
+    inference layout -> generate K per prompt -> score (each scorer in the
+    layout it needs: the drift scorer in inference, reference and critic in
+    training; then the reward) [-> again, while the algorithm wants more prompts: dynamic
     sampling] -> advantages -> skip if no sample carries signal -> training
     layout -> train -> sync -> metrics
 
@@ -96,8 +96,9 @@ class Controller:
             async_rollout.max_staleness > 0, its `rollout_metrics()` are read after
             every step's sampling, and `rollout_state()` is checkpointed.
         cfg: the run config (steps, K, prompts per step, eval/checkpoint cadence).
-        scorers: `Scorer`s, whose `score(trajs)` runs after the reward (reference,
-            critic), each in the layout it names (`roles.base.layout_of`).
+        scorers: `Scorer`s, whose `score(trajs)` runs before the reward (reference,
+            critic; a reward model on its own ranks, whose scores the reward
+            takes), each in the layout it names (`roles.base.layout_of`).
         learners: `Learner`s, whose `train_step(trajs)` runs after the policy's (critic).
         checkpointer: saves job state every cfg.checkpoint_every steps; None = never.
         on_metrics: called with (step, metrics) after every step and eval, once
@@ -207,7 +208,7 @@ class Controller:
                     busy_s += seconds
             if not partial:  # partial rollouts set it per trajectory (its oldest token's)
                 stamp_version(new, version)
-            score_with(self.policy, [self.env, *self.scorers], new, timer)
+            score_with(self.policy, [*self.scorers, self.env], new, timer)
             trajs, rounds = trajs + new, rounds + 1
             want = self.algorithm.prompts_wanted(trajs, rounds)
         return trajs, rounds, busy_s

@@ -56,8 +56,8 @@ _EVAL_SEED_OFFSET = 5_003_333  # the sampled pass's seed offset (far from the st
 
 def score_with(policy: Any, roles: Sequence[Any], trajs: list,
                timer: PhaseTimer | None = None) -> None:
-    """Each role scores trajs in turn (the environment's reward, then the
-    reference, the critic, ...), the policy switched to the layout the role
+    """Each role scores trajs in turn (the reference, the critic, ..., then the
+    environment's reward), the policy switched to the layout the role
     needs first (`layout_of`): the one scoring path of training and evaluation.
     timer: times the switches as `switch`, the scoring as `score`."""
     for role in roles:

@@ -222,9 +222,18 @@ class Job:
         drift = self.actor.drift_scorer()
         if drift is not None:
             scorers.append(drift)
+        from hybrid_engine.roles.mirrored import Member, Mirrored, MirroredLearner
+
         placement, members = self.actor.placement, []
+        rm_ranks = placement.ranks["reward_model"]
+        if cfg.env.reward_model_path and len(rm_ranks) < placement.world:
+            # on its own ranks: it scores beside the reference, the env takes the scores
+            from hybrid_engine.envs.reward_model import placed_reward_scorer
+
+            members.append(Member("reward_model", placed_reward_scorer(self.env), "rm_score",
+                                  per_token=False))
         if self.algorithm.needs_reference:
-            members.append(("reference", self._reference(cfg, placement), "ref_logp"))
+            members.append(Member("reference", self._reference(cfg, placement), "ref_logp"))
         critic = None
         if self.algorithm.needs_values:
             from hybrid_engine.roles.critic import Critic
@@ -235,9 +244,8 @@ class Job:
                                      mesh=placement.mesh("critic"))
                 critic = CriticScorer(self.critic, pad_id=self.actor.pad_id,
                                       algorithm_cfg=cfg.algorithm)
-            members.append(("critic", critic, "values"))
+            members.append(Member("critic", critic, "values"))
         if members:
-            from hybrid_engine.roles.mirrored import Mirrored, MirroredLearner
 
             scores = Mirrored(placement, members)
             scorers.append(scores)

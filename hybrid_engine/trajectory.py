@@ -61,6 +61,10 @@ class Trajectory:
             scorer; token-level advantage estimators need them), else None.
         returns: R returns the critic trains towards (filled by a token-level
             advantage estimator, GAE), else None.
+        rm_score: the reward model's score of the sequence, when a reward
+            model on some ranks only scored it beside the other scorers
+            (`envs.reward_model.RewardModelScorer`), else None; the reward
+            model's environment then takes it instead of scoring again.
         group_id: the prompt group this sample belongs to.
         policy_version: the version of the weights that sampled it (its oldest
             token, when versions differ within it): the RL step counter when
@@ -86,6 +90,7 @@ class Trajectory:
     engine_logp: FloatSeq | None = None
     values: FloatSeq | None = None
     returns: FloatSeq | None = None
+    rm_score: float | None = None
     group_id: int = 0
     policy_version: int = 0
     token_versions: list[int] | None = None

@@ -134,8 +134,8 @@ def _fast_run(overrides: dict, *, flat_steps=(), train_metrics=None,  # noqa: AN
 
 
 def _sample(step: int) -> list[str]:
-    return ["policy.switch_to inference", "policy.collect", "env.score",
-            "policy.switch_to training", "scorer.score", "algorithm.advantages",
+    return ["policy.switch_to inference", "policy.collect",
+            "policy.switch_to training", "scorer.score", "env.score", "algorithm.advantages",
             f"samples {step} (4 with advantages)", "algorithm.select"]
 
 
@@ -350,7 +350,7 @@ def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False
 
         summary["reference"] = any(type(role).__name__ == "ReferenceScorer"
                                    for s in job.controller.scorers if isinstance(s, Mirrored)
-                                   for _, role, _ in s.members)
+                                   for role in (m.role for m in s.members))
     finally:
         job.shutdown()
     assert torch.isfinite(torch.tensor([h.get("loss", 0.0) for h in summary["history"]])).all()

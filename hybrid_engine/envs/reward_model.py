@@ -77,8 +77,8 @@ if TYPE_CHECKING:
     from hybrid_engine.parallel.placement import Placement
     from hybrid_engine.trajectory import Trajectory
 
-__all__ = ["PlacedRewardModel", "RewardModel", "RewardModelEnv", "ScoreModel",
-           "write_tiny_reward_model"]
+__all__ = ["PlacedRewardModel", "RewardModel", "RewardModelEnv", "RewardModelScorer", "ScoreModel",
+           "placed_reward_scorer", "write_tiny_reward_model"]
 
 _SEQ_CLS_ARCH = {
     "qwen2": "Qwen2ForSequenceClassification",
@@ -330,6 +330,43 @@ class PlacedRewardModel:
         return buf.cpu()
 
 
+class RewardModelScorer:
+    """A placed reward model's forward on its own ranks, as a scorer of
+    `roles.mirrored.Mirrored` (placement=grouped): it fills each trajectory's
+    rm_score there (collective over the reward model's ranks only), at the
+    same time as the other group's scorers; Mirrored broadcasts the scores and
+    the environment's reward takes them (`RewardModelEnv.score`).
+
+    Args:
+        env: the run's `RewardModelEnv`, its reward_model a `PlacedRewardModel`
+            held by this rank.
+    """
+
+    layout = "training"
+
+    def __init__(self, env: RewardModelEnv) -> None:
+        if not isinstance(env.reward_model, PlacedRewardModel) or env.reward_model.model is None:
+            raise ValueError("RewardModelScorer needs a PlacedRewardModel this rank holds")
+        self.env = env
+
+    def score(self, trajs: Sequence[Trajectory]) -> None:
+        model = self.env.reward_model.model
+        scores = model.score([self.env._rm_ids(t) for t in trajs]).tolist() if trajs else []
+        for t, s in zip(trajs, scores, strict=True):
+            t.rm_score = float(s)
+
+
+def placed_reward_scorer(env: Any) -> RewardModelScorer | None:
+    """The `RewardModelScorer` of env's reward model (env a `RewardModelEnv`, or
+    an env composing one as its `reward_model`, `envs.composed.RewardsEnv`)
+    when it is a `PlacedRewardModel` this rank holds; else None."""
+    rm_env = env if isinstance(env, RewardModelEnv) else getattr(env, "reward_model", None)
+    if (isinstance(rm_env, RewardModelEnv) and isinstance(rm_env.reward_model, PlacedRewardModel)
+            and rm_env.reward_model.model is not None):
+        return RewardModelScorer(rm_env)
+    return None
+
+
 class RewardModelEnv:
     """An `Environment` whose reward is a reward model's score.
 
@@ -416,7 +453,8 @@ class RewardModelEnv:
         return list(rm_tok(text)["input_ids"])
 
     def score(self, trajs: Sequence[Trajectory]) -> None:
-        """Fills reward = reward_components["rm"] = the reward model's score.
+        """Fills reward = reward_components["rm"] = the reward model's score (each
+        trajectory's rm_score when every one has it, else scored now).
 
         Raises:
             RewardError: a non-finite score (naming the sample's prompt), or
@@ -432,7 +470,10 @@ class RewardModelEnv:
                 t.info["task_reward_components"] = dict(t.reward_components)
                 if "correct" in t.reward_components:
                     t.info["correct"] = float(t.reward_components["correct"])
-        scores = self.reward_model.score([self._rm_ids(t) for t in trajs]).tolist()
+        if all(t.rm_score is not None for t in trajs):  # scored beside the other scorers
+            scores = [t.rm_score for t in trajs]
+        else:
+            scores = self.reward_model.score([self._rm_ids(t) for t in trajs]).tolist()
         for t, s in zip(trajs, scores, strict=True):
             if not math.isfinite(s):
                 prompt = decode(self.tokenizer, t.prompt_ids)

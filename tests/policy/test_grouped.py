@@ -57,11 +57,15 @@ def test_grouped_equals_colocated_on_the_same_ranks_and_resumes(model_dir, rewar
     for g, c in zip(rows_g[1:], rows_c[1:], strict=True):
         assert {k: g[k] for k in EXACT} == {k: c[k] for k in EXACT}
     # What moved between the groups: the trajectories to rank 2, the values back
-    # (4 bytes per response token).
-    moved = [{k: r.pop(k) for k in ("placement/trajectory_bytes", "placement/critic_bytes")}
-             for r in rows_g[1:]]
+    # (4 bytes per response token), and the reward model's scores, computed on
+    # rank 2 beside the reference (4 bytes per sample).
+    moved = [{k: r.pop(k) for k in ("placement/trajectory_bytes", "placement/critic_bytes",
+                                    "placement/reward_model_bytes")} for r in rows_g[1:]]
     tokens = [r["generated_tokens"] for r in rows_g[1:]]
     assert [m["placement/critic_bytes"] for m in moved] == [4 * n for n in tokens]
+    assert [m["placement/reward_model_bytes"] for m in moved] == [
+        4 * r["train_samples"] for r in rows_g[1:]]
+    assert all(r["placement/reward_model_score_s"] > 0 for r in rows_g[1:])
     assert all(m["placement/trajectory_bytes"] > 4 * n for m, n in zip(moved, tokens))
     assert_rows_close(rows_g, rows_c)  # the evaluation of the trained weights included
     assert (grouped / "final" / "COMPLETE").is_file()
