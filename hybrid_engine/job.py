@@ -1,8 +1,8 @@
 """A training job: builds every role from a RunConfig, runs the controller, saves.
 
 Job: the wiring that `hybrid-engine train` and `hybrid-engine demo` share --
-the policy (`POLICIES`: one per cfg.placement; the roles sit where its
-`Placement` says), the environment, the algorithm, the reference
+the policy (`policy.placements`: one per cfg.placement; the roles sit where
+its `Placement` says), the environment, the algorithm, the reference
 (when the KL needs it) and the critic (when the estimator needs values), the
 checkpointer (DCP, newest k kept, resume from the latest complete one), the
 metrics sink and progress bar, then the final HF export and plot.
@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid_engine.policy.colocated import HybridActor
 from hybrid_engine.algorithms.algorithm import Algorithm
 from hybrid_engine.checkpoint import (
     COMPLETE_MARKER, checkpoint_problem, latest_checkpoint, prune_checkpoints,
@@ -55,8 +54,7 @@ from hybrid_engine.rollout.episodes import is_multi_turn
 from hybrid_engine.preflight import check_file_target, preflight
 from hybrid_engine.roles.base import JobPolicy
 from hybrid_engine.policy.engine_only import EnginePolicy
-from hybrid_engine.policy.grouped import GroupedPolicy
-from hybrid_engine.policy.separate import SeparatePolicy
+from hybrid_engine.policy.placements import make_policy, rank_map
 
 __all__ = ["Job", "JobCheckpointer", "RunAborted", "check_env_fits_algorithm",
            "make_policy"]
@@ -112,19 +110,6 @@ class JobCheckpointer:
         return extra
 
 
-POLICIES: dict[str, type] = {
-    "colocated": HybridActor,
-    "separate": SeparatePolicy,
-    "grouped": GroupedPolicy,
-}
-"""The policy of each placement (`parallel.placement.KINDS` says where its roles live)."""
-
-
-def make_policy(cfg: RunConfig) -> JobPolicy:
-    """The policy for cfg.placement (collective)."""
-    return POLICIES[cfg.placement](cfg)
-
-
 class Job:
     """Every role of a run, built collectively from cfg.
 
@@ -143,7 +128,7 @@ class Job:
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, progress: bool = True,
                  overwrite: bool = False, allow_model_change: bool = False) -> None:
-        preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        preflight(cfg, rank_map=rank_map, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                   resume=resume, overwrite=overwrite, allow_model_change=allow_model_change)
         torch.manual_seed(cfg.seed)
@@ -342,7 +327,7 @@ def evaluate_model(cfg: RunConfig, *, checkpoint: str | None = None, output: str
     Raises:
         ValueError: bad input (see `preflight`), or a checkpoint that does not load.
     """
-    preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    preflight(cfg, rank_map=rank_map, world_size=int(os.environ.get("WORLD_SIZE", "1")),
               local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
               resume=False, overwrite=False, writes_output=False)
     if output:

@@ -32,6 +32,11 @@ from hybrid_engine.config import EnvConfig, EvalConfig, RunConfig, check_registe
 if TYPE_CHECKING:
     from hybrid_engine.envs.bank import Split
     from hybrid_engine.envs.dataset import Example, Records
+    from collections.abc import Callable
+
+    from hybrid_engine.parallel.placement import RankMap
+
+    RankMapFn = Callable[[RunConfig, int], RankMap]
 
 __all__ = ["check_gpu", "check_head_size", "check_inputs", "check_layout", "check_kv_cache", "check_lora_targets",
            "check_file_target", "check_model_folder", "check_trains_on_something",
@@ -42,8 +47,8 @@ __all__ = ["check_gpu", "check_head_size", "check_inputs", "check_layout", "chec
 log = logging.getLogger(__name__)
 
 
-def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume: bool,
-              overwrite: bool, writes_output: bool = True,
+def preflight(cfg: RunConfig, *, rank_map: RankMapFn, world_size: int, local_world_size: int,
+              resume: bool, overwrite: bool, writes_output: bool = True,
               allow_model_change: bool = False) -> None:
     """Runs every check below (the output folder's only when the job writes one);
     the first failure raises. What needs only the config, the files and the
@@ -51,7 +56,8 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
     the layout (vLLM's imports among them). On resume, the newest checkpoint's
     record of the model the run was made from must match cfg.model
     (`check_resume_model`; another architecture or weights only warn with
-    allow_model_change).
+    allow_model_change). rank_map: (cfg, world) -> cfg.placement's {role: ranks},
+    checked (`policy.placements.rank_map`; the policies sit above this module).
 
     Raises:
         ValueError: what is wrong and which key or file to fix.
@@ -66,7 +72,8 @@ def preflight(cfg: RunConfig, *, world_size: int, local_world_size: int, resume:
                            allow_change=allow_model_change)
     if writes_output:
         check_trackers(cfg.log.trackers, timeout_s=cfg.log.tracker_timeout_s)
-    check_layout(cfg, hf, world_size=world_size, local_world_size=local_world_size)
+    check_layout(cfg, hf, ranks=rank_map(cfg, world_size), world_size=world_size,
+                 local_world_size=local_world_size)
     r = cfg.rollout
     check_prompts(cfg.env, folder, examples,
                   r.max_model_len - r.max_tokens if r.prompt_too_long == "reject" else None)
@@ -109,12 +116,12 @@ def check_inputs(cfg: RunConfig, *, resume: bool, overwrite: bool,
     return examples
 
 
-def check_layout(cfg: RunConfig, hf: Any, *, world_size: int, local_world_size: int) -> None:
-    """The model against the parallel layout, the memory and the installed vLLM."""
-    from hybrid_engine.parallel.placement import rank_map
+def check_layout(cfg: RunConfig, hf: Any, *, ranks: RankMap, world_size: int,
+                 local_world_size: int) -> None:
+    """The model against the parallel layout (ranks: cfg.placement's {role: ranks},
+    `policy.placements.rank_map`), the memory and the installed vLLM."""
     from hybrid_engine.parallel.sharding import check_shard_group
 
-    ranks = rank_map(cfg.placement, cfg, world_size)
     trainers, rollout_ranks = len(ranks["actor"]), len(ranks["rollout"])
     check_parallel(hf, cfg.rollout.tensor_parallel_size, rollout_ranks,
                    what="world size" if rollout_ranks == world_size else "rollout ranks")

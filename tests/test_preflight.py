@@ -19,6 +19,7 @@ import pytest
 from hybrid_engine.config import RolloutConfig, apply_overrides
 from hybrid_engine.config.recipes import get_recipe
 from hybrid_engine.preflight import check_output_dir, check_rollout_limits, preflight
+from hybrid_engine.policy.placements import rank_map
 from tests.bad_models import EXPECTED, bad_model
 
 
@@ -86,10 +87,12 @@ def test_kv_cache_smaller_than_one_sequence(hf) -> None:
 def test_preflight_runs_the_rollout_limits(model_dir, tmp_path) -> None:
     cfg = apply_overrides(get_recipe("tiny_grpo_debug"), [f"model.path={model_dir}",
                                                           f"output_dir={tmp_path / 'run'}"])
-    preflight(cfg, world_size=2, local_world_size=2, resume=False, overwrite=False)
+    preflight(cfg, rank_map=rank_map, world_size=2, local_world_size=2, resume=False,
+              overwrite=False)
     bad = apply_overrides(cfg, ["rollout.max_model_len=100000"])
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        preflight(bad, world_size=2, local_world_size=2, resume=False, overwrite=False)
+        preflight(bad, rank_map=rank_map, world_size=2, local_world_size=2, resume=False,
+                  overwrite=False)
 
 
 def test_preflight_checks_the_shard_group_against_the_trainer_ranks(model_dir, tmp_path) -> None:
@@ -98,12 +101,15 @@ def test_preflight_checks_the_shard_group_against_the_trainer_ranks(model_dir, t
     cfg = apply_overrides(get_recipe("tiny_grpo_debug"), [
         f"model.path={model_dir}", f"output_dir={tmp_path / 'run'}", "train.sharding=hybrid",
         "train.shard_group_size=2", "rollout.tensor_parallel_size=1"])
-    preflight(cfg, world_size=4, local_world_size=4, resume=False, overwrite=False)
+    preflight(cfg, rank_map=rank_map, world_size=4, local_world_size=4, resume=False,
+              overwrite=False)
     with pytest.raises(ValueError, match="shard_group_size=2 must divide the 3 trainer"):
-        preflight(cfg, world_size=3, local_world_size=3, resume=False, overwrite=False)
+        preflight(cfg, rank_map=rank_map, world_size=3, local_world_size=3, resume=False,
+                  overwrite=False)
     separate = apply_overrides(cfg, ["placement=separate"])  # 2 of 4 ranks train
     with pytest.raises(ValueError, match="shard_group_size=2 must divide the 2 trainer"):
-        preflight(separate, world_size=4, local_world_size=4, resume=False, overwrite=False)
+        preflight(separate, rank_map=rank_map, world_size=4, local_world_size=4, resume=False,
+                  overwrite=False)
 
 
 # --- the train command's refusals before any engine starts ----------------------------
@@ -122,7 +128,7 @@ def _refusal(model: Path | str, out: Path, *extra: str, recipe: str = "tiny_grpo
          "--sync.verify=false", *extra])
     with pytest.raises(ValueError) as e:
         cfg = cli.train_config(args, rest)
-        preflight(cfg, world_size=2, local_world_size=2, resume=args.resume,
+        preflight(cfg, rank_map=rank_map, world_size=2, local_world_size=2, resume=args.resume,
                   overwrite=args.overwrite)
     assert out.exists() == existed  # refused before anything was written
     return str(e.value)
@@ -295,7 +301,7 @@ def test_a_prompt_too_long_is_refused_before_any_engine(model_dir, tmp_path) -> 
         ["train", f"--model.path={model_dir}", f"--env.dataset_path={path}",
          "--rollout.max_tokens=8", "--rollout.prompt_too_long=truncate",
          f"--output_dir={tmp_path / 'run2'}"])
-    preflight(cli.train_config(args, rest), world_size=2, local_world_size=2, resume=False,
+    preflight(cli.train_config(args, rest), rank_map=rank_map, world_size=2, local_world_size=2, resume=False,
               overwrite=False)  # truncate: accepted
 
 
@@ -433,7 +439,8 @@ def _warnings(model: Path | str, out: Path, *extra: str) -> list[str]:
     logger = logging.getLogger("hybrid_engine.preflight")
     logger.addHandler(handler)
     try:
-        preflight(cfg, world_size=2, local_world_size=2, resume=False, overwrite=False)
+        preflight(cfg, rank_map=rank_map, world_size=2, local_world_size=2, resume=False,
+              overwrite=False)
     finally:
         logger.removeHandler(handler)
     return [r.getMessage() for r in records if r.levelno == logging.WARNING]

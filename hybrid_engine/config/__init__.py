@@ -22,7 +22,7 @@ import glob
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from hybrid_engine.config.listing import check_registered, describe, help_text, to_dict
 from hybrid_engine.config.overrides import (
@@ -95,11 +95,11 @@ class RunConfig:
     eval: EvalConfig = _field(EvalConfig, "Held-out evaluation.")
     log: LogConfig = _field(LogConfig, "The step line, sample tables and trackers.")
     export: ExportConfig = _field(ExportConfig, "What the run leaves behind.")
-    placement: Literal["colocated", "separate", "grouped"] = _field(
+    placement: str = _field(
         "colocated",
         "'colocated': every rank trains (FSDP2) and rolls out (vLLM), in turns; "
         "'separate': ranks 0..M-1 only train, the last rollout.num_ranks only roll out; "
-        "'grouped': placement_map.",
+        "'grouped': placement_map.", registry="hybrid_engine.policy.placements:PLACEMENTS",
     )
     placement_map: str = _field(
         "", "placement=grouped: each group's roles and ranks, e.g. "

@@ -65,7 +65,7 @@ from hybrid_engine.config import RunConfig, apply_overrides
 from hybrid_engine.parallel import watchdog
 from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_path
 from hybrid_engine.parallel.offload import OptimizerOffload
-from hybrid_engine.parallel.placement import Placement
+from hybrid_engine.parallel.placement import ROLES, Placement, RankMap
 from hybrid_engine.parallel.sharding import (
     first_phase_estimate,
     model_dims_at,
@@ -88,7 +88,7 @@ from hybrid_engine.rollout.partial import PartialRollouts
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
 # completions_to_trajectories: part of the embedding API beside HybridActor.
-__all__ = ["DriftScorer", "HybridActor", "completions_to_trajectories"]
+__all__ = ["DriftScorer", "HybridActor", "completions_to_trajectories", "rank_map"]
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,11 @@ def _release_policy(cfg: RunConfig, trainer: Trainer, rollout: VLLMRollout,
                          trainer=trainer.kept_bytes)
 
 
+def rank_map(cfg: RunConfig, world: int) -> RankMap:
+    """placement=colocated: every role on every rank."""
+    return dict.fromkeys(ROLES, tuple(range(world)))
+
+
 class HybridActor:
     """The policy in both layouts on this process's device; see the module docstring.
 
@@ -187,7 +192,7 @@ class HybridActor:
         self._owns_process = process is None
         self._process = process or PolicyProcess(cfg.collective_timeout_s)
         self.rank = self._process.rank
-        self.placement = placement or Placement.build("colocated", cfg, self._process.world,
+        self.placement = placement or Placement.build("colocated", rank_map, cfg, self._process.world,
                                                       self.rank)
         ranks, group = self.placement.ranks["actor"], self.placement.group("actor")
         world = len(ranks)

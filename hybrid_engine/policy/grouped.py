@@ -1,9 +1,10 @@
 """GroupedPolicy: the actor's group takes turns between its layouts, the critic trains on its own.
 
-Job: the policy of placement=grouped (`parallel/placement.grouped`). The ranks
-of the actor's group hold a `HybridActor` over that group: the FSDP2 trainer,
-the vLLM engine and the reference take turns on their devices as under
-colocated placement, every collective over the group. The critic's ranks hold
+Job: placement=grouped -- which ranks hold which role (`rank_map`, from
+cfg.placement_map) and the policy over them. The ranks of the actor's group
+hold a `HybridActor` over that group: the FSDP2 trainer, the vLLM engine and
+the reference take turns on their devices as under colocated placement, every
+collective over the group. The critic's ranks hold
 no policy: the job builds the critic there (`Job._scorers`). Every method is
 collective over all N ranks, like the other policies', so the controller runs
 unchanged:
@@ -45,7 +46,7 @@ from hybrid_engine.config import RunConfig
 from hybrid_engine.parallel import watchdog
 from hybrid_engine.parallel.dist import resync_group_counter
 from hybrid_engine.parallel.fsdp import resolve_model_path
-from hybrid_engine.parallel.placement import ROLES, Placement
+from hybrid_engine.parallel.placement import ROLES, Placement, RankMap, parse_map, used_roles
 from hybrid_engine.policy.ahead import Generated, timed
 from hybrid_engine.policy.colocated import HybridActor
 from hybrid_engine.policy.process import PolicyProcess
@@ -55,9 +56,68 @@ from hybrid_engine.roles.mirrored import broadcast_pickled
 from hybrid_engine.rollout.engine import Completions
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
-__all__ = ["GroupedPolicy"]
+__all__ = ["GroupedPolicy", "rank_map"]
 
 log = logging.getLogger(__name__)
+
+
+def rank_map(cfg: RunConfig, world: int) -> RankMap:
+    """placement=grouped: cfg.placement_map over world ranks (`parse_map`): every
+    rank in one group, every role the algorithm uses in one group, the rollout
+    and the reference in the actor's, the critic in another;
+    rollout.tensor_parallel_size divides the actor's ranks. A role the run does
+    not use may not be placed; it gets no rank."""
+    groups, where, owner = parse_map(cfg.placement_map), {}, {}
+    for i, (roles, ranks) in enumerate(groups):
+        for role in roles:
+            if role in where:
+                raise ValueError(f"placement_map puts {role} in two groups")
+            where[role] = i
+        for r in ranks:
+            if r >= world:
+                raise ValueError(f"placement_map names rank {r}; this world has ranks "
+                                 f"0-{world - 1}")
+            if r in owner:
+                raise ValueError(f"placement_map puts rank {r} in two groups "
+                                 f"({','.join(groups[owner[r]][0])} and {','.join(roles)}): "
+                                 "under placement=grouped each rank holds one group's roles")
+            owner[r] = i
+    left = sorted(set(range(world)) - set(owner))
+    if left:
+        raise ValueError(f"placement_map leaves ranks {left} of the {world} without a role "
+                         "(every rank must be in a group)")
+    _check_groups(cfg, where, groups)
+    return {role: groups[where[role]][1] if role in where else () for role in ROLES}
+
+
+def _check_groups(cfg: RunConfig, where: dict[str, int],
+                  groups: list[tuple[tuple[str, ...], tuple[int, ...]]]) -> None:
+    """The roles of a grouped map against what the algorithm builds (see `rank_map`)."""
+    used = used_roles(cfg)
+    for role in ROLES:
+        if role in used and role not in where:
+            raise ValueError(f"placement_map puts no rank under {role}, which this run "
+                             f"uses (placement_map={cfg.placement_map!r})")
+        if role not in used and role in where:
+            why = {"reference": "algorithm.kl_coef=0", "critic":
+                   f"algorithm.advantage={cfg.algorithm.advantage!r} uses no values",
+                   "reward_model": "env.reward_model_path is empty"}[role]
+            raise ValueError(f"placement_map places a {role}, but this run has none ({why})")
+    actor = where["actor"]
+    if 0 not in groups[actor][1]:
+        raise ValueError("placement_map: the actor's group must hold rank 0 (it writes the "
+                         "run's metrics, checkpoints and final model)")
+    for role in ("rollout", "reference"):
+        if role in where and where[role] != actor:
+            raise ValueError(f"placement_map: {role} must share the actor's group (the "
+                             "actor's ranks train, sample and score the reference in turns)")
+    if where.get("critic") == actor:
+        raise ValueError("placement_map puts the critic in the actor's group: that is "
+                         "placement=colocated")
+    n, tp = len(groups[actor][1]), cfg.rollout.tensor_parallel_size
+    if n % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the actor group's "
+                         f"{n} ranks (placement_map={cfg.placement_map!r})")
 
 
 class GroupedPolicy:
@@ -80,7 +140,7 @@ class GroupedPolicy:
         self.rank = self._process.rank
         t0 = time.perf_counter()
         # Every rank makes every group, before any engine exists (names must agree).
-        self.placement = Placement.build("grouped", cfg, self._process.world, self.rank)
+        self.placement = Placement.build("grouped", rank_map, cfg, self._process.world, self.rank)
         # A peer that sees this rank die names its group ("the critic group").
         watchdog.set_group("+".join(r for r in ROLES if self.placement.holds(r)))
         self.src = self.placement.ranks["actor"][0]

@@ -59,8 +59,8 @@ from hybrid_engine.checkpoint import (export_adapter, export_hf, load_training_s
                                       save_training_state)
 from hybrid_engine.config import RolloutConfig, RunConfig
 from hybrid_engine.parallel import watchdog
-from hybrid_engine.parallel.dist import resync_group_counter
-from hybrid_engine.parallel.placement import Placement
+from hybrid_engine.parallel.dist import resync_group_counter, split_ranks
+from hybrid_engine.parallel.placement import Placement, RankMap
 from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_path
 from hybrid_engine.parallel.sharding import (
     model_dims_at,
@@ -73,7 +73,7 @@ from hybrid_engine.rollout.agent_loop import ScheduleStats
 from hybrid_engine.rollout.engine import Completions
 from hybrid_engine.trajectory import TrainBatch, Trajectory
 
-__all__ = ["SeparatePolicy"]
+__all__ = ["SeparatePolicy", "rank_map"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,15 @@ class _LocalRollout(_SharedRollout):
         return self.engine.wants_logprobs(j)
 
 
+def rank_map(cfg: RunConfig, world: int) -> RankMap:
+    """placement=separate: the trainer's roles on ranks 0..M-1, the rollout on
+    M..N-1 (`split_ranks`); a reward model on every rank."""
+    m, _ = split_ranks(world, cfg.rollout)
+    train = tuple(range(m))
+    return {"actor": train, "reference": train, "critic": train,
+            "rollout": tuple(range(m, world)), "reward_model": tuple(range(world))}
+
+
 class SeparatePolicy:
     """The policy over separate trainer and rollout ranks; see the module docstring.
 
@@ -163,7 +172,7 @@ class SeparatePolicy:
         self._process = PolicyProcess(cfg.collective_timeout_s)
         self.rank, world = self._process.rank, self._process.world
         # Every rank makes every group, before any engine exists (names must agree).
-        self.placement = Placement.build("separate", cfg, world, self.rank)
+        self.placement = Placement.build("separate", rank_map, cfg, world, self.rank)
         self.num_trainers = len(self.placement.ranks["actor"])
         self.is_trainer = self.placement.holds("actor")
         self.model_path = str(resolve_model_path(cfg.model.path))

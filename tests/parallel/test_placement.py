@@ -6,12 +6,20 @@ import pytest
 
 from hybrid_engine.config import RunConfig
 from hybrid_engine.config.sections import RolloutConfig
-from hybrid_engine.parallel.placement import KINDS, ROLES, Placement, rank_map
+from hybrid_engine.parallel.placement import ROLES, Placement
+from hybrid_engine.policy.placements import PLACEMENTS
+from hybrid_engine.policy.placements import rank_map as _rank_map
 from hybrid_engine.testing import run_ranks
 
 
 def _cfg(**rollout) -> RunConfig:
     return RunConfig(rollout=RolloutConfig(**rollout))
+
+
+def rank_map(kind: str, cfg: RunConfig, world: int) -> dict:
+    from hybrid_engine.config import apply_overrides
+
+    return _rank_map(apply_overrides(cfg, {"placement": kind}), world)
 
 
 def test_colocated_puts_every_role_on_every_rank() -> None:
@@ -27,17 +35,25 @@ def test_separate_puts_the_trainer_roles_first_and_the_rollout_after() -> None:
 
 
 def test_bad_kinds_and_worlds_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"placement='nowhere' is not one of \['colocated'"):
+    with pytest.raises(ValueError, match=r"placement: unknown placement 'nowhere'.* colocated"):
         rank_map("nowhere", _cfg(), 2)
     with pytest.raises(ValueError, match="at least 2 ranks"):
         rank_map("separate", _cfg(), 1)
-    assert set(KINDS) == {"colocated", "separate", "grouped"}
+
+
+def test_a_placement_is_one_module_and_one_registry_line() -> None:
+    """Each registered placement's rank map lives in its policy's module."""
+    assert PLACEMENTS.names() == ["colocated", "grouped", "separate"]
+    for name in PLACEMENTS.names():
+        kind = PLACEMENTS.get(name)
+        assert kind.rank_map.__module__ == kind.policy.__module__, name
 
 
 def _groups(kind: str) -> dict:
     import torch.distributed as dist
 
-    p = Placement.build(kind, _cfg(num_ranks=1), dist.get_world_size(), dist.get_rank())
+    p = Placement.build(kind, PLACEMENTS.get(kind).rank_map, _cfg(num_ranks=1),
+                        dist.get_world_size(), dist.get_rank())
     out = {"describe": p.describe()}
     for role in ROLES:
         group = p.group(role)
