@@ -57,7 +57,7 @@ def preflight(cfg: RunConfig, *, rank_map: RankMapFn, world_size: int, local_wor
     record of the model the run was made from must match cfg.model
     (`check_resume_model`; another architecture or weights only warn with
     allow_model_change). rank_map: (cfg, world) -> cfg.placement's {role: ranks},
-    checked (`policy.placements.rank_map`; the policies sit above this module).
+    checked (`policy.placements.rank_map`; passed in: the policies import this module).
 
     Raises:
         ValueError: what is wrong and which key or file to fix.

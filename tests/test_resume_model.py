@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from hybrid_engine.checkpoint import COMPLETE_MARKER, step_checkpoint_path
 from hybrid_engine.checkpoint.origin import run_origin, weights_digest
 from hybrid_engine.preflight import preflight
+from hybrid_engine.policy.placements import rank_map
 
 ORIGIN_LOG = "hybrid_engine.checkpoint.origin"
 
@@ -65,7 +66,7 @@ def _resume(model: Path, out: Path, *extra: str) -> None:
         ["train", "--recipe=tiny_grpo_debug", "--no-progress", f"--model.path={model}",
          f"--output_dir={out}", "--eval.num_prompts=4", "--rollout.max_tokens=8",
          "--sync.verify=false", "--resume", *extra])
-    preflight(cli.train_config(args, rest), world_size=2, local_world_size=2,
+    preflight(cli.train_config(args, rest), rank_map=rank_map, world_size=2, local_world_size=2,
               resume=args.resume, overwrite=args.overwrite,
               allow_model_change=args.allow_model_change)
 

@@ -189,8 +189,8 @@ class TrainConfig:
         "'replicate', HSDP 'hybrid', or 'auto' (the first that fits memory.budget).")
     cpu_shm_allreduce: bool = _field(
         True, "sharding or critic_sharding 'replicate' on one CPU host: average gradients "
-        "through vLLM-CPU's shared-memory all-reduce instead of gloo's TCP loopback (gloo "
-        "where the build has none).")
+        "through vLLM-CPU's shared-memory all-reduce, not gloo's TCP loopback (gloo where "
+        "the build has none).")
     shard_group_size: int = _field(
         0,
         "sharding='hybrid' (and 'auto'): ranks per shard group; must divide the trainer "
@@ -198,8 +198,8 @@ class TrainConfig:
         ge=0,
     )
     replica_check_every: int = _field(
-        10, "sharding='replicate'/'hybrid': every this many optimizer steps, stop the run if "
-        "any replica's parameters differ bitwise; 0 = never.", ge=0)
+        10, "sharding or critic_sharding 'replicate'/'hybrid': every this many optimizer "
+        "steps, stop the run if any replica's parameters differ bitwise; 0 = never.", ge=0)
     critic_sharding: Literal["full", "grad_op", "replicate", "hybrid"] = _field(
         "full", "The critic's training layout over its own ranks, as train.sharding: FSDP2 "
         "'full' / 'grad_op', DDP 'replicate', HSDP 'hybrid' (PPO with GAE).")

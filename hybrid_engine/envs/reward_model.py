@@ -37,8 +37,9 @@ of each sequence alone.
 Invariants: a sequence's score does not depend on the rank count, the
 micro-batching or the padding (up to float round-off: the tests check 1e-5);
 `RewardModel.score` and `RewardModelEnv.score` are collective under a process
-group (every rank calls them with the same sequences, in the same order) and
-leave the FSDP root resharded; a non-finite score is a `RewardError` naming
+group (every rank calls them with the same sequences, in the same order; the
+env's is not when every trajectory already holds its rm_score, the same on
+every rank) and leave the FSDP root resharded; a non-finite score is a `RewardError` naming
 the sample, raised on every rank (all hold the same scores), before any
 trajectory is modified.
 

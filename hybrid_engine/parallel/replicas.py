@@ -51,10 +51,12 @@ def bit_checksums(params: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 def check(params: list[torch.Tensor], group: dist.ProcessGroup, shard_size: int,
-          *, layout: str, step: int, device: torch.device | None = None) -> None:
+          *, layout: str, step: int, device: torch.device | None = None,
+          key: str = "train.sharding") -> None:
     """Raises ReplicaDrift when any rank's parameters differ from those of the
     first rank holding the same rows (rank % shard_size). Collective over group;
-    `device`: where the group's collectives run (CUDA under NCCL)."""
+    `device`: where the group's collectives run (CUDA under NCCL); key: the
+    config key that chose the layout (named in the error)."""
     world = dist.get_world_size(group)
     if shard_size >= world:
         return
@@ -66,7 +68,7 @@ def check(params: list[torch.Tensor], group: dist.ProcessGroup, shard_size: int,
         differ = int((gathered[r] != gathered[first]).sum())
         if differ:
             raise ReplicaDrift(
-                f"replicas drifted apart under train.sharding={layout}: rank {r}'s weights "
+                f"replicas drifted apart under {key}={layout}: rank {r}'s weights "
                 f"differ from rank {first}'s in {differ} of {len(local)} parameter tensors "
                 f"after optimizer step {step} (checked every train.replica_check_every "
                 "steps); the run stops before this step's checkpoint")

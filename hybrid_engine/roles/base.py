@@ -124,8 +124,8 @@ class JobPolicy(Policy, Protocol):
 
 
 class Scorer(Protocol):
-    """A role that adds to the trajectories after the reward (reference log-probs,
-    critic values, the drift scorer); collective. Its `layout` attribute, when
+    """A role that adds to the trajectories before the reward (reference log-probs,
+    critic values, the drift scorer, a placed reward model's scores); collective. Its `layout` attribute, when
     it has one, names the layout the controller switches to first (`layout_of`)."""
 
     def score(self, trajs: Sequence[Trajectory]) -> None: ...

@@ -3,7 +3,8 @@
 Job: build the value model from the policy's HF folder in its own training
 layout, train.critic_sharding (`fsdp.lay_out`: FSDP2 full, grad_op or hybrid,
 fully_shard per decoder layer and at the root, rows read range by range from
-safetensors; or replicate, whole under DDP; no lm_head at all), own its AdamW optimizer and LR schedule, predict per-token values, and
+safetensors; or replicate, whole under DDP; no lm_head at all), own its AdamW
+optimizer and LR schedule, predict per-token values, and
 take one optimizer step per `train_step` on `algorithms.value_loss.value_loss`
 (several per RL step: `roles.updates`, old values from before the first),
 normalised like the policy loss: by the loss-token count of the WHOLE step
@@ -124,7 +125,7 @@ def build_value_model(
 
 
 class Critic:
-    """FSDP2 value model with its own AdamW: one optimizer step per `train_step`.
+    """The value model with its own AdamW: one optimizer step per `train_step`.
 
     Collective: every method must be called by every rank of the mesh, each
     with its own rows of the global batch.
@@ -132,7 +133,7 @@ class Critic:
     Attributes:
         module: the ValueModel in train.critic_sharding's layout (`build_value_model`).
         mesh: the 1-D data-parallel mesh.
-        optimizer: AdamW over the sharded DTensor parameters.
+        optimizer: AdamW over its parameters (sharded DTensors; replicate: whole).
         scheduler: LambdaLR with `lr_lambda(train_cfg)`.
         step: optimizer steps taken.
     """
@@ -247,7 +248,8 @@ class Critic:
         self.step += not skipped
         cfg = self.train_cfg
         check_replicas(self.module, self.mesh, cfg.critic_sharding, cfg.critic_shard_group_size,
-                       every=cfg.replica_check_every, step=self.step, skipped=skipped)
+                       every=cfg.replica_check_every, step=self.step, skipped=skipped,
+                       key="train.critic_sharding")
         sums = sums.to(self.device)
         dist.all_reduce(sums, group=group)
         n = max(float(norm), 1.0)

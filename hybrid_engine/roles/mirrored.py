@@ -19,11 +19,12 @@ rank its results:
 
 A role on every rank is called as is, with nothing broadcast. A learner on
 some ranks (the critic) reports with its metrics its ranks' own training
-seconds (`placement/<role>_train_s`) and, for each role on its ranks (itself,
-a reward model beside it), the bytes its scores broadcast
-(`placement/<role>_bytes`) and its seconds of scoring
-(`placement/<role>_score_s`): the work the other group's overlaps. A role on
-other ranks (the reference) reports none."""
+seconds (`placement/<role>_train_s`) and, for each role on exactly its ranks
+(itself; grouped: a reward model beside it; separate: the reference), the
+bytes its scores broadcast (`placement/<role>_bytes`) and its seconds of
+scoring (`placement/<role>_score_s`): the work the other group's overlaps. A
+role on other ranks (grouped: the reference) reports none, nor does a placed
+reward model in a run without a critic."""
 
 from __future__ import annotations
 

@@ -185,15 +185,16 @@ def _clips_in_kernel(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> 
 
 
 def check_replicas(module: torch.nn.Module, mesh: DeviceMesh, sharding: str,
-                   shard_group_size: int, *, every: int, step: int, skipped: bool) -> None:
+                   shard_group_size: int, *, every: int, step: int, skipped: bool,
+                   key: str = "train.sharding") -> None:
     """Every `every` optimizer steps (0: never): the replicas of each rank's
-    weights under sharding (replicate, hybrid) are bitwise identical, else
-    ReplicaDrift (`parallel.replicas`)."""
+    weights under sharding (replicate, hybrid; chosen by config key `key`) are
+    bitwise identical, else ReplicaDrift (`parallel.replicas`)."""
     if skipped or not every or step % every:
         return
     size = replicas.replica_group_size(sharding, shard_group_size, mesh.size())
     replicas.check(list(module.parameters()), mesh.get_group(), size, layout=sharding,
-                   step=step, device=comm_device(mesh))
+                   step=step, device=comm_device(mesh), key=key)
 
 
 @contextlib.contextmanager

@@ -143,8 +143,30 @@ def _four_rank_layouts(root: str) -> dict:
         again = fresh.train_step(*args, clip=0.2, coef=0.5)
         out[name] = dict(metrics=[*run["metrics"], third], weights=full_weights(critic.module),
                          resumed=again, resumed_weights=full_weights(fresh.module),
-                         **_layout_facts(critic, args[0]))
+                         drift=_drift(fresh, args), **_layout_facts(critic, args[0]))
     return out
+
+
+def _drift(critic, args) -> str | None:
+    """One ulp changed on the last rank, then a step with train.replica_check_every=1:
+    the ReplicaDrift message (None: no drift found)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from hybrid_engine.parallel.replicas import ReplicaDrift
+
+    critic.train_cfg = dataclasses.replace(critic.train_cfg, replica_check_every=1)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        with torch.no_grad():
+            w = next(critic.module.parameters())
+            w = (w.to_local() if hasattr(w, "to_local") else w).view(-1)
+            w[0] = torch.nextafter(w[0], w[0] + 1)
+    try:
+        critic.train_step(*args, clip=0.2, coef=0.5)
+    except ReplicaDrift as e:
+        return str(e)
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +241,8 @@ def test_one_and_two_ranks_give_the_same_update(two_ranks, model_root):
 def test_each_critic_layout_gives_the_one_rank_update_and_resumes_exactly(two_ranks, model_root):
     """train.critic_sharding on 4 ranks: each layout is the one asked for (replicate:
     plain tensors; hybrid: a 2-D mesh; grad_op: layers kept gathered after a
-    forward), trains as one rank does, and a checkpoint of step 2 repeats step 3."""
+    forward), trains as one rank does, a checkpoint of step 2 repeats step 3,
+    and a replica changed by one ulp stops the next step."""
     one = run_ranks(_one_rank_parity, 1, f"{model_root}/model", timeout=120)[0]
     four = run_ranks(_four_rank_layouts, 4, model_root, timeout=400)
     expect = {"grad_op": (1, True), "hybrid": (2, True), "replicate": (0, True)}  # full: (1, False)
@@ -231,3 +254,8 @@ def test_each_critic_layout_gives_the_one_rank_update_and_resumes_exactly(two_ra
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), name
         assert r["resumed"] == r["metrics"][-1], name
         assert max_diff(r["resumed_weights"], r["weights"]) == 0.0, name
+        # train.replica_check_every holds the critic's replicas too (grad_op has none)
+        if name == "grad_op":
+            assert r["drift"] is None
+        else:
+            assert f"replicas drifted apart under train.critic_sharding={name}" in r["drift"]
