@@ -385,6 +385,9 @@ class EnvConfig:
         "HF sequence-classification model folder whose score (logit 0) replaces the "
         "environment's reward function; '' = the environment's own reward.",
     )
+    reward_model_sharding: Literal["full", "replicate"] = _field(
+        "full", "The reward model's layout over its ranks: FSDP2 'full' (1/N of it per rank, "
+        "gathered layer by layer) or 'replicate' (whole on each rank, no gathers).")
     rewards: str = _field(
         "", "Weighted reward terms 'NAME[:WEIGHT],...': math, format, code, task (the env's "
         "own), reward_model, http, judge, or file.py:function; '' = the env's own.")

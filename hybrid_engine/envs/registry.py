@@ -103,8 +103,9 @@ def make_env(cfg: EnvConfig, tokenizer: Any, placement: Placement | None = None)
                                                      RewardModelEnv)
 
         placed = placement is not None and len(placement.ranks["reward_model"]) < placement.world
-        model = (PlacedRewardModel(cfg.reward_model_path, placement) if placed
-                 else RewardModel(cfg.reward_model_path))
+        sharding = cfg.reward_model_sharding
+        model = (PlacedRewardModel(cfg.reward_model_path, placement, sharding=sharding) if placed
+                 else RewardModel(cfg.reward_model_path, sharding=sharding))
         rm = RewardModelEnv(env, model, tokenizer, task_metrics=not cfg.rewards)
     terms = reward_terms(cfg)
     if not terms:

@@ -8,21 +8,21 @@ environment so that this score replaces the task's reward function; (3)
 `write_tiny_reward_model` writes a random-init reward-model folder for tests
 and demos.
 
-Layout (memory trade-off). Under a process group the reward model uses the
-trainer's layout: FSDP2 `fully_shard` per decoder layer and at the root over
-the data-parallel mesh, every parameter a `Shard(0)` DTensor read row range
-by row range from the safetensors (`parallel.params`), so a rank holds 1/N of the
-model plus, during a forward, one gathered decoder layer and the root
-(embeddings, final norm, score head). The alternative, a full replica per
-rank, needs no all-gather but costs N times the memory, next to the policy,
-the reference and vLLM on the same device: the memory is the scarce resource
-of a colocated job, so the reward model is sharded like the reference. The
-price is one all-gather of the weights per micro-batch (a larger
-`micro_batch_size` amortises it). Every rank holds the whole step's
+Layout (memory trade-off, env.reward_model_sharding). Under a process group
+the reward model uses the trainer's layout by default ("full"): FSDP2
+`fully_shard` per decoder layer and at the root over the data-parallel mesh,
+every parameter a `Shard(0)` DTensor read row range by row range from the
+safetensors (`parallel.params`), so a rank holds 1/N of the model plus, during
+a forward, one gathered decoder layer and the root (embeddings, final norm,
+score head). The price is one all-gather of the weights per micro-batch (a
+larger `micro_batch_size` amortises it). "replicate", a full copy per rank,
+needs no all-gather but costs N times the memory: where the reward model has
+ranks of its own (placement=grouped) there may be room for it; next to the
+policy, the reference and vLLM on a colocated device there rarely is. Every rank holds the whole step's
 trajectories (the rollout gathers them): rank r scores its contiguous slice
 `shard_rows(n, N, r)` of the sequences, running as many micro-batches as the
 busiest rank (dummy one-token forwards past its own last, so FSDP2's
-collectives match), and one all-reduce (a sum over disjoint slices, exact)
+collectives match when sharded), and one all-reduce (a sum over disjoint slices, exact)
 gives every rank all n scores. With no process group the model is a plain
 single-process module (no mesh, no collective).
 
@@ -70,6 +70,7 @@ from torch import Tensor, nn
 from hybrid_engine.envs.base import RewardError, decode
 from hybrid_engine.models.tiny import TinyModelSpec, hf_config, random_state_dict
 from hybrid_engine.models.tokenizer import EOS_TOKEN_ID, write_tokenizer_files
+from hybrid_engine.parallel.params import reshard_all
 from hybrid_engine.reshard.plan import shard_rows
 
 if TYPE_CHECKING:
@@ -126,7 +127,8 @@ class RewardModel:
     called by every rank of the mesh (see the module docstring).
 
     Attributes:
-        module: the `ScoreModel` (the FSDP2 root when sharded).
+        module: the `ScoreModel` (the FSDP2 root when sharded; plain, whole,
+            when replicated or without a mesh).
         mesh: the 1-D data-parallel mesh, or None (single process, plain module).
         config: the transformers config.
         tokenizer: the folder's tokenizer (transformers), or None if it has none.
@@ -142,6 +144,7 @@ class RewardModel:
         dtype: str = "float32",
         micro_batch_size: int = 16,
         trust_remote_code: bool = False,
+        sharding: str = "full",
     ) -> None:
         """Loads the model: sharded over mesh, or whole when there is no process group.
 
@@ -153,6 +156,9 @@ class RewardModel:
                 (scores are returned in float32).
             micro_batch_size: rows per forward (>= 1).
             trust_remote_code: passed to transformers.
+            sharding: its layout over the mesh (env.reward_model_sharding):
+                "full" (FSDP2) or "replicate" (whole on every rank); either
+                way each rank scores its slice of the rows.
 
         Raises:
             ValueError: num_labels != 1, an unknown dtype, micro_batch_size < 1,
@@ -164,6 +170,8 @@ class RewardModel:
 
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if sharding not in ("full", "replicate"):
+            raise ValueError(f"sharding must be 'full' or 'replicate', got {sharding!r}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         folder = resolve_model_path(path)
@@ -178,7 +186,8 @@ class RewardModel:
             self.module = self._build_plain(folder, DTYPES[dtype], trust_remote_code)
         else:
             self.device = default_device() if mesh.device_type == "cuda" else torch.device("cpu")
-            self.module = self._build_sharded(folder, mesh, DTYPES[dtype], trust_remote_code)
+            self.module = self._build_sharded(folder, mesh, DTYPES[dtype], trust_remote_code,
+                                              sharding)
         self.module.requires_grad_(False)
         self.module.eval()
         self.tokenizer = _load_tokenizer(folder, trust_remote_code)
@@ -197,11 +206,10 @@ class RewardModel:
         return ScoreModel(getattr(hf, hf.base_model_prefix), hf.score).to(self.device)
 
     def _build_sharded(self, folder: Path, mesh: DeviceMesh, dtype: torch.dtype,
-                       trust_remote_code: bool) -> ScoreModel:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+                       trust_remote_code: bool, sharding: str) -> ScoreModel:
         from transformers import AutoModelForSequenceClassification
 
-        from hybrid_engine.parallel.fsdp import attn_implementation, empty_model, shard_and_load
+        from hybrid_engine.parallel.fsdp import attn_implementation, empty_model, lay_out
 
         with empty_model():
             hf = AutoModelForSequenceClassification.from_config(
@@ -210,10 +218,9 @@ class RewardModel:
         if hf.base_model_prefix != "model" or not hasattr(hf.model, "layers"):
             raise ValueError(f"{folder}: unsupported architecture {type(hf).__name__} "
                              "(needs a decoder backbone at .model.layers)")
-        module = ScoreModel(hf.model, hf.score)
-        self.load_stats = shard_and_load(
-            module, folder, mesh, MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype),
-            device=self.device)
+        module = ScoreModel(hf.model, hf.score).requires_grad_(False)  # frozen: no DDP
+        module, self.load_stats = lay_out(module, folder, mesh, master=dtype, compute=dtype,
+                                          sharding=sharding)
         return module
 
     @property
@@ -265,7 +272,7 @@ class RewardModel:
                     self._forward([[self.pad_id]])
         finally:
             if self.mesh is not None:
-                self.module.reshard()  # a forward without backward leaves the root unsharded
+                reshard_all(self.module)  # a forward without backward leaves the root unsharded
         if self.mesh is not None:
             buf = out_B.to(self.device)
             dist.all_reduce(buf, group=self.mesh.get_group())  # disjoint slices: exact sum
@@ -302,9 +309,10 @@ def _vocab(tokenizer: Any) -> dict[str, int] | None:
 
 class PlacedRewardModel:
     """A `RewardModel` on the ranks a placement gives it (placement=grouped: e.g.
-    beside the critic), scored from every rank: its ranks score (FSDP2 over
-    them) and the scores are broadcast from the first of them, [n] float32
-    (collective over the default group; every rank passes the same sequences).
+    beside the critic), scored from every rank: its ranks score (in
+    env.reward_model_sharding's layout over them: `sharding`) and the scores
+    are broadcast from the first of them, [n] float32 (collective over the
+    default group; every rank passes the same sequences).
 
     Attributes:
         model: the `RewardModel` on its ranks, else None.
@@ -312,11 +320,11 @@ class PlacedRewardModel:
         src: the rank the scores come from.
     """
 
-    def __init__(self, path: str, placement: Placement) -> None:
+    def __init__(self, path: str, placement: Placement, *, sharding: str = "full") -> None:
         from hybrid_engine.parallel.fsdp import resolve_model_path
 
         self.src = placement.ranks["reward_model"][0]
-        self.model = (RewardModel(path, placement.mesh("reward_model"))
+        self.model = (RewardModel(path, placement.mesh("reward_model"), sharding=sharding)
                       if placement.holds("reward_model") else None)
         self.tokenizer = (self.model.tokenizer if self.model is not None
                           else _load_tokenizer(resolve_model_path(path), False))

@@ -66,11 +66,18 @@ def _rank_checks(path: str, seqs: list[list[int]]) -> dict:
     prompt = env.sample_prompts(1)[0]
     traj = Trajectory(prompt_ids=prompt, response_ids=[49, 10, EOS], rollout_logp=[0.0] * 3)
     env.score([traj])
+    # env.reward_model_sharding=replicate: whole on each rank, the same scores
+    whole = make_env(EnvConfig(name="arithmetic", reward_model_path=path,
+                               reward_model_sharding="replicate"), build_tokenizer())
+    rep = whole.reward_model
     return dict(
         scores=scores.tolist(), one=one.tolist(),
         sharded=all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in params),
         read_fraction=rm.load_stats.elements_read / rm.load_stats.elements_total,
         env_reward=traj.reward, env_ids=prompt + [49, 10, EOS],
+        replicated=dict(scores=rep.score(seqs).tolist(),
+                        plain=not any(isinstance(p, DTensor) for p in rep.module.parameters()),
+                        read_fraction=rep.load_stats.elements_read / rep.load_stats.elements_total),
     )
 
 
@@ -81,6 +88,9 @@ def test_two_ranks_score_like_one_sequence_alone(rm_path, ref):
         torch.testing.assert_close(torch.tensor(out["one"]), ref[:1], atol=1e-5, rtol=0)
         assert out["sharded"], "score() left the FSDP root unsharded"
         assert out["read_fraction"] < 0.55  # each rank read about half the model
+        rep = out["replicated"]  # env.reward_model_sharding=replicate
+        torch.testing.assert_close(torch.tensor(rep["scores"]), ref, atol=1e-5, rtol=0)
+        assert rep["plain"] and rep["read_fraction"] == 1.0
     assert outs[0]["env_reward"] == outs[1]["env_reward"]
     expected = hf_scores(rm_path, [outs[0]["env_ids"]])[0]
     assert abs(outs[0]["env_reward"] - float(expected)) < 1e-5
