@@ -344,6 +344,27 @@ def test_a_killed_critic_rank_stops_a_grouped_job_and_resume_reproduces(
     assert _steps(run.out) == ref
 
 
+def test_sigterm_to_the_critic_rank_stops_a_grouped_job_cleanly(model_dir, grouped_reference,
+                                                                  tmp_path) -> None:
+    """Group colocation: SIGTERM to rank 2 (the critic group) in its second update:
+    both groups finish step 2, write its checkpoint and the final model and exit 0
+    with no traceback; a resume reproduces the straight run."""
+    out = tmp_path / "run"
+    proc = _train(model_dir, out, *GROUPED, fault="critic-train:2:term", stamp=tmp_path / "at",
+                  nproc=3, fault_rank=2)
+    text = proc.stdout
+    assert proc.returncode == 0 and (tmp_path / "at").exists(), text[-3000:]
+    assert "Traceback" not in text and "rank 2 got SIGTERM: stopping after the current step" \
+        in text, text[-3000:]
+    summary = _summary(text)
+    assert (summary["steps"], summary["stop_reason"]) == (2, "signal"), summary
+    assert (out / "final" / "COMPLETE").is_file()
+    assert latest_checkpoint(out / "checkpoints") == step_checkpoint_path(out / "checkpoints", 2)
+    proc = _run(model_dir, out, *GROUPED, "--resume", nproc=3)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert _steps(out) == _steps(grouped_reference)
+
+
 def _summary(stdout: str) -> dict:
     lines = [ln for ln in stdout.splitlines() if ln.startswith('{"steps"')]
     assert len(lines) == 1, stdout[-3000:]
