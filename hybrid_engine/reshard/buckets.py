@@ -30,7 +30,7 @@ import numpy as np
 
 from hybrid_engine.reshard.layouts import Segment, TargetParam
 
-__all__ = ["Geometry", "Unit", "bucketize", "clip", "serving_group"]
+__all__ = ["Geometry", "Unit", "bucketize", "clip", "serving_group", "shares", "volumes"]
 
 
 def serving_group(d_rank: int, first_target: int, shard_group_size: int,
@@ -74,7 +74,8 @@ class Geometry:
     units: dict[str, int]
     layouts: list[list[TargetParam]]
     _served: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
-    _arrays: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict)
+    _segments: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict)
+    _tables: dict[str, np.ndarray] = field(default_factory=dict)
     _starts: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     @property
@@ -92,16 +93,37 @@ class Geometry:
         """d_rank's TP rank, None when it holds no vLLM parameters."""
         return None if d_rank < self.first else (d_rank - self.first) % self.tp
 
-    def arrays(self, target: TargetParam) -> tuple[np.ndarray, ...]:
-        """target's segments as arrays: HF rows [a, b), width w, dst_row d, the HF
-        tensor's rows n and rows per shard index u (cached per target)."""
-        key = id(target)
-        if key not in self._arrays:
-            self._arrays[key] = tuple(np.array(v, dtype=np.int64) for v in zip(*(
+    def segments(self, index: int) -> tuple[np.ndarray, ...]:
+        """Parameter `index`'s segments on every TP rank as arrays: HF rows [a, b),
+        width w, dst_row d, the HF tensor's rows n, its rows per shard index u,
+        and the TP rank r (cached)."""
+        if index not in self._segments:
+            self._segments[index] = tuple(np.array(v, dtype=np.int64) for v in zip(*(
                 (s.rows[0], s.rows[1], s.cols[1] - s.cols[0], s.dst_row,
-                 self.shapes[s.hf_name][0], self.units.get(s.hf_name, 1))
-                for s in target.segments), strict=True))
-        return self._arrays[key]
+                 self.shapes[s.hf_name][0], self.units.get(s.hf_name, 1), r)
+                for r in range(self.tp) for s in self.layouts[r][index].segments), strict=True))
+        return self._segments[index]
+
+    def tables(self) -> dict[str, np.ndarray]:
+        """Per destination (ranks first..N-1): its TP rank, and its position in the
+        group serving it (-1: not a source there); per source (0..M-1): its group,
+        its position, and its TP rank when its own group serves it (else -1);
+        per (TP rank, group): how many destinations the group serves."""
+        if not self._tables:
+            s = self.shard_group_size
+            dst = np.arange(self.first, self.world)
+            group = np.array([self.serving(g) for g in dst.tolist()], dtype=np.int64)
+            pos = np.where((dst >= group * s) & (dst < (group + 1) * s), dst - group * s, -1)
+            dst_r = (dst - self.first) % self.tp
+            counts = np.zeros((self.tp, self.num_groups), dtype=np.int64)
+            np.add.at(counts, (dst_r, group), 1)
+            src = np.arange(self.num_sources)
+            self_r = np.full(self.num_sources, -1)
+            own = dst[pos >= 0]
+            self_r[own] = dst_r[pos >= 0]
+            self._tables = dict(dst=dst, dst_r=dst_r, dst_pos=pos, counts=counts,
+                                src=src, src_group=src // s, src_pos=src % s, self_r=self_r)
+        return self._tables
 
     def clipped(self, r: int, index: int, rows: tuple[int, int]) -> TargetParam:
         """Parameter `index` of TP rank r, restricted to its rows [rows) (`clip`)."""
@@ -141,75 +163,110 @@ def clip(target: TargetParam, rows: tuple[int, int], starts: list[int]) -> Targe
     return TargetParam(target.name, target.shape, tuple(out))
 
 
-def _share(geo: Geometry, target: TargetParam, rows: tuple[int, int],
-           ) -> tuple[np.ndarray, int]:
-    """(elements of target's rows [rows) each shard position p holds [S], all of them)."""
-    if not target.segments:
-        return np.zeros(geo.shard_group_size, dtype=np.int64), 0
-    a, b, w, d, n, u = geo.arrays(target)
-    first = max(int(np.searchsorted(d, rows[0], side="right")) - 1, 0)  # d ascending
-    last = int(np.searchsorted(d, rows[1], side="left"))
-    a, b, w, d, n, u = (x[first:last] for x in (a, b, w, d, n, u))
-    lo_t, hi_t = np.maximum(rows[0], d), np.minimum(rows[1], d + b - a)  # target rows kept
-    a, b = a + np.maximum(lo_t - d, 0), a + np.maximum(hi_t - d, 0)
-    p = np.arange(geo.shard_group_size, dtype=np.int64)[None, :]
+def shares(geo: Geometry, unit: Unit, positions: np.ndarray | None = None,
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """(elements of unit's rows that shard position p holds for TP rank r's copy
+    [T, S] (positions given: [T, len(positions)]), all elements of each copy [T])."""
+    a, b, w, d, n, u, r = geo.segments(unit.index)
+    c0, c1 = unit.rows
+    keep = (d < c1) & (d + b - a > c0)
+    a, b, w, d, n, u, r = (x[keep] for x in (a, b, w, d, n, u, r))
+    a, b = a + np.maximum(c0 - d, 0), a + np.minimum(c1, d + b - a) - d
+    p = (np.arange(geo.shard_group_size, dtype=np.int64) if positions is None
+         else positions)[None, :]
     whole = (n // u * u)[:, None]
-    chunk = -(-(n // u) // geo.shard_group_size)[:, None] * u[:, None]  # torch.chunk rows
+    chunk = (-(-(n // u) // geo.shard_group_size) * u)[:, None]  # torch.chunk's rows
     lo = np.minimum(p * chunk, whole)
     hi = np.minimum(lo + chunk, whole)
     overlap = np.clip(np.minimum(b[:, None], hi) - np.maximum(a[:, None], lo), 0, None)
-    return (overlap * w[:, None]).sum(0), int((np.clip(b - a, 0, None) * w).sum())
+    share = np.zeros((geo.tp, p.shape[1]), dtype=np.int64)
+    np.add.at(share, r, overlap * w[:, None])
+    total = np.zeros(geo.tp, dtype=np.int64)
+    np.add.at(total, r, (b - a) * w)
+    return share, total
 
 
 def volumes(geo: Geometry, unit: Unit) -> tuple[np.ndarray, np.ndarray]:
     """(elements each rank sends [N], receives [N]) for unit, through buffers
     (its local copies excluded)."""
-    send = np.zeros(geo.world, dtype=np.int64)
+    share, total = shares(geo, unit)
+    t = geo.tables()
     recv = np.zeros(geo.world, dtype=np.int64)
-    s = geo.shard_group_size
-    for r in range(geo.tp):
-        share, total = _share(geo, geo.layouts[r][unit.index], unit.rows)
-        for group in range(geo.num_groups):
-            dsts = geo.served(r, group)
-            if not len(dsts):
-                continue
-            base = group * s
-            own = dsts[(dsts >= base) & (dsts < base + s)]  # destinations that are sources
-            recv[dsts] += total
-            recv[own] -= share[own - base]
-            send[base:base + s] += share * len(dsts)
-            send[own] -= share[own - base]
+    own = np.where(t["dst_pos"] >= 0, share[t["dst_r"], np.maximum(t["dst_pos"], 0)], 0)
+    recv[t["dst"]] = total[t["dst_r"]] - own
+    send = np.zeros(geo.world, dtype=np.int64)
+    out = (share[:, t["src_pos"]] * t["counts"][:, t["src_group"]]).sum(0)
+    mine = np.where(t["self_r"] >= 0, share[np.maximum(t["self_r"], 0), t["src_pos"]], 0)
+    send[t["src"]] = out - mine
     return send, recv
 
 
-def _units(geo: Geometry, index: int, group: int, limit: int,
-           ) -> Iterator[tuple[Unit, np.ndarray, np.ndarray]]:
-    """The units of parameter `index` with their volumes: the whole parameter, or
-    the fewest equal row chunks whose volumes each fit limit (one row at least)."""
-    target = geo.layouts[0][index]
-    rows = target.shape[0]
-    whole = Unit(target.name, index, (0, rows), group)
-    send, recv = volumes(geo, whole)
-    peak = int(max(send.max(initial=0), recv.max(initial=0)))
-    if peak <= limit or rows == 1:
-        yield whole, send, recv
-        return
-    k = -(-peak // limit)
-    while True:
-        step = -(-rows // k)
-        chunks = [Unit(target.name, index, (c, min(c + step, rows)), group)
-                  for c in range(0, rows, step)]
-        vols = [volumes(geo, c) for c in chunks]
-        if step == 1 or all(max(sd.max(), rv.max()) <= limit for sd, rv in vols):
-            yield from ((c, sd, rv) for c, (sd, rv) in zip(chunks, vols, strict=True))
-            return
-        k = min(rows, 2 * k)
+def _piece_volumes(geo: Geometry, index: int, bounds: np.ndarray,
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(sends [m, N], receives [m, N]) of the m pieces [bounds[j], bounds[j + 1])
+    of parameter `index`, each inside at most one segment per TP rank (bounds
+    hold every segment's start and end): one pass over (segment, piece) pairs."""
+    a, b, w, d, n, u, r = geo.segments(index)
+    m, s = len(bounds) - 1, geo.shard_group_size
+    j0, j1 = np.searchsorted(bounds, d), np.searchsorted(bounds, d + b - a)
+    seg = np.repeat(np.arange(len(d)), j1 - j0)  # (segment, piece) pairs
+    piece = np.arange(len(seg)) - np.repeat(np.cumsum(j1 - j0) - (j1 - j0), j1 - j0) + j0[seg]
+    lo_row = a[seg] + bounds[piece] - d[seg]
+    hi_row = lo_row + bounds[piece + 1] - bounds[piece]
+    p = np.arange(s, dtype=np.int64)[None, :]
+    whole = (n // u * u)[seg][:, None]
+    chunk = (-(-(n // u) // s) * u)[seg][:, None]  # torch.chunk's rows
+    lo = np.minimum(p * chunk, whole)
+    hi = np.minimum(lo + chunk, whole)
+    overlap = np.clip(np.minimum(hi_row[:, None], hi) - np.maximum(lo_row[:, None], lo), 0, None)
+    share = np.zeros((geo.tp, m, s), dtype=np.int64)
+    np.add.at(share, (r[seg], piece), overlap * w[seg][:, None])
+    total = np.zeros((geo.tp, m), dtype=np.int64)
+    np.add.at(total, (r[seg], piece), (hi_row - lo_row) * w[seg])
+    t = geo.tables()
+    recv = np.zeros((m, geo.world), dtype=np.int64)
+    own = np.where(t["dst_pos"] >= 0, share[t["dst_r"], :, np.maximum(t["dst_pos"], 0)].T, 0)
+    recv[:, t["dst"]] = total[t["dst_r"]].T - own
+    send = np.zeros((m, geo.world), dtype=np.int64)
+    out = (share[:, :, t["src_pos"]] * t["counts"][:, None, t["src_group"]]).sum(0)
+    mine = np.where(t["self_r"] >= 0, share[np.maximum(t["self_r"], 0), :, t["src_pos"]].T, 0)
+    send[:, t["src"]] = out - mine
+    return send, recv
+
+
+def _pieces(geo: Geometry, index: int, limit: int,
+            ) -> Iterator[tuple[tuple[int, int], np.ndarray, np.ndarray]]:
+    """Parameter `index`'s rows cut at every segment boundary, with their volumes;
+    a piece whose volume alone passes limit cut further into the fewest equal
+    row chunks that fit (one row at least)."""
+    rows = geo.layouts[0][index].shape[0]
+    a, b, _, d, *_ = geo.segments(index)
+    bounds = np.unique(np.concatenate([[0, rows], d, d + b - a]))
+    sends, recvs = _piece_volumes(geo, index, bounds)
+    name = geo.layouts[0][index].name
+    for j in range(len(bounds) - 1):
+        x0, x1 = int(bounds[j]), int(bounds[j + 1])
+        peak = max(int(sends[j].max(initial=0)), int(recvs[j].max(initial=0)))
+        if peak <= limit or x1 - x0 == 1:
+            yield (x0, x1), sends[j], recvs[j]
+            continue
+        k = -(-peak // limit)
+        while True:
+            step = -(-(x1 - x0) // k)
+            chunks = [(c, min(c + step, x1)) for c in range(x0, x1, step)]
+            vols = [volumes(geo, Unit(name, index, c, 0)) for c in chunks]
+            if step == 1 or all(max(sd.max(), rv.max()) <= limit for sd, rv in vols):
+                yield from ((c, sd, rv) for c, (sd, rv) in zip(chunks, vols, strict=True))
+                break
+            k = min(x1 - x0, 2 * k)
 
 
 def bucketize(geo: Geometry, groups: list[list[int]], limit: int,
               ) -> tuple[list[Unit], list[list[Unit]]]:
     """(every unit in layout order, the buckets: units in order). groups: per
-    sync group, the indices of its parameters in layout order."""
+    sync group, the indices of its parameters in layout order. A unit is the
+    run of a parameter's consecutive pieces (`_pieces`) that one bucket takes;
+    pieces whose every element is local take none."""
     every: list[Unit] = []
     buckets: list[list[Unit]] = []
     for g, indices in enumerate(groups):
@@ -217,16 +274,29 @@ def bucketize(geo: Geometry, groups: list[list[int]], limit: int,
         sent = np.zeros(geo.world, dtype=np.int64)
         recv = np.zeros(geo.world, dtype=np.int64)
         for index in indices:
-            for unit, s, r in _units(geo, index, g, limit):
-                every.append(unit)
-                if not s.any() and not r.any():  # every element local
-                    continue
-                if cur and ((sent + s > limit).any() or (recv + r > limit).any()):
+            name, run = geo.layouts[0][index].name, None  # run: rows of the open unit
+            for rows, s, r in _pieces(geo, index, limit):
+                remote = s.any() or r.any()
+                held = bool(cur) or (run is not None and run_remote)  # the bucket so far
+                full = remote and held and ((sent + s > limit).any() or (recv + r > limit).any())
+                if run is not None and (full or remote != run_remote):
+                    every.append(Unit(name, index, run, g))
+                    if run_remote:
+                        cur.append(every[-1])
+                    run = None
+                if full:
                     buckets.append(cur)
                     cur, sent, recv = [], np.zeros_like(sent), np.zeros_like(recv)
-                cur.append(unit)
+                if run is None:
+                    run, run_remote = rows, remote
+                else:
+                    run = (run[0], rows[1])
                 sent += s
                 recv += r
+            if run is not None:
+                every.append(Unit(name, index, run, g))
+                if run_remote:
+                    cur.append(every[-1])
         if cur:
             buckets.append(cur)
     return every, buckets

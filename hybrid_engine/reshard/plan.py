@@ -35,10 +35,12 @@ every rank, so all ranks agree on buffer layouts without exchanging metadata.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from hybrid_engine.reshard.adapters import LoraDims, adapter_layout, adapter_shapes
-from hybrid_engine.reshard.buckets import Geometry, Unit, bucketize, serving_group
+from hybrid_engine.reshard.buckets import Geometry, Unit, bucketize, serving_group, shares
 from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, row_units, tp_layout
 
 __all__ = ["Block", "ReshardPlan", "build_plan", "padding_rows", "serving_group", "shard_rows",
@@ -167,16 +169,20 @@ class ReshardPlan:
 
 
 def _blocks_for(d_rank: int, target: TargetParam, shapes: dict[str, tuple[int, int]],
-                sources: range, group: int, units: dict[str, int]) -> list[Block]:
+                sources: range, group: int, units: dict[str, int],
+                only: int | None = None) -> list[Block]:
     """Blocks filling target (of sync group `group`) on d_rank from one shard group
-    (sources: its ranks, in shard order)."""
+    (sources: its ranks, in shard order); only: just those of that shard position."""
     out = []
     for seg in target.segments:
         rows, unit = shapes[seg.hf_name][0], units.get(seg.hf_name, 1)
         chunk = -(-rows // unit // len(sources)) * unit
         if seg.rows[1] <= seg.rows[0]:
             continue
-        for s in range(seg.rows[0] // chunk, (seg.rows[1] - 1) // chunk + 1):  # shards it overlaps
+        first, last = seg.rows[0] // chunk, (seg.rows[1] - 1) // chunk + 1  # shards it overlaps
+        if only is not None:
+            first, last = max(first, only), min(last, only + 1)
+        for s in range(first, last):
             src = sources[s]
             s0, s1 = shard_rows(rows, len(sources), s, unit)
             r0, r1 = max(seg.rows[0], s0), min(seg.rows[1], s1)
@@ -281,22 +287,36 @@ def _remote(geo: Geometry, u: Unit, rank: int | None) -> list[Block]:
     group differ from another's of the same TP rank only in dst_rank, so they
     are listed once per (TP rank, group) and stamped per destination."""
     out: dict[int, list[Block]] = {}
+    holds = None  # per TP rank, whether rank's shard position holds any of u's rows
+    if rank is not None and rank < geo.num_sources:
+        pos = np.array([rank % geo.shard_group_size])
+        holds = shares(geo, u, pos)[0][:, 0] > 0
     for r in range(geo.tp):
-        target = geo.clipped(r, u.index, u.rows)
         for group in range(geo.num_groups):
             dsts = geo.served(r, group)
-            if not len(dsts) or (rank is not None and rank not in dsts
-                                 and rank not in geo.sources(group)):
+            if not len(dsts):
                 continue
-            protos = _blocks_for(-1, target, geo.shapes, geo.sources(group), u.group, geo.units)
+            if rank is not None and rank not in dsts and (  # then rank sends, or skips this
+                    holds is None or rank // geo.shard_group_size != group or not holds[r]):
+                continue
+            target = geo.clipped(r, u.index, u.rows)
+            sends_only = rank is not None and rank not in dsts
+            protos = _blocks_for(-1, target, geo.shapes, geo.sources(group), u.group, geo.units,
+                                 rank % geo.shard_group_size if sends_only else None)
             for g in dsts.tolist():
                 if rank is None or g == rank:
                     mine = [p for p in protos if p.src_rank != g]
                 else:
                     mine = [p for p in protos if p.src_rank == rank]
                 if mine:
-                    out.setdefault(g, []).extend(replace(p, dst_rank=g) for p in mine)
+                    out.setdefault(g, []).extend(_to(p, g) for p in mine)
     return [b for g in sorted(out) for b in out[g]]
+
+
+def _to(p: Block, g: int) -> Block:
+    """p with destination g (a prototype of `_remote`, stamped)."""
+    return Block(p.src_rank, g, p.hf_name, p.src_row, p.cols, p.target, p.dst_row, p.dst_col,
+                 p.rows, p.group)
 
 
 def padding_rows(targets: list) -> dict[str, int]:
