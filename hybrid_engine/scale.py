@@ -2,8 +2,9 @@
 
 The resharding planner (`reshard/plan.py`) runs for the given world (nodes x
 devices per node, colocated: every rank trains and rolls out), rollout TP
-size and training layout, exactly as the ranks of such a job would build it;
-`reshard/costs.py` then reads it as traffic within and between nodes. No
+size and training layout, exactly as the ranks of such a job would build it:
+each rank's plan in turn (`rank_plans`), one held at a time;
+`reshard/costs.py` then reads each as that rank's traffic within and between nodes. No
 weights, no devices and no process group are needed.
 
 Printed: per rank (the busiest, the mean, the least loaded) the bytes it
@@ -80,9 +81,9 @@ def plan_report(args: argparse.Namespace) -> dict:
     Raises:
         ValueError: a one-line reason (unsupported model, sizes that do not divide).
     """
-    from hybrid_engine.reshard.costs import plan_traffic, time_floor
+    from hybrid_engine.reshard.costs import rank_traffic, time_floor
     from hybrid_engine.reshard.layouts import check_model, hf_shapes
-    from hybrid_engine.reshard.plan import build_plan
+    from hybrid_engine.reshard.plan import rank_plans
 
     if args.nodes < 1 or args.devices_per_node < 1:
         raise ValueError("--nodes and --devices-per-node must be positive")
@@ -92,8 +93,10 @@ def plan_report(args: argparse.Namespace) -> dict:
     dims = check_model(_load_config(args.config), args.tp)
     itemsize = _ITEMSIZE[args.dtype]
     bucket_elems = max(1, int(args.bucket_mb * 2**20) // itemsize)
-    plan = build_plan(dims, world, args.tp, bucket_elems=bucket_elems, shard_group_size=group)
-    traffic = plan_traffic(plan, args.devices_per_node, itemsize)
+    traffic = []  # each rank's plan in turn, as the rank builds it: one held at a time
+    for rank, plan in enumerate(rank_plans(dims, world, args.tp, range(world),
+                                           bucket_elems=bucket_elems, shard_group_size=group)):
+        traffic.append(rank_traffic(plan, rank, args.devices_per_node, itemsize))
     params = sum(r * c for r, c in hf_shapes(dims).values())
     busiest = max(traffic, key=lambda t: t.seconds(args.intra_gbps, args.link_gbps))
     return {

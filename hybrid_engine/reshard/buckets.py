@@ -7,15 +7,18 @@ blocks (`reshard.plan.build_plan(rank=...)`) and still agree with every peer
 on each bucket's content.
 
 A bucket holds units: rows [r0, r1) of one vLLM parameter, the same rows of
-its copy on every TP rank (the copies have one shape). A unit's volumes, per
-rank, follow from the geometry alone: a destination g of TP rank r receives
-the unit's elements less those of its own source rows (colocated, g in its
+its copy on every TP rank (the copies have one shape). Volumes, per rank,
+follow from the geometry alone: a destination g of TP rank r receives the
+rows' elements less those of its own source rows (colocated, g in its
 serving group), and source position p of a serving group sends its rows'
-elements to each destination that group serves, itself excepted. Units
-follow the layout's order; a bucket closes when a unit would take some rank
-past bucket_elems, and at a group's end; a parameter whose volume alone
-passes it is cut into row chunks (k equal ones, the fewest that fit; a
-single row always fits). Units whose every element is local take no bucket.
+elements to each destination that group serves, itself excepted. A
+parameter is cut into pieces at its segments' boundaries (all its pieces'
+volumes in one numpy pass; a piece whose volume alone passes bucket_elems is
+cut into the fewest equal row chunks that fit, a single row always fitting).
+Pieces follow the layout's order; a bucket closes when a piece would take
+some rank past bucket_elems, and at a group's end; a parameter's consecutive
+pieces in one bucket form one unit. Pieces whose every element is local take
+no bucket.
 
 Shape legend: N ranks, S ranks per shard group, G shard groups, T TP size.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,6 +58,19 @@ class Unit:
     group: int
 
 
+class Tables(NamedTuple):
+    """Rank facts as arrays (`Geometry.tables`)."""
+
+    dst: np.ndarray
+    dst_r: np.ndarray
+    dst_pos: np.ndarray
+    counts: np.ndarray
+    src: np.ndarray
+    src_group: np.ndarray
+    src_pos: np.ndarray
+    self_r: np.ndarray
+
+
 @dataclass
 class Geometry:
     """Who holds what: N ranks, sources 0..M-1 in shard groups of S (rank g at
@@ -75,7 +92,7 @@ class Geometry:
     layouts: list[list[TargetParam]]
     _served: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     _segments: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict)
-    _tables: dict[str, np.ndarray] = field(default_factory=dict)
+    _tables: Tables | None = None
     _starts: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     @property
@@ -104,12 +121,12 @@ class Geometry:
                 for r in range(self.tp) for s in self.layouts[r][index].segments), strict=True))
         return self._segments[index]
 
-    def tables(self) -> dict[str, np.ndarray]:
+    def tables(self) -> Tables:
         """Per destination (ranks first..N-1): its TP rank, and its position in the
         group serving it (-1: not a source there); per source (0..M-1): its group,
         its position, and its TP rank when its own group serves it (else -1);
         per (TP rank, group): how many destinations the group serves."""
-        if not self._tables:
+        if self._tables is None:
             s = self.shard_group_size
             dst = np.arange(self.first, self.world)
             group = np.array([self.serving(g) for g in dst.tolist()], dtype=np.int64)
@@ -121,8 +138,7 @@ class Geometry:
             self_r = np.full(self.num_sources, -1)
             own = dst[pos >= 0]
             self_r[own] = dst_r[pos >= 0]
-            self._tables = dict(dst=dst, dst_r=dst_r, dst_pos=pos, counts=counts,
-                                src=src, src_group=src // s, src_pos=src % s, self_r=self_r)
+            self._tables = Tables(dst, dst_r, pos, counts, src, src // s, src % s, self_r)
         return self._tables
 
     def clipped(self, r: int, index: int, rows: tuple[int, int]) -> TargetParam:
@@ -192,12 +208,12 @@ def volumes(geo: Geometry, unit: Unit) -> tuple[np.ndarray, np.ndarray]:
     share, total = shares(geo, unit)
     t = geo.tables()
     recv = np.zeros(geo.world, dtype=np.int64)
-    own = np.where(t["dst_pos"] >= 0, share[t["dst_r"], np.maximum(t["dst_pos"], 0)], 0)
-    recv[t["dst"]] = total[t["dst_r"]] - own
+    own = np.where(t.dst_pos >= 0, share[t.dst_r, np.maximum(t.dst_pos, 0)], 0)
+    recv[t.dst] = total[t.dst_r] - own
     send = np.zeros(geo.world, dtype=np.int64)
-    out = (share[:, t["src_pos"]] * t["counts"][:, t["src_group"]]).sum(0)
-    mine = np.where(t["self_r"] >= 0, share[np.maximum(t["self_r"], 0), t["src_pos"]], 0)
-    send[t["src"]] = out - mine
+    out = (share[:, t.src_pos] * t.counts[:, t.src_group]).sum(0)
+    mine = np.where(t.self_r >= 0, share[np.maximum(t.self_r, 0), t.src_pos], 0)
+    send[t.src] = out - mine
     return send, recv
 
 
@@ -225,12 +241,12 @@ def _piece_volumes(geo: Geometry, index: int, bounds: np.ndarray,
     np.add.at(total, (r[seg], piece), (hi_row - lo_row) * w[seg])
     t = geo.tables()
     recv = np.zeros((m, geo.world), dtype=np.int64)
-    own = np.where(t["dst_pos"] >= 0, share[t["dst_r"], :, np.maximum(t["dst_pos"], 0)].T, 0)
-    recv[:, t["dst"]] = total[t["dst_r"]].T - own
+    own = np.where(t.dst_pos >= 0, share[t.dst_r, :, np.maximum(t.dst_pos, 0)].T, 0)
+    recv[:, t.dst] = total[t.dst_r].T - own
     send = np.zeros((m, geo.world), dtype=np.int64)
-    out = (share[:, :, t["src_pos"]] * t["counts"][:, None, t["src_group"]]).sum(0)
-    mine = np.where(t["self_r"] >= 0, share[np.maximum(t["self_r"], 0), :, t["src_pos"]].T, 0)
-    send[:, t["src"]] = out - mine
+    out = (share[:, :, t.src_pos] * t.counts[:, None, t.src_group]).sum(0)
+    mine = np.where(t.self_r >= 0, share[np.maximum(t.self_r, 0), :, t.src_pos].T, 0)
+    send[:, t.src] = out - mine
     return send, recv
 
 

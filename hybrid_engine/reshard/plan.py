@@ -35,6 +35,7 @@ every rank, so all ranks agree on buffer layouts without exchanging metadata.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,8 +44,8 @@ from hybrid_engine.reshard.adapters import LoraDims, adapter_layout, adapter_sha
 from hybrid_engine.reshard.buckets import Geometry, Unit, bucketize, serving_group, shares
 from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, row_units, tp_layout
 
-__all__ = ["Block", "ReshardPlan", "build_plan", "padding_rows", "serving_group", "shard_rows",
-           "target_group"]
+__all__ = ["Block", "ReshardPlan", "build_plan", "padding_rows", "rank_plans", "serving_group",
+           "shard_rows", "target_group"]
 
 
 def shard_rows(num_rows: int, world_size: int, rank: int, unit: int = 1) -> tuple[int, int]:
@@ -225,27 +226,34 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
         ValueError: T does not divide the rollout ranks, M is not in [1, N),
             S does not divide M, or T does not fit the model's heads.
     """
+    return next(rank_plans(dims, world_size, tp, [rank], bucket_elems=bucket_elems,
+                           num_trainers=num_trainers, shard_group_size=shard_group_size,
+                           lora=lora))
+
+
+def rank_plans(dims: ModelDims, world_size: int, tp: int, ranks: Iterable[int | None], *,
+               bucket_elems: int = 1 << 24, num_trainers: int | None = None,
+               shard_group_size: int | None = None, lora: LoraDims | None = None,
+               ) -> Iterator[ReshardPlan]:
+    """`build_plan(..., rank=r)` for each r of ranks, one at a time, the buckets
+    computed once (`hybrid-engine plan`'s cluster view holds one rank's plan)."""
     geo = _geometry(dims, world_size, tp, bucket_elems, num_trainers, shard_group_size, lora)
     names = [t.name for t in geo.layouts[0]]
-    group_of = {n: target_group(n, dims.num_layers) for n in names}
     groups: list[list[str]] = [[] for _ in range(dims.num_layers + 2)]
     for n in names:
-        groups[group_of[n]].append(n)
+        groups[target_group(n, dims.num_layers)].append(n)
     index = {n: i for i, n in enumerate(names)}
     every, units = bucketize(geo, [[index[n] for n in g] for g in groups], bucket_elems)
-    ranks = range(world_size) if rank is None else [rank]
-    local: list[list[Block]] = [[] for _ in range(world_size)]
-    buckets: list[list[Block]] = []
-    for bucket in units:
-        buckets.append([b for u in bucket for b in _remote(geo, u, rank)])
-    for u in every:
-        for g in ranks:
-            local[g] += [b for b in _received(geo, u, g) if b.src_rank == g]
     targets = [[] if g < geo.first else geo.layouts[(g - geo.first) % tp]
                for g in range(world_size)]
-    return ReshardPlan(world_size, tp, geo.num_sources, geo.shapes, targets, groups, local,
-                       buckets, geo.shard_group_size, geo.units, [u[0].group for u in units],
-                       rank)
+    for rank in ranks:
+        local: list[list[Block]] = [[] for _ in range(world_size)]
+        for g in range(world_size) if rank is None else [rank]:
+            local[g] = [b for u in every for b in _received(geo, u, g) if b.src_rank == g]
+        buckets = [[b for u in bucket for b in _remote(geo, u, rank)] for bucket in units]
+        yield ReshardPlan(world_size, tp, geo.num_sources, geo.shapes, targets, groups, local,
+                          buckets, geo.shard_group_size, geo.units,
+                          [bucket[0].group for bucket in units], rank)
 
 
 def _geometry(dims: ModelDims, world_size: int, tp: int, bucket_elems: int,

@@ -336,3 +336,41 @@ def test_every_block_carries_its_targets_group():
     blocks = [b for bk in plan.buckets for b in bk] + [b for loc in plan.local for b in loc]
     assert all(b.group == group_of[b.target] for b in blocks)
     assert plan.groups[0] == ["model.embed_tokens.weight"] and len(plan.groups) == d.num_layers + 2
+
+
+def _assert_restriction(whole, mine, r: int) -> None:
+    """mine (rank r's plan) holds exactly whole's blocks of r, in the same buckets
+    and order."""
+    assert len(mine.buckets) == len(whole.buckets) and mine.bucket_groups == whole.bucket_groups
+    for i in range(len(whole.buckets)):
+        assert mine.sends(i, r) == whole.sends(i, r) and mine.recvs(i, r) == whole.recvs(i, r)
+        assert all(r in (b.src_rank, b.dst_rank) for b in mine.buckets[i])
+    assert mine.local[r] == whole.local[r]
+    assert not any(mine.local[g] for g in range(whole.world_size) if g != r)
+
+
+@pytest.mark.parametrize("spec", ["qwen3-kv1", "qwen3_moe-e6", "mixtral-e5-tied", "phi3-fused"])
+@pytest.mark.parametrize("world,tp,trainers,shard", [
+    (4, 2, None, None), (4, 4, None, None), (4, 2, None, 2), (4, 2, None, 1),  # colocated
+    (6, 2, 2, None), (8, 2, 4, 2), (6, 2, 2, 1)])                            # separate
+def test_each_ranks_plan_is_the_whole_plan_restricted_to_it(spec, world, tp, trainers, shard):
+    """`build_plan(rank=r)` lists only r's blocks, yet equals the whole plan's
+    restricted to r: the same buckets, the same blocks in the same order."""
+    from hybrid_engine.reshard.plan import rank_plans
+
+    d, kw = _dims(spec), dict(bucket_elems=2000, num_trainers=trainers, shard_group_size=shard)
+    whole = build_plan(d, world, tp, **kw)
+    for r, mine in enumerate(rank_plans(d, world, tp, range(world), **kw)):
+        _assert_restriction(whole, mine, r)
+    _assert_restriction(whole, build_plan(d, world, tp, rank=1, **kw), 1)
+
+
+def test_each_ranks_adapter_plan_is_the_whole_plan_restricted_to_it():
+    from hybrid_engine.reshard.adapters import LoraDims
+
+    lora = LoraDims(rank=3, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj"))
+    d = _dims("qwen3-kv1")
+    whole = build_plan(d, 4, 2, bucket_elems=300, lora=lora)
+    for r in range(4):
+        _assert_restriction(whole, build_plan(d, 4, 2, bucket_elems=300, lora=lora, rank=r), r)
