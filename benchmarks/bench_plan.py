@@ -6,9 +6,10 @@ copies). For each model and cluster shape of `plan_scale.py` (config.json
 files only, no weights) this times that build in a fresh process per job,
 for the first rank and the last: its wall seconds and its peak resident
 memory above the process's own after the imports (ru_maxrss), with the
-plan's size (buckets, the rank's remote and local blocks); and, once per
-shape, the whole plan (every rank's blocks, what `hybrid-engine plan` used to
-hold). train.sharding=full, bf16 wire dtype, sync.bucket_mb=256, as
+plan's size (buckets, the rank's remote and local blocks); the cluster view
+`hybrid-engine plan` computes (the buckets, then every rank's traffic in
+closed form, no block listed; 8 devices per node); and, once per shape, the
+whole plan (every rank's blocks, the tests' reference). train.sharding=full, bf16 wire dtype, sync.bucket_mb=256, as
 `plan_scale.py`'s full rows. --check also builds every rank's plan beside
 the whole one and asserts each is the whole plan restricted to that rank.
 
@@ -36,19 +37,25 @@ from plan_scale import SHAPES  # noqa: E402
 _JOB = """
 import json, resource, sys, time
 from hybrid_engine.scale import _load_config
+from hybrid_engine.reshard.costs import cluster_traffic
 from hybrid_engine.reshard.layouts import check_model
-from hybrid_engine.reshard.plan import build_plan
-config, world, tp, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-rank = None if rank == "whole" else int(rank)
+from hybrid_engine.reshard.plan import build_plan, cut_buckets
+config, world, tp, which = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 dims = check_model(_load_config(config), tp)
+kw = dict(bucket_elems=(256 << 20) // 2)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
-plan = build_plan(dims, world, tp, bucket_elems=(256 << 20) // 2, rank=rank)
+if which == "cluster":  # hybrid-engine plan's view: every rank's traffic, no block listed
+    cut = cut_buckets(dims, world, tp, **kw)
+    cluster_traffic(cut, 8, 2)
+    sizes = {"buckets": len(cut.buckets), "remote_blocks": None, "local_blocks": None}
+else:
+    plan = build_plan(dims, world, tp, rank=None if which == "whole" else int(which), **kw)
+    sizes = {"buckets": len(plan.buckets), "remote_blocks": sum(len(b) for b in plan.buckets),
+             "local_blocks": sum(len(b) for b in plan.local)}
 seconds = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-print(json.dumps({"seconds": seconds, "peak_mib": peak / 1024, "buckets": len(plan.buckets),
-                  "remote_blocks": sum(len(b) for b in plan.buckets),
-                  "local_blocks": sum(len(b) for b in plan.local)}))
+print(json.dumps({"seconds": seconds, "peak_mib": peak / 1024, **sizes}))
 """
 
 _CHECK = """
@@ -69,10 +76,11 @@ print("equal")
 """
 
 
-def job(config: str, world: int, tp: int, rank: str) -> dict:
-    """One fresh process building one plan (rank: a rank's, or "whole")."""
+def job(config: str, world: int, tp: int, which: str) -> dict:
+    """One fresh process building one plan (which: a rank's, "whole", or "cluster":
+    the cut and every rank's traffic, as `hybrid-engine plan` computes them)."""
     cmd = [sys.executable, "-c", _JOB, str(ROOT / "configs" / f"{config}.json"), str(world),
-           str(tp), rank]
+           str(tp), which]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -84,6 +92,10 @@ def check(config: str, world: int, tp: int) -> bool:
     return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip() == "equal"
 
 
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | ranks | TP | plan | build s, median (min-max) | peak MiB above imports, "
              "median (min-max) | buckets | remote blocks | local blocks |",
@@ -93,7 +105,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['world']} | {r['tp']} | {r['plan']} | "
                      f"{statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) | "
                      f"{statistics.median(m):.0f} ({min(m):.0f}-{max(m):.0f}) | {r['buckets']} | "
-                     f"{r['remote_blocks']} | {r['local_blocks']} |")
+                     f"{_count(r['remote_blocks'])} | {_count(r['local_blocks'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -110,8 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     rows, checked = [], {}
     for config, nodes, dpn, tp in shapes:
         world = nodes * dpn
-        for plan, runs in (("whole", 1), ("rank 0", jobs), (f"rank {world - 1}", jobs)):
-            done = [job(config, world, tp, plan.split()[-1]) for _ in range(runs)]
+        for plan, runs in (("whole", 1), ("rank 0", jobs), (f"rank {world - 1}", jobs),
+                           ("cluster view", jobs)):
+            done = [job(config, world, tp, plan.split()[-1].replace("view", "cluster"))
+                    for _ in range(runs)]
             rows.append({"model": config, "world": world, "tp": tp, "plan": plan,
                          "seconds": [r["seconds"] for r in done],
                          "peak_mib": [r["peak_mib"] for r in done],

@@ -34,7 +34,7 @@ import numpy as np
 
 from hybrid_engine.reshard.layouts import Segment, TargetParam
 
-__all__ = ["Geometry", "Unit", "bucketize", "clip", "serving_group", "shares", "volumes"]
+__all__ = ["Geometry", "Unit", "bucketize", "clip", "serving_group", "shares", "twins", "volumes"]
 
 
 def serving_group(d_rank: int, first_target: int, shard_group_size: int,
@@ -115,10 +115,11 @@ class Geometry:
         width w, dst_row d, the HF tensor's rows n, its rows per shard index u,
         and the TP rank r (cached)."""
         if index not in self._segments:
-            self._segments[index] = tuple(np.array(v, dtype=np.int64) for v in zip(*(
-                (s.rows[0], s.rows[1], s.cols[1] - s.cols[0], s.dst_row,
-                 self.shapes[s.hf_name][0], self.units.get(s.hf_name, 1), r)
-                for r in range(self.tp) for s in self.layouts[r][index].segments), strict=True))
+            rows = np.array([(s.rows[0], s.rows[1], s.cols[1] - s.cols[0], s.dst_row,
+                              self.shapes[s.hf_name][0], self.units.get(s.hf_name, 1), r)
+                             for r in range(self.tp) for s in self.layouts[r][index].segments],
+                            dtype=np.int64).reshape(-1, 7)
+            self._segments[index] = tuple(rows.T)
         return self._segments[index]
 
     def tables(self) -> Tables:
@@ -159,6 +160,38 @@ class Geometry:
             self._served[key] = np.array([g for g in dsts if self.serving(g) == group],
                                          dtype=np.int64)
         return self._served[key]
+
+
+def twins(geo: Geometry, groups: list[list[int]], prefixes: list[str | None]) -> list[int]:
+    """Per sync group, the first group equal to it but for its names' prefix
+    (prefixes[g]; None: no twin), else itself. Twins have the same units and
+    blocks, their names aside: a model's decoder layers are twins of layer 0."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for g, (indices, prefix) in enumerate(zip(groups, prefixes, strict=True)):
+        key = None if prefix is None else _signature(geo, indices, prefix)
+        out.append(g if key is None else seen.setdefault(key, g))
+    return out
+
+
+def _signature(geo: Geometry, indices: list[int], prefix: str) -> tuple | None:
+    """What a group's units and blocks depend on, its names less prefix (None:
+    a name without it): per parameter, on every TP rank, its shape and its
+    segments (HF rows, columns, dst offsets, the HF tensor's rows and row unit,
+    which distinct HF tensor)."""
+    out: list = []
+    for i in indices:
+        names: dict[str, int] = {}
+        rows = [(*s.rows, *s.cols, s.dst_row, s.dst_col, *geo.shapes[s.hf_name],
+                 geo.units.get(s.hf_name, 1), names.setdefault(s.hf_name, len(names)))
+                for r in range(geo.tp) for s in geo.layouts[r][i].segments]
+        rel = [n[len(prefix):] if n.startswith(prefix) else None
+               for n in [geo.layouts[0][i].name, *names]]
+        if None in rel:
+            return None
+        out.append((*rel, *(geo.layouts[r][i].shape for r in range(geo.tp)),
+                    np.array(rows, dtype=np.int64).tobytes()))
+    return tuple(out)
 
 
 def clip(target: TargetParam, rows: tuple[int, int], starts: list[int]) -> TargetParam:
@@ -278,41 +311,63 @@ def _pieces(geo: Geometry, index: int, limit: int,
 
 
 def bucketize(geo: Geometry, groups: list[list[int]], limit: int,
-              ) -> tuple[list[Unit], list[list[Unit]]]:
+              twin: list[int] | None = None) -> tuple[list[Unit], list[list[Unit]]]:
     """(every unit in layout order, the buckets: units in order). groups: per
-    sync group, the indices of its parameters in layout order. A unit is the
-    run of a parameter's consecutive pieces (`_pieces`) that one bucket takes;
-    pieces whose every element is local take none."""
+    sync group, the indices of its parameters in layout order; twin: per group,
+    a group it equals but for names (`twins`), whose units it reuses. A unit is
+    the run of a parameter's consecutive pieces (`_pieces`) that one bucket
+    takes; pieces whose every element is local take none."""
     every: list[Unit] = []
     buckets: list[list[Unit]] = []
+    done: dict[int, tuple[list[Unit], list[list[Unit]]]] = {}
     for g, indices in enumerate(groups):
-        cur: list[Unit] = []
-        sent = np.zeros(geo.world, dtype=np.int64)
-        recv = np.zeros(geo.world, dtype=np.int64)
-        for index in indices:
-            name, run = geo.layouts[0][index].name, None  # run: rows of the open unit
-            for rows, s, r in _pieces(geo, index, limit):
-                remote = s.any() or r.any()
-                held = bool(cur) or (run is not None and run_remote)  # the bucket so far
-                full = remote and held and ((sent + s > limit).any() or (recv + r > limit).any())
-                if run is not None and (full or remote != run_remote):
-                    every.append(Unit(name, index, run, g))
-                    if run_remote:
-                        cur.append(every[-1])
-                    run = None
-                if full:
-                    buckets.append(cur)
-                    cur, sent, recv = [], np.zeros_like(sent), np.zeros_like(recv)
-                if run is None:
-                    run, run_remote = rows, remote
-                else:
-                    run = (run[0], rows[1])
-                sent += s
-                recv += r
-            if run is not None:
+        t = g if twin is None else twin[g]
+        if t == g:
+            done[g] = _group_units(geo, g, indices, limit)
+            units, cut = done[g]
+        else:
+            at = {i: k for k, i in enumerate(groups[t])}
+            units = [Unit(geo.layouts[0][indices[at[u.index]]].name, indices[at[u.index]],
+                          u.rows, g) for u in done[t][0]]
+            own = {id(u): v for u, v in zip(done[t][0], units, strict=True)}
+            cut = [[own[id(u)] for u in b] for b in done[t][1]]
+        every.extend(units)
+        buckets.extend(cut)
+    return every, buckets
+
+
+def _group_units(geo: Geometry, g: int, indices: list[int], limit: int,
+                 ) -> tuple[list[Unit], list[list[Unit]]]:
+    """One sync group's units and buckets (`bucketize`)."""
+    every: list[Unit] = []
+    buckets: list[list[Unit]] = []
+    cur: list[Unit] = []
+    sent = np.zeros(geo.world, dtype=np.int64)
+    recv = np.zeros(geo.world, dtype=np.int64)
+    for index in indices:
+        name, run = geo.layouts[0][index].name, None  # run: rows of the open unit
+        for rows, s, r in _pieces(geo, index, limit):
+            remote = s.any() or r.any()
+            held = bool(cur) or (run is not None and run_remote)  # the bucket so far
+            full = remote and held and ((sent + s > limit).any() or (recv + r > limit).any())
+            if run is not None and (full or remote != run_remote):
                 every.append(Unit(name, index, run, g))
                 if run_remote:
                     cur.append(every[-1])
-        if cur:
-            buckets.append(cur)
+                run = None
+            if full:
+                buckets.append(cur)
+                cur, sent, recv = [], np.zeros_like(sent), np.zeros_like(recv)
+            if run is None:
+                run, run_remote = rows, remote
+            else:
+                run = (run[0], rows[1])
+            sent += s
+            recv += r
+        if run is not None:
+            every.append(Unit(name, index, run, g))
+            if run_remote:
+                cur.append(every[-1])
+    if cur:
+        buckets.append(cur)
     return every, buckets

@@ -48,9 +48,10 @@ it exactly; segment rows/cols are ranges of the FULL HF tensor.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -76,8 +77,7 @@ _SHARED_EXPERT_ARCHITECTURES = ("Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM",
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
+class Segment(NamedTuple):
     """Rows [r0, r1) x cols [c0, c1) of HF tensor hf_name, placed at (dst_row, dst_col)."""
 
     hf_name: str
@@ -399,13 +399,19 @@ def _experts_layout(d: ModelDims, tp: int, r: int, m: str) -> Iterator[TargetPar
     if tp == 1:  # gate and up rows of every expert are contiguous
         segs: tuple[Segment, ...] = (Segment(gate_up, (0, e_n * 2 * i_n), (0, d.hidden), 0),)
     else:
-        segs = tuple(Segment(gate_up, (e * 2 * i_n + half * i_n + r * ni,
-                                       e * 2 * i_n + half * i_n + (r + 1) * ni),
-                             (0, d.hidden), e * 2 * ni + half * ni)
-                     for e in range(e_n) for half in (0, 1))
+        cols = (0, d.hidden)
+        segs = tuple(Segment(gate_up, rows, cols, dst) for rows, dst in _expert_rows(e_n, i_n, ni, r))
     yield TargetParam(v + "experts.routed_experts.w13_weight", (e_n * 2 * ni, d.hidden), segs)
     yield TargetParam(v + "experts.routed_experts.w2_weight", (e_n * d.hidden, ni),
                       (Segment(down, (0, e_n * d.hidden), (r * ni, (r + 1) * ni), 0),))
+
+
+@functools.cache
+def _expert_rows(e_n: int, i_n: int, ni: int, r: int) -> tuple[tuple[tuple[int, int], int], ...]:
+    """TP rank r's (HF rows, dst_row) of every expert's gate and up rows in w13
+    (the same for every layer)."""
+    return tuple(((e * 2 * i_n + half * i_n + r * ni, e * 2 * i_n + half * i_n + (r + 1) * ni),
+                  e * 2 * ni + half * ni) for e in range(e_n) for half in (0, 1))
 
 
 def tp_layout(d: ModelDims, tp: int, r: int) -> list[TargetParam]:

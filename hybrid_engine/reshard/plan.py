@@ -35,16 +35,17 @@ every rank, so all ranks agree on buffer layouts without exchanging metadata.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from hybrid_engine.reshard.adapters import LoraDims, adapter_layout, adapter_shapes
-from hybrid_engine.reshard.buckets import Geometry, Unit, bucketize, serving_group, shares
+from hybrid_engine.reshard.buckets import Geometry, Unit, bucketize, serving_group, shares, twins
 from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, row_units, tp_layout
 
-__all__ = ["Block", "ReshardPlan", "build_plan", "padding_rows", "rank_plans", "serving_group",
+__all__ = ["Block", "Cut", "ReshardPlan", "build_plan", "cut_buckets", "padding_rows", "rank_plans", "serving_group",
            "shard_rows", "target_group"]
 
 
@@ -59,8 +60,7 @@ def shard_rows(num_rows: int, world_size: int, rank: int, unit: int = 1) -> tupl
     return start * unit, min(start + chunk, n) * unit
 
 
-@dataclass(frozen=True, slots=True)
-class Block:
+class Block(NamedTuple):
     """rows x cols elements moving from src_rank's shard to dst_rank's target.
 
     src_row is relative to the source rank's local shard; cols are columns of
@@ -237,23 +237,95 @@ def rank_plans(dims: ModelDims, world_size: int, tp: int, ranks: Iterable[int | 
                ) -> Iterator[ReshardPlan]:
     """`build_plan(..., rank=r)` for each r of ranks, one at a time, the buckets
     computed once (`hybrid-engine plan`'s cluster view holds one rank's plan)."""
-    geo = _geometry(dims, world_size, tp, bucket_elems, num_trainers, shard_group_size, lora)
-    names = [t.name for t in geo.layouts[0]]
-    groups: list[list[str]] = [[] for _ in range(dims.num_layers + 2)]
-    for n in names:
-        groups[target_group(n, dims.num_layers)].append(n)
-    index = {n: i for i, n in enumerate(names)}
-    every, units = bucketize(geo, [[index[n] for n in g] for g in groups], bucket_elems)
+    cut = cut_buckets(dims, world_size, tp, bucket_elems=bucket_elems, num_trainers=num_trainers,
+                      shard_group_size=shard_group_size, lora=lora)
+    geo, every, units = cut.geo, cut.every, cut.buckets
+    groups = [[geo.layouts[0][i].name for i in g] for g in cut.indices]
     targets = [[] if g < geo.first else geo.layouts[(g - geo.first) % tp]
                for g in range(world_size)]
     for rank in ranks:
         local: list[list[Block]] = [[] for _ in range(world_size)]
+        blocks = _Twinned(geo, cut.indices, cut.twin)
         for g in range(world_size) if rank is None else [rank]:
-            local[g] = [b for u in every for b in _received(geo, u, g) if b.src_rank == g]
-        buckets = [[b for u in bucket for b in _remote(geo, u, rank)] for bucket in units]
+            local[g] = [b for u in every for b in blocks(u, _local, g)]
+        buckets = [[b for u in bucket for b in blocks(u, _remote, rank)] for bucket in units]
         yield ReshardPlan(world_size, tp, geo.num_sources, geo.shapes, targets, groups, local,
                           buckets, geo.shard_group_size, geo.units,
                           [bucket[0].group for bucket in units], rank)
+
+
+@dataclass
+class Cut:
+    """The sync's buckets, from the shapes alone (`cut_buckets`).
+
+    Attributes:
+        geo: who holds what (`reshard.buckets.Geometry`).
+        indices: per sync group, its vLLM parameters' indices in layout order.
+        twin: per group, the group it equals but for names (itself if none).
+        every: every unit, in layout order; buckets: the remote ones, cut.
+    """
+
+    geo: Geometry
+    indices: list[list[int]]
+    twin: list[int]
+    every: list[Unit]
+    buckets: list[list[Unit]]
+
+
+def cut_buckets(dims: ModelDims, world_size: int, tp: int, *, bucket_elems: int = 1 << 24,
+                num_trainers: int | None = None, shard_group_size: int | None = None,
+                lora: LoraDims | None = None) -> Cut:
+    """The buckets every rank's plan shares (arguments as `build_plan`'s); a
+    decoder layer equal to layer 0 but for names reuses its cut."""
+    geo = _geometry(dims, world_size, tp, bucket_elems, num_trainers, shard_group_size, lora)
+    groups: list[list[int]] = [[] for _ in range(dims.num_layers + 2)]
+    for i, t in enumerate(geo.layouts[0]):
+        groups[target_group(t.name, dims.num_layers)].append(i)
+    twin = twins(geo, groups, [None, *(f"model.layers.{i}." for i in range(dims.num_layers)), None])
+    every, buckets = bucketize(geo, groups, bucket_elems, twin)
+    return Cut(geo, groups, twin, every, buckets)
+
+
+class _Twinned:
+    """A unit's blocks (`_local`, `_remote`), a twin group's renamed from those
+    of the group it twins (`buckets.twins`), listed once."""
+
+    def __init__(self, geo: Geometry, indices: list[list[int]], twin: list[int]) -> None:
+        self.geo, self.indices, self.twin = geo, indices, twin
+        self.templates = {t for g, t in enumerate(twin) if t != g}
+        self.listed: dict[tuple, list[Block]] = {}  # the templates' blocks
+        self.names: dict[int, dict[str, str]] = {}
+
+    def __call__(self, u: Unit, blocks: Callable[[Geometry, Unit, int | None], list[Block]],
+                 arg: int | None) -> list[Block]:
+        """blocks(geo, u, arg), from the template's when u's group is a twin."""
+        t, g = self.twin[u.group], u.group
+        if t == g:
+            out = blocks(self.geo, u, arg)
+            if g in self.templates:
+                self.listed[(blocks, u.index, u.rows, arg)] = out
+            return out
+        i = self.indices[t][self.indices[g].index(u.index)]
+        key = (blocks, i, u.rows, arg)
+        if key not in self.listed:  # the template's unit was not asked for first
+            self.listed[key] = blocks(self.geo, Unit(self.geo.layouts[0][i].name, i, u.rows, t),
+                                      arg)
+        names = self._names(t, g)
+        return [Block(b[0], b[1], names[b[2]], b[3], b[4], names[b[5]], b[6], b[7], b[8], g)
+                for b in self.listed[key]]
+
+    def _names(self, t: int, g: int) -> dict[str, str]:
+        """Group t's names (HF tensors, vLLM parameters) -> group g's."""
+        if g not in self.names:
+            out: dict[str, str] = {}
+            for i, j in zip(self.indices[t], self.indices[g], strict=True):
+                for r in range(self.geo.tp):
+                    a, b = self.geo.layouts[r][i], self.geo.layouts[r][j]
+                    out[a.name] = b.name
+                    out.update((x.hf_name, y.hf_name) for x, y in zip(a.segments, b.segments,
+                                                                      strict=True))
+            self.names[g] = out
+        return self.names[g]
 
 
 def _geometry(dims: ModelDims, world_size: int, tp: int, bucket_elems: int,
@@ -280,13 +352,15 @@ def _geometry(dims: ModelDims, world_size: int, tp: int, bucket_elems: int,
     return Geometry(world_size, tp, m, size, world_size - rollout_ranks, shapes, units, layouts)
 
 
-def _received(geo: Geometry, u: Unit, g: int) -> list[Block]:
-    """The blocks filling unit u on destination g (none: g holds no parameters)."""
+def _local(geo: Geometry, u: Unit, g: int) -> list[Block]:
+    """The blocks of unit u that rank g copies from its own shard (none: g holds
+    no parameters, or its rows come from another group)."""
     r = geo.tp_rank(g)
-    if r is None:
+    if r is None or g >= geo.num_sources or geo.serving(g) != g // geo.shard_group_size:
         return []
     return _blocks_for(g, geo.clipped(r, u.index, u.rows), geo.shapes,
-                       geo.sources(geo.serving(g)), u.group, geo.units)
+                       geo.sources(geo.serving(g)), u.group, geo.units,
+                       only=g % geo.shard_group_size)
 
 
 def _remote(geo: Geometry, u: Unit, rank: int | None) -> list[Block]:
@@ -297,34 +371,29 @@ def _remote(geo: Geometry, u: Unit, rank: int | None) -> list[Block]:
     out: dict[int, list[Block]] = {}
     holds = None  # per TP rank, whether rank's shard position holds any of u's rows
     if rank is not None and rank < geo.num_sources:
-        pos = np.array([rank % geo.shard_group_size])
-        holds = shares(geo, u, pos)[0][:, 0] > 0
+        holds = shares(geo, u, np.array([rank % geo.shard_group_size]))[0][:, 0] > 0
     for r in range(geo.tp):
         for group in range(geo.num_groups):
             dsts = geo.served(r, group)
             if not len(dsts):
                 continue
-            if rank is not None and rank not in dsts and (  # then rank sends, or skips this
-                    holds is None or rank // geo.shard_group_size != group or not holds[r]):
-                continue
-            target = geo.clipped(r, u.index, u.rows)
-            sends_only = rank is not None and rank not in dsts
-            protos = _blocks_for(-1, target, geo.shapes, geo.sources(group), u.group, geo.units,
-                                 rank % geo.shard_group_size if sends_only else None)
+            receives = rank is None or rank in dsts
+            if not receives and (holds is None or rank // geo.shard_group_size != group
+                                 or not holds[r]):
+                continue  # rank neither receives nor sends these
+            protos = _blocks_for(-1 if rank is None else rank, geo.clipped(r, u.index, u.rows),
+                                 geo.shapes, geo.sources(group), u.group, geo.units,
+                                 None if receives else rank % geo.shard_group_size)
             for g in dsts.tolist():
-                if rank is None or g == rank:
-                    mine = [p for p in protos if p.src_rank != g]
-                else:
-                    mine = [p for p in protos if p.src_rank == rank]
+                if g == rank:  # every source's rows but its own, already stamped
+                    mine = [p for p in protos if p[0] != g]
+                elif rank is None:
+                    mine = [Block(p[0], g, *p[2:]) for p in protos if p[0] != g]
+                else:  # what rank sends g
+                    mine = [Block(p[0], g, *p[2:]) for p in protos if p[0] == rank]
                 if mine:
-                    out.setdefault(g, []).extend(_to(p, g) for p in mine)
+                    out.setdefault(g, []).extend(mine)
     return [b for g in sorted(out) for b in out[g]]
-
-
-def _to(p: Block, g: int) -> Block:
-    """p with destination g (a prototype of `_remote`, stamped)."""
-    return Block(p.src_rank, g, p.hf_name, p.src_row, p.cols, p.target, p.dst_row, p.dst_col,
-                 p.rows, p.group)
 
 
 def padding_rows(targets: list) -> dict[str, int]:

@@ -1,5 +1,5 @@
 """benchmarks/bench_plan.py: its quick run end to end (fresh processes build the
-7B / 8-rank plan whole and for ranks 0 and 7, and check every rank's against the
+7B / 8-rank plan whole, for ranks 0 and 7 and as the cluster view, and check every rank's against the
 whole) writes the table and a last JSON line that agree."""
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ def test_bench_plan_quick_times_one_build(tmp_path) -> None:
                            "--check", "--out-dir", str(tmp_path)], capture_output=True, text=True,
                           check=True)
     last = json.loads(proc.stdout.strip().splitlines()[-1])
-    whole, first, final = last["rows"]
-    assert [r["plan"] for r in last["rows"]] == ["whole", "rank 0", "rank 7"]
+    whole, first, final, cluster = last["rows"]
+    assert [r["plan"] for r in last["rows"]] == ["whole", "rank 0", "rank 7", "cluster view"]
     assert all((r["model"], r["world"], r["tp"]) == ("qwen2.5-7b", 8, 4) for r in last["rows"])
-    assert whole["buckets"] == first["buckets"] == final["buckets"] > 0
+    assert whole["buckets"] == first["buckets"] == final["buckets"] == cluster["buckets"] > 0
+    assert cluster["remote_blocks"] is None  # no block listed
     assert 0 < first["remote_blocks"] < whole["remote_blocks"]  # only rank 0's
     assert last["checked"] == {"qwen2.5-7b/8/4": True}
     text = Path(last["result"]).read_text()
     assert f"| qwen2.5-7b | 8 | 4 | rank 0 | {first['seconds'][0]:.2f} " in text
     assert "restricted to it: qwen2.5-7b/8/4 yes." in text
+    assert "| qwen2.5-7b | 8 | 4 | cluster view | " in text and "| - | - |" in text

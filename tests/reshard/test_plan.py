@@ -374,3 +374,25 @@ def test_each_ranks_adapter_plan_is_the_whole_plan_restricted_to_it():
     whole = build_plan(d, 4, 2, bucket_elems=300, lora=lora)
     for r in range(4):
         _assert_restriction(whole, build_plan(d, 4, 2, bucket_elems=300, lora=lora, rank=r), r)
+
+
+@pytest.mark.parametrize("spec", ["qwen2", "qwen3_moe-e6", "mixtral-e5-tied"])
+def test_layers_planned_once_give_the_plan_planned_layer_by_layer(spec, monkeypatch):
+    """Decoder layers equal to layer 0 but for names reuse its buckets and
+    blocks (`buckets.twins`); the plan equals the one cut and listed layer by
+    layer, whole and per rank."""
+    from hybrid_engine.reshard import plan as plan_mod
+
+    d, kw = _dims(spec), dict(bucket_elems=2000, shard_group_size=2)
+    twinned = [build_plan(d, 4, 2, **kw), build_plan(d, 4, 2, rank=1, **kw)]
+    found, real = [], plan_mod.twins
+
+    def alone(geo, groups, prefixes):  # noqa: ANN001, ANN202 - no group reuses another's
+        found.append(real(geo, groups, prefixes))
+        return list(range(len(groups)))
+
+    monkeypatch.setattr(plan_mod, "twins", alone)
+    apart = [build_plan(d, 4, 2, **kw), build_plan(d, 4, 2, rank=1, **kw)]
+    assert found[0] == [0, *[1] * d.num_layers, d.num_layers + 1] and d.num_layers >= 2
+    for a, b in zip(twinned, apart, strict=True):
+        assert a.buckets == b.buckets and a.local == b.local and a.bucket_groups == b.bucket_groups
