@@ -15,10 +15,13 @@ elements to each destination that group serves, itself excepted. A
 parameter is cut into pieces at its segments' boundaries (all its pieces'
 volumes in one numpy pass; a piece whose volume alone passes bucket_elems is
 cut into the fewest equal row chunks that fit, a single row always fitting).
-Pieces follow the layout's order; a bucket closes when a piece would take
-some rank past bucket_elems, and at a group's end; a parameter's consecutive
+Parameters follow the layout's order, and a parameter's pieces the order of
+where their rows sit in their sources' shards, so that consecutive pieces
+come from different sources; a bucket closes when a piece would take some
+rank past bucket_elems, and at a group's end; a parameter's contiguous
 pieces in one bucket form one unit. Pieces whose every element is local take
-no bucket.
+no bucket. Decoder layers equal to layer 0 but for their names reuse its
+cut (`twins`).
 
 Shape legend: N ranks, S ranks per shard group, G shard groups, T TP size.
 """
@@ -284,20 +287,24 @@ def _piece_volumes(geo: Geometry, index: int, bounds: np.ndarray,
 
 
 def _pieces(geo: Geometry, index: int, limit: int,
-            ) -> Iterator[tuple[tuple[int, int], np.ndarray, np.ndarray]]:
+            ) -> list[tuple[tuple[int, int], np.ndarray, np.ndarray]]:
     """Parameter `index`'s rows cut at every segment boundary, with their volumes;
     a piece whose volume alone passes limit cut further into the fewest equal
-    row chunks that fit (one row at least)."""
+    row chunks that fit (one row at least). Ordered by where their rows sit in
+    their source's shard (on TP rank 0), so that consecutive pieces come from
+    different sources: a bucket then loads every source alike, not one whose
+    shard holds a run of rows (e.g. a group's experts)."""
     rows = geo.layouts[0][index].shape[0]
     a, b, _, d, *_ = geo.segments(index)
     bounds = np.unique(np.concatenate([[0, rows], d, d + b - a]))
     sends, recvs = _piece_volumes(geo, index, bounds)
     name = geo.layouts[0][index].name
+    out = []
     for j in range(len(bounds) - 1):
         x0, x1 = int(bounds[j]), int(bounds[j + 1])
         peak = max(int(sends[j].max(initial=0)), int(recvs[j].max(initial=0)))
         if peak <= limit or x1 - x0 == 1:
-            yield (x0, x1), sends[j], recvs[j]
+            out.append(((x0, x1), sends[j], recvs[j]))
             continue
         k = -(-peak // limit)
         while True:
@@ -305,18 +312,33 @@ def _pieces(geo: Geometry, index: int, limit: int,
             chunks = [(c, min(c + step, x1)) for c in range(x0, x1, step)]
             vols = [volumes(geo, Unit(name, index, c, 0)) for c in chunks]
             if step == 1 or all(max(sd.max(), rv.max()) <= limit for sd, rv in vols):
-                yield from ((c, sd, rv) for c, (sd, rv) in zip(chunks, vols, strict=True))
+                out.extend((c, sd, rv) for c, (sd, rv) in zip(chunks, vols, strict=True))
                 break
             k = min(x1 - x0, 2 * k)
+    order = np.argsort(_shard_offsets(geo, index, np.array([p[0][0] for p in out])),
+                       kind="stable")
+    return [out[k] for k in order.tolist()]
+
+
+def _shard_offsets(geo: Geometry, index: int, starts: np.ndarray) -> np.ndarray:
+    """Where each row of `starts` (parameter `index`'s, TP rank 0's copy) sits in
+    the shard of the source holding it (0: no segment writes it)."""
+    a, b, _, d, n, u, r = (x[geo.segments(index)[6] == 0] for x in geo.segments(index))
+    if not len(d):
+        return np.zeros(len(starts), dtype=np.int64)
+    k = np.maximum(np.searchsorted(d, starts, side="right") - 1, 0)
+    hf = a[k] + starts - d[k]
+    chunk = -(-(n[k] // u[k]) // geo.shard_group_size) * u[k]
+    return np.where(starts < d[k] + b[k] - a[k], hf % np.maximum(chunk, 1), 0)
 
 
 def bucketize(geo: Geometry, groups: list[list[int]], limit: int,
               twin: list[int] | None = None) -> tuple[list[Unit], list[list[Unit]]]:
-    """(every unit in layout order, the buckets: units in order). groups: per
-    sync group, the indices of its parameters in layout order; twin: per group,
-    a group it equals but for names (`twins`), whose units it reuses. A unit is
-    the run of a parameter's consecutive pieces (`_pieces`) that one bucket
-    takes; pieces whose every element is local take none."""
+    """(every unit, the buckets: units in order). groups: per sync group, the
+    indices of its parameters in layout order; twin: per group, a group it
+    equals but for names (`twins`), whose units it reuses. A unit is a run of
+    a parameter's contiguous pieces (`_pieces`, in their order) that one
+    bucket takes; pieces whose every element is local take none."""
     every: list[Unit] = []
     buckets: list[list[Unit]] = []
     done: dict[int, tuple[list[Unit], list[list[Unit]]]] = {}
@@ -338,7 +360,8 @@ def bucketize(geo: Geometry, groups: list[list[int]], limit: int,
 
 def _group_units(geo: Geometry, g: int, indices: list[int], limit: int,
                  ) -> tuple[list[Unit], list[list[Unit]]]:
-    """One sync group's units and buckets (`bucketize`)."""
+    """One sync group's units and buckets (`bucketize`): a unit is a run of
+    contiguous rows of one parameter, in one bucket, all remote or all local."""
     every: list[Unit] = []
     buckets: list[list[Unit]] = []
     cur: list[Unit] = []
@@ -350,7 +373,7 @@ def _group_units(geo: Geometry, g: int, indices: list[int], limit: int,
             remote = s.any() or r.any()
             held = bool(cur) or (run is not None and run_remote)  # the bucket so far
             full = remote and held and ((sent + s > limit).any() or (recv + r > limit).any())
-            if run is not None and (full or remote != run_remote):
+            if run is not None and (full or remote != run_remote or rows[0] != run[1]):
                 every.append(Unit(name, index, run, g))
                 if run_remote:
                     cur.append(every[-1])
