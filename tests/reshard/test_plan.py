@@ -325,8 +325,12 @@ def test_unsupported_architecture_lists_supported_ones():
         architectures = ["GPT2LMHeadModel"]
         model_type = "gpt2"
 
-    with pytest.raises(ValueError, match="supported: Qwen2ForCausalLM, LlamaForCausalLM"):
+    from hybrid_engine.models.spec import supported
+
+    with pytest.raises(ValueError, match=f"^unsupported architecture 'GPT2LMHeadModel'; "
+                                         f"supported: {', '.join(supported())}$"):
         model_dims(Cfg())
+    assert "Qwen2ForCausalLM" in supported() and "MixtralForCausalLM" in supported(moe=True)
 
 
 def test_every_block_carries_its_targets_group():

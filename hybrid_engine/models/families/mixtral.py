@@ -1,0 +1,23 @@
+"""Mixtral: Mistral's attention (unwindowed) and routed experts in every layer;
+vLLM names the MoE block `block_sparse_moe`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybrid_engine.models.spec import ModelSpec, register
+
+
+class Mixtral(ModelSpec):
+    architecture = "MixtralForCausalLM"
+    name = "Mixtral"
+    moe = True
+    moe_block = "block_sparse_moe"
+
+    def experts(self, config: Any) -> tuple[int, int]:
+        if getattr(config, "sliding_window", None) is not None:
+            raise ValueError("Mixtral with a sliding_window is not supported")
+        return config.num_local_experts, config.intermediate_size
+
+
+register(Mixtral())
