@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 
 from hybrid_engine.names import Registry
 
-__all__ = ["MODEL_SPECS", "ModelDims", "ModelSpec", "model_dims", "register", "spec_for",
-           "supported"]
+__all__ = ["MODEL_SPECS", "ModelDims", "ModelSpec", "hf_param_shapes", "model_dims", "register",
+           "spec_for", "supported", "tiny_archs", "tiny_spec"]
 
 MODEL_SPECS: Registry[ModelSpec] = Registry("model architecture")
 # Mixtures of Experts with shared experts: no layout for them.
@@ -64,8 +64,9 @@ class ModelDims:
 
 
 class ModelSpec:
-    """A family: its HF architecture, features and refusals. Subclasses set the
-    class attributes and override the methods where the family differs."""
+    """A family: its HF architecture, features and refusals, and how the tests'
+    tiny models of it are configured (`models.tiny`). Subclasses set the class
+    attributes and override the methods where the family differs."""
 
     architecture: ClassVar[str]
     name: ClassVar[str]
@@ -75,6 +76,18 @@ class ModelSpec:
     ffn_norms: ClassVar[bool] = False
     moe: ClassVar[bool] = False
     moe_block: ClassVar[str] = "mlp"
+    tiny_arch: ClassVar[str]
+    """Its name as `TinyModelSpec.arch` and `hybrid-engine tiny --arch`."""
+    config_class: ClassVar[str]
+    """Its transformers config class."""
+    model_type: ClassVar[str | None] = None
+    """MoE: transformers' model_type, whose checkpoints store experts one by one."""
+    norm_centre: ClassVar[float] = 1.0
+    """The norm weights' neutral value (0 where norms scale by 1 + weight)."""
+    windowed: ClassVar[bool] = False
+    """A tiny model may set sliding_window."""
+    attention_bias: ClassVar[bool] = False
+    """A tiny model may set attention_bias."""
 
     def check(self, config: Any) -> None:
         """Raises ValueError (one line) for what of config the engine cannot follow."""
@@ -89,6 +102,13 @@ class ModelSpec:
     def experts(self, config: Any) -> tuple[int, int]:
         """(routed experts, each one's width); (0, MLP width) for a dense model."""
         return 0, config.intermediate_size
+
+    def tiny_check(self, t: Any) -> None:
+        """Raises ValueError for what a `TinyModelSpec` t may not set for the family."""
+
+    def tiny_config(self, t: Any, rope: dict) -> dict:
+        """The family's transformers config kwargs for tiny spec t (rope: its RoPE)."""
+        return {"hidden_act": "silu", "rope_parameters": rope}
 
     def dims(self, config: Any) -> ModelDims:
         """config's ModelDims, its refusals checked."""
@@ -108,6 +128,47 @@ class ModelSpec:
             moe_block=self.moe_block)
 
 
+def hf_param_shapes(d: ModelDims) -> dict[str, tuple[int, ...]]:
+    """Every HF parameter's name and shape, in file order (experts: transformers'
+    fused 3-D tensors; no lm_head when tied)."""
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
+    q, kv, h = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.hidden
+    for i in range(d.num_layers):
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out[p + "input_layernorm.weight"] = (h,)
+        if d.fused:
+            out[a + "qkv_proj.weight"] = (q + 2 * kv, h)
+        else:
+            out.update({a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h),
+                        a + "v_proj.weight": (kv, h)})
+        if d.qkv_bias:
+            out.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
+        if d.qk_norm:
+            out.update({a + "q_norm.weight": (d.head_dim,), a + "k_norm.weight": (d.head_dim,)})
+        out[a + "o_proj.weight"] = (h, q)
+        if d.o_bias:
+            out[a + "o_proj.bias"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        if d.ffn_norms:
+            out.update({p + "pre_feedforward_layernorm.weight": (h,),
+                        p + "post_feedforward_layernorm.weight": (h,)})
+        if d.moe:
+            out.update({m + "gate.weight": (d.num_experts, h),
+                        m + "experts.gate_up_proj": (d.num_experts, 2 * d.intermediate, h),
+                        m + "experts.down_proj": (d.num_experts, h, d.intermediate)})
+        elif d.fused:
+            out.update({m + "gate_up_proj.weight": (2 * d.intermediate, h),
+                        m + "down_proj.weight": (h, d.intermediate)})
+        else:
+            out.update({m + "gate_proj.weight": (d.intermediate, h),
+                        m + "up_proj.weight": (d.intermediate, h),
+                        m + "down_proj.weight": (h, d.intermediate)})
+    out["model.norm.weight"] = (h,)
+    if not d.tied:
+        out["lm_head.weight"] = (d.vocab, h)
+    return out
+
+
 def register(spec: ModelSpec) -> ModelSpec:
     """Adds a family's spec to MODEL_SPECS (a family module's last line)."""
     MODEL_SPECS.add(spec.architecture, spec)
@@ -121,6 +182,23 @@ def _discover() -> None:
 
     for m in pkgutil.iter_modules(families.__path__):
         importlib.import_module(f"{families.__name__}.{m.name}")
+
+
+def tiny_spec(arch: str) -> ModelSpec:
+    """The family whose tiny models are `TinyModelSpec(arch=arch)`.
+
+    Raises:
+        ValueError: no family has that tiny name (listing those there are).
+    """
+    by_tiny = {MODEL_SPECS.get(a).tiny_arch: MODEL_SPECS.get(a) for a in supported()}
+    if arch not in by_tiny:
+        raise ValueError(f"arch must be one of {tiny_archs()}, got {arch!r}")
+    return by_tiny[arch]
+
+
+def tiny_archs() -> tuple[str, ...]:
+    """Every family's tiny name (`TinyModelSpec.arch`), in architecture order."""
+    return tuple(MODEL_SPECS.get(a).tiny_arch for a in supported())
 
 
 def supported(moe: bool | None = None) -> list[str]:

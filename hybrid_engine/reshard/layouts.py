@@ -40,11 +40,12 @@ it exactly; segment rows/cols are ranges of the FULL HF tensor.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from hybrid_engine.models.spec import ModelDims, model_dims
+from hybrid_engine.models.spec import ModelDims, hf_param_shapes, model_dims
 
 __all__ = [
     "ModelDims",
@@ -98,47 +99,10 @@ def check_model(config: Any, tp: int) -> ModelDims:
 
 
 def hf_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
-    """Every HF parameter as a 2-D shape (1-D tensors as [n, 1]), in file order."""
-    out: dict[str, tuple[int, int]] = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
-    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
-    for i in range(d.num_layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (d.hidden, 1)
-        if d.fused:
-            out[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, d.hidden)
-        else:
-            out[p + "self_attn.q_proj.weight"] = (q, d.hidden)
-            out[p + "self_attn.k_proj.weight"] = (kv, d.hidden)
-            out[p + "self_attn.v_proj.weight"] = (kv, d.hidden)
-        if d.qkv_bias:
-            out[p + "self_attn.q_proj.bias"] = (q, 1)
-            out[p + "self_attn.k_proj.bias"] = (kv, 1)
-            out[p + "self_attn.v_proj.bias"] = (kv, 1)
-        if d.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = (d.head_dim, 1)
-            out[p + "self_attn.k_norm.weight"] = (d.head_dim, 1)
-        out[p + "self_attn.o_proj.weight"] = (d.hidden, q)
-        if d.o_bias:
-            out[p + "self_attn.o_proj.bias"] = (d.hidden, 1)
-        out[p + "post_attention_layernorm.weight"] = (d.hidden, 1)
-        if d.ffn_norms:
-            out[p + "pre_feedforward_layernorm.weight"] = (d.hidden, 1)
-            out[p + "post_feedforward_layernorm.weight"] = (d.hidden, 1)
-        if d.moe:  # HF's fused experts, seen 2-D (see row_units)
-            out[p + "mlp.gate.weight"] = (d.num_experts, d.hidden)
-            out[p + "mlp.experts.gate_up_proj"] = (d.num_experts * 2 * d.intermediate, d.hidden)
-            out[p + "mlp.experts.down_proj"] = (d.num_experts * d.hidden, d.intermediate)
-            continue
-        if d.fused:
-            out[p + "mlp.gate_up_proj.weight"] = (2 * d.intermediate, d.hidden)
-        else:
-            out[p + "mlp.gate_proj.weight"] = (d.intermediate, d.hidden)
-            out[p + "mlp.up_proj.weight"] = (d.intermediate, d.hidden)
-        out[p + "mlp.down_proj.weight"] = (d.hidden, d.intermediate)
-    out["model.norm.weight"] = (d.hidden, 1)
-    if not d.tied:
-        out["lm_head.weight"] = (d.vocab, d.hidden)
-    return out
+    """Every HF parameter as a 2-D shape, in file order (`models.spec.hf_param_shapes`
+    seen 2-D: a 1-D tensor of n as [n, 1], fused experts [E, R, C] as [E*R, C])."""
+    return {name: (math.prod(shape[:-1]), shape[-1]) if len(shape) > 1 else (shape[0], 1)
+            for name, shape in hf_param_shapes(d).items()}
 
 
 def row_units(d: ModelDims) -> dict[str, int]:

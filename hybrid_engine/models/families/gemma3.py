@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybrid_engine.models.families.gemma2 import gemma_tiny_config
 from hybrid_engine.models.spec import ModelSpec, register
 
 
@@ -14,6 +15,9 @@ class Gemma3(ModelSpec):
     name = "Gemma 3"
     qk_norm = True
     ffn_norms = True
+    tiny_arch, config_class = "gemma", "Gemma3TextConfig"
+    norm_centre = 0.0
+    windowed = True
 
     def check(self, config: Any) -> None:
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
@@ -23,6 +27,12 @@ class Gemma3(ModelSpec):
                                  "Gemma 3 models have neither")
         if getattr(config, "attention_bias", False):
             raise ValueError(f"{self.name} with attention_bias=True is not supported")
+
+
+    def tiny_config(self, t: Any, rope: dict) -> dict:
+        """Each layer type its RoPE."""
+        return gemma_tiny_config(t, rope) | dict(
+            rope_parameters={"sliding_attention": rope, "full_attention": rope})
 
 
 register(Gemma3())

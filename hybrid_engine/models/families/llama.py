@@ -10,6 +10,8 @@ from hybrid_engine.models.spec import ModelSpec, register
 class Llama(ModelSpec):
     architecture = "LlamaForCausalLM"
     name = "Llama"
+    tiny_arch, config_class = "llama", "LlamaConfig"
+    attention_bias = True
 
     def check(self, config: Any) -> None:
         bias = bool(getattr(config, "attention_bias", False))

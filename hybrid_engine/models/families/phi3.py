@@ -13,6 +13,11 @@ class Phi3(ModelSpec):
     architecture = "Phi3ForCausalLM"
     name = "Phi-3"
     fused = True
+    tiny_arch, config_class = "phi3", "Phi3Config"
+
+    def tiny_check(self, t: Any) -> None:
+        if t.head_dim not in (None, t.hidden_size // t.num_heads):
+            raise ValueError("phi3 needs head_dim == hidden_size // num_heads")
 
     def check(self, config: Any) -> None:
         rope = getattr(config, "rope_parameters", None) or {}

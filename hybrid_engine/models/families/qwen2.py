@@ -11,6 +11,11 @@ from hybrid_engine.models.spec import ModelSpec, register
 class Qwen2(ModelSpec):
     architecture = "Qwen2ForCausalLM"
     name = "Qwen2"
+    tiny_arch, config_class = "qwen2", "Qwen2Config"
+
+    def tiny_check(self, t: Any) -> None:
+        if t.head_dim not in (None, t.hidden_size // t.num_heads):
+            raise ValueError("qwen2 needs head_dim == hidden_size // num_heads")
 
     def head_dim(self, config: Any) -> int:
         return config.hidden_size // config.num_attention_heads

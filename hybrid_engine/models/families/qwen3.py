@@ -11,6 +11,7 @@ class Qwen3(ModelSpec):
     architecture = "Qwen3ForCausalLM"
     name = "Qwen3"
     qk_norm = True
+    tiny_arch, config_class = "qwen3", "Qwen3Config"
 
     def check(self, config: Any) -> None:
         if getattr(config, "attention_bias", False):

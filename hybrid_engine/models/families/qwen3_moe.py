@@ -13,6 +13,8 @@ class Qwen3Moe(ModelSpec):
     name = "Qwen3-MoE"
     qk_norm = True
     moe = True
+    tiny_arch = model_type = "qwen3_moe"
+    config_class = "Qwen3MoeConfig"
 
     def experts(self, config: Any) -> tuple[int, int]:
         if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
@@ -21,6 +23,12 @@ class Qwen3Moe(ModelSpec):
         if not getattr(config, "num_experts", 0) or not getattr(config, "moe_intermediate_size", 0):
             raise ValueError("a Qwen3-MoE config needs num_experts and moe_intermediate_size")
         return config.num_experts, config.moe_intermediate_size
+
+
+    def tiny_config(self, t: Any, rope: dict) -> dict:
+        return super().tiny_config(t, rope) | dict(
+            num_experts=t.num_experts, num_experts_per_tok=t.experts_per_token,
+            moe_intermediate_size=t.intermediate_size, norm_topk_prob=True)
 
 
 register(Qwen3Moe())
