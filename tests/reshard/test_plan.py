@@ -24,6 +24,7 @@ SPECS = {
     "llama-bias": TinyModelSpec(arch="llama", attention_bias=True, vocab_size=1000),
     "mistral-kv1": TinyModelSpec(arch="mistral", num_kv_heads=1, sliding_window=8),
     "phi3-fused": TinyModelSpec(arch="phi3", vocab_size=1001),
+    "granite-kv1": TinyModelSpec(arch="granite", num_kv_heads=1),
     "gemma-kv1-tied-hd64": TinyModelSpec(arch="gemma", num_kv_heads=1, sliding_window=8,
                                          tie_word_embeddings=True, head_dim=64),
     "gemma2-kv1-tied": TinyModelSpec(arch="gemma2", num_kv_heads=1, sliding_window=8,
