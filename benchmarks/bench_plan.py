@@ -1,17 +1,23 @@
 """What building the resharding plan costs a rank: seconds and memory, per cluster shape.
 
-Every rank of a job builds the sync's plan when it starts (`reshard.plan.build_plan`,
-the planner `hybrid-engine plan` runs too). For each model and cluster shape of
-`plan_scale.py` (config.json files only, no weights) this times that build in
-a fresh process per job: its wall seconds and its peak resident memory above
-the process's own after the imports (ru_maxrss), with the plan's size
-(buckets, remote and local blocks). train.sharding=full, bf16 wire dtype,
-sync.bucket_mb=256, as `plan_scale.py`'s full rows.
+Every rank of a job builds its own plan of the sync when it starts
+(`reshard.plan.build_plan(rank=r)`: only the blocks it sends, receives or
+copies). For each model and cluster shape of `plan_scale.py` (config.json
+files only, no weights) this times that build in a fresh process per job,
+for the first rank and the last: its wall seconds and its peak resident
+memory above the process's own after the imports (ru_maxrss), with the
+plan's size (buckets, the rank's remote and local blocks); the cluster view
+`hybrid-engine plan` computes (the buckets, then every rank's traffic in
+closed form, no block listed; 8 devices per node); and, once per shape, the
+whole plan (every rank's blocks, the tests' reference). train.sharding=full, bf16 wire dtype, sync.bucket_mb=256, as
+`plan_scale.py`'s full rows. --check also builds every rank's plan beside
+the whole one and asserts each is the whole plan restricted to that rank.
 
 Prints a table (median, min-max over the jobs); the last stdout line is JSON.
 Writes benchmarks/results/plan_build_<device>_<yyyymm>.md.
 
     python benchmarks/bench_plan.py                 # every shape, 3 jobs each
+    python benchmarks/bench_plan.py --check         # ... and every rank's plan checked
     python benchmarks/bench_plan.py --quick         # the 7B shape on one node, 1 job
 """
 
@@ -31,68 +37,114 @@ from plan_scale import SHAPES  # noqa: E402
 _JOB = """
 import json, resource, sys, time
 from hybrid_engine.scale import _load_config
+from hybrid_engine.reshard.costs import cluster_traffic
 from hybrid_engine.reshard.layouts import check_model
-from hybrid_engine.reshard.plan import build_plan
-config, world, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+from hybrid_engine.reshard.plan import build_plan, cut_buckets
+config, world, tp, which = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 dims = check_model(_load_config(config), tp)
+kw = dict(bucket_elems=(256 << 20) // 2)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
-plan = build_plan(dims, world, tp, bucket_elems=(256 << 20) // 2)
+if which == "cluster":  # hybrid-engine plan's view: every rank's traffic, no block listed
+    cut = cut_buckets(dims, world, tp, **kw)
+    cluster_traffic(cut, 8, 2)
+    sizes = {"buckets": len(cut.buckets), "remote_blocks": None, "local_blocks": None}
+else:
+    plan = build_plan(dims, world, tp, rank=None if which == "whole" else int(which), **kw)
+    sizes = {"buckets": len(plan.buckets), "remote_blocks": sum(len(b) for b in plan.buckets),
+             "local_blocks": sum(len(b) for b in plan.local)}
 seconds = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-print(json.dumps({"seconds": seconds, "peak_mib": peak / 1024, "buckets": len(plan.buckets),
-                  "remote_blocks": sum(len(b) for b in plan.buckets),
-                  "local_blocks": sum(len(b) for b in plan.local)}))
+print(json.dumps({"seconds": seconds, "peak_mib": peak / 1024, **sizes}))
+"""
+
+_CHECK = """
+import sys
+from hybrid_engine.scale import _load_config
+from hybrid_engine.reshard.layouts import check_model
+from hybrid_engine.reshard.plan import build_plan, rank_plans
+config, world, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dims = check_model(_load_config(config), tp)
+kw = dict(bucket_elems=(256 << 20) // 2)
+whole = build_plan(dims, world, tp, **kw)
+for r, mine in enumerate(rank_plans(dims, world, tp, range(world), **kw)):
+    assert len(mine.buckets) == len(whole.buckets), r
+    for i in range(len(whole.buckets)):
+        assert mine.sends(i, r) == whole.sends(i, r) and mine.recvs(i, r) == whole.recvs(i, r), r
+    assert mine.local[r] == whole.local[r], r
+print("equal")
 """
 
 
-def job(config: str, world: int, tp: int) -> dict:
-    """One fresh process building one plan."""
+def job(config: str, world: int, tp: int, which: str) -> dict:
+    """One fresh process building one plan (which: a rank's, "whole", or "cluster":
+    the cut and every rank's traffic, as `hybrid-engine plan` computes them)."""
     cmd = [sys.executable, "-c", _JOB, str(ROOT / "configs" / f"{config}.json"), str(world),
-           str(tp)]
+           str(tp), which]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
+def check(config: str, world: int, tp: int) -> bool:
+    """Every rank's plan equals the whole plan restricted to it (one process)."""
+    cmd = [sys.executable, "-c", _CHECK, str(ROOT / "configs" / f"{config}.json"), str(world),
+           str(tp)]
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip() == "equal"
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| model | ranks | TP | build s, median (min-max) | peak MiB above imports, median "
-             "(min-max) | buckets | remote blocks | local blocks |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | ranks | TP | plan | build s, median (min-max) | peak MiB above imports, "
+             "median (min-max) | buckets | remote blocks | local blocks |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, m = r["seconds"], r["peak_mib"]
-        lines.append(f"| {r['model']} | {r['world']} | {r['tp']} | {statistics.median(s):.2f} "
-                     f"({min(s):.2f}-{max(s):.2f}) | {statistics.median(m):.0f} ({min(m):.0f}-"
-                     f"{max(m):.0f}) | {r['buckets']} | {r['remote_blocks']} | "
-                     f"{r['local_blocks']} |")
+        lines.append(f"| {r['model']} | {r['world']} | {r['tp']} | {r['plan']} | "
+                     f"{statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) | "
+                     f"{statistics.median(m):.0f} ({min(m):.0f}-{max(m):.0f}) | {r['buckets']} | "
+                     f"{_count(r['remote_blocks'])} | {_count(r['local_blocks'])} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--jobs", type=int, default=3, help="fresh processes per shape")
+    ap.add_argument("--jobs", type=int, default=3, help="fresh processes per shape and plan")
+    ap.add_argument("--check", action="store_true",
+                    help="also check every rank's plan against the whole plan")
     ap.add_argument("--quick", action="store_true", help="the 7B shape on one node, 1 job")
     ap.add_argument("--out-dir", default=str(ROOT / "results"))
     args = ap.parse_args(argv)
     shapes = SHAPES[:1] if args.quick else SHAPES
     jobs = 1 if args.quick else args.jobs
-    rows = []
+    rows, checked = [], {}
     for config, nodes, dpn, tp in shapes:
-        runs = [job(config, nodes * dpn, tp) for _ in range(jobs)]
-        rows.append({"model": config, "world": nodes * dpn, "tp": tp,
-                     "seconds": [r["seconds"] for r in runs],
-                     "peak_mib": [r["peak_mib"] for r in runs],
-                     **{k: runs[0][k] for k in ("buckets", "remote_blocks", "local_blocks")}})
-        print(f"{config} {nodes * dpn} ranks TP {tp}: {statistics.median(rows[-1]['seconds']):.2f} s",
-              file=sys.stderr, flush=True)
+        world = nodes * dpn
+        for plan, runs in (("whole", 1), ("rank 0", jobs), (f"rank {world - 1}", jobs),
+                           ("cluster view", jobs)):
+            done = [job(config, world, tp, plan.split()[-1].replace("view", "cluster"))
+                    for _ in range(runs)]
+            rows.append({"model": config, "world": world, "tp": tp, "plan": plan,
+                         "seconds": [r["seconds"] for r in done],
+                         "peak_mib": [r["peak_mib"] for r in done],
+                         **{k: done[0][k] for k in ("buckets", "remote_blocks", "local_blocks")}})
+            print(f"{config} {world} ranks TP {tp} {plan}: "
+                  f"{statistics.median(rows[-1]['seconds']):.2f} s", file=sys.stderr, flush=True)
+        if args.check:
+            checked[f"{config}/{world}/{tp}"] = check(config, world, tp)
     text = table(rows)
+    if args.check:
+        text += ("\nEvery rank's plan equals the whole plan restricted to it: "
+                 + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in checked.items()) + ".\n")
     print(text)
     from _common import result_header, result_path
 
     out = result_path(args.out_dir, "plan_build", quick=args.quick)
-    out.write_text(result_header(__file__, argv) + "Every rank builds the whole plan (all "
-                   "ranks' blocks) today; train.sharding=full, bucket 256 MiB of bf16.\n\n"
-                   + text)
-    print(json.dumps({"rows": rows, "result": str(out)}))
+    out.write_text(result_header(__file__, argv) + "train.sharding=full, buckets of 256 MiB "
+                   "of bf16.\n\n" + text)
+    print(json.dumps({"rows": rows, "checked": checked, "result": str(out)}))
 
 
 if __name__ == "__main__":

@@ -26,10 +26,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-TINY_ARCHS = ("qwen2", "llama", "qwen3", "mistral", "phi3", "gemma2", "gemma", "qwen3_moe",
-              "mixtral")
-"""`models.tiny`'s architectures (named here: importing it would load torch)."""
-
 if TYPE_CHECKING:
     from hybrid_engine.config import RunConfig
 
@@ -452,9 +448,12 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny-model", help="write a random-init HF model folder")
     t.add_argument("path", help="output folder")
     t.add_argument("--preset", default="tiny", help="tiny | small | qwen2-180m (default tiny)")
-    t.add_argument("--arch", choices=TINY_ARCHS,
-                   help="override the preset's architecture (gemma2: Gemma 2; gemma: Gemma 3's text model; "
-                        "qwen3_moe, mixtral: Mixture-of-Experts)")
+    from hybrid_engine.models.spec import tiny_archs  # torch-free, unlike models.tiny
+
+    t.add_argument("--arch", choices=tiny_archs(),
+                   help="override the preset's architecture, a family's tiny name (gemma2: "
+                        "Gemma 2; gemma: Gemma 3's text model; qwen3_moe, mixtral: "
+                        "Mixture-of-Experts)")
     t.add_argument("--experts", type=int,
                    help="qwen3_moe and mixtral: routed experts per layer (default 6, top 2)")
     t.add_argument("--seed", type=int, help="override the preset's seed")

@@ -231,7 +231,6 @@ class Job:
                                       algorithm_cfg=cfg.algorithm)
             members.append(Member("critic", critic, "values"))
         if members:
-
             scores = Mirrored(placement, members)
             scorers.append(scores)
             if self.algorithm.needs_values:

@@ -2,9 +2,10 @@
 
 The resharding planner (`reshard/plan.py`) runs for the given world (nodes x
 devices per node, colocated: every rank trains and rolls out), rollout TP
-size and training layout, exactly as the ranks of such a job would build it;
-`reshard/costs.py` then reads it as traffic within and between nodes. No
-weights, no devices and no process group are needed.
+size and training layout: the buckets are cut exactly as the ranks of such a
+job cut them, and `reshard/costs.cluster_traffic` reads every rank's traffic
+within and between nodes from them in closed form, without listing a block.
+No weights, no devices and no process group are needed.
 
 Printed: per rank (the busiest, the mean, the least loaded) the bytes it
 receives from its own node and from other nodes, the bytes it sends, its
@@ -80,9 +81,9 @@ def plan_report(args: argparse.Namespace) -> dict:
     Raises:
         ValueError: a one-line reason (unsupported model, sizes that do not divide).
     """
-    from hybrid_engine.reshard.costs import plan_traffic, time_floor
+    from hybrid_engine.reshard.costs import cluster_traffic, time_floor
     from hybrid_engine.reshard.layouts import check_model, hf_shapes
-    from hybrid_engine.reshard.plan import build_plan
+    from hybrid_engine.reshard.plan import cut_buckets
 
     if args.nodes < 1 or args.devices_per_node < 1:
         raise ValueError("--nodes and --devices-per-node must be positive")
@@ -92,23 +93,33 @@ def plan_report(args: argparse.Namespace) -> dict:
     dims = check_model(_load_config(args.config), args.tp)
     itemsize = _ITEMSIZE[args.dtype]
     bucket_elems = max(1, int(args.bucket_mb * 2**20) // itemsize)
-    plan = build_plan(dims, world, args.tp, bucket_elems=bucket_elems, shard_group_size=group)
-    traffic = plan_traffic(plan, args.devices_per_node, itemsize)
+    cut = cut_buckets(dims, world, args.tp, bucket_elems=bucket_elems, shard_group_size=group)
+    traffic = cluster_traffic(cut, args.devices_per_node, itemsize)
     params = sum(r * c for r, c in hf_shapes(dims).values())
     busiest = max(traffic, key=lambda t: t.seconds(args.intra_gbps, args.link_gbps))
     return {
         "arch": dims.arch, "params": params, "model_bytes": params * itemsize,
         "world": world, "nodes": args.nodes, "devices_per_node": args.devices_per_node,
         "tp": args.tp, "sharding": args.sharding, "shard_group_size": group,
-        "dtype": args.dtype, "bucket_mb": args.bucket_mb, "buckets": len(plan.buckets),
+        "dtype": args.dtype, "bucket_mb": args.bucket_mb, "buckets": len(cut.buckets),
         "intra_gbps": args.intra_gbps, "link_gbps": args.link_gbps,
         "floor_s": time_floor(traffic, args.intra_gbps, args.link_gbps),
         "busiest_rank": busiest.rank,
-        "naive_received_max": max(plan.naive_elements_received(g) for g in range(world)) * itemsize,
+        "naive_received_max": _naive_received(cut.geo.shapes, cut.geo.units, group) * itemsize,
         "per_rank": [{"rank": t.rank, "recv_intra": t.recv_intra, "recv_inter": t.recv_inter,
                       "sent_intra": t.sent_intra, "sent_inter": t.sent_inter,
                       "messages": t.messages, "local": t.local} for t in traffic],
     }
+
+
+def _naive_received(shapes: dict[str, tuple[int, int]], units: dict[str, int], group: int) -> int:
+    """Most elements a rank receives when every HF tensor is all-gathered in its
+    shard group of `group` ranks (`ReshardPlan.naive_elements_received`)."""
+    from hybrid_engine.reshard.plan import shard_rows
+
+    return max(sum((rows - (b - a)) * cols for name, (rows, cols) in shapes.items()
+                   for a, b in [shard_rows(rows, group, p, units.get(name, 1))])
+               for p in range(group))
 
 
 def _row(label: str, r: dict, floor_s: float | None) -> str:

@@ -9,7 +9,9 @@
   lazy imports inside functions and TYPE_CHECKING imports included;
 - no import cycles between modules (the same imports);
 - groups are passed, not found: no module-level process group, and no object
-  sets a hook (`before_*`, `after_*`, `between_*`, `on_*`) on another.
+  sets a hook (`before_*`, `after_*`, `between_*`, `on_*`) on another;
+- model families live in `models/`: no module of `reshard/`, `parallel/` or
+  `rollout/` names one (the registered families' names, code and prose alike).
 """
 
 from __future__ import annotations
@@ -207,3 +209,24 @@ def test_groups_are_passed_and_no_object_sets_a_hook_on_another() -> None:
     assert placement_leaks(bad) == [
         "parallel/bad.py:2 module-level process group _G",
         "parallel/bad.py:5 hook set on another object self.trainer.before_step"]
+
+
+FAMILY_FREE = ("reshard", "parallel", "rollout")
+
+
+def test_no_family_is_named_outside_models() -> None:
+    """Every registered family's name stem ("qwen", "gemma", "phi", ...), before
+    a non-letter, and its architecture appear nowhere in reshard/, parallel/ or
+    rollout/: what differs between families is read from their spec."""
+    import re
+
+    from hybrid_engine.models.spec import MODEL_SPECS, supported
+
+    specs = [MODEL_SPECS.get(a) for a in supported()]
+    stems = sorted({re.match(r"[a-z]+", s.name.lower()).group() for s in specs})
+    pattern = re.compile(rf"\b({'|'.join(stems)})(?![a-z])|{'|'.join(s.architecture for s in specs)}",
+                         re.IGNORECASE)
+    found = [f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+             for folder in FAMILY_FREE for path in sorted((PACKAGE / folder).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert len(stems) >= 6 and not found, "\n".join(found)

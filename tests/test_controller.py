@@ -417,12 +417,14 @@ def straight(model_dir, tmp_path_factory):  # noqa: ANN201
 @pytest.mark.parametrize(("world", "tp", "arch"), [(1, 1, "qwen2"), (2, 2, "qwen2"),
                                                    (4, 2, "qwen2"), (2, 1, "mistral"),
                                                    (2, 2, "phi3"), (2, 2, "gemma"), (2, 2, "gemma2"),
-                                                   (2, 2, "qwen3_moe"), (2, 1, "mixtral")])
+                                                   (2, 2, "qwen3_moe"), (2, 1, "mixtral"),
+                                                   (2, 2, "granite")])
 def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, arch, request) -> None:
     """(mistral: sliding window 8, shorter than the prompts and completions; phi3:
     fused qkv_proj and gate_up_proj; gemma: Gemma 3, window 8 on every other layer;
     gemma2: the same without q/k norms, its attention and logits soft-capped;
-    qwen3_moe and mixtral: 6 experts, top 2, sharded 3 / 3 by FSDP2.)"""
+    qwen3_moe and mixtral: 6 experts, top 2, sharded 3 / 3 by FSDP2; granite: Llama's
+    tensors under its four multipliers.)"""
     if arch != "qwen2":
         from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
 

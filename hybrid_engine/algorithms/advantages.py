@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hybrid_engine.algorithms.registry import Registry
+from hybrid_engine.names import Registry
 
 __all__ = [
     "ADVANTAGES",

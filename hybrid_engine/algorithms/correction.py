@@ -48,7 +48,7 @@ from torch import Tensor
 
 from hybrid_engine.algorithms.aggregation import masked_mean
 from hybrid_engine.algorithms.kl import MAX_LOG_RATIO, k3
-from hybrid_engine.algorithms.registry import Registry
+from hybrid_engine.names import Registry
 
 __all__ = ["CORRECTIONS", "Correction", "bounds_of", "check_correction", "correction_weights",
            "register_correction"]

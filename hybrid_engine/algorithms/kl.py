@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from hybrid_engine.algorithms.registry import Registry
+from hybrid_engine.names import Registry
 
 __all__ = [
     "KL_ESTIMATORS",

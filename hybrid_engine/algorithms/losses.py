@@ -52,7 +52,7 @@ from hybrid_engine.algorithms.aggregation import (
 )
 from hybrid_engine.algorithms.correction import correction_weights
 from hybrid_engine.algorithms.kl import MAX_LOG_RATIO, get_kl_estimator, kl_divergence
-from hybrid_engine.algorithms.registry import Registry
+from hybrid_engine.names import Registry
 
 if TYPE_CHECKING:
     from hybrid_engine.config import AlgorithmConfig

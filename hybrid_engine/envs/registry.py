@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hybrid_engine.algorithms.registry import Registry
+from hybrid_engine.names import Registry
 from hybrid_engine.envs.arithmetic import ArithmeticEnv
 from hybrid_engine.envs.base import RewardError
 from hybrid_engine.envs.chat import PromptFormat

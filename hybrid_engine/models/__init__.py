@@ -1,1 +1,2 @@
-"""Tiny random-init HF models (Qwen2, Llama, Qwen3) and their offline byte-level tokenizer."""
+"""Model families (`spec.py`, one file per family in `families/`), tiny random-init HF
+models and their offline byte-level tokenizer, chat templates, and MoE checkpoints."""

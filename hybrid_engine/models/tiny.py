@@ -31,6 +31,8 @@ import torch
 from safetensors.torch import save_file
 
 from hybrid_engine.models.experts import checkpoint_tensors
+from hybrid_engine.models.spec import hf_param_shapes as shapes_of
+from hybrid_engine.models.spec import model_dims, tiny_archs, tiny_spec
 from hybrid_engine.models.tokenizer import (
     EOS_TOKEN_ID,
     build_tokenizer,
@@ -53,9 +55,7 @@ __all__ = [
     "write_tiny_model",
 ]
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "phi3", "gemma2", "gemma", "qwen3_moe", "mixtral")
-_GEMMA = ("gemma2", "gemma")
-_MOE = ("qwen3_moe", "mixtral")
+ARCHS = tiny_archs()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -68,15 +68,12 @@ class TinyModelSpec:
     """Shape and init of a random-init decoder-only model."""
 
     arch: str = "qwen2"
-    """Architecture: "qwen2" (q/k/v biases), "llama", "qwen3" (q_norm/k_norm),
-    "mistral" (Llama's tensors; attention may be windowed: sliding_window),
-    "phi3" (fused qkv_proj and gate_up_proj) or "gemma" (Gemma 3's text model:
-    q_norm/k_norm, four norms a layer, zero-centred norm weights, GELU MLP;
-    with sliding_window, every other layer windowed), "gemma2" (Gemma 2: the
-    same without q_norm/k_norm, its attention and final logits soft-capped:
-    attn_softcap, final_softcap); Mixture-of-Experts:
-    "qwen3_moe" (Qwen3's attention) or "mixtral" (Mistral's), with
-    num_experts experts of width intermediate_size in every layer."""
+    """The family, by its tiny name (`models.spec.ModelSpec.tiny_arch`: ARCHS):
+    e.g. "qwen2", "llama", "gemma" (Gemma 3's text model: with sliding_window,
+    every other layer windowed), "gemma2" (its attention and final logits
+    soft-capped: attn_softcap, final_softcap), or a Mixture-of-Experts
+    ("qwen3_moe", "mixtral") with num_experts experts of width
+    intermediate_size in every layer."""
     hidden_size: int = 128
     """Model width. The default gives head_dim 32: vLLM's CPU attention only
     supports head sizes in VLLM_CPU_HEAD_DIMS (64 / 4 heads = 16 fails)."""
@@ -101,26 +98,26 @@ class TinyModelSpec:
     max_position_embeddings: int = 512
     """Longest supported sequence (also the tokenizer's model_max_length)."""
     head_dim: int | None = None
-    """Per-head width; None means hidden_size // num_heads. qwen2 and phi3 may not
+    """Per-head width; None means hidden_size // num_heads. Some families may not
     set another value (vLLM's Qwen2 ignores config.head_dim)."""
     seed: int = 0
     """Seed of the weights; same spec -> byte-identical safetensors."""
     init_std: float = 0.02
     """Std of the normal init of every matrix and bias."""
     norm_std: float = 0.0
-    """Std of the norm weights around 1 (0: all ones, as HF inits them; gemma:
-    around 0, its norms scale by 1 + weight). Tests of weight movement set it,
-    so a norm swapped with another shows."""
+    """Std of the norm weights around their neutral value (1, or the family's
+    `norm_centre`; 0: all at it, as HF inits them). Tests of weight movement
+    set it, so a norm swapped with another shows."""
     rope_theta: float = 10000.0
     """RoPE base."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     attention_bias: bool = False
-    """llama only: q/k/v and o_proj biases (config.attention_bias)."""
+    """Families that allow it (llama): q/k/v and o_proj biases (config.attention_bias)."""
     sliding_window: int | None = None
-    """mistral and gemma: each token attends to itself and the sliding_window - 1
-    tokens before it (config.sliding_window; gemma: in layers 0, 2, 4, ...);
-    None = full causal attention."""
+    """Windowed families (mistral, gemma2, gemma): each token attends to itself and
+    the sliding_window - 1 tokens before it (config.sliding_window; gemma: in
+    layers 0, 2, 4, ...); None = full causal attention."""
     attn_softcap: float = 50.0
     """gemma2: attention logits capped to (-cap, cap) by cap * tanh(x / cap)
     (config.attn_logit_softcapping; Gemma 2's is 50)."""
@@ -135,26 +132,20 @@ class TinyModelSpec:
     fp32 then rounded, so a bf16 file is the rounded fp32 one)."""
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        family = tiny_spec(self.arch)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}")
-        if self.arch in ("qwen2", "phi3") and self.head_dim not in (None, self.hidden_size // self.num_heads):
-            raise ValueError(f"{self.arch} needs head_dim == hidden_size // num_heads")
         if self.vocab_size < (ids := tokenizer_vocab_size(self.words)):
             raise ValueError(f"vocab_size={self.vocab_size} < tokenizer size {ids}")
-        if self.attention_bias and self.arch != "llama":
-            raise ValueError("attention_bias is a llama option (qwen2 always has q/k/v biases; "
-                             "vLLM's qwen3 has no o_proj bias)")
-        if self.sliding_window is not None and (self.arch not in ("mistral", *_GEMMA)
-                                                or self.sliding_window < 1):
-            raise ValueError("sliding_window is a mistral, gemma2 and gemma option, >= 1")
-        if self.arch == "gemma2" and not self.tie_word_embeddings:
-            raise ValueError("gemma2 ties its embeddings (vLLM's Gemma 2 has no separate lm_head): "
-                             "set tie_word_embeddings=True")
-        if self.arch in _MOE and not 1 <= self.experts_per_token <= self.num_experts:
+        if self.attention_bias and not family.attention_bias:
+            raise ValueError(f"attention_bias is an option of {_archs('attention_bias')} only "
+                             "(qwen2 always has q/k/v biases; vLLM's qwen3 has no o_proj bias)")
+        if self.sliding_window is not None and (not family.windowed or self.sliding_window < 1):
+            raise ValueError(f"sliding_window is an option of {_archs('windowed')} only, >= 1")
+        family.tiny_check(self)
+        if family.moe and not 1 <= self.experts_per_token <= self.num_experts:
             raise ValueError(f"need 1 <= experts_per_token <= num_experts, got "
                              f"{self.experts_per_token} and {self.num_experts}")
         if self.dtype not in _DTYPES:
@@ -213,11 +204,16 @@ PRESETS: dict[str, TinyModelSpec] = {
 """Named specs; use ``dataclasses.replace(PRESETS[name], ...)`` for variants."""
 
 
+def _archs(flag: str) -> str:
+    """The tiny names of the families whose spec sets flag."""
+    return ", ".join(a for a in ARCHS if getattr(tiny_spec(a), flag))
+
+
 def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
     """HF parameter names and shapes of the checkpoint, in a fixed order.
 
-    Names are those of ``<Arch>ForCausalLM.state_dict()``; with tied
-    embeddings there is no ``lm_head.weight``.
+    Names are those of ``<Arch>ForCausalLM.state_dict()`` (`models.spec.hf_param_shapes`
+    of the config's dims); with tied embeddings there is no ``lm_head.weight``.
 
     Args:
         spec: the model.
@@ -225,53 +221,12 @@ def hf_param_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
     Returns:
         Ordered ``{name: shape}``.
     """
-    h, d = spec.hidden_size, spec.resolved_head_dim
-    q_dim, kv_dim = spec.num_heads * d, spec.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        if spec.arch == "phi3":
-            shapes[p + "self_attn.qkv_proj.weight"] = (q_dim + 2 * kv_dim, h)
-        else:
-            shapes[p + "self_attn.q_proj.weight"] = (q_dim, h)
-            shapes[p + "self_attn.k_proj.weight"] = (kv_dim, h)
-            shapes[p + "self_attn.v_proj.weight"] = (kv_dim, h)
-        if spec.arch == "qwen2" or spec.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_dim,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_dim,)
-        if spec.arch in ("qwen3", "gemma", "qwen3_moe"):
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_dim)
-        if spec.attention_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if spec.arch in _GEMMA:
-            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
-            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
-        if spec.arch in _MOE:  # transformers' fused experts
-            e, i_n = spec.num_experts, spec.intermediate_size
-            shapes[p + "mlp.gate.weight"] = (e, h)
-            shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * i_n, h)
-            shapes[p + "mlp.experts.down_proj"] = (e, h, i_n)
-            continue
-        if spec.arch == "phi3":
-            shapes[p + "mlp.gate_up_proj.weight"] = (2 * spec.intermediate_size, h)
-        else:
-            shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
-            shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
-    shapes["model.norm.weight"] = (h,)
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, h)
-    return shapes
+    return shapes_of(model_dims(hf_config(spec)))
 
 
 def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
-    """The transformers config (Qwen2Config, LlamaConfig, Qwen3Config, MistralConfig,
-    Phi3Config, Gemma2Config, Gemma3TextConfig, Qwen3MoeConfig or MixtralConfig) of ``spec``.
+    """The transformers config of ``spec`` (its family's `config_class`, with the
+    family's own keys: `ModelSpec.tiny_config`).
 
     Args:
         spec: the model.
@@ -279,35 +234,14 @@ def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
     Returns:
         A config with ``architectures`` set, eos/bos/pad = the tokenizer's EOS.
     """
-    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    import transformers
 
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config,
-                  "mistral": MistralConfig, "phi3": Phi3Config, "gemma2": Gemma2Config,
-                  "gemma": Gemma3TextConfig,
-                  "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}
-    arch_name = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma": "Gemma3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+    family = tiny_spec(spec.arch)
     extra = {"attention_bias": True} if spec.attention_bias else {}
-    rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
-    if spec.arch == "mistral":
-        extra["sliding_window"] = spec.sliding_window
-    if spec.arch in _GEMMA:
-        extra.update(_gemma_config(spec, rope))
-    else:
-        extra.update(hidden_act="silu", rope_parameters=rope)
-    if spec.arch == "qwen3_moe":
-        extra.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
-                     moe_intermediate_size=spec.intermediate_size, norm_topk_prob=True)
-    if spec.arch == "mixtral":
-        extra.update(num_local_experts=spec.num_experts,
-                     num_experts_per_tok=spec.experts_per_token)
-    return config_cls[spec.arch](
+    extra.update(family.tiny_config(spec, {"rope_type": "default", "rope_theta": spec.rope_theta}))
+    return getattr(transformers, family.config_class)(
         **extra,
-        architectures=[arch_name[spec.arch]],
+        architectures=[family.architecture],
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -326,26 +260,11 @@ def hf_config(spec: TinyModelSpec) -> PreTrainedConfig:
     )
 
 
-def _gemma_config(spec: TinyModelSpec, rope: dict) -> dict:
-    """Gemma 2 and 3: windowed and global layers take turns (Gemma 3: each its RoPE;
-    Gemma 2: soft-capped attention and logits)."""
-    window = spec.sliding_window or spec.max_position_embeddings
-    extra = dict(
-        sliding_window=window, query_pre_attn_scalar=spec.resolved_head_dim,
-        hidden_activation="gelu_pytorch_tanh",
-        layer_types=[("sliding_attention" if spec.sliding_window and i % 2 == 0
-                      else "full_attention") for i in range(spec.num_layers)])
-    if spec.arch == "gemma2":
-        return extra | dict(rope_parameters=rope, attn_logit_softcapping=spec.attn_softcap,
-                            final_logit_softcapping=spec.final_softcap)
-    return extra | dict(rope_parameters={"sliding_attention": rope, "full_attention": rope})
-
-
 def _init_tensor(name: str, shape: tuple[int, ...], spec: TinyModelSpec) -> torch.Tensor:
     # Per-tensor seed: values depend only on (seed, name), not on draw order.
     gen = torch.Generator().manual_seed((spec.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
     if name.endswith("norm.weight"):
-        centre = 0.0 if spec.arch in _GEMMA else 1.0  # Gemma's norms scale by 1 + weight
+        centre = tiny_spec(spec.arch).norm_centre
         if spec.norm_std == 0:
             return torch.full(shape, centre)
         return torch.empty(shape).normal_(centre, spec.norm_std, generator=gen)
@@ -384,8 +303,8 @@ def write_tiny_model(path: str | os.PathLike, spec: TinyModelSpec = TinyModelSpe
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     state = random_state_dict(spec)
-    if spec.arch in _MOE:
-        state = checkpoint_tensors(spec.arch, state)
+    if (family := tiny_spec(spec.arch)).moe:
+        state = checkpoint_tensors(family.model_type, state)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     hf_config(spec).save_pretrained(folder)
     GenerationConfig(

@@ -1,7 +1,7 @@
 """FSDP2 layout of a HF causal LM, initialised shard by shard from safetensors.
 
 Job: build the training layout of the actor: a transformers causal LM
-(Qwen2, Llama, Qwen3) with `fully_shard` on every decoder layer and at the
+(every family of `models/families/`) with `fully_shard` on every decoder layer and at the
 root, over a 1-D data-parallel DeviceMesh (gloo on CPU, NCCL on CUDA), fp32
 (master_dtype) parameters, optional bf16 compute through MixedPrecisionPolicy,
 and optional activation checkpointing; or, replicated, the same model under
@@ -21,7 +21,7 @@ compute by torch.autocast (`compute_autocast`).
 Under FSDP no rank ever holds a full parameter during init: the model is built on
 the meta device (`empty_model`), sharded, materialised shard-only
 (`materialize`: storage, then the buffers no checkpoint holds, the rotary
-tables and Gemma's embedding scale, computed by transformers' initialisation),
+tables and an embedding scale, computed by transformers' initialisation),
 then each rank reads only its own rows from the file
 (`safe_open(...).get_slice(name)[a:b]`).
 `LoadStats` counts what each rank read so callers and tests can check it.
@@ -197,7 +197,8 @@ def resolve_model_path(model_path: str) -> Path:
 
 def attn_implementation(config: Any) -> str:
     """transformers' attention for a model: SDPA, or eager where the model soft-caps
-    its attention logits (Gemma 2), which HF's SDPA path silently leaves out."""
+    its attention logits (attn_logit_softcapping), which HF's SDPA path silently
+    leaves out."""
     return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
 
 
@@ -212,7 +213,7 @@ def _build_meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool)
         )
     # Same Parameter object: a tied model stays tied (one FSDP parameter, one name).
     model.lm_head = HiddenStatesHead(model.lm_head.weight)
-    # The forward returns hidden states, which a final logit cap (Gemma 2) must not
+    # The forward returns hidden states, which a final logit cap must not
     # touch: the chunked log-probs apply it to the logits (`roles.logprobs`).
     model.final_logit_softcap = getattr(config, "final_logit_softcapping", None)
     if model.final_logit_softcap is not None:
@@ -268,7 +269,7 @@ def empty_model():  # noqa: ANN201 - a context manager
 
 def materialize(model: nn.Module, device: torch.device) -> None:
     """`to_empty` on device (storage for this rank's shards, filled by the load),
-    then the buffers no checkpoint holds (rotary tables; Gemma's embedding scale)
+    then the buffers no checkpoint holds (rotary tables; an embedding scale)
     computed by transformers' own initialisation (`initialize_weights`), which
     leaves alone every tensor marked initialised: here every parameter.
     A parameter shared by modules (tied embeddings) stays one parameter: on a

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from hybrid_engine.algorithms.registry import Registry
+from hybrid_engine.names import Registry
 from hybrid_engine.parallel.placement import RankMap, check_ranks
 from hybrid_engine.policy import colocated, grouped, separate
 

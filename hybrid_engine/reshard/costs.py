@@ -1,6 +1,7 @@
 """What one weight sync costs on a cluster: bytes, messages and a time floor per rank.
 
-Job: read a resharding plan (`reshard.plan.build_plan`) as traffic between
+Job: read a resharding plan (`reshard.plan.build_plan`), or for a whole
+cluster just its buckets (`reshard.plan.cut_buckets`), as traffic between
 nodes of D devices each (global rank g lives on node g // D, as torchrun
 numbers ranks) and price it at given link bandwidths. Nothing here needs
 weights or a process group: the plan is a pure function of the config's
@@ -22,9 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybrid_engine.reshard.plan import ReshardPlan
+import numpy as np
 
-__all__ = ["RankTraffic", "plan_traffic", "time_floor"]
+from hybrid_engine.reshard.buckets import shares
+from hybrid_engine.reshard.plan import Cut, ReshardPlan
+
+__all__ = ["RankTraffic", "cluster_traffic", "plan_traffic", "rank_traffic", "time_floor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,61 @@ def plan_traffic(plan: ReshardPlan, devices_per_node: int, itemsize: int) -> lis
             messages[dst] += 1
     return [RankTraffic(g, recv[g][0], recv[g][1], sent[g][0], sent[g][1], messages[g],
                         sum(b.numel for b in plan.local[g]) * itemsize) for g in range(n)]
+
+
+def rank_traffic(plan: ReshardPlan, rank: int, devices_per_node: int,
+                 itemsize: int) -> RankTraffic:
+    """One rank's traffic, from a plan that holds its blocks (its own plan,
+    `build_plan(rank=rank)`, or the whole one): what `plan_traffic` gives it."""
+    node = rank // devices_per_node
+    recv, sent, messages = [0, 0], [0, 0], 0
+    for bucket in plan.buckets:
+        sources = set()
+        for b in bucket:
+            if b.dst_rank == rank:
+                recv[b.src_rank // devices_per_node != node] += b.numel * itemsize
+                sources.add(b.src_rank)
+            elif b.src_rank == rank:
+                sent[b.dst_rank // devices_per_node != node] += b.numel * itemsize
+        messages += len(sources)
+    return RankTraffic(rank, recv[0], recv[1], sent[0], sent[1], messages,
+                       sum(b.numel for b in plan.local[rank]) * itemsize)
+
+
+def cluster_traffic(cut: Cut, devices_per_node: int, itemsize: int) -> list[RankTraffic]:
+    """Every rank's traffic, as `plan_traffic` gives it from the whole plan, from
+    the buckets' closed-form shares alone (no block listed); a twin layer's
+    buckets count as its template's.
+
+    Raises:
+        ValueError: devices_per_node does not divide the world size.
+    """
+    geo, n = cut.geo, cut.geo.world
+    if devices_per_node < 1 or n % devices_per_node:
+        raise ValueError(f"{devices_per_node} devices per node must divide the world size {n}")
+    t, s = geo.tables(), geo.shard_group_size
+    group = np.array([geo.serving(d) for d in t.dst.tolist()], dtype=np.int64)
+    src = group[:, None] * s + np.arange(s)[None, :]  # [dst, position] -> source rank
+    theirs = np.arange(s)[None, :] != t.dst_pos[:, None]  # a dst's own rows stay local
+    inter = src // devices_per_node != (t.dst // devices_per_node)[:, None]
+    times = np.bincount(cut.twin, minlength=len(cut.twin))  # groups each template stands for
+    totals = np.zeros((6, n), dtype=np.int64)  # recv intra, inter; sent intra, inter; msgs; local
+    for bucket in cut.buckets:
+        if cut.twin[bucket[0].group] != bucket[0].group:
+            continue
+        share = sum(shares(geo, u)[0] for u in bucket)[t.dst_r] * theirs  # [dst, position]
+        k = times[bucket[0].group]
+        for row, part in ((0, share * ~inter), (1, share * inter)):
+            totals[row, t.dst] += k * part.sum(1)
+            totals[row + 2] += k * np.bincount(src.ravel(), part.ravel(), n).astype(np.int64)
+        totals[4, t.dst] += k * (share > 0).sum(1)
+    own = t.dst_pos >= 0
+    for u in cut.every:
+        if cut.twin[u.group] == u.group:
+            local = shares(geo, u)[0][t.dst_r[own], t.dst_pos[own]]
+            totals[5, t.dst[own]] += times[u.group] * local
+    totals[[0, 1, 2, 3, 5]] *= itemsize
+    return [RankTraffic(g, *(int(x) for x in totals[:, g])) for g in range(n)]
 
 
 def time_floor(traffic: list[RankTraffic], intra_gbps: float, inter_gbps: float) -> float:

@@ -10,36 +10,27 @@ RowParallelLinear, VocabParallelEmbedding / ParallelLMHead):
 | --- | --- |
 | qkv_proj.weight/bias | q rows of r's heads, then k, then v rows of r's kv heads (a kv head is replicated on T/num_kv ranks when num_kv < T) |
 | gate_up_proj.weight | rows r/T of gate, then rows r/T of up |
-| (Phi-3) qkv_proj, gate_up_proj | the same rows, read from HF's fused tensor at the q / k / v and gate / up offsets |
+| (fused) qkv_proj, gate_up_proj | the same rows, read from HF's fused tensor at the q / k / v and gate / up offsets |
 | o_proj, down_proj .weight | all rows, columns r/T |
-| o_proj.bias (Llama attention_bias) | all of it (vLLM adds it on TP rank 0 only) |
+| o_proj.bias | all of it (vLLM adds it on TP rank 0 only) |
 | embed_tokens, lm_head .weight | rows [r*Vp/T, (r+1)*Vp/T) of the vocab padded to Vp (multiple of 64); padding rows zero |
 | norms, q_norm/k_norm | replicated |
-| (Gemma 2, 3) pre_/post_feedforward_layernorm | replicated |
+| pre_/post_feedforward_layernorm | replicated |
 | (MoE) experts.w13_weight [E, 2I/T, H] | per expert: rows r/T of its gate, then rows r/T of its up |
 | (MoE) experts.w2_weight [E, H, I/T] | per expert: all rows, columns r/T |
 | (MoE) mlp.gate.weight (the router) | replicated |
 
-Architectures: Qwen2 (q/k/v biases; vLLM derives head_dim from hidden / heads
-and ignores config.head_dim), Llama (optional attention_bias, o_proj's
-included), Qwen3 (q_norm/k_norm), Mistral (Llama's tensors under vLLM's
-Mistral class; config.sliding_window windows every layer in HF's mask and in
-vLLM's attention alike, through its cache config), Phi-3 (HF's own fused
-`qkv_proj` [q; k; v] and `gate_up_proj` [gate; up]: a vLLM rank's rows come
-from one HF tensor at those offsets, as vLLM's loader splits it), Gemma 3's
-text model (q_norm/k_norm and four norms a layer; its norms scale by 1 +
-weight and its embeddings by sqrt(hidden) in the forward of HF and vLLM
-alike, so the stored weights copy as they are; windowed and global layers
-alternate, each with its RoPE base; no soft-capping), Gemma 2 (Gemma 3's
-layout without q_norm/k_norm; its attention and final logits soft-capped,
-which HF's eager attention, the trainer's chunked log-probs and vLLM apply
-alike), and two Mixture-of-Experts families:
-Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's, unwindowed). Their
-experts are HF's fused tensors `mlp.experts.gate_up_proj` [E, 2I, H] (an
-expert's gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, I],
-seen 2-D as [E*2I, H] and [E*H, I]; FSDP2 shards them by whole experts, so
-their *row unit* (`row_units`) is 2I and H rows. vLLM stacks them as
-FusedMoE's w13 and w2, tensor parallel over I (no expert parallelism).
+What differs between families comes from their `ModelDims` (`models.spec`,
+one file per family in `models/families/`): q/k/v and o_proj biases, q/k
+norms, HF's own fused qkv_proj and gate_up_proj (a vLLM rank's rows read from
+one HF tensor at the q / k / v and gate / up offsets, as vLLM's loader splits
+it), the feed-forward norms, and routed experts. Experts are HF's fused
+tensors `mlp.experts.gate_up_proj` [E, 2I, H] (an expert's gate rows, then its
+up rows) and `mlp.experts.down_proj` [E, H, I], seen 2-D as [E*2I, H] and
+[E*H, I]; FSDP2 shards them by whole experts, so their *row unit*
+(`row_units`) is 2I and H rows. vLLM stacks them as FusedMoE's w13 and w2 in
+its MoE block (`ModelDims.moe_block`), tensor parallel over I (no expert
+parallelism).
 
 Invariant: every tensor is seen as 2-D (a 1-D tensor of n is [n, 1]); the
 segments of a parameter never overlap and, with the zero padding rows, cover
@@ -48,12 +39,15 @@ it exactly; segment rows/cols are ranges of the FULL HF tensor.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+from hybrid_engine.models.spec import ModelDims, hf_param_shapes, model_dims
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
     "ModelDims",
     "Segment",
     "TargetParam",
@@ -66,18 +60,10 @@ __all__ = [
     "tp_layout",
 ]
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                           "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
-_SHARED_EXPERT_ARCHITECTURES = ("Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM",
-                                "DeepseekV3ForCausalLM", "Llama4ForCausalLM",
-                                "Qwen3NextForCausalLM", "Glm4MoeForCausalLM")
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
+class Segment(NamedTuple):
     """Rows [r0, r1) x cols [c0, c1) of HF tensor hf_name, placed at (dst_row, dst_col)."""
 
     hf_name: str
@@ -94,128 +80,6 @@ class TargetParam:
     name: str
     shape: tuple[int, int]
     segments: tuple[Segment, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelDims:
-    """The shape facts of a HF config that the layout depends on."""
-
-    arch: str
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-    qk_norm: bool
-    o_bias: bool = False
-    fused: bool = False
-    """HF stores qkv_proj and gate_up_proj fused (Phi-3)."""
-    ffn_norms: bool = False
-    """pre_feedforward_layernorm and post_feedforward_layernorm (Gemma 3)."""
-    num_experts: int = 0
-    """Routed experts of every MoE layer (0: a dense model); `intermediate` is
-    then each expert's width."""
-
-    @property
-    def moe(self) -> bool:
-        return self.num_experts > 0
-
-
-def model_dims(config: Any) -> ModelDims:
-    """Reads ModelDims from a transformers config (or anything with its fields).
-
-    Raises:
-        ValueError: the architecture is not supported (lists the supported ones).
-    """
-    archs = list(getattr(config, "architectures", None) or [])
-    arch = archs[0] if archs else ""
-    if arch in _SHARED_EXPERT_ARCHITECTURES or getattr(config, "shared_expert_intermediate_size", 0):
-        raise ValueError(f"{arch or config.model_type}: a Mixture-of-Experts with shared experts "
-                         "is not supported (the resharding planner has no layout for them); "
-                         f"supported MoE: {', '.join(MOE_ARCHITECTURES)}")
-    if not arch:
-        raise ValueError(f"the config (model_type {getattr(config, 'model_type', None)!r}) names "
-                         "no architecture: add \"architectures\": [one of "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}]")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {arch!r}; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    heads = config.num_attention_heads
-    # vLLM's Qwen2 derives head_dim from hidden/heads and ignores config.head_dim.
-    head_dim = config.hidden_size // heads
-    if arch != "Qwen2ForCausalLM" and getattr(config, "head_dim", None):
-        head_dim = config.head_dim
-    attention_bias = bool(getattr(config, "attention_bias", False))
-    if arch == "Qwen3ForCausalLM" and attention_bias:
-        # HF's Qwen3 gives o_proj a bias too; vLLM's Qwen3 has none and would drop it.
-        raise ValueError("Qwen3 with attention_bias=True is not supported: vLLM's Qwen3 has "
-                         "no o_proj bias, so rollouts would not use the trained weights")
-    if arch == "LlamaForCausalLM" and (
-            getattr(config, "bias", False)
-            or bool(getattr(config, "qkv_bias", attention_bias)) != attention_bias):
-        # vLLM reads these legacy flags; HF's Llama only knows attention_bias.
-        raise ValueError("Llama configs with `bias` or a `qkv_bias` other than attention_bias "
-                         "are not supported (HF and vLLM would build different biases)")
-    qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
-    o_bias = arch == "LlamaForCausalLM" and attention_bias
-    if getattr(config, "mlp_bias", False):
-        raise ValueError("mlp_bias=True is not supported")
-    rope = getattr(config, "rope_parameters", None) or {}
-    if arch == "Phi3ForCausalLM" and (rope.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise ValueError("Phi-3 with partial_rotary_factor != 1 is not supported")
-    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
-        _check_gemma(config, arch)
-    experts, intermediate = _experts(config, arch) if arch in MOE_ARCHITECTURES else (
-        0, config.intermediate_size)
-    return ModelDims(
-        arch=arch, num_layers=config.num_hidden_layers, hidden=config.hidden_size,
-        num_heads=heads, num_kv_heads=config.num_key_value_heads or heads, head_dim=head_dim,
-        intermediate=intermediate, vocab=config.vocab_size,
-        tied=bool(config.tie_word_embeddings), qkv_bias=qkv_bias,
-        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
-        o_bias=o_bias, fused=arch == "Phi3ForCausalLM",
-        ffn_norms=arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
-        num_experts=experts,
-    )
-
-
-def _experts(config: Any, arch: str) -> tuple[int, int]:
-    """(experts, each expert's width) of a supported MoE config; what of it the
-    layout cannot follow, refused in one line."""
-    if arch == "MixtralForCausalLM":
-        if getattr(config, "sliding_window", None) is not None:
-            raise ValueError("Mixtral with a sliding_window is not supported")
-        return config.num_local_experts, config.intermediate_size
-    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
-        raise ValueError("Qwen3-MoE with dense layers among the MoE ones (mlp_only_layers, "
-                         "decoder_sparse_step != 1) is not supported")
-    if not getattr(config, "num_experts", 0) or not getattr(config, "moe_intermediate_size", 0):
-        raise ValueError("a Qwen3-MoE config needs num_experts and moe_intermediate_size")
-    return config.num_experts, config.moe_intermediate_size
-
-
-def _check_gemma(config: Any, arch: str) -> None:
-    """What of a Gemma 2 or 3 config the engine cannot follow, refused in one line.
-    Gemma 2's soft-capping is followed (the trainer's eager attention and chunked
-    log-probs apply it, as vLLM does); Gemma 3's is not: vLLM's Gemma 3 drops the
-    attention cap, and released Gemma 3 models have none."""
-    name = "Gemma 2" if arch == "Gemma2ForCausalLM" else "Gemma 3"
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if name == "Gemma 3" and getattr(config, key, None) is not None:
-            raise ValueError(f"Gemma 3 with {key}={getattr(config, key)} is not supported: "
-                             "vLLM's Gemma 3 does not apply an attention cap, and released "
-                             "Gemma 3 models have neither")
-    if getattr(config, "attention_bias", False):
-        raise ValueError(f"{name} with attention_bias=True is not supported")
-    if name == "Gemma 2" and not getattr(config, "tie_word_embeddings", True):
-        raise ValueError("Gemma 2 with tie_word_embeddings=False is not supported: vLLM's "
-                         "Gemma 2 has no lm_head of its own")
 
 
 def check_model(config: Any, tp: int) -> ModelDims:
@@ -235,47 +99,10 @@ def check_model(config: Any, tp: int) -> ModelDims:
 
 
 def hf_shapes(d: ModelDims) -> dict[str, tuple[int, int]]:
-    """Every HF parameter as a 2-D shape (1-D tensors as [n, 1]), in file order."""
-    out: dict[str, tuple[int, int]] = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
-    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
-    for i in range(d.num_layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (d.hidden, 1)
-        if d.fused:
-            out[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, d.hidden)
-        else:
-            out[p + "self_attn.q_proj.weight"] = (q, d.hidden)
-            out[p + "self_attn.k_proj.weight"] = (kv, d.hidden)
-            out[p + "self_attn.v_proj.weight"] = (kv, d.hidden)
-        if d.qkv_bias:
-            out[p + "self_attn.q_proj.bias"] = (q, 1)
-            out[p + "self_attn.k_proj.bias"] = (kv, 1)
-            out[p + "self_attn.v_proj.bias"] = (kv, 1)
-        if d.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = (d.head_dim, 1)
-            out[p + "self_attn.k_norm.weight"] = (d.head_dim, 1)
-        out[p + "self_attn.o_proj.weight"] = (d.hidden, q)
-        if d.o_bias:
-            out[p + "self_attn.o_proj.bias"] = (d.hidden, 1)
-        out[p + "post_attention_layernorm.weight"] = (d.hidden, 1)
-        if d.ffn_norms:
-            out[p + "pre_feedforward_layernorm.weight"] = (d.hidden, 1)
-            out[p + "post_feedforward_layernorm.weight"] = (d.hidden, 1)
-        if d.moe:  # HF's fused experts, seen 2-D (see row_units)
-            out[p + "mlp.gate.weight"] = (d.num_experts, d.hidden)
-            out[p + "mlp.experts.gate_up_proj"] = (d.num_experts * 2 * d.intermediate, d.hidden)
-            out[p + "mlp.experts.down_proj"] = (d.num_experts * d.hidden, d.intermediate)
-            continue
-        if d.fused:
-            out[p + "mlp.gate_up_proj.weight"] = (2 * d.intermediate, d.hidden)
-        else:
-            out[p + "mlp.gate_proj.weight"] = (d.intermediate, d.hidden)
-            out[p + "mlp.up_proj.weight"] = (d.intermediate, d.hidden)
-        out[p + "mlp.down_proj.weight"] = (d.hidden, d.intermediate)
-    out["model.norm.weight"] = (d.hidden, 1)
-    if not d.tied:
-        out["lm_head.weight"] = (d.vocab, d.hidden)
-    return out
+    """Every HF parameter as a 2-D shape, in file order (`models.spec.hf_param_shapes`
+    seen 2-D: a 1-D tensor of n as [n, 1], fused experts [E, R, C] as [E*R, C])."""
+    return {name: (math.prod(shape[:-1]), shape[-1]) if len(shape) > 1 else (shape[0], 1)
+            for name, shape in hf_param_shapes(d).items()}
 
 
 def row_units(d: ModelDims) -> dict[str, int]:
@@ -390,8 +217,8 @@ def _experts_layout(d: ModelDims, tp: int, r: int, m: str) -> Iterator[TargetPar
     """An MoE layer: the router, then vLLM's stacked experts (HF's fused tensors,
     2-D: expert e's gate rows start at e*2I, its up rows at e*2I + I). vLLM
     names them `<block>.gate.weight` and `<block>.experts.routed_experts.w13_weight`
-    / `w2_weight`, its Mixtral block being `block_sparse_moe`."""
-    v = m.replace(".mlp.", ".block_sparse_moe.") if d.arch == "MixtralForCausalLM" else m
+    / `w2_weight`, <block> being `ModelDims.moe_block`."""
+    v = m.replace(".mlp.", f".{d.moe_block}.")
     yield TargetParam(v + "gate.weight", (d.num_experts, d.hidden),
                       (Segment(m + "gate.weight", (0, d.num_experts), (0, d.hidden), 0),))
     e_n, i_n, ni = d.num_experts, d.intermediate, d.intermediate // tp
@@ -399,13 +226,19 @@ def _experts_layout(d: ModelDims, tp: int, r: int, m: str) -> Iterator[TargetPar
     if tp == 1:  # gate and up rows of every expert are contiguous
         segs: tuple[Segment, ...] = (Segment(gate_up, (0, e_n * 2 * i_n), (0, d.hidden), 0),)
     else:
-        segs = tuple(Segment(gate_up, (e * 2 * i_n + half * i_n + r * ni,
-                                       e * 2 * i_n + half * i_n + (r + 1) * ni),
-                             (0, d.hidden), e * 2 * ni + half * ni)
-                     for e in range(e_n) for half in (0, 1))
+        cols = (0, d.hidden)
+        segs = tuple(Segment(gate_up, rows, cols, dst) for rows, dst in _expert_rows(e_n, i_n, ni, r))
     yield TargetParam(v + "experts.routed_experts.w13_weight", (e_n * 2 * ni, d.hidden), segs)
     yield TargetParam(v + "experts.routed_experts.w2_weight", (e_n * d.hidden, ni),
                       (Segment(down, (0, e_n * d.hidden), (r * ni, (r + 1) * ni), 0),))
+
+
+@functools.cache
+def _expert_rows(e_n: int, i_n: int, ni: int, r: int) -> tuple[tuple[tuple[int, int], int], ...]:
+    """TP rank r's (HF rows, dst_row) of every expert's gate and up rows in w13
+    (the same for every layer)."""
+    return tuple(((e * 2 * i_n + half * i_n + r * ni, e * 2 * i_n + half * i_n + (r + 1) * ni),
+                  e * 2 * ni + half * ni) for e in range(e_n) for half in (0, 1))
 
 
 def tp_layout(d: ModelDims, tp: int, r: int) -> list[TargetParam]:

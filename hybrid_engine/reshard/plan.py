@@ -15,8 +15,14 @@ row from the group `serving_group(d)`: its own when it is a source rank
 (colocated), else the groups take the rollout ranks in turn. A block whose source
 and destination rank coincide is *local* (copied directly, never through a
 buffer); the others are *remote* and go through per-peer buffers exchanged
-with all_to_all_single, in buckets of bounded size. Under separate placement
-no rank is both source and destination, so every block is remote.
+with all_to_all_single, in buckets of bounded size (`reshard.buckets`: cut
+from per-rank volumes in closed form). Under separate placement no rank is
+both source and destination, so every block is remote.
+
+Per rank: a job's rank builds only its own blocks (`build_plan(rank=r)`): the
+buckets come from the shapes alone, and a destination's blocks from a shard
+group are listed once per TP rank and stamped per destination, so a rank
+lists the blocks it sends without listing anyone else's.
 
 Invariant: every element of every destination parameter (padding aside)
 comes from exactly one block, and that block's source is a rank that owns
@@ -29,14 +35,18 @@ every rank, so all ranks agree on buffer layouts without exchanging metadata.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
 
 from hybrid_engine.reshard.adapters import LoraDims, adapter_layout, adapter_shapes
+from hybrid_engine.reshard.buckets import Geometry, Unit, bucketize, serving_group, shares, twins
 from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, row_units, tp_layout
 
-__all__ = ["Block", "ReshardPlan", "build_plan", "padding_rows", "serving_group", "shard_rows",
-           "target_group"]
+__all__ = ["Block", "Cut", "ReshardPlan", "build_plan", "cut_buckets", "padding_rows", "rank_plans", "serving_group",
+           "shard_rows", "target_group"]
 
 
 def shard_rows(num_rows: int, world_size: int, rank: int, unit: int = 1) -> tuple[int, int]:
@@ -50,8 +60,7 @@ def shard_rows(num_rows: int, world_size: int, rank: int, unit: int = 1) -> tupl
     return start * unit, min(start + chunk, n) * unit
 
 
-@dataclass(frozen=True, slots=True)
-class Block:
+class Block(NamedTuple):
     """rows x cols elements moving from src_rank's shard to dst_rank's target.
 
     src_row is relative to the source rank's local shard; cols are columns of
@@ -95,6 +104,10 @@ class ReshardPlan:
             bucket a rank packs the blocks it sends, grouped by destination
             rank (ascending), and unpacks what it receives grouped by source.
             A bucket never spans two groups.
+        bucket_groups: each bucket's group.
+        rank: None for the whole plan; r for rank r's plan, whose local and
+            buckets hold only the blocks r copies, sends or receives (the
+            same buckets, in the same order, as every other rank's).
     """
 
     world_size: int
@@ -107,6 +120,8 @@ class ReshardPlan:
     buckets: list[list[Block]] = field(default_factory=list)
     shard_group_size: int = 0  # 0: num_sources (set in __post_init__)
     row_units: dict[str, int] = field(default_factory=dict)
+    bucket_groups: list[int] = field(default_factory=list)
+    rank: int | None = None
 
     def __post_init__(self) -> None:
         self.shard_group_size = self.shard_group_size or self.num_sources
@@ -121,7 +136,7 @@ class ReshardPlan:
 
     def group_buckets(self, group: int) -> list[int]:
         """Indices of the buckets of one group, in order."""
-        return [i for i, bk in enumerate(self.buckets) if bk[0].group == group]
+        return [i for i, g in enumerate(self.bucket_groups) if g == group]
 
     def sends(self, bucket: int, rank: int) -> list[Block]:
         """Blocks rank sends in a bucket, grouped by destination rank."""
@@ -154,65 +169,27 @@ class ReshardPlan:
         return sum(t.shape[0] * t.shape[1] for t in self.targets[rank])
 
 
-def serving_group(d_rank: int, first_target: int, shard_group_size: int,
-                  num_groups: int) -> int:
-    """The shard group whose ranks send destination d_rank its rows: its own when
-    d_rank is a source (colocated: first_target = 0), else round-robin over the
-    rollout ranks, so the groups feed equal shares (within one) of them."""
-    if first_target == 0:
-        return d_rank // shard_group_size
-    return (d_rank - first_target) % num_groups
-
-
 def _blocks_for(d_rank: int, target: TargetParam, shapes: dict[str, tuple[int, int]],
-                sources: range, group: int, units: dict[str, int]) -> list[Block]:
+                sources: range, group: int, units: dict[str, int],
+                only: int | None = None) -> list[Block]:
     """Blocks filling target (of sync group `group`) on d_rank from one shard group
-    (sources: its ranks, in shard order)."""
+    (sources: its ranks, in shard order); only: just those of that shard position."""
     out = []
     for seg in target.segments:
         rows, unit = shapes[seg.hf_name][0], units.get(seg.hf_name, 1)
         chunk = -(-rows // unit // len(sources)) * unit
         if seg.rows[1] <= seg.rows[0]:
             continue
-        for s in range(seg.rows[0] // chunk, (seg.rows[1] - 1) // chunk + 1):  # shards it overlaps
+        first, last = seg.rows[0] // chunk, (seg.rows[1] - 1) // chunk + 1  # shards it overlaps
+        if only is not None:
+            first, last = max(first, only), min(last, only + 1)
+        for s in range(first, last):
             src = sources[s]
             s0, s1 = shard_rows(rows, len(sources), s, unit)
             r0, r1 = max(seg.rows[0], s0), min(seg.rows[1], s1)
             out.append(Block(src, d_rank, seg.hf_name, r0 - s0, seg.cols, target.name,
                              seg.dst_row + (r0 - seg.rows[0]), seg.dst_col, r1 - r0, group))
     return out
-
-
-def _split_rows(b: Block, max_elems: int) -> list[Block]:
-    """Splits a block by rows so each piece has at most max_elems (>= 1 row)."""
-    width = b.cols[1] - b.cols[0]
-    step = max(1, max_elems // max(width, 1))
-    if b.rows <= step:
-        return [b]
-    return [replace(b, src_row=b.src_row + i, dst_row=b.dst_row + i, rows=min(step, b.rows - i))
-            for i in range(0, b.rows, step)]
-
-
-def _bucketize(remote: list[Block], world: int, bucket_elems: int) -> list[list[Block]]:
-    """Greedy, in canonical order: a bucket closes when some rank's send or
-    receive volume would pass bucket_elems, or at a group boundary. Every
-    rank computes the same."""
-    buckets: list[list[Block]] = []
-    cur: list[Block] = []
-    sent, recv = [0] * world, [0] * world
-    for big in remote:
-        for b in _split_rows(big, bucket_elems):
-            n = b.numel
-            if cur and (sent[b.src_rank] + n > bucket_elems or recv[b.dst_rank] + n > bucket_elems
-                        or b.group != cur[-1].group):
-                buckets.append(cur)
-                cur, sent, recv = [], [0] * world, [0] * world
-            sent[b.src_rank] += n
-            recv[b.dst_rank] += n
-            cur.append(b)
-    if cur:
-        buckets.append(cur)
-    return buckets
 
 
 def target_group(name: str, num_layers: int) -> int:
@@ -225,26 +202,136 @@ def target_group(name: str, num_layers: int) -> int:
 def build_plan(dims: ModelDims, world_size: int, tp: int, *,
                bucket_elems: int = 1 << 24, num_trainers: int | None = None,
                shard_group_size: int | None = None, lora: LoraDims | None = None,
-               ) -> ReshardPlan:
+               rank: int | None = None) -> ReshardPlan:
     """Builds the plan for N = world_size ranks and rollout TP size tp.
 
     Args:
         dims: model dimensions (`hybrid_engine.reshard.layouts.model_dims`).
         world_size: N ranks.
         tp: T, must divide the rollout ranks (N colocated, N - M separate).
-        bucket_elems: most elements any rank sends, or receives, per bucket;
-            bigger blocks are split by rows (at least one row per piece).
+        bucket_elems: most elements any rank sends, or receives, per bucket
+            (`reshard.buckets`: a parameter bigger than that is cut into row
+            chunks; a single row always fits).
         num_trainers: None = colocated (FSDP2 over all N ranks, each also a
             rollout rank); M = separate placement (FSDP2 shards every HF
             tensor's rows over ranks 0..M-1, the rollout runs on M..N-1).
         shard_group_size: S, ranks per shard group of the sources (None = M:
             one group; 1 = replicated; train.sharding=hybrid: its group size).
         lora: plan these dims' LoRA adapters, not weights (`reshard.adapters`).
+        rank: None = every rank's blocks (the whole plan); r = only the blocks
+            rank r sends or receives, and its local ones: the whole plan
+            restricted to r, built without listing any other rank's.
 
     Raises:
         ValueError: T does not divide the rollout ranks, M is not in [1, N),
             S does not divide M, or T does not fit the model's heads.
     """
+    return next(rank_plans(dims, world_size, tp, [rank], bucket_elems=bucket_elems,
+                           num_trainers=num_trainers, shard_group_size=shard_group_size,
+                           lora=lora))
+
+
+def rank_plans(dims: ModelDims, world_size: int, tp: int, ranks: Iterable[int | None], *,
+               bucket_elems: int = 1 << 24, num_trainers: int | None = None,
+               shard_group_size: int | None = None, lora: LoraDims | None = None,
+               ) -> Iterator[ReshardPlan]:
+    """`build_plan(..., rank=r)` for each r of ranks, one at a time, the buckets
+    computed once (`hybrid-engine plan`'s cluster view holds one rank's plan)."""
+    cut = cut_buckets(dims, world_size, tp, bucket_elems=bucket_elems, num_trainers=num_trainers,
+                      shard_group_size=shard_group_size, lora=lora)
+    geo, every, units = cut.geo, cut.every, cut.buckets
+    groups = [[geo.layouts[0][i].name for i in g] for g in cut.indices]
+    targets = [[] if g < geo.first else geo.layouts[(g - geo.first) % tp]
+               for g in range(world_size)]
+    for rank in ranks:
+        local: list[list[Block]] = [[] for _ in range(world_size)]
+        blocks = _Twinned(geo, cut.indices, cut.twin)
+        for g in range(world_size) if rank is None else [rank]:
+            local[g] = [b for u in every for b in blocks(u, _local, g)]
+        buckets = [[b for u in bucket for b in blocks(u, _remote, rank)] for bucket in units]
+        yield ReshardPlan(world_size, tp, geo.num_sources, geo.shapes, targets, groups, local,
+                          buckets, geo.shard_group_size, geo.units,
+                          [bucket[0].group for bucket in units], rank)
+
+
+@dataclass
+class Cut:
+    """The sync's buckets, from the shapes alone (`cut_buckets`).
+
+    Attributes:
+        geo: who holds what (`reshard.buckets.Geometry`).
+        indices: per sync group, its vLLM parameters' indices in layout order.
+        twin: per group, the group it equals but for names (itself if none).
+        every: every unit, in layout order; buckets: the remote ones, cut.
+    """
+
+    geo: Geometry
+    indices: list[list[int]]
+    twin: list[int]
+    every: list[Unit]
+    buckets: list[list[Unit]]
+
+
+def cut_buckets(dims: ModelDims, world_size: int, tp: int, *, bucket_elems: int = 1 << 24,
+                num_trainers: int | None = None, shard_group_size: int | None = None,
+                lora: LoraDims | None = None) -> Cut:
+    """The buckets every rank's plan shares (arguments as `build_plan`'s); a
+    decoder layer equal to layer 0 but for names reuses its cut."""
+    geo = _geometry(dims, world_size, tp, bucket_elems, num_trainers, shard_group_size, lora)
+    groups: list[list[int]] = [[] for _ in range(dims.num_layers + 2)]
+    for i, t in enumerate(geo.layouts[0]):
+        groups[target_group(t.name, dims.num_layers)].append(i)
+    twin = twins(geo, groups, [None, *(f"model.layers.{i}." for i in range(dims.num_layers)), None])
+    every, buckets = bucketize(geo, groups, bucket_elems, twin)
+    return Cut(geo, groups, twin, every, buckets)
+
+
+class _Twinned:
+    """A unit's blocks (`_local`, `_remote`), a twin group's renamed from those
+    of the group it twins (`buckets.twins`), listed once."""
+
+    def __init__(self, geo: Geometry, indices: list[list[int]], twin: list[int]) -> None:
+        self.geo, self.indices, self.twin = geo, indices, twin
+        self.templates = {t for g, t in enumerate(twin) if t != g}
+        self.listed: dict[tuple, list[Block]] = {}  # the templates' blocks
+        self.names: dict[int, dict[str, str]] = {}
+
+    def __call__(self, u: Unit, blocks: Callable[[Geometry, Unit, int | None], list[Block]],
+                 arg: int | None) -> list[Block]:
+        """blocks(geo, u, arg), from the template's when u's group is a twin."""
+        t, g = self.twin[u.group], u.group
+        if t == g:
+            out = blocks(self.geo, u, arg)
+            if g in self.templates:
+                self.listed[(blocks, u.index, u.rows, arg)] = out
+            return out
+        i = self.indices[t][self.indices[g].index(u.index)]
+        key = (blocks, i, u.rows, arg)
+        if key not in self.listed:  # the template's unit was not asked for first
+            self.listed[key] = blocks(self.geo, Unit(self.geo.layouts[0][i].name, i, u.rows, t),
+                                      arg)
+        names = self._names(t, g)
+        return [Block(b[0], b[1], names[b[2]], b[3], b[4], names[b[5]], b[6], b[7], b[8], g)
+                for b in self.listed[key]]
+
+    def _names(self, t: int, g: int) -> dict[str, str]:
+        """Group t's names (HF tensors, vLLM parameters) -> group g's."""
+        if g not in self.names:
+            out: dict[str, str] = {}
+            for i, j in zip(self.indices[t], self.indices[g], strict=True):
+                for r in range(self.geo.tp):
+                    a, b = self.geo.layouts[r][i], self.geo.layouts[r][j]
+                    out[a.name] = b.name
+                    out.update((x.hf_name, y.hf_name) for x, y in zip(a.segments, b.segments,
+                                                                      strict=True))
+            self.names[g] = out
+        return self.names[g]
+
+
+def _geometry(dims: ModelDims, world_size: int, tp: int, bucket_elems: int,
+              num_trainers: int | None, shard_group_size: int | None,
+              lora: LoraDims | None) -> Geometry:
+    """The plan's geometry, its arguments checked (see `build_plan`)."""
     m = world_size if num_trainers is None else num_trainers
     if not 1 <= m <= world_size or (num_trainers is not None and m == world_size):
         raise ValueError(f"separate placement needs 1 <= trainer ranks < world size "
@@ -262,26 +349,51 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
     units = row_units(dims) if lora is None else {}
     layouts = [tp_layout(dims, tp, r) if lora is None else adapter_layout(dims, lora, tp, r)
                for r in range(tp)]
-    first = world_size - rollout_ranks  # 0 colocated, M separate
-    targets = [[] if g < first else layouts[(g - first) % tp] for g in range(world_size)]
-    group_of = {t.name: target_group(t.name, dims.num_layers) for t in layouts[0]}
-    groups: list[list[str]] = [[] for _ in range(dims.num_layers + 2)]
-    for t in layouts[0]:
-        groups[group_of[t.name]].append(t.name)
-    local: list[list[Block]] = [[] for _ in range(world_size)]
-    by_target: dict[str, list[Block]] = defaultdict(list)
-    for g in range(world_size):
-        group = serving_group(g, first, size, m // size)
-        sources = range(group * size, (group + 1) * size)
-        for t in targets[g]:
-            for b in _blocks_for(g, t, shapes, sources, group_of[t.name], units):
-                (local[g].append(b) if b.src_rank == g else by_target[t.name].append(b))
-    # Canonical order: layout order of targets (so groups are contiguous),
-    # then destination rank.
-    order = [t.name for t in layouts[0]]
-    remote = [b for name in order for b in sorted(by_target[name], key=lambda b: b.dst_rank)]
-    return ReshardPlan(world_size, tp, m, shapes, targets, groups, local,
-                       _bucketize(remote, world_size, bucket_elems), size, units)
+    return Geometry(world_size, tp, m, size, world_size - rollout_ranks, shapes, units, layouts)
+
+
+def _local(geo: Geometry, u: Unit, g: int) -> list[Block]:
+    """The blocks of unit u that rank g copies from its own shard (none: g holds
+    no parameters, or its rows come from another group)."""
+    r = geo.tp_rank(g)
+    if r is None or g >= geo.num_sources or geo.serving(g) != g // geo.shard_group_size:
+        return []
+    return _blocks_for(g, geo.clipped(r, u.index, u.rows), geo.shapes,
+                       geo.sources(geo.serving(g)), u.group, geo.units,
+                       only=g % geo.shard_group_size)
+
+
+def _remote(geo: Geometry, u: Unit, rank: int | None) -> list[Block]:
+    """Unit u's blocks between two ranks, destinations ascending (canonical order);
+    rank given: only those it sends or receives. A destination's blocks from one
+    group differ from another's of the same TP rank only in dst_rank, so they
+    are listed once per (TP rank, group) and stamped per destination."""
+    out: dict[int, list[Block]] = {}
+    holds = None  # per TP rank, whether rank's shard position holds any of u's rows
+    if rank is not None and rank < geo.num_sources:
+        holds = shares(geo, u, np.array([rank % geo.shard_group_size]))[0][:, 0] > 0
+    for r in range(geo.tp):
+        for group in range(geo.num_groups):
+            dsts = geo.served(r, group)
+            if not len(dsts):
+                continue
+            receives = rank is None or rank in dsts
+            if not receives and (holds is None or rank // geo.shard_group_size != group
+                                 or not holds[r]):
+                continue  # rank neither receives nor sends these
+            protos = _blocks_for(-1 if rank is None else rank, geo.clipped(r, u.index, u.rows),
+                                 geo.shapes, geo.sources(group), u.group, geo.units,
+                                 None if receives else rank % geo.shard_group_size)
+            for g in dsts.tolist():
+                if g == rank:  # every source's rows but its own, already stamped
+                    mine = [p for p in protos if p[0] != g]
+                elif rank is None:
+                    mine = [Block(p[0], g, *p[2:]) for p in protos if p[0] != g]
+                else:  # what rank sends g
+                    mine = [Block(p[0], g, *p[2:]) for p in protos if p[0] == rank]
+                if mine:
+                    out.setdefault(g, []).extend(mine)
+    return [b for g in sorted(out) for b in out[g]]
 
 
 def padding_rows(targets: list) -> dict[str, int]:

@@ -111,7 +111,7 @@ class ReshardExecutor:
     """Runs one plan on one rank; build once, call `run` every sync.
 
     Args:
-        plan: the plan (identical on every rank).
+        plan: this rank's plan (`build_plan(rank=rank)`; the whole plan works too).
         rank: this rank in `group`.
         wire_dtype: dtype of the exchanged bytes (the rollout dtype); the cast
             from the master dtype happens in the pack kernel.

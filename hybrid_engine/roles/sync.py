@@ -122,7 +122,7 @@ class WeightSync:
         self.peft_config = lora_config(adapter).to_dict() if adapter else None
         self.plan = build_plan(self.dims, world, tp, bucket_elems=bucket_elems,
                                num_trainers=num_trainers, shard_group_size=shard_group_size,
-                               lora=self.lora)
+                               lora=self.lora, rank=self.rank)  # this rank's blocks only
         self._adapter_buffers: dict[str, torch.Tensor] = {}
         if cfg.method == "naive_bucketed" and self.plan.shard_group_size not in (1, world):
             raise ValueError(

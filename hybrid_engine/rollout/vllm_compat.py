@@ -268,6 +268,11 @@ def hf_model_type(llm) -> str:  # noqa: ANN001
     return llm.llm_engine.model_config.hf_config.model_type
 
 
+def hf_config(llm):  # noqa: ANN001, ANN201 - a transformers config
+    """The served model's HF config. [0.32]"""
+    return llm.llm_engine.model_config.hf_config
+
+
 def kv_cache_tensors(llm) -> list[torch.Tensor]:  # noqa: ANN001
     """The KV cache tensors of this rank (model_runner.kv_caches). [0.32, private]"""
     return list(_runner(llm).kv_caches)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybrid_engine.models.experts import checkpoint_tensors
+from hybrid_engine.models.spec import model_dims
 from hybrid_engine.rollout import vllm_compat
 
 if TYPE_CHECKING:
@@ -45,12 +46,15 @@ _FUSED = {
 }
 
 
-def _hf_sources(vllm_name: str, hf_names: Mapping[str, Any]) -> list[tuple[str, str | int | None]]:
+def _hf_sources(vllm_name: str, hf_names: Mapping[str, Any],
+                moe_block: str) -> list[tuple[str, str | int | None]]:
     """HF tensors (and vLLM shard ids) that a vLLM parameter is loaded from: HF's
-    own fused tensor when it has one (Phi-3; vLLM's loader splits it), else the
-    separate ones."""
-    if vllm_name not in hf_names and ".block_sparse_moe." in vllm_name:  # vLLM's Mixtral router
-        return [(vllm_name.replace(".block_sparse_moe.", ".mlp."), None)]
+    own fused tensor when it has one (vLLM's loader splits it), else the
+    separate ones; a router under vLLM's MoE block name (`ModelDims.moe_block`)
+    from HF's `mlp`."""
+    router = _hf_block(vllm_name, moe_block)
+    if vllm_name not in hf_names and router in hf_names:
+        return [(router, None)]
     parts = vllm_name.rsplit(".", 2)
     if len(parts) == 3 and parts[1] in _FUSED and vllm_name not in hf_names:
         prefix, module, suffix = parts
@@ -58,22 +62,25 @@ def _hf_sources(vllm_name: str, hf_names: Mapping[str, Any]) -> list[tuple[str, 
     return [(vllm_name, None)]
 
 
+def _hf_block(vllm_name: str, moe_block: str) -> str:
+    """vllm_name with vLLM's MoE block name as HF's (`mlp`)."""
+    return vllm_name.replace(f".{moe_block}.", ".mlp.")
+
+
 _FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
-def _expert_module(hf_name: str, modules: Mapping[str, Any]) -> str:
-    """The vLLM FusedMoE module that HF's fused experts tensor loads into (vLLM's
-    Mixtral keeps its block under `block_sparse_moe`)."""
-    block = hf_name.rsplit(".experts.", 1)[0]
-    for b in (block, block.replace(".mlp", ".block_sparse_moe")):
-        if f"{b}.experts.routed_experts" in modules:
-            return f"{b}.experts.routed_experts"
-    raise KeyError(f"vLLM model has no experts module for {hf_name}")
+def _expert_module(hf_name: str, modules: Mapping[str, Any], moe_block: str) -> str:
+    """The vLLM FusedMoE module that HF's fused experts tensor loads into."""
+    block = hf_name.rsplit(".experts.", 1)[0].replace(".mlp", f".{moe_block}")
+    if f"{block}.experts.routed_experts" not in modules:
+        raise KeyError(f"vLLM model has no experts module for {hf_name}")
+    return f"{block}.experts.routed_experts"
 
 
-def _expert_source(vllm_name: str, full: Mapping[str, Any]) -> str:
+def _expert_source(vllm_name: str, full: Mapping[str, Any], moe_block: str) -> str:
     """HF's fused experts tensor a FusedMoE parameter is loaded from."""
-    block = vllm_name.split(".experts.", 1)[0].replace(".block_sparse_moe", ".mlp")
+    block = _hf_block(vllm_name, moe_block).split(".experts.", 1)[0]
     hf = f"{block}.experts.{'gate_up_proj' if vllm_name.endswith('w13_weight') else 'down_proj'}"
     if hf not in full:
         raise KeyError(f"no HF tensor {hf} for {vllm_name}")
@@ -107,6 +114,10 @@ class WeightStaging:
 
     def _model(self) -> torch.nn.Module:
         return vllm_compat.model(self.llm)
+
+    def _moe_block(self) -> str:
+        """vLLM's name of the served model's MoE block (its family's)."""
+        return model_dims(vllm_compat.hf_config(self.llm)).moe_block
 
     def weight_targets(self, shapes: Mapping[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
         """The tensors a sync writes this rank's TP-local weights into.
@@ -248,7 +259,8 @@ class WeightStaging:
     def _for_reload(self, weights: Iterable[tuple[str, torch.Tensor]],
                     experts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights as vLLM's reload takes them: in the checkpoint's form (MoE
-        experts one tensor each, Mixtral's router renamed: `models.experts`).
+        experts one tensor each, routers renamed as the family's checkpoints
+        name them: `models.experts`).
         HF's fused experts go to `experts` instead where the backend re-packs
         them (`packs`), which vLLM's reload does not do on a second load."""
         model_type = vllm_compat.hf_model_type(self.llm)
@@ -263,7 +275,8 @@ class WeightStaging:
         as a sync installs them (`backend.install_experts`)."""
         modules = dict(self._model().named_modules())
         device = next(self._model().parameters()).device
-        for module in dict.fromkeys(_expert_module(n, modules) for n in full):
+        moe_block = self._moe_block()
+        for module in dict.fromkeys(_expert_module(n, modules, moe_block) for n in full):
             layer = modules[module]
             staged = {leaf: self._reference_experts(layer, f"{module}.{leaf}", full, *shape, device)
                       for leaf, shape in zip(vllm_compat.EXPERT_WEIGHTS,
@@ -282,6 +295,7 @@ class WeightStaging:
         Returns vLLM name -> 2-D tensor.
         """
         modules = dict(self._model().named_modules())
+        moe_block = self._moe_block()
         device = next(self._model().parameters()).device  # beside the targets (CUDA)
         out: dict[str, torch.Tensor] = {}
         for name, (rows, cols) in shapes.items():
@@ -295,7 +309,7 @@ class WeightStaging:
             sharded = cols > 1 or name.endswith(".bias")  # norms are replicated
             if sharded:
                 vllm_compat.set_weight_attrs(shadow, {"output_dim": 0, **({"input_dim": 1} if cols > 1 else {})})
-            for hf_name, shard_id in _hf_sources(name, full):
+            for hf_name, shard_id in _hf_sources(name, full, moe_block):
                 t = full[hf_name].to(device)
                 if not sharded:
                     shadow.data.copy_(t.view(shape))
@@ -315,7 +329,7 @@ class WeightStaging:
         shadow = torch.nn.Parameter(torch.zeros(experts, rows // experts, cols,
                                                 dtype=vllm_compat.model_dtype(self.llm),
                                                 device=device), requires_grad=False)
-        hf = _expert_source(name, full)
+        hf = _expert_source(name, full, self._moe_block())
         t = full[hf].to(device)
         vllm_compat.load_expert_weight(layer, shadow, t.view(experts, -1, t.shape[-1]), name)
         return shadow.data.view(rows, cols)

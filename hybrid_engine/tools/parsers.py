@@ -41,9 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_engine.names import unknown_name_error
+from hybrid_engine.names import Registry
 
-__all__ = ["PARSERS", "ParsedTurn", "ParserRegistry", "ToolCall", "ToolParser",
+__all__ = ["PARSERS", "ParsedTurn", "ToolCall", "ToolParser",
            "register_tool_parser", "tool_parser"]
 
 _DECODER = json.JSONDecoder()
@@ -93,40 +93,7 @@ class ToolParser:
         return any(s in text for s in self.call_starts)
 
 
-class ParserRegistry:
-    """name -> ToolParser, with the interface of `hybrid_engine.algorithms.registry`'s
-    Registry (add, get, names, in) without its package's torch import, so the
-    config's `env.tool_parser` is checked like every registry-named key."""
-
-    kind = "tool parser"
-
-    def __init__(self) -> None:
-        self._items: dict[str, ToolParser] = {}
-
-    def add(self, name: str, parser: ToolParser) -> None:
-        """Registers parser under name (each name once)."""
-        assert name not in self._items, f"tool parser {name!r} registered twice"
-        self._items[name] = parser
-
-    def get(self, name: str) -> ToolParser:
-        """The parser registered as name.
-
-        Raises:
-            ValueError: unknown name; lists the registered ones and the closest.
-        """
-        if name not in self._items:
-            raise unknown_name_error(self.kind, name, self.names())
-        return self._items[name]
-
-    def names(self) -> list[str]:
-        """Registered names, sorted."""
-        return sorted(self._items)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._items
-
-
-PARSERS = ParserRegistry()
+PARSERS: Registry[ToolParser] = Registry("tool parser")
 
 
 def register_tool_parser(name: str, call_starts: tuple[str, ...]

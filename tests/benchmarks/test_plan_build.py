@@ -1,5 +1,6 @@
-"""benchmarks/bench_plan.py: its quick run end to end (one fresh process builds the
-7B / 8-rank plan) writes the table and a last JSON line that agree."""
+"""benchmarks/bench_plan.py: its quick run end to end (fresh processes build the
+7B / 8-rank plan whole, for ranks 0 and 7 and as the cluster view, and check every rank's against the
+whole) writes the table and a last JSON line that agree."""
 
 from __future__ import annotations
 
@@ -13,10 +14,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_bench_plan_quick_times_one_build(tmp_path) -> None:
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_plan.py"), "--quick",
-                           "--out-dir", str(tmp_path)], capture_output=True, text=True, check=True)
+                           "--check", "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                          check=True)
     last = json.loads(proc.stdout.strip().splitlines()[-1])
-    (row,) = last["rows"]
-    assert (row["model"], row["world"], row["tp"]) == ("qwen2.5-7b", 8, 4)
-    assert row["seconds"][0] > 0 and row["remote_blocks"] > 0 and row["buckets"] > 0
+    whole, first, final, cluster = last["rows"]
+    assert [r["plan"] for r in last["rows"]] == ["whole", "rank 0", "rank 7", "cluster view"]
+    assert all((r["model"], r["world"], r["tp"]) == ("qwen2.5-7b", 8, 4) for r in last["rows"])
+    assert whole["buckets"] == first["buckets"] == final["buckets"] == cluster["buckets"] > 0
+    assert cluster["remote_blocks"] is None  # no block listed
+    assert 0 < first["remote_blocks"] < whole["remote_blocks"]  # only rank 0's
+    assert last["checked"] == {"qwen2.5-7b/8/4": True}
     text = Path(last["result"]).read_text()
-    assert f"| qwen2.5-7b | 8 | 4 | {row['seconds'][0]:.2f} " in text
+    assert f"| qwen2.5-7b | 8 | 4 | rank 0 | {first['seconds'][0]:.2f} " in text
+    assert "restricted to it: qwen2.5-7b/8/4 yes." in text
+    assert "| qwen2.5-7b | 8 | 4 | cluster view | " in text and "| - | - |" in text

@@ -46,6 +46,7 @@ HF_CASES = [
     ("qwen3", TinyModelSpec(arch="qwen3")),
     ("mistral", TinyModelSpec(arch="mistral", sliding_window=8)),
     ("phi3", TinyModelSpec(arch="phi3")),
+    ("granite", TinyModelSpec(arch="granite")),
     ("gemma", TinyModelSpec(arch="gemma", sliding_window=8)),
     ("gemma2", TinyModelSpec(arch="gemma2", sliding_window=8, attn_softcap=5.0,
                              tie_word_embeddings=True)),

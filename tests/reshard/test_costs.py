@@ -44,6 +44,22 @@ def test_traffic_splits_every_block_by_node(world, tp, dpn):
         assert all(t.recv_intra == 0 for t in traffic)
 
 
+@pytest.mark.parametrize("spec", ["qwen2", "qwen3_moe-e6", "mixtral-e5-tied"])
+@pytest.mark.parametrize("world,tp,dpn,shard", [(4, 2, 2, None), (8, 2, 4, 4), (8, 4, 2, 2),
+                                                (4, 1, 1, 1), (6, 2, 3, 3)])
+def test_cluster_traffic_from_the_buckets_alone_is_the_whole_plans(spec, world, tp, dpn, shard):
+    """`hybrid-engine plan`'s cluster view, in closed form from the cut buckets
+    (no block listed), counts what the whole plan's blocks do, rank by rank."""
+    from hybrid_engine.reshard.costs import cluster_traffic
+    from hybrid_engine.reshard.plan import cut_buckets
+
+    d = model_dims(hf_config(SPECS[spec]))
+    kw = dict(bucket_elems=3000, shard_group_size=shard)
+    want = plan_traffic(build_plan(d, world, tp, **kw), dpn, itemsize=2)
+    assert cluster_traffic(cut_buckets(d, world, tp, **kw), dpn, itemsize=2) == want
+    assert any(t.local for t in want) and any(t.messages for t in want) == (shard != 1)
+
+
 def test_floor_is_the_busiest_link_of_the_busiest_rank():
     a = RankTraffic(0, recv_intra=900, recv_inter=100, sent_intra=450, sent_inter=200)
     b = RankTraffic(1, recv_intra=100, recv_inter=50)

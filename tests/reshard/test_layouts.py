@@ -61,7 +61,7 @@ def test_mistral_is_llamas_layout_and_keeps_its_window() -> None:
     assert dataclasses.replace(mistral, arch=llama.arch) == llama
     assert all(tp_layout(mistral, 2, r) == tp_layout(llama, 2, r) for r in range(2))
     assert hf_config(TinyModelSpec(arch="mistral", sliding_window=8)).sliding_window == 8
-    with pytest.raises(ValueError, match="sliding_window is a mistral, gemma2 and gemma option"):
+    with pytest.raises(ValueError, match="sliding_window is an option of gemma2, gemma, mistral only"):
         TinyModelSpec(arch="llama", sliding_window=8)
 
 

@@ -24,6 +24,7 @@ SPECS = {
     "llama-bias": TinyModelSpec(arch="llama", attention_bias=True, vocab_size=1000),
     "mistral-kv1": TinyModelSpec(arch="mistral", num_kv_heads=1, sliding_window=8),
     "phi3-fused": TinyModelSpec(arch="phi3", vocab_size=1001),
+    "granite-kv1": TinyModelSpec(arch="granite", num_kv_heads=1),
     "gemma-kv1-tied-hd64": TinyModelSpec(arch="gemma", num_kv_heads=1, sliding_window=8,
                                          tie_word_embeddings=True, head_dim=64),
     "gemma2-kv1-tied": TinyModelSpec(arch="gemma2", num_kv_heads=1, sliding_window=8,
@@ -325,8 +326,12 @@ def test_unsupported_architecture_lists_supported_ones():
         architectures = ["GPT2LMHeadModel"]
         model_type = "gpt2"
 
-    with pytest.raises(ValueError, match="supported: Qwen2ForCausalLM, LlamaForCausalLM"):
+    from hybrid_engine.models.spec import supported
+
+    with pytest.raises(ValueError, match=f"^unsupported architecture 'GPT2LMHeadModel'; "
+                                         f"supported: {', '.join(supported())}$"):
         model_dims(Cfg())
+    assert "Qwen2ForCausalLM" in supported() and "MixtralForCausalLM" in supported(moe=True)
 
 
 def test_every_block_carries_its_targets_group():
@@ -336,3 +341,63 @@ def test_every_block_carries_its_targets_group():
     blocks = [b for bk in plan.buckets for b in bk] + [b for loc in plan.local for b in loc]
     assert all(b.group == group_of[b.target] for b in blocks)
     assert plan.groups[0] == ["model.embed_tokens.weight"] and len(plan.groups) == d.num_layers + 2
+
+
+def _assert_restriction(whole, mine, r: int) -> None:
+    """mine (rank r's plan) holds exactly whole's blocks of r, in the same buckets
+    and order."""
+    assert len(mine.buckets) == len(whole.buckets) and mine.bucket_groups == whole.bucket_groups
+    for i in range(len(whole.buckets)):
+        assert mine.sends(i, r) == whole.sends(i, r) and mine.recvs(i, r) == whole.recvs(i, r)
+        assert all(r in (b.src_rank, b.dst_rank) for b in mine.buckets[i])
+    assert mine.local[r] == whole.local[r]
+    assert not any(mine.local[g] for g in range(whole.world_size) if g != r)
+
+
+@pytest.mark.parametrize("spec", ["qwen3-kv1", "qwen3_moe-e6", "mixtral-e5-tied", "phi3-fused"])
+@pytest.mark.parametrize("world,tp,trainers,shard", [
+    (4, 2, None, None), (4, 4, None, None), (4, 2, None, 2), (4, 2, None, 1),  # colocated
+    (6, 2, 2, None), (8, 2, 4, 2), (6, 2, 2, 1)])                            # separate
+def test_each_ranks_plan_is_the_whole_plan_restricted_to_it(spec, world, tp, trainers, shard):
+    """`build_plan(rank=r)` lists only r's blocks, yet equals the whole plan's
+    restricted to r: the same buckets, the same blocks in the same order."""
+    from hybrid_engine.reshard.plan import rank_plans
+
+    d, kw = _dims(spec), dict(bucket_elems=2000, num_trainers=trainers, shard_group_size=shard)
+    whole = build_plan(d, world, tp, **kw)
+    for r, mine in enumerate(rank_plans(d, world, tp, range(world), **kw)):
+        _assert_restriction(whole, mine, r)
+    _assert_restriction(whole, build_plan(d, world, tp, rank=1, **kw), 1)
+
+
+def test_each_ranks_adapter_plan_is_the_whole_plan_restricted_to_it():
+    from hybrid_engine.reshard.adapters import LoraDims
+
+    lora = LoraDims(rank=3, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj"))
+    d = _dims("qwen3-kv1")
+    whole = build_plan(d, 4, 2, bucket_elems=300, lora=lora)
+    for r in range(4):
+        _assert_restriction(whole, build_plan(d, 4, 2, bucket_elems=300, lora=lora, rank=r), r)
+
+
+@pytest.mark.parametrize("spec", ["qwen2", "qwen3_moe-e6", "mixtral-e5-tied"])
+def test_layers_planned_once_give_the_plan_planned_layer_by_layer(spec, monkeypatch):
+    """Decoder layers equal to layer 0 but for names reuse its buckets and
+    blocks (`buckets.twins`); the plan equals the one cut and listed layer by
+    layer, whole and per rank."""
+    from hybrid_engine.reshard import plan as plan_mod
+
+    d, kw = _dims(spec), dict(bucket_elems=2000, shard_group_size=2)
+    twinned = [build_plan(d, 4, 2, **kw), build_plan(d, 4, 2, rank=1, **kw)]
+    found, real = [], plan_mod.twins
+
+    def alone(geo, groups, prefixes):  # noqa: ANN001, ANN202 - no group reuses another's
+        found.append(real(geo, groups, prefixes))
+        return list(range(len(groups)))
+
+    monkeypatch.setattr(plan_mod, "twins", alone)
+    apart = [build_plan(d, 4, 2, **kw), build_plan(d, 4, 2, rank=1, **kw)]
+    assert found[0] == [0, *[1] * d.num_layers, d.num_layers + 1] and d.num_layers >= 2
+    for a, b in zip(twinned, apart, strict=True):
+        assert a.buckets == b.buckets and a.local == b.local and a.bucket_groups == b.bucket_groups

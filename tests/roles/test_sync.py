@@ -197,6 +197,9 @@ SYNC_CASES = {
     "gemma-window-kv1-tied-hd64": (dict(arch="gemma", num_kv_heads=1, sliding_window=8,
                                         tie_word_embeddings=True, norm_std=0.1, head_dim=64),
                                    2, 2, "float32", 0),
+    # Granite: Llama's tensors under four multipliers (embeddings, residuals, the
+    # softmax scale, logits) that vLLM and HF must both apply.
+    "granite-kv1": (dict(arch="granite", num_kv_heads=1, norm_std=0.1), 2, 2, "float32", 0),
     "qwen3_moe-kv1": (_QWEN3_MOE_KV1, 4, 2, "float32", 0),
     # Mixtral: 5 experts over 2 ranks (3, 2), its router under vLLM's block_sparse_moe;
     # in bf16 vLLM-CPU packs the experts for its AMX kernel, which a sync re-runs.

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from hybrid_engine.names import Registry
 from hybrid_engine.tools import (
     PARSERS,
     ParsedTurn,
@@ -301,7 +302,7 @@ def test_unknown_parser_lists_the_registered_ones() -> None:
 
 
 def test_a_parser_is_added_with_one_decorated_function(monkeypatch) -> None:
-    monkeypatch.setattr(parsers, "PARSERS", parsers.ParserRegistry())
+    monkeypatch.setattr(parsers, "PARSERS", Registry("tool parser"))
 
     @register_tool_parser("call_lines", call_starts=("CALL ",))
     def parse(text: str) -> ParsedTurn:

@@ -1,0 +1,1 @@
+"""One module per model family, each registering its `ModelSpec` (`models.spec`)."""
