@@ -469,14 +469,14 @@ def check_parallel(hf: Any, tp: int, world_size: int, *, what: str = "world size
 
 def check_lora_targets(hf: Any) -> None:
     """LoRA's targets (model.lora_target_modules) are separate q/k/v and gate/up
-    projections: a model that fuses them (Phi-3) has none of those, nor has a
+    projections: a family that fuses them has none of those, nor has a
     Mixture-of-Experts (its experts are fused tensors, not linear layers)."""
-    from hybrid_engine.reshard.layouts import model_dims
+    from hybrid_engine.models.spec import model_dims, spec_for
 
     if model_dims(hf).fused:
-        raise ValueError("model.lora_rank: Phi-3 fuses q/k/v into qkv_proj and gate/up into "
-                         "gate_up_proj, which LoRA does not target yet; train it fully "
-                         "(model.lora_rank=0)")
+        raise ValueError(f"model.lora_rank: {spec_for(hf).name} fuses q/k/v into qkv_proj and "
+                         "gate/up into gate_up_proj, which LoRA does not target yet; train it "
+                         "fully (model.lora_rank=0)")
     if model_dims(hf).moe:
         raise ValueError("model.lora_rank: a Mixture-of-Experts holds its experts as fused "
                          "tensors, which LoRA does not target yet; train it fully "

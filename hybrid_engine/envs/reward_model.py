@@ -82,13 +82,6 @@ if TYPE_CHECKING:
 __all__ = ["PlacedRewardModel", "RewardModel", "RewardModelEnv", "RewardModelScorer", "ScoreModel",
            "placed_reward_scorer", "write_tiny_reward_model"]
 
-_SEQ_CLS_ARCH = {
-    "qwen2": "Qwen2ForSequenceClassification",
-    "llama": "LlamaForSequenceClassification",
-    "qwen3": "Qwen3ForSequenceClassification",
-}
-
-
 class ScoreModel(nn.Module):
     """HF backbone + `score` head, returning logit 0 at each row's last real token.
 
@@ -493,6 +486,22 @@ class RewardModelEnv:
             t.reward = float(s)
 
 
+def _seq_cls_architecture(arch: str) -> str:
+    """transformers' sequence-classification class of tiny family arch.
+
+    Raises:
+        ValueError: transformers has none for that family.
+    """
+    import transformers
+
+    from hybrid_engine.models.spec import tiny_spec
+
+    name = tiny_spec(arch).architecture.replace("ForCausalLM", "ForSequenceClassification")
+    if not hasattr(transformers, name):
+        raise ValueError(f"{arch}: transformers has no {name} for a tiny reward model")
+    return name
+
+
 def write_tiny_reward_model(path: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Writes a random-init `<Arch>ForSequenceClassification` folder (num_labels=1).
 
@@ -516,7 +525,7 @@ def write_tiny_reward_model(path: str | os.PathLike, spec: TinyModelSpec = TinyM
 
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = hf_config(spec)
-    config.architectures = [_SEQ_CLS_ARCH[spec.arch]]
+    config.architectures = [_seq_cls_architecture(spec.arch)]
     config.num_labels = 1
     config.pad_token_id = EOS_TOKEN_ID
     config.save_pretrained(folder)
