@@ -5,8 +5,7 @@ Subcommands:
     train        RL-train a HF model folder (recipe + YAML + --section.key=value)
     eval         evaluate a HF model folder or a training checkpoint on held-out prompts
     demo         the main job on the local CPU cores (see hybrid_engine.demo)
-    tiny-model   write a random-init HF model folder (Qwen2 / Llama / Qwen3 / Mistral / Phi-3 /
-                 Gemma 2 / Gemma 3 / Qwen3-MoE / Mixtral)
+    tiny-model   write a random-init HF model folder of any supported family (--arch)
     config       print the resolved config of a recipe + YAML + overrides
     bench        run the benchmarks and write the dated report (from a clone)
 
