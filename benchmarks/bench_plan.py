@@ -11,7 +11,9 @@ plan's size (buckets, the rank's remote and local blocks); the cluster view
 closed form, no block listed; 8 devices per node); and, once per shape, the
 whole plan (every rank's blocks, the tests' reference). train.sharding=full, bf16 wire dtype, sync.bucket_mb=256, as
 `plan_scale.py`'s full rows. --check also builds every rank's plan beside
-the whole one and asserts each is the whole plan restricted to that rank.
+the whole one and asserts each is the whole plan restricted to that rank,
+on each of `plan_scale.py`'s rows (full, and hybrid with a shard group per
+node).
 
 Prints a table (median, min-max over the jobs); the last stdout line is JSON.
 Writes benchmarks/results/plan_build_<device>_<yyyymm>.md.
@@ -63,9 +65,9 @@ import sys
 from hybrid_engine.scale import _load_config
 from hybrid_engine.reshard.layouts import check_model
 from hybrid_engine.reshard.plan import build_plan, rank_plans
-config, world, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+config, world, tp, group = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 dims = check_model(_load_config(config), tp)
-kw = dict(bucket_elems=(256 << 20) // 2)
+kw = dict(bucket_elems=(256 << 20) // 2, shard_group_size=group)
 whole = build_plan(dims, world, tp, **kw)
 for r, mine in enumerate(rank_plans(dims, world, tp, range(world), **kw)):
     assert len(mine.buckets) == len(whole.buckets), r
@@ -85,10 +87,11 @@ def job(config: str, world: int, tp: int, which: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def check(config: str, world: int, tp: int) -> bool:
-    """Every rank's plan equals the whole plan restricted to it (one process)."""
+def check(config: str, world: int, tp: int, group: int) -> bool:
+    """Every rank's plan equals the whole plan restricted to it (one process), with
+    shard groups of `group` ranks."""
     cmd = [sys.executable, "-c", _CHECK, str(ROOT / "configs" / f"{config}.json"), str(world),
-           str(tp)]
+           str(tp), str(group)]
     return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip() == "equal"
 
 
@@ -132,8 +135,9 @@ def main(argv: list[str] | None = None) -> None:
                          **{k: done[0][k] for k in ("buckets", "remote_blocks", "local_blocks")}})
             print(f"{config} {world} ranks TP {tp} {plan}: "
                   f"{statistics.median(rows[-1]['seconds']):.2f} s", file=sys.stderr, flush=True)
-        if args.check:
-            checked[f"{config}/{world}/{tp}"] = check(config, world, tp)
+        if args.check:  # plan_scale's rows: full, and hybrid (a group per node) past one node
+            for sharding, group in (("full", world), ("hybrid", dpn))[:1 if nodes == 1 else 2]:
+                checked[f"{config}/{world}/{tp}/{sharding}"] = check(config, world, tp, group)
     text = table(rows)
     if args.check:
         text += ("\nEvery rank's plan equals the whole plan restricted to it: "

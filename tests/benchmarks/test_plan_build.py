@@ -23,8 +23,8 @@ def test_bench_plan_quick_times_one_build(tmp_path) -> None:
     assert whole["buckets"] == first["buckets"] == final["buckets"] == cluster["buckets"] > 0
     assert cluster["remote_blocks"] is None  # no block listed
     assert 0 < first["remote_blocks"] < whole["remote_blocks"]  # only rank 0's
-    assert last["checked"] == {"qwen2.5-7b/8/4": True}
+    assert last["checked"] == {"qwen2.5-7b/8/4/full": True}
     text = Path(last["result"]).read_text()
     assert f"| qwen2.5-7b | 8 | 4 | rank 0 | {first['seconds'][0]:.2f} " in text
-    assert "restricted to it: qwen2.5-7b/8/4 yes." in text
+    assert "restricted to it: qwen2.5-7b/8/4/full yes." in text
     assert "| qwen2.5-7b | 8 | 4 | cluster view | " in text and "| - | - |" in text
