@@ -338,8 +338,9 @@ class SyncConfig:
         "reshard", "'reshard' moves only the blocks each rank lacks; 'naive' gathers full "
         "tensors (the oracle); 'naive_bucketed' gathers cast buckets (colocated).")
     bucket_mb: float = _field(
-        256.0, "Max MiB per exchange bucket: per all_to_all ('reshard') or per gathered "
-        "bucket of full tensors ('naive_bucketed'); bounds sync peak memory.", gt=0
+        256.0, "Max MiB per exchange bucket: per all_to_all ('reshard'; below one row's "
+        "fan-out it is refused) or per gathered bucket ('naive_bucketed'); bounds sync memory.",
+        gt=0
     )
     verify: bool = _field(
         False, "After each sync, check bit-equality with the naive path (slow; for tests)."

@@ -490,15 +490,18 @@ def _seq_cls_architecture(arch: str) -> str:
     """transformers' sequence-classification class of tiny family arch.
 
     Raises:
-        ValueError: transformers has none for that family.
+        ValueError: transformers has none for that family, or it is a
+            Mixture-of-Experts (not written here).
     """
     import transformers
 
     from hybrid_engine.models.spec import tiny_spec
 
-    name = tiny_spec(arch).architecture.replace("ForCausalLM", "ForSequenceClassification")
-    if not hasattr(transformers, name):
-        raise ValueError(f"{arch}: transformers has no {name} for a tiny reward model")
+    family = tiny_spec(arch)
+    name = family.architecture.replace("ForCausalLM", "ForSequenceClassification")
+    if family.moe or not hasattr(transformers, name):
+        raise ValueError(f"{arch}: a tiny reward model needs a dense family with a "
+                         f"transformers {name}")
     return name
 
 

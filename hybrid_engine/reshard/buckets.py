@@ -13,8 +13,8 @@ rows' elements less those of its own source rows (colocated, g in its
 serving group), and source position p of a serving group sends its rows'
 elements to each destination that group serves, itself excepted. A
 parameter is cut into pieces at its segments' boundaries (all its pieces'
-volumes in one numpy pass; a piece whose volume alone passes bucket_elems is
-cut into the fewest equal row chunks that fit, a single row always fitting).
+volumes in one numpy pass; a piece whose volume passes bucket_elems cut into
+equal row chunks until each fits; a single row that does not is refused).
 Parameters follow the layout's order, and a parameter's pieces the order of
 where their rows sit in their sources' shards, so that consecutive pieces
 come from different sources; a bucket closes when a piece would take some
@@ -29,7 +29,6 @@ Shape legend: N ranks, S ranks per shard group, G shard groups, T TP size.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -37,7 +36,7 @@ import numpy as np
 
 from hybrid_engine.reshard.layouts import Segment, TargetParam
 
-__all__ = ["Geometry", "Unit", "bucketize", "clip", "serving_group", "shares", "twins", "volumes"]
+__all__ = ["Geometry", "Unit", "bucketize", "clip", "serving_group", "shares", "twins"]
 
 
 def serving_group(d_rank: int, first_target: int, shard_group_size: int,
@@ -151,7 +150,8 @@ class Geometry:
         key = (r, index)
         if key not in self._starts:
             starts = [s.dst_row for s in target.segments]
-            assert starts == sorted(starts), f"{target.name}: segments out of dst_row order"
+            assert all(a < b for a, b in zip(starts, starts[1:])), \
+                f"{target.name}: segments must start on increasing dst_rows"
             self._starts[key] = starts
         return clip(target, rows, self._starts[key])
 
@@ -238,21 +238,6 @@ def shares(geo: Geometry, unit: Unit, positions: np.ndarray | None = None,
     return share, total
 
 
-def volumes(geo: Geometry, unit: Unit) -> tuple[np.ndarray, np.ndarray]:
-    """(elements each rank sends [N], receives [N]) for unit, through buffers
-    (its local copies excluded)."""
-    share, total = shares(geo, unit)
-    t = geo.tables()
-    recv = np.zeros(geo.world, dtype=np.int64)
-    own = np.where(t.dst_pos >= 0, share[t.dst_r, np.maximum(t.dst_pos, 0)], 0)
-    recv[t.dst] = total[t.dst_r] - own
-    send = np.zeros(geo.world, dtype=np.int64)
-    out = (share[:, t.src_pos] * t.counts[:, t.src_group]).sum(0)
-    mine = np.where(t.self_r >= 0, share[np.maximum(t.self_r, 0), t.src_pos], 0)
-    send[t.src] = out - mine
-    return send, recv
-
-
 def _piece_volumes(geo: Geometry, index: int, bounds: np.ndarray,
                    ) -> tuple[np.ndarray, np.ndarray]:
     """(sends [m, N], receives [m, N]) of the m pieces [bounds[j], bounds[j + 1])
@@ -288,36 +273,37 @@ def _piece_volumes(geo: Geometry, index: int, bounds: np.ndarray,
 
 def _pieces(geo: Geometry, index: int, limit: int,
             ) -> list[tuple[tuple[int, int], np.ndarray, np.ndarray]]:
-    """Parameter `index`'s rows cut at every segment boundary, with their volumes;
-    a piece whose volume alone passes limit cut further into the fewest equal
-    row chunks that fit (one row at least). Ordered by where their rows sit in
-    their source's shard (on TP rank 0), so that consecutive pieces come from
-    different sources: a bucket then loads every source alike, not one whose
-    shard holds a run of rows (e.g. a group's experts)."""
+    """Parameter `index`'s rows cut at every segment boundary, with their volumes
+    (one numpy pass per round); a piece whose volume passes limit cut into
+    ceil(volume / limit) equal row chunks, again while one still does. Ordered
+    by where their rows sit in their source's shard (on TP rank 0), so that
+    consecutive pieces come from different sources: a bucket then loads every
+    source alike, not one whose shard holds a run of rows (e.g. a group's experts).
+
+    Raises:
+        ValueError: one row alone passes limit (it goes to every destination at
+            once): the bucket is too small for this model and layout.
+    """
     rows = geo.layouts[0][index].shape[0]
     a, b, _, d, *_ = geo.segments(index)
     bounds = np.unique(np.concatenate([[0, rows], d, d + b - a]))
-    sends, recvs = _piece_volumes(geo, index, bounds)
-    name = geo.layouts[0][index].name
-    out = []
-    for j in range(len(bounds) - 1):
-        x0, x1 = int(bounds[j]), int(bounds[j + 1])
-        peak = max(int(sends[j].max(initial=0)), int(recvs[j].max(initial=0)))
-        if peak <= limit or x1 - x0 == 1:
-            out.append(((x0, x1), sends[j], recvs[j]))
-            continue
-        k = -(-peak // limit)
-        while True:
-            step = -(-(x1 - x0) // k)
-            chunks = [(c, min(c + step, x1)) for c in range(x0, x1, step)]
-            vols = [volumes(geo, Unit(name, index, c, 0)) for c in chunks]
-            if step == 1 or all(max(sd.max(), rv.max()) <= limit for sd, rv in vols):
-                out.extend((c, sd, rv) for c, (sd, rv) in zip(chunks, vols, strict=True))
-                break
-            k = min(x1 - x0, 2 * k)
-    order = np.argsort(_shard_offsets(geo, index, np.array([p[0][0] for p in out])),
-                       kind="stable")
-    return [out[k] for k in order.tolist()]
+    while True:
+        sends, recvs = _piece_volumes(geo, index, bounds)
+        peak = np.maximum(sends.max(1, initial=0), recvs.max(1, initial=0))
+        over = np.flatnonzero(peak > limit)
+        if not len(over):
+            break
+        lo, hi = bounds[over], bounds[over + 1]
+        if (one := over[hi - lo == 1]).size:
+            raise ValueError(
+                f"a sync bucket of {limit} elements is smaller than one row of "
+                f"{geo.layouts[0][index].name}, of which one rank sends or receives "
+                f"{int(peak[one[0]])} elements at once: raise sync.bucket_mb")
+        step = -(-(hi - lo) // -(-peak[over] // limit))
+        cuts = [np.arange(x0 + s, x1, s) for x0, x1, s in zip(lo, hi, step, strict=True)]
+        bounds = np.unique(np.concatenate([bounds, *cuts]))
+    order = np.argsort(_shard_offsets(geo, index, bounds[:-1]), kind="stable")
+    return [((int(bounds[k]), int(bounds[k + 1])), sends[k], recvs[k]) for k in order.tolist()]
 
 
 def _shard_offsets(geo: Geometry, index: int, starts: np.ndarray) -> np.ndarray:

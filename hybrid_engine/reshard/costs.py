@@ -28,7 +28,7 @@ import numpy as np
 from hybrid_engine.reshard.buckets import shares
 from hybrid_engine.reshard.plan import Cut, ReshardPlan
 
-__all__ = ["RankTraffic", "cluster_traffic", "plan_traffic", "rank_traffic", "time_floor"]
+__all__ = ["RankTraffic", "cluster_traffic", "plan_traffic", "time_floor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,7 @@ def plan_traffic(plan: ReshardPlan, devices_per_node: int, itemsize: int) -> lis
         ValueError: devices_per_node does not divide the world size.
     """
     n = plan.world_size
+    assert plan.rank is None, "plan_traffic counts every rank's blocks: give it the whole plan"
     if devices_per_node < 1 or n % devices_per_node:
         raise ValueError(f"{devices_per_node} devices per node must divide the world size {n}")
     recv = [[0, 0] for _ in range(n)]  # [intra, inter]
@@ -79,25 +80,6 @@ def plan_traffic(plan: ReshardPlan, devices_per_node: int, itemsize: int) -> lis
             messages[dst] += 1
     return [RankTraffic(g, recv[g][0], recv[g][1], sent[g][0], sent[g][1], messages[g],
                         sum(b.numel for b in plan.local[g]) * itemsize) for g in range(n)]
-
-
-def rank_traffic(plan: ReshardPlan, rank: int, devices_per_node: int,
-                 itemsize: int) -> RankTraffic:
-    """One rank's traffic, from a plan that holds its blocks (its own plan,
-    `build_plan(rank=rank)`, or the whole one): what `plan_traffic` gives it."""
-    node = rank // devices_per_node
-    recv, sent, messages = [0, 0], [0, 0], 0
-    for bucket in plan.buckets:
-        sources = set()
-        for b in bucket:
-            if b.dst_rank == rank:
-                recv[b.src_rank // devices_per_node != node] += b.numel * itemsize
-                sources.add(b.src_rank)
-            elif b.src_rank == rank:
-                sent[b.dst_rank // devices_per_node != node] += b.numel * itemsize
-        messages += len(sources)
-    return RankTraffic(rank, recv[0], recv[1], sent[0], sent[1], messages,
-                       sum(b.numel for b in plan.local[rank]) * itemsize)
 
 
 def cluster_traffic(cut: Cut, devices_per_node: int, itemsize: int) -> list[RankTraffic]:

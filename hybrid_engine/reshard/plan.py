@@ -28,9 +28,10 @@ Invariant: every element of every destination parameter (padding aside)
 comes from exactly one block, and that block's source is a rank that owns
 the element's row in FSDP2's layout (the destination itself whenever it owns
 it). So the bytes a rank receives are exactly the elements it needs and does
-not own: the theoretical minimum for the layout (replicate colocated: zero). The plan is
-a pure function of (HF dims, N, T, bucket size), computed identically on
-every rank, so all ranks agree on buffer layouts without exchanging metadata.
+not own: the theoretical minimum for the layout (replicate colocated: zero). The
+buckets are a pure function of (HF dims, N, M, S, T, bucket size, adapters),
+cut identically on every rank, and a rank's plan is the whole plan restricted
+to it, so all ranks agree on buffer layouts without exchanging metadata.
 """
 
 from __future__ import annotations
@@ -42,11 +43,10 @@ from typing import NamedTuple
 import numpy as np
 
 from hybrid_engine.reshard.adapters import LoraDims, adapter_layout, adapter_shapes
-from hybrid_engine.reshard.buckets import Geometry, Unit, bucketize, serving_group, shares, twins
+from hybrid_engine.reshard.buckets import Geometry, Unit, bucketize, shares, twins
 from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, row_units, tp_layout
 
-__all__ = ["Block", "Cut", "ReshardPlan", "build_plan", "cut_buckets", "padding_rows", "rank_plans", "serving_group",
-           "shard_rows", "target_group"]
+__all__ = ["Block", "Cut", "ReshardPlan", "build_plan", "cut_buckets", "padding_rows", "rank_plans", "shard_rows", "target_group"]
 
 
 def shard_rows(num_rows: int, world_size: int, rank: int, unit: int = 1) -> tuple[int, int]:
@@ -100,7 +100,8 @@ class ReshardPlan:
             head); a sync completes one group at a time, so the rollout can
             install (re-pack) a layer while staging only that layer.
         local: per rank, blocks with src_rank == dst_rank == rank.
-        buckets: per bucket, the remote blocks in canonical order; within a
+        buckets: per bucket, the remote blocks in canonical order (by unit,
+            `reshard.buckets`, then destination ascending); within a
             bucket a rank packs the blocks it sends, grouped by destination
             rank (ascending), and unpacks what it receives grouped by source.
             A bucket never spans two groups.
@@ -125,6 +126,8 @@ class ReshardPlan:
 
     def __post_init__(self) -> None:
         self.shard_group_size = self.shard_group_size or self.num_sources
+        assert len(self.bucket_groups) == len(self.buckets), "every bucket needs its group"
+        assert self.rank is None or 0 <= self.rank < self.world_size, self.rank
 
     def source_rows(self, name: str, rank: int) -> tuple[int, int]:
         """[start, end) rows of HF tensor name that rank holds (empty: not a source)."""
@@ -150,9 +153,11 @@ class ReshardPlan:
 
     def elements_received(self, rank: int) -> int:
         """Elements rank receives from other ranks (remote blocks), all buckets."""
+        assert self.rank in (None, rank), f"rank {self.rank}'s plan has no blocks of rank {rank}"
         return sum(b.numel for bk in self.buckets for b in bk if b.dst_rank == rank)
 
     def elements_sent(self, rank: int) -> int:
+        assert self.rank in (None, rank), f"rank {self.rank}'s plan has no blocks of rank {rank}"
         return sum(b.numel for bk in self.buckets for b in bk if b.src_rank == rank)
 
     def naive_elements_received(self, rank: int) -> int:
@@ -211,7 +216,7 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
         tp: T, must divide the rollout ranks (N colocated, N - M separate).
         bucket_elems: most elements any rank sends, or receives, per bucket
             (`reshard.buckets`: a parameter bigger than that is cut into row
-            chunks; a single row always fits).
+            chunks; one row bigger than that is refused).
         num_trainers: None = colocated (FSDP2 over all N ranks, each also a
             rollout rank); M = separate placement (FSDP2 shards every HF
             tensor's rows over ranks 0..M-1, the rollout runs on M..N-1).
@@ -224,7 +229,8 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
 
     Raises:
         ValueError: T does not divide the rollout ranks, M is not in [1, N),
-            S does not divide M, or T does not fit the model's heads.
+            S does not divide M, T does not fit the model's heads, rank is not
+            one of the N, or one row of a parameter passes bucket_elems.
     """
     return next(rank_plans(dims, world_size, tp, [rank], bucket_elems=bucket_elems,
                            num_trainers=num_trainers, shard_group_size=shard_group_size,
@@ -244,6 +250,8 @@ def rank_plans(dims: ModelDims, world_size: int, tp: int, ranks: Iterable[int | 
     targets = [[] if g < geo.first else geo.layouts[(g - geo.first) % tp]
                for g in range(world_size)]
     for rank in ranks:
+        if rank is not None and not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not one of the {world_size} ranks")
         local: list[list[Block]] = [[] for _ in range(world_size)]
         blocks = _Twinned(geo, cut.indices, cut.twin)
         for g in range(world_size) if rank is None else [rank]:
@@ -262,7 +270,8 @@ class Cut:
         geo: who holds what (`reshard.buckets.Geometry`).
         indices: per sync group, its vLLM parameters' indices in layout order.
         twin: per group, the group it equals but for names (itself if none).
-        every: every unit, in layout order; buckets: the remote ones, cut.
+        every: every unit (parameters in layout order, a parameter's units in
+            their cut order); buckets: the remote ones, cut.
     """
 
     geo: Geometry

@@ -120,6 +120,8 @@ class ReshardExecutor:
 
     def __init__(self, plan: ReshardPlan, rank: int, *, wire_dtype: torch.dtype,
                  group: dist.ProcessGroup | None = None) -> None:
+        if plan.rank not in (None, rank):
+            raise ValueError(f"rank {rank} was given rank {plan.rank}'s plan")
         self.plan, self.rank, self.group = plan, rank, group
         self.wire_dtype = wire_dtype
         self.itemsize = torch.empty((), dtype=wire_dtype).element_size()

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybrid_engine.models.experts import checkpoint_tensors
-from hybrid_engine.models.spec import model_dims
+from hybrid_engine.models.spec import spec_for
 from hybrid_engine.rollout import vllm_compat
 
 if TYPE_CHECKING:
@@ -116,8 +116,8 @@ class WeightStaging:
         return vllm_compat.model(self.llm)
 
     def _moe_block(self) -> str:
-        """vLLM's name of the served model's MoE block (its family's)."""
-        return model_dims(vllm_compat.hf_config(self.llm)).moe_block
+        """vLLM's name of the served model's MoE block (its family's spec's)."""
+        return spec_for(vllm_compat.hf_config(self.llm)).moe_block
 
     def weight_targets(self, shapes: Mapping[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
         """The tensors a sync writes this rank's TP-local weights into.

@@ -60,7 +60,7 @@ def test_adapter_plan_fills_what_vllm_reads_with_minimal_bytes(spec, world, tp, 
     """N in {2, 4}, T in {1, 2, 4}; train.sharding full (S = N), replicate (S = 1)
     and hybrid (S = 2 of 4)."""
     d = _dims(spec)
-    plan = build_plan(d, world, tp, bucket_elems=300, shard_group_size=shard, lora=LORA)
+    plan = build_plan(d, world, tp, bucket_elems=800, shard_group_size=shard, lora=LORA)
     assert plan.hf_shapes == adapter_shapes(d, LORA)
     assert len(plan.hf_shapes) == 2 * len(ALL) * d.num_layers
     full = _id_tensors(d, plan.hf_shapes)

@@ -196,6 +196,25 @@ def test_buckets_bound_every_ranks_volume(world, tp):
     assert sum(b.numel for bk in one.buckets for b in bk) == sum(b.numel for bk in plan.buckets for b in bk)
 
 
+@pytest.mark.parametrize("spec", ["qwen2", "qwen3_moe-e6"])
+def test_buckets_hold_their_bound_down_to_one_row_and_refuse_below(spec):
+    """Separate placement, 1 trainer sending to 8 rollout ranks: one row of a
+    parameter goes to every destination at once. Down to the largest such row
+    every rank's volume per bucket stays under the bound; below it the plan is
+    refused in one line."""
+    d, kw = _dims(spec), dict(num_trainers=1)
+    whole = build_plan(d, 9, 2, bucket_elems=1 << 40, **kw)
+    row = max(b.numel // b.rows * 8 for bk in whole.buckets for b in bk)  # a row x 8 destinations
+    for limit in (row, 2 * row):
+        plan = build_plan(d, 9, 2, bucket_elems=limit, **kw)
+        for i in range(len(plan.buckets)):
+            assert all(sum(b.numel for b in plan.sends(i, g)) <= limit and
+                       sum(b.numel for b in plan.recvs(i, g)) <= limit for g in range(9))
+        assert len(plan.buckets) > 3
+    with pytest.raises(ValueError, match="is smaller than one row of .*raise sync.bucket_mb"):
+        build_plan(d, 9, 2, bucket_elems=row // 2, **kw)
+
+
 def test_sends_and_recvs_pair_up_in_the_same_order():
     plan = build_plan(_dims("qwen3-kv1"), 4, 2, bucket_elems=4000)
     for i in range(len(plan.buckets)):
@@ -376,9 +395,9 @@ def test_each_ranks_adapter_plan_is_the_whole_plan_restricted_to_it():
     lora = LoraDims(rank=3, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                      "up_proj", "down_proj"))
     d = _dims("qwen3-kv1")
-    whole = build_plan(d, 4, 2, bucket_elems=300, lora=lora)
+    whole = build_plan(d, 4, 2, bucket_elems=800, lora=lora)
     for r in range(4):
-        _assert_restriction(whole, build_plan(d, 4, 2, bucket_elems=300, lora=lora, rank=r), r)
+        _assert_restriction(whole, build_plan(d, 4, 2, bucket_elems=800, lora=lora, rank=r), r)
 
 
 @pytest.mark.parametrize("spec", ["qwen2", "qwen3_moe-e6", "mixtral-e5-tied"])
