@@ -10,7 +10,7 @@ loads with ``AutoModelForCausalLM.from_pretrained`` (no missing or unexpected
 keys) and with vLLM.
 
 Invariant protected: the weights are a pure function of the spec. Each tensor
-is drawn from its own generator, seeded from ``spec.seed`` and the tensor's
+is drawn from its own generator, seeded from ``TinyModelSpec.seed`` and the tensor's
 name, so the same spec gives a byte-identical ``model.safetensors``, and a
 tensor's values do not depend on which other tensors exist (a tied and an
 untied model share their embedding).
@@ -275,7 +275,7 @@ def random_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     """Draws the weights of ``spec`` (the tensors ``write_tiny_model`` saves).
 
     Args:
-        spec: the model; ``spec.dtype`` is the dtype of the returned tensors.
+        spec: the model; ``TinyModelSpec.dtype`` is the dtype of the returned tensors.
 
     Returns:
         ``{hf_name: tensor}`` in ``hf_param_shapes`` order.
