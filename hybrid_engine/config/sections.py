@@ -197,6 +197,9 @@ class TrainConfig:
         "ranks and lie strictly between 1 and their number. 0 = unset.",
         ge=0,
     )
+    tensor_parallel_size: int = _field(
+        1, "Policy training TP: groups of this many consecutive trainer ranks split attention "
+        "heads and dense MLPs, FSDP2 across them (sharding full, grad_op or auto).", ge=1)
     replica_check_every: int = _field(
         10, "sharding or critic_sharding 'replicate'/'hybrid': every this many optimizer "
         "steps, stop the run if any replica's parameters differ bitwise; 0 = never.", ge=0)
@@ -227,6 +230,11 @@ class TrainConfig:
             raise ValueError(f"{_prefix(self)}sharding=hybrid needs {_prefix(self)}"
                              f"shard_group_size >= 2 (ranks per shard group), got "
                              f"{self.shard_group_size}")
+        if self.tensor_parallel_size > 1 and self.sharding in ("replicate", "hybrid"):
+            raise ValueError(f"{_prefix(self)}tensor_parallel_size="
+                             f"{self.tensor_parallel_size} needs {_prefix(self)}sharding full, "
+                             f"grad_op or auto (FSDP2 across the TP groups), got "
+                             f"{self.sharding!r}")
         if self.critic_sharding == "hybrid" and self.critic_shard_group_size < 2:
             raise ValueError(f"{_prefix(self)}critic_sharding=hybrid needs {_prefix(self)}"
                              f"critic_shard_group_size >= 2, got {self.critic_shard_group_size}")

@@ -5,8 +5,9 @@ by its HF architecture name (`MODEL_SPECS`); `spec_for(config)` finds a
 config's, and `model_dims(config)` reads the `ModelDims` every layout, plan
 and check works from. A family states its features (q/k/v biases, q/k norms,
 HF's fused tensors, Gemma's feed-forward norms, experts and the name of vLLM's
-MoE block) and its refusals, each a one-line `ValueError`; the TP layout
-(`reshard.layouts`) follows from the features alone.
+MoE block) and its refusals, each a one-line `ValueError`; vLLM's TP layout
+(`reshard.layouts`) and the training TP plan (`ModelSpec.tp_plan`) follow from
+the features alone, unless a family overrides them.
 
 Invariant: no module outside `models/` names an architecture; a family is
 one file here (discovered at the first lookup) plus its test line.
@@ -102,6 +103,26 @@ class ModelSpec:
     def experts(self, config: Any) -> tuple[int, int]:
         """(routed experts, each one's width); (0, MLP width) for a dense model."""
         return 0, config.intermediate_size
+
+    def tp_plan(self, d: ModelDims) -> dict[str, str]:
+        """The training TP plan (train.tensor_parallel_size): a decoder layer's module
+        path -> "colwise" (output features split over the TP ranks), "rowwise"
+        (input features split, outputs summed) or "head_norm" (a per-head norm
+        whose weight each TP rank applies to its own heads: its gradient is
+        summed over them). Attention always; the MLP of a dense model; an MoE
+        block, the norms, the embedding and the head are not split.
+
+        Raises:
+            ValueError: the family has no TP plan for training (one line).
+        """
+        plan = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+                "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise"}
+        if d.qk_norm:
+            plan |= {"self_attn.q_norm": "head_norm", "self_attn.k_norm": "head_norm"}
+        if not d.moe:
+            plan |= {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                     "mlp.down_proj": "rowwise"}
+        return plan
 
     def tiny_check(self, t: Any) -> None:
         """Raises ValueError for what a `TinyModelSpec` t may not set for the family."""

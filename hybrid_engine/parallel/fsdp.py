@@ -72,6 +72,8 @@ __all__ = [
     "default_device",
     "dp_mesh",
     "fsdp_mesh",
+    "grid_mesh",
+    "tp_mesh",
     "empty_model",
     "materialize",
     "resolve_model_path",
@@ -79,6 +81,7 @@ __all__ = [
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHARDINGS = ("full", "grad_op", "replicate", "hybrid")  # TrainConfig.sharding, resolved
+TP_DIMS = ("dp", "tp")  # `tp_mesh`'s dims
 
 
 # --------------------------------------------------------------------------
@@ -110,34 +113,53 @@ def dp_mesh(group: dist.ProcessGroup | None = None, device: torch.device | None 
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
-_MESHES: dict[tuple[tuple[int, ...], int], DeviceMesh] = {}
+_MESHES: dict[tuple[tuple[int, ...], int, tuple[str, str]], DeviceMesh] = {}
 
 
 def fsdp_mesh(dp: DeviceMesh, shard_size: int) -> DeviceMesh:
     """The mesh FSDP2 shards over: dp itself when shard_size is its size, else a 2-D
     (replicate, shard) mesh of the same ranks, shard groups of shard_size consecutive
-    ranks (HSDP; shard_size 1 = replicated). Built once per (ranks, size), from
-    groups only their members create (it runs on the trainer ranks alone under
-    separate placement).
+    ranks (HSDP; shard_size 1 = replicated).
 
     Raises:
         ValueError: shard_size does not divide the mesh's size.
     """
-    world = dp.size()
-    if shard_size == world:
+    if shard_size == dp.size():
         return dp
-    if not 1 <= shard_size <= world or world % shard_size:
-        raise ValueError(f"shard group size {shard_size} must divide the {world} "
-                         "data-parallel ranks")
+    return grid_mesh(dp, shard_size, ("replicate", "shard"), "shard group size")
+
+
+def tp_mesh(dp: DeviceMesh, tp: int) -> DeviceMesh:
+    """The ("dp", "tp") mesh of train.tensor_parallel_size=tp over dp's ranks: TP
+    groups of tp consecutive ranks (within a node), FSDP2 across them.
+
+    Raises:
+        ValueError: tp does not divide the mesh's size.
+    """
+    return grid_mesh(dp, tp, ("dp", "tp"), "train.tensor_parallel_size")
+
+
+def grid_mesh(dp: DeviceMesh, inner: int, names: tuple[str, str], what: str) -> DeviceMesh:
+    """dp's ranks as a 2-D mesh (size / inner, inner), groups of inner consecutive
+    ranks along the second dim. Built once per (ranks, inner, names), from groups
+    only their members create (it runs on the trainer ranks alone under separate
+    placement).
+
+    Raises:
+        ValueError: inner does not divide dp's size (what names it).
+    """
+    world = dp.size()
+    if not 1 <= inner <= world or world % inner:
+        raise ValueError(f"{what} {inner} must divide the {world} data-parallel ranks")
     ranks = tuple(dp.mesh.flatten().tolist())
-    key = (ranks, shard_size)
+    key = (ranks, inner, names)
     if key not in _MESHES:
-        grid = torch.tensor(ranks).view(world // shard_size, shard_size)
-        r, s = divmod(dp.get_local_rank(), shard_size)
+        grid = torch.tensor(ranks).view(world // inner, inner)
+        r, s = divmod(dp.get_local_rank(), inner)
         groups = [dist.new_group(grid[:, s].tolist(), use_local_synchronization=True),
                   dist.new_group(grid[r].tolist(), use_local_synchronization=True)]
         _MESHES[key] = DeviceMesh.from_group(groups, dp.device_type, mesh=grid,
-                                             mesh_dim_names=("replicate", "shard"))
+                                             mesh_dim_names=names)
     return _MESHES[key]
 
 
@@ -365,6 +387,13 @@ def lay_out(model: nn.Module, folder: Path, mesh: DeviceMesh, *, master: torch.d
     `shard_and_load`'s. Returns (the model, what this rank read)."""
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if mesh.mesh_dim_names == TP_DIMS:  # `tp_mesh`: TP inside, FSDP2 over "dp"
+        if sharding not in ("full", "grad_op") or init is not None:
+            raise ValueError(f"train.tensor_parallel_size > 1 needs train.sharding full or "
+                             f"grad_op and no LoRA, got sharding={sharding!r}"
+                             f"{' with LoRA' * (init is not None)}")
+        _split_tp(model, mesh["tp"])
+        mesh = mesh["dp"]
     if sharding == "replicate":
         return _build_replicated(model, folder, mesh, master, compute, checkpointing,
                                  grad_hook, init, compile_layers=compile_layers,
@@ -375,6 +404,17 @@ def lay_out(model: nn.Module, folder: Path, mesh: DeviceMesh, *, master: torch.d
                            checkpointing=checkpointing, compile_layers=compile_layers,
                            reshard_after_forward=sharding == "full", load_into=load_into)
     return model, stats
+
+
+def _split_tp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Its family's TP plan applied to model's decoder layers over mesh
+    (`parallel.tensor_parallel`)."""
+    from hybrid_engine.models.spec import spec_for
+    from hybrid_engine.parallel.tensor_parallel import parallelize
+
+    spec = spec_for(model.config)
+    dims = spec.dims(model.config)
+    parallelize(model, mesh, spec.tp_plan(dims), dims)
 
 
 def _build_replicated(model: PreTrainedModel, folder: Path, mesh: DeviceMesh,

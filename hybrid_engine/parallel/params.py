@@ -22,17 +22,26 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybrid_engine.reshard.plan import shard_rows
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LoadStats", "assert_sharded", "full_tensor", "hf_name", "is_adapter",
-           "load_sharded_safetensors", "local_rows", "reshard_all", "sharded_named_parameters"]
+           "load_sharded_safetensors", "local_block", "local_rows", "reshard_all",
+           "sharded_named_parameters"]
 
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 _LORA_BASE = ".base_layer"
-_PLACEMENTS = ((Shard(0),), (Replicate(), Shard(0)))  # FSDP2, HSDP
+_PLACEMENTS = ((Shard(0),), (Replicate(), Shard(0)),  # FSDP2, HSDP
+               (Shard(0), Shard(1)))  # TP x FSDP2, rowwise (colwise: `_is_colwise`)
+
+
+def _is_colwise(placements: tuple) -> bool:
+    """FSDP2 over a TP colwise split: (_StridedShard(0), Shard(0)) on ("dp", "tp")."""
+    return (len(placements) == 2 and isinstance(placements[0], _StridedShard)
+            and placements[0].dim == 0 and placements[1] == Shard(0))
 
 
 def is_adapter(name: str) -> bool:
@@ -114,11 +123,11 @@ def load_sharded_safetensors(model: nn.Module, folder: str | os.PathLike) -> Loa
         for name, param in sharded_named_parameters(model):
             if is_adapter(name):  # LoRA adapters: initialised, not loaded
                 continue
-            start, end = local_rows(param)
+            (start, end), cols = local_block(param)
             local = param.to_local() if isinstance(param, DTensor) else param
             assert local.shape[0] == end - start, (name, local.shape, start, end)
-            rows = _read_rows(name, tuple(param.shape), start, end, files, opened, model_type,
-                              folder)
+            rows = _read_rows(name, tuple(param.shape), (start, end), cols, files, opened,
+                              model_type, folder)
             if end > start:
                 with torch.no_grad():
                     local.copy_(rows)
@@ -149,12 +158,15 @@ class _OpenFiles(dict):
             f.__exit__(None, None, None)
 
 
-def _read_rows(name: str, shape: tuple[int, ...], start: int, end: int, files: dict[str, Path],
-               opened: _OpenFiles, model_type: str, folder: str | os.PathLike) -> Tensor:
-    """Rows [start, end) of parameter `name`: its own tensor, or its experts' tensors
-    of a per-expert checkpoint concatenated (`models.experts.checkpoint_parts`)."""
+def _read_rows(name: str, shape: tuple[int, ...], rows: tuple[int, int],
+               cols: tuple[int, int] | None, files: dict[str, Path], opened: _OpenFiles,
+               model_type: str, folder: str | os.PathLike) -> Tensor:
+    """Rows [start, end) of parameter `name` (columns cols, None: all): its own
+    tensor, or its experts' tensors of a per-expert checkpoint concatenated
+    (`models.experts.checkpoint_parts`; never split by columns)."""
     from hybrid_engine.models.experts import checkpoint_parts
 
+    start, end = rows
     parts = None if name in files else checkpoint_parts(model_type, name, shape[0])
     key = parts.name if parts is not None and not parts.keys else name
     if parts is None or not parts.keys:
@@ -163,7 +175,7 @@ def _read_rows(name: str, shape: tuple[int, ...], start: int, end: int, files: d
         sl = opened.get_slice(files[key], key)
         if tuple(sl.get_shape()) != shape:
             raise ValueError(f"{name}: file shape {sl.get_shape()} != model {shape}")
-        return sl[start:end]
+        return sl[start:end] if cols is None else sl[start:end, cols[0]:cols[1]]
     missing = [k for keys in parts.keys for k in keys if k not in files]
     if missing:
         raise ValueError(f"parameter {name} is not in the checkpoint {folder} "
@@ -180,7 +192,8 @@ def _agree_finite(nonfinite: str | None, params: list[Tensor], folder: str | os.
     """Every rank of the mesh raises if any rank read a non-finite weight
     (a rank alone raising would leave the others waiting in a collective)."""
     # replicated plain parameters: every rank read the same rows and found the same
-    mesh = params[0].device_mesh if params and isinstance(params[0], DTensor) else None
+    meshes = [p.device_mesh for p in params if isinstance(p, DTensor)]
+    mesh = max(meshes, key=lambda m: m.ndim) if meshes else None  # TP: ("dp", "tp")
     bad = [] if nonfinite is None else [nonfinite]
     for dim in range(mesh.ndim if mesh is not None else 0):  # a 2-D mesh: along each dim
         group = mesh.get_group(dim)
@@ -213,7 +226,8 @@ def sharded_named_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 
 def _check_param(name: str, param: Tensor, fsdp: bool) -> None:
-    assert (isinstance(param, DTensor) and param.placements in _PLACEMENTS) or not fsdp, (
+    assert not fsdp or (isinstance(param, DTensor) and (
+        param.placements in _PLACEMENTS or _is_colwise(param.placements))), (
         f"{name} is a {type(param).__name__}, not a Shard(0) DTensor: the FSDP root is "
         "unsharded (a forward without backward leaves it so); call reshard_all(module)"
     )
@@ -233,6 +247,26 @@ def local_rows(param: Tensor) -> tuple[int, int]:
     mesh = param.device_mesh
     dim = mesh.ndim - 1
     return shard_rows(param.shape[0], mesh.size(dim), mesh.get_local_rank(dim))
+
+
+def local_block(param: Tensor) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """([start, end) rows, [start, end) columns or None for all) of the full
+    parameter that this rank's local tensor holds. One mesh dim: `local_rows`.
+    On a ("dp", "tp") mesh (`parallel.tensor_parallel`) the TP split comes
+    first: colwise, rows chunk(chunk(W, tp)[t], dp)[d]; rowwise, columns
+    chunk(W, tp, 1)[t] and rows chunk(W, dp)[d]."""
+    if not isinstance(param, DTensor) or param.device_mesh.ndim == 1 \
+            or param.placements == (Replicate(), Shard(0)):
+        return local_rows(param), None
+    mesh, n = param.device_mesh, param.shape[0]
+    d, t = mesh.get_local_rank(0), mesh.get_local_rank(1)
+    dp, tp = mesh.size(0), mesh.size(1)
+    if _is_colwise(param.placements):
+        a, b = shard_rows(n, tp, t)
+        start, end = shard_rows(b - a, dp, d)
+        return (a + start, a + end), None
+    assert param.placements == (Shard(0), Shard(1)), (param.placements, param.shape)
+    return shard_rows(n, dp, d), shard_rows(param.shape[1], tp, t)
 
 
 def reshard_all(model: nn.Module) -> None:

@@ -110,15 +110,17 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
     p = sum(r * c for r, c in shapes.values())
     layer = _layer_numel(shapes, "model.layers.0.")
     root = p - dims.num_layers * layer
+    tp = cfg.train.tensor_parallel_size
+    layer = layer - (split := _tp_split_numel(shapes, dims, tp)) + split // tp  # one TP rank's
     compute = resolve_compute_dtype(cfg.model.compute_dtype, "cuda" if cuda else "cpu")
     m, c = _ITEMSIZE[cfg.model.master_dtype], _ITEMSIZE[compute]
     size = {"replicate": 1, "hybrid": shard_group_size}.get(sharding, trainers)
     if sharding == "full":
         gathered, whole = (root + 2 * layer) * c, layer * m
-    else:
-        gathered, whole = p * c, p * m
+    else:  # with TP: a TP rank's share of the layers
+        gathered, whole = (root + dims.num_layers * layer) * c, (root + dims.num_layers * layer) * m
     t = cfg.train
-    rows = -(-t.prompts_per_step * cfg.rollout.num_samples_per_prompt // trainers)  # per rank
+    rows = -(-t.prompts_per_step * cfg.rollout.num_samples_per_prompt // (trainers // tp))
     tokens = min(t.max_tokens_per_micro_batch or t.micro_batch_size * cfg.rollout.max_model_len,
                  rows * cfg.rollout.max_model_len)  # a micro-batch holds at most a rank's rows
     per_layer = 10 * dims.hidden + 4 * dims.intermediate
@@ -141,13 +143,27 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
     return LayoutEstimate(sharding, size, states, gathered, whole, act, resident, params)
 
 
+def _tp_split_numel(shapes: dict[str, tuple[int, int]], dims: ModelDims, tp: int) -> int:
+    """Elements of one decoder layer that train.tensor_parallel_size=tp splits (0 if 1)."""
+    if tp == 1:
+        return 0
+    from hybrid_engine.models.spec import MODEL_SPECS
+
+    plan = MODEL_SPECS.get(dims.arch).tp_plan(dims)
+    return sum(r * c for n, (r, c) in shapes.items() if n.startswith("model.layers.0.")
+               and n.removeprefix("model.layers.0.").rsplit(".", 1)[0] in plan
+               and plan[n.removeprefix("model.layers.0.").rsplit(".", 1)[0]] != "head_norm")
+
+
 def _adapter_numel(shapes: dict[str, tuple[int, int]], rank: int, targets: tuple[str, ...]) -> int:
     """Elements of the LoRA adapters: r (in + out) per targeted weight."""
     return sum(rank * (r + c) for n, (r, c) in shapes.items()
                if n.endswith(".weight") and n.rsplit(".", 2)[-2] in targets)
 
 
-def _candidates(trainers: int, shard_group_size: int) -> list[tuple[str, int]]:
+def _candidates(trainers: int, shard_group_size: int, tp: int) -> list[tuple[str, int]]:
+    if tp > 1:  # TP inside, FSDP2 across
+        return [("grad_op", trainers), ("full", trainers)]
     out = [("replicate", 1)]
     if shard_group_size:
         out.append(("hybrid", shard_group_size))
@@ -160,7 +176,8 @@ def choose(dims: ModelDims, cfg: RunConfig, trainers: int, budget: int, *, coloc
     else `full` (the least memory); returns it and the reason, for the log."""
     ests = [estimate(name, dims, cfg, trainers, colocated=colocated, cuda=cuda,
                      shard_group_size=size)
-            for name, size in _candidates(trainers, cfg.train.shard_group_size)]
+            for name, size in _candidates(trainers, cfg.train.shard_group_size,
+                                          cfg.train.tensor_parallel_size)]
     for i, e in enumerate(ests):
         if e.total <= budget:
             skipped = "; ".join(f"{x.describe()} does not fit" for x in ests[:i])

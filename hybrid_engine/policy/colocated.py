@@ -425,7 +425,7 @@ class HybridActor:
         logp_BT, entropy_BT = self.trainer.compute_logprobs(batch)
         if idx is None:
             return logp_BT, entropy_BT
-        return gather_response_field(trajs, idx, batch, logp_BT, self.trainer.group)
+        return gather_response_field(trajs, idx, batch, logp_BT, self.trainer.data_group)
 
     def train_step(
         self, trajs: Sequence[Trajectory] | TrainBatch, loss: StepLoss | LossFn | None = None,

@@ -394,7 +394,7 @@ class SeparatePolicy:
 
             batch, idx = train_batch(trajs, self.pad_id, self.cfg, self.trainer)
             logp_BT, _ = self.trainer.compute_logprobs(batch)
-            out = gather_response_field(trajs, idx, batch, logp_BT, self.trainer.group)
+            out = gather_response_field(trajs, idx, batch, logp_BT, self.trainer.data_group)
         return _from_rank(0, out)
 
     def sync_weights(self) -> dict[str, float]:

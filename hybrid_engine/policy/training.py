@@ -82,7 +82,7 @@ def train_batch(trajs: Sequence[Trajectory] | TrainBatch, pad_id: int, cfg: RunC
     trainer's group) and their indices; a TrainBatch is passed through (indices None)."""
     if isinstance(trajs, TrainBatch):
         return trajs, None
-    return train_batch_of(trajs, trainer.group, pad_id=pad_id, train=cfg.train)
+    return train_batch_of(trajs, trainer.data_group, pad_id=pad_id, train=cfg.train)
 
 
 def policy_loss(cfg: RunConfig, loss: StepLoss | LossFn | None,

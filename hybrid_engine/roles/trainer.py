@@ -8,6 +8,10 @@ count of the whole step over all data-parallel ranks (the trainer knows no
 formula: `algorithms.losses` documents the contract), gradient clipping on
 DTensor gradients. `compute_logprobs` gives per-token log-probs and entropy
 through `roles/logprobs.py` (chunked over the vocabulary projection).
+With train.tensor_parallel_size=t the model is split over TP groups of t
+ranks (`parallel.tensor_parallel`) and FSDP2-sharded across them: the ranks
+of a TP group take the same rows of the batch (the data-parallel ranks are
+`mesh`, the ranks of one TP rank), every rank of the model is `group`.
 
 Invariant (FSDP2 root-unshard guard): the optimizer is built in __init__
 over the sharded DTensor parameters, before any forward, and every forward
@@ -48,10 +52,12 @@ from hybrid_engine.algorithms.aggregation import loss_normalizer
 from hybrid_engine.algorithms.losses import (ADDITIVE_METRICS, LossFn, LossInputs, combine_metrics,
                                              metric_weight)
 from hybrid_engine.parallel import replicas
-from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh
+from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh, tp_mesh
 from hybrid_engine.parallel.lora import dropout_active
 from hybrid_engine.parallel.params import assert_sharded, reshard_all, sharded_named_parameters
 from hybrid_engine.parallel.sharding import resolve_alone
+from hybrid_engine.parallel.tensor_parallel import (clip_grad_norm, partial_grad_names,
+                                                    sum_partial_grads)
 from hybrid_engine.roles.logprobs import (ENTROPY_METRIC_EVERY, batch_logprobs, comm_device,
                                           micro_batch_logprobs, num_micro_batches)
 from hybrid_engine.roles.profile import OPTIMIZER_RANGE, maybe_profile
@@ -153,6 +159,8 @@ def clip_and_step(
         in_kernel = _clips_in_kernel(optimizer, params)
         if in_kernel:
             total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        elif len({p.device_mesh for p in params if isinstance(p, DTensor)}) > 1:  # TP x FSDP2
+            total = clip_grad_norm(params, grad_clip)
         else:
             total = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         grad_norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
@@ -229,7 +237,9 @@ class Trainer:
     Attributes:
         module: the root FSDPModule (HF `*ForCausalLM`, lm_head returns hidden states;
             train.sharding=replicate: the same model, plain, under DDP).
-        mesh: the 1-D data-parallel mesh.
+        mesh: the 1-D data-parallel mesh (with TP: the ranks of this TP rank).
+        group: every rank of the model (`mesh`'s, or with TP all TP groups').
+        data_group: the ranks that split the batch (`mesh`'s group).
         optimizer: AdamW over the sharded DTensor parameters (fp32 state).
         scheduler: LambdaLR with `lr_lambda(train_cfg)`.
         step: optimizer steps taken.
@@ -256,7 +266,8 @@ class Trainer:
                 for a trainer with no engine beside it).
             model_cfg: master_dtype (parameters, optimizer, gradient reduction)
                 and compute_dtype (forward/backward).
-            mesh: 1-D data-parallel mesh; None = the whole default group.
+            mesh: 1-D mesh of the trainer's ranks; None = the whole default group
+                (train.tensor_parallel_size > 1 splits it into TP groups).
             logits_chunk_tokens: positions per vocabulary-projection chunk.
             temperature: sampling temperature; logits are divided by it.
             fused_adamw: torch's fused AdamW kernel (CPU/CUDA); False keeps its
@@ -265,16 +276,21 @@ class Trainer:
         if logits_chunk_tokens < 1 or temperature <= 0:
             raise ValueError(f"need logits_chunk_tokens >= 1 and temperature > 0, got "
                              f"{logits_chunk_tokens}, {temperature}")
-        self.mesh = mesh if mesh is not None else dp_mesh()
-        self.device = comm_device(self.mesh)
+        ranks = mesh if mesh is not None else dp_mesh()
+        self.device = comm_device(ranks)
         if train_cfg.sharding == "auto":  # built on its own: the layout that fits
-            train_cfg = resolve_alone(model_path, train_cfg, model_cfg, self.mesh.get_group(),
+            train_cfg = resolve_alone(model_path, train_cfg, model_cfg, ranks.get_group(),
                                       self.device)
+        tp = train_cfg.tensor_parallel_size
+        model_mesh = tp_mesh(ranks, tp) if tp > 1 else ranks
+        self.mesh = model_mesh["dp"] if tp > 1 else ranks
+        self.group = ranks.get_group()
+        self.tp_group = model_mesh["tp"].get_group() if tp > 1 else None
         self.train_cfg, self.model_path = train_cfg, model_path
         self.lora = model_cfg.lora_rank > 0  # adapters on a frozen base (`parallel/lora.py`)
         self.chunk_tokens, self.temperature = logits_chunk_tokens, temperature
         self.module, self.load_stats = build_fsdp_model(
-            model_path, self.mesh, master_dtype=model_cfg.master_dtype,
+            model_path, model_mesh, master_dtype=model_cfg.master_dtype,
             compute_dtype=model_cfg.compute_dtype,
             activation_checkpointing=train_cfg.activation_checkpointing,
             compile_layers=train_cfg.compile, trust_remote_code=model_cfg.trust_remote_code,
@@ -286,6 +302,7 @@ class Trainer:
         # Guard, part 1: built before any forward, over the sharded DTensors.
         self._param_ids, self.optimizer, self.scheduler = build_optimizer(
             self.module, train_cfg, fused=fused_adamw)
+        self._partial = self._partial_grads()
         self.step = 0
         self._calls = 0  # train_step calls (PROFILE_ENV counts them)
 
@@ -328,9 +345,20 @@ class Trainer:
         return dict(sharded_named_parameters(self.module))
 
     @property
-    def group(self) -> dist.ProcessGroup:
-        """The process group of its mesh: the ranks it is sharded over."""
+    def data_group(self) -> dist.ProcessGroup:
+        """The ranks that split a step's trajectories (the TP ranks of a group take the same)."""
         return self.mesh.get_group()
+
+    def _partial_grads(self) -> list[Tensor]:
+        """The parameters whose gradient each TP rank holds only in part (none without TP)."""
+        if self.tp_group is None:
+            return []
+        from hybrid_engine.models.spec import spec_for
+
+        spec = spec_for(self.module.config)
+        named = dict(sharded_named_parameters(self.module))
+        return [named[n] for n in partial_grad_names(named, spec.tp_plan(spec.dims(
+            self.module.config)))]
 
     def compute_logprobs(self, batch: TrainBatch) -> tuple[Tensor, Tensor]:
         """Per-token log-probs and entropy under the current weights, no grad.
@@ -402,6 +430,8 @@ class Trainer:
         for i in range(num_mb):
             with micro_batch_comm(self.module, self.train_cfg.sharding, last=i == num_mb - 1):
                 per_mb.append(self._accumulate(batch, i, loss_fn, norm, entropy_grad))
+        if self._partial:
+            sum_partial_grads(self._partial, self.tp_group)
         if before_update is not None:
             before_update()
         grad_norm, lr, skipped = clip_and_step(self.optimizer, self.scheduler,

@@ -131,9 +131,9 @@ def compute_old_logp(trainer: Trainer, trajs: Sequence[Trajectory], pad_id: int,
                      cfg: RunConfig) -> None:
     """Stores every trajectory's old_logp: the trainer's log-probs under its current
     weights, each rank computing its slice, gathered (collective over the trainer's group)."""
-    batch, idx = train_batch_of(trajs, trainer.group, pad_id=pad_id, train=cfg.train)
+    batch, idx = train_batch_of(trajs, trainer.data_group, pad_id=pad_id, train=cfg.train)
     logp_BT, _ = trainer.compute_logprobs(batch)
-    for t, v in zip(trajs, gather_response_field(trajs, idx, batch, logp_BT, trainer.group),
+    for t, v in zip(trajs, gather_response_field(trajs, idx, batch, logp_BT, trainer.data_group),
                     strict=True):
         t.old_logp = v
 

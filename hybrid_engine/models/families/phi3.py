@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybrid_engine.models.spec import ModelSpec, register
+from hybrid_engine.models.spec import ModelDims, ModelSpec, register
 
 
 class Phi3(ModelSpec):
@@ -23,6 +23,11 @@ class Phi3(ModelSpec):
         rope = getattr(config, "rope_parameters", None) or {}
         if (rope.get("partial_rotary_factor") or 1.0) != 1.0:
             raise ValueError("Phi-3 with partial_rotary_factor != 1 is not supported")
+
+    def tp_plan(self, d: ModelDims) -> dict[str, str]:
+        raise ValueError("Phi-3 cannot train with train.tensor_parallel_size > 1: its fused "
+                         "qkv_proj and gate_up_proj would split across q/k/v and gate/up, "
+                         "not within each")
 
 
 register(Phi3())
