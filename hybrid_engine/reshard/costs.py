@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybrid_engine.reshard.buckets import shares
+from hybrid_engine.reshard.buckets import Geometry, shares
 from hybrid_engine.reshard.plan import Cut, ReshardPlan
 
 __all__ = ["RankTraffic", "cluster_traffic", "plan_traffic", "time_floor"]
@@ -93,29 +93,42 @@ def cluster_traffic(cut: Cut, devices_per_node: int, itemsize: int) -> list[Rank
     geo, n = cut.geo, cut.geo.world
     if devices_per_node < 1 or n % devices_per_node:
         raise ValueError(f"{devices_per_node} devices per node must divide the world size {n}")
-    t, s = geo.tables(), geo.shard_group_size
-    group = np.array([geo.serving(d) for d in t.dst.tolist()], dtype=np.int64)
-    src = group[:, None] * s + np.arange(s)[None, :]  # [dst, position] -> source rank
-    theirs = np.arange(s)[None, :] != t.dst_pos[:, None]  # a dst's own rows stay local
-    inter = src // devices_per_node != (t.dst // devices_per_node)[:, None]
+    t = geo.tables()
+    srcs = np.arange(geo.num_sources)
+    theirs = srcs[None, :] != t.dst[:, None]  # a dst's own rows stay local
+    inter = srcs[None, :] // devices_per_node != (t.dst // devices_per_node)[:, None]
     times = np.bincount(cut.twin, minlength=len(cut.twin))  # groups each template stands for
     totals = np.zeros((6, n), dtype=np.int64)  # recv intra, inter; sent intra, inter; msgs; local
     for bucket in cut.buckets:
         if cut.twin[bucket[0].group] != bucket[0].group:
             continue
-        share = sum(shares(geo, u)[0] for u in bucket)[t.dst_r] * theirs  # [dst, position]
+        vol = _from_sources(geo, sum(shares(geo, u)[0] for u in bucket)) * theirs  # [dst, src]
         k = times[bucket[0].group]
-        for row, part in ((0, share * ~inter), (1, share * inter)):
+        for row, part in ((0, vol * ~inter), (1, vol * inter)):
             totals[row, t.dst] += k * part.sum(1)
-            totals[row + 2] += k * np.bincount(src.ravel(), part.ravel(), n).astype(np.int64)
-        totals[4, t.dst] += k * (share > 0).sum(1)
-    own = t.dst_pos >= 0
+            totals[row + 2, :geo.num_sources] += k * part.sum(0)
+        totals[4, t.dst] += k * (vol > 0).sum(1)
+    own = t.dst < geo.num_sources
     for u in cut.every:
         if cut.twin[u.group] == u.group:
-            local = shares(geo, u)[0][t.dst_r[own], t.dst_pos[own]]
-            totals[5, t.dst[own]] += times[u.group] * local
+            vol = _from_sources(geo, shares(geo, u)[0])
+            totals[5, t.dst[own]] += times[u.group] * vol[own, t.dst[own]]
     totals[[0, 1, 2, 3, 5]] *= itemsize
     return [RankTraffic(g, *(int(x) for x in totals[:, g])) for g in range(n)]
+
+
+def _from_sources(geo: Geometry, share: np.ndarray) -> np.ndarray:
+    """[dst, source rank] elements each destination takes from each source, from
+    `shares`' [T, G + 1, S]: a part every group holds from the position of the
+    group serving the destination, a split slab's from the group holding it."""
+    t, groups = geo.tables(), geo.num_groups
+    ranks = np.array([list(geo.sources(k)) for k in range(groups)])  # [G, S]
+    rows = np.arange(len(t.dst))[:, None]
+    vol = np.zeros((len(t.dst), geo.num_sources), dtype=np.int64)
+    np.add.at(vol, (rows, ranks[t.dst_group]), share[t.dst_r, groups])
+    for k in range(groups):
+        np.add.at(vol, (rows, ranks[k][None, :]), share[t.dst_r, k])
+    return vol
 
 
 def time_floor(traffic: list[RankTraffic], intra_gbps: float, inter_gbps: float) -> float:

@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from hybrid_engine.models.spec import ModelDims, hf_param_shapes, model_dims
+from hybrid_engine.models.spec import MODEL_SPECS, ModelDims, hf_param_shapes, model_dims
 
 __all__ = [
     "ModelDims",
@@ -58,6 +58,7 @@ __all__ = [
     "model_dims",
     "row_units",
     "tp_layout",
+    "train_splits",
 ]
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
@@ -114,6 +115,28 @@ def row_units(d: ModelDims) -> dict[str, int]:
     for i in range(d.num_layers):
         out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = 2 * d.intermediate
         out[f"model.layers.{i}.mlp.experts.down_proj"] = d.hidden
+    return out
+
+
+def train_splits(d: ModelDims, train_tp: int) -> dict[str, str]:
+    """HF tensor -> "colwise" / "rowwise" for those train.tensor_parallel_size=train_tp
+    splits (`parallel.tensor_parallel`, by the family's TP plan): a colwise
+    weight and bias by rows, a rowwise weight by columns (its bias is not
+    split), k/v not at all when the KV heads are fewer than train_tp."""
+    if train_tp == 1:
+        return {}
+    plan = MODEL_SPECS.get(d.arch).tp_plan(d)
+    if d.num_kv_heads % train_tp:
+        plan = {k: v for k, v in plan.items() if k not in ("self_attn.k_proj", "self_attn.v_proj")}
+    shapes = hf_shapes(d)
+    out = {}
+    for i in range(d.num_layers):
+        for path, style in plan.items():
+            kinds = (".weight", ".bias") if style == "colwise" else (".weight",)
+            for kind in kinds if style in ("colwise", "rowwise") else ():
+                name = f"model.layers.{i}.{path}{kind}"
+                if name in shapes:
+                    out[name] = style
     return out
 
 

@@ -43,28 +43,19 @@ from typing import NamedTuple
 import numpy as np
 
 from hybrid_engine.reshard.adapters import LoraDims, adapter_layout, adapter_shapes
-from hybrid_engine.reshard.buckets import Geometry, Unit, bucketize, shares, twins
-from hybrid_engine.reshard.layouts import ModelDims, TargetParam, hf_shapes, row_units, tp_layout
+from hybrid_engine.reshard.buckets import Geometry, Unit, bucketize, shard_rows, shares, twins
+from hybrid_engine.reshard.layouts import (ModelDims, TargetParam, hf_shapes, row_units,
+                                           tp_layout, train_splits)
 
 __all__ = ["Block", "Cut", "ReshardPlan", "build_plan", "cut_buckets", "padding_rows", "rank_plans", "shard_rows", "target_group"]
-
-
-def shard_rows(num_rows: int, world_size: int, rank: int, unit: int = 1) -> tuple[int, int]:
-    """[start, end) rows of a rank under FSDP2's Shard(0) (torch.chunk semantics).
-
-    unit: rows per index of the tensor's first dim (a 3-D tensor seen 2-D, e.g.
-    MoE experts: `layouts.row_units`); Shard(0) splits whole units."""
-    n = num_rows // unit
-    chunk = -(-n // world_size)
-    start = min(rank * chunk, n)
-    return start * unit, min(start + chunk, n) * unit
 
 
 class Block(NamedTuple):
     """rows x cols elements moving from src_rank's shard to dst_rank's target.
 
-    src_row is relative to the source rank's local shard; cols are columns of
-    the HF tensor; (dst_row, dst_col) is the offset in the TP-local target.
+    src_row and cols are relative to the source rank's local shard (cols are
+    the HF tensor's columns unless the training TP splits them); (dst_row,
+    dst_col) is the offset in the TP-local target.
     """
 
     src_rank: int
@@ -109,6 +100,7 @@ class ReshardPlan:
         rank: None for the whole plan; r for rank r's plan, whose local and
             buckets hold only the blocks r copies, sends or receives (the
             same buckets, in the same order, as every other rank's).
+        geo: the geometry it was planned on (`reshard.buckets.Geometry`).
     """
 
     world_size: int
@@ -123,19 +115,23 @@ class ReshardPlan:
     row_units: dict[str, int] = field(default_factory=dict)
     bucket_groups: list[int] = field(default_factory=list)
     rank: int | None = None
+    geo: Geometry | None = None
 
     def __post_init__(self) -> None:
         self.shard_group_size = self.shard_group_size or self.num_sources
         assert len(self.bucket_groups) == len(self.buckets), "every bucket needs its group"
         assert self.rank is None or 0 <= self.rank < self.world_size, self.rank
 
-    def source_rows(self, name: str, rank: int) -> tuple[int, int]:
-        """[start, end) rows of HF tensor name that rank holds (empty: not a source)."""
-        rows = self.hf_shapes[name][0]
+    def source_block(self, name: str, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """([start, end) rows, [start, end) columns) of HF tensor name that rank
+        holds (no rows: not a source)."""
+        rows, cols = self.hf_shapes[name]
         if rank >= self.num_sources:
-            return rows, rows
+            return (rows, rows), (0, cols)
+        if self.geo is not None:
+            return self.geo.source_block(name, rank)
         return shard_rows(rows, self.shard_group_size, rank % self.shard_group_size,
-                          self.row_units.get(name, 1))
+                          self.row_units.get(name, 1)), (0, cols)
 
     def group_buckets(self, group: int) -> list[int]:
         """Indices of the buckets of one group, in order."""
@@ -165,8 +161,8 @@ class ReshardPlan:
         under separate placement a rollout rank receives every full tensor)."""
         total = 0
         for name, (rows, cols) in self.hf_shapes.items():
-            r0, r1 = self.source_rows(name, rank)
-            total += (rows - (r1 - r0)) * cols
+            (r0, r1), (c0, c1) = self.source_block(name, rank)
+            total += rows * cols - (r1 - r0) * (c1 - c0)
         return total
 
     def target_elements(self, rank: int) -> int:
@@ -174,26 +170,34 @@ class ReshardPlan:
         return sum(t.shape[0] * t.shape[1] for t in self.targets[rank])
 
 
-def _blocks_for(d_rank: int, target: TargetParam, shapes: dict[str, tuple[int, int]],
-                sources: range, group: int, units: dict[str, int],
-                only: int | None = None) -> list[Block]:
-    """Blocks filling target (of sync group `group`) on d_rank from one shard group
-    (sources: its ranks, in shard order); only: just those of that shard position."""
+def _blocks_for(geo: Geometry, d_rank: int, target: TargetParam, serving: int, group: int,
+                only: tuple[int, int] | None = None) -> list[Block]:
+    """Blocks filling target (of sync group `group`) on d_rank, served by shard
+    group `serving` (a split slab's parts by the group holding it: `Geometry.parts`);
+    only: just those of that (shard group, position)."""
     out = []
+    s = geo.shard_group_size
     for seg in target.segments:
-        rows, unit = shapes[seg.hf_name][0], units.get(seg.hf_name, 1)
-        chunk = -(-rows // unit // len(sources)) * unit
         if seg.rows[1] <= seg.rows[0]:
             continue
-        first, last = seg.rows[0] // chunk, (seg.rows[1] - 1) // chunk + 1  # shards it overlaps
-        if only is not None:
-            first, last = max(first, only), min(last, only + 1)
-        for s in range(first, last):
-            src = sources[s]
-            s0, s1 = shard_rows(rows, len(sources), s, unit)
-            r0, r1 = max(seg.rows[0], s0), min(seg.rows[1], s1)
-            out.append(Block(src, d_rank, seg.hf_name, r0 - s0, seg.cols, target.name,
-                             seg.dst_row + (r0 - seg.rows[0]), seg.dst_col, r1 - r0, group))
+        unit = geo.units.get(seg.hf_name, 1)
+        for part in geo.parts(seg):
+            holder = serving if part.group < 0 else part.group
+            if only is not None and only[0] != holder:
+                continue
+            chunk = -(-part.slab_rows // unit // s) * unit
+            a, b = part.rows[0] - part.slab_row, part.rows[1] - part.slab_row  # in the slab
+            first, last = a // chunk, (b - 1) // chunk + 1  # positions it overlaps
+            if only is not None:
+                first, last = max(first, only[1]), min(last, only[1] + 1)
+            ranks = geo.sources(holder)
+            cols = (part.cols[0] - part.slab_col, part.cols[1] - part.slab_col)
+            for p in range(first, last):
+                s0, s1 = shard_rows(part.slab_rows, s, p, unit)
+                r0, r1 = max(a, s0), min(b, s1)
+                if r0 < r1:
+                    out.append(Block(ranks[p], d_rank, seg.hf_name, r0 - s0, cols, target.name,
+                                     part.dst_row + (r0 - a), part.dst_col, r1 - r0, group))
     return out
 
 
@@ -207,7 +211,7 @@ def target_group(name: str, num_layers: int) -> int:
 def build_plan(dims: ModelDims, world_size: int, tp: int, *,
                bucket_elems: int = 1 << 24, num_trainers: int | None = None,
                shard_group_size: int | None = None, lora: LoraDims | None = None,
-               rank: int | None = None) -> ReshardPlan:
+               rank: int | None = None, train_tp: int = 1) -> ReshardPlan:
     """Builds the plan for N = world_size ranks and rollout TP size tp.
 
     Args:
@@ -226,25 +230,29 @@ def build_plan(dims: ModelDims, world_size: int, tp: int, *,
         rank: None = every rank's blocks (the whole plan); r = only the blocks
             rank r sends or receives, and its local ones: the whole plan
             restricted to r, built without listing any other rank's.
+        train_tp: the training TP size (train.tensor_parallel_size): sources
+            d * train_tp + t hold TP rank t's slab of each tensor it splits
+            (`layouts.train_splits`), FSDP2 rows of it over the M / train_tp
+            ranks of that TP rank (shard_group_size must be None or that).
 
     Raises:
         ValueError: T does not divide the rollout ranks, M is not in [1, N),
-            S does not divide M, T does not fit the model's heads, rank is not
-            one of the N, or one row of a parameter passes bucket_elems.
+            S does not divide M, T or train_tp does not fit the model's heads,
+            rank is not one of the N, or one row of a parameter passes bucket_elems.
     """
     return next(rank_plans(dims, world_size, tp, [rank], bucket_elems=bucket_elems,
                            num_trainers=num_trainers, shard_group_size=shard_group_size,
-                           lora=lora))
+                           lora=lora, train_tp=train_tp))
 
 
 def rank_plans(dims: ModelDims, world_size: int, tp: int, ranks: Iterable[int | None], *,
                bucket_elems: int = 1 << 24, num_trainers: int | None = None,
                shard_group_size: int | None = None, lora: LoraDims | None = None,
-               ) -> Iterator[ReshardPlan]:
+               train_tp: int = 1) -> Iterator[ReshardPlan]:
     """`build_plan(..., rank=r)` for each r of ranks, one at a time, the buckets
     computed once (`hybrid-engine plan`'s cluster view holds one rank's plan)."""
     cut = cut_buckets(dims, world_size, tp, bucket_elems=bucket_elems, num_trainers=num_trainers,
-                      shard_group_size=shard_group_size, lora=lora)
+                      shard_group_size=shard_group_size, lora=lora, train_tp=train_tp)
     geo, every, units = cut.geo, cut.every, cut.buckets
     groups = [[geo.layouts[0][i].name for i in g] for g in cut.indices]
     targets = [[] if g < geo.first else geo.layouts[(g - geo.first) % tp]
@@ -259,7 +267,7 @@ def rank_plans(dims: ModelDims, world_size: int, tp: int, ranks: Iterable[int | 
         buckets = [[b for u in bucket for b in blocks(u, _remote, rank)] for bucket in units]
         yield ReshardPlan(world_size, tp, geo.num_sources, geo.shapes, targets, groups, local,
                           buckets, geo.shard_group_size, geo.units,
-                          [bucket[0].group for bucket in units], rank)
+                          [bucket[0].group for bucket in units], rank, geo)
 
 
 @dataclass
@@ -283,10 +291,11 @@ class Cut:
 
 def cut_buckets(dims: ModelDims, world_size: int, tp: int, *, bucket_elems: int = 1 << 24,
                 num_trainers: int | None = None, shard_group_size: int | None = None,
-                lora: LoraDims | None = None) -> Cut:
+                lora: LoraDims | None = None, train_tp: int = 1) -> Cut:
     """The buckets every rank's plan shares (arguments as `build_plan`'s); a
     decoder layer equal to layer 0 but for names reuses its cut."""
-    geo = _geometry(dims, world_size, tp, bucket_elems, num_trainers, shard_group_size, lora)
+    geo = _geometry(dims, world_size, tp, bucket_elems, num_trainers, shard_group_size, lora,
+                    train_tp)
     groups: list[list[int]] = [[] for _ in range(dims.num_layers + 2)]
     for i, t in enumerate(geo.layouts[0]):
         groups[target_group(t.name, dims.num_layers)].append(i)
@@ -339,7 +348,7 @@ class _Twinned:
 
 def _geometry(dims: ModelDims, world_size: int, tp: int, bucket_elems: int,
               num_trainers: int | None, shard_group_size: int | None,
-              lora: LoraDims | None) -> Geometry:
+              lora: LoraDims | None, train_tp: int = 1) -> Geometry:
     """The plan's geometry, its arguments checked (see `build_plan`)."""
     m = world_size if num_trainers is None else num_trainers
     if not 1 <= m <= world_size or (num_trainers is not None and m == world_size):
@@ -351,25 +360,33 @@ def _geometry(dims: ModelDims, world_size: int, tp: int, bucket_elems: int,
                          f"{'world size' if num_trainers is None else 'rollout ranks'} {rollout_ranks}")
     if bucket_elems < 1:
         raise ValueError(f"bucket size must be positive, got {bucket_elems} elements")
-    size = m if shard_group_size is None else shard_group_size
+    if train_tp < 1 or m % train_tp:
+        raise ValueError(f"train.tensor_parallel_size={train_tp} must divide the {m} "
+                         "trainer ranks")
+    if train_tp > 1 and (lora is not None or shard_group_size not in (None, m // train_tp)):
+        raise ValueError(f"train.tensor_parallel_size={train_tp} shards over the {m // train_tp} "
+                         f"ranks of each TP rank, without LoRA (got shard group size "
+                         f"{shard_group_size}{', LoRA' * (lora is not None)})")
+    size = m // train_tp if shard_group_size is None else shard_group_size
     if not 1 <= size <= m or m % size:
         raise ValueError(f"shard group size {shard_group_size} must divide the {m} source ranks")
     shapes = hf_shapes(dims) if lora is None else adapter_shapes(dims, lora)
     units = row_units(dims) if lora is None else {}
     layouts = [tp_layout(dims, tp, r) if lora is None else adapter_layout(dims, lora, tp, r)
                for r in range(tp)]
-    return Geometry(world_size, tp, m, size, world_size - rollout_ranks, shapes, units, layouts)
+    splits = train_splits(dims, train_tp) if train_tp > 1 else {}
+    return Geometry(world_size, tp, m, size, world_size - rollout_ranks, shapes, units, layouts,
+                    splits, train_tp)
 
 
 def _local(geo: Geometry, u: Unit, g: int) -> list[Block]:
     """The blocks of unit u that rank g copies from its own shard (none: g holds
     no parameters, or its rows come from another group)."""
     r = geo.tp_rank(g)
-    if r is None or g >= geo.num_sources or geo.serving(g) != g // geo.shard_group_size:
+    if r is None or g >= geo.num_sources or geo.serving(g) != geo.group_of(g):
         return []
-    return _blocks_for(g, geo.clipped(r, u.index, u.rows), geo.shapes,
-                       geo.sources(geo.serving(g)), u.group, geo.units,
-                       only=g % geo.shard_group_size)
+    return _blocks_for(geo, g, geo.clipped(r, u.index, u.rows), geo.serving(g), u.group,
+                       only=(geo.group_of(g), geo.position(g)))
 
 
 def _remote(geo: Geometry, u: Unit, rank: int | None) -> list[Block]:
@@ -378,21 +395,23 @@ def _remote(geo: Geometry, u: Unit, rank: int | None) -> list[Block]:
     group differ from another's of the same TP rank only in dst_rank, so they
     are listed once per (TP rank, group) and stamped per destination."""
     out: dict[int, list[Block]] = {}
-    holds = None  # per TP rank, whether rank's shard position holds any of u's rows
+    holds = None  # per TP rank, whether rank holds any of u's rows: [T, any group or its own]
     if rank is not None and rank < geo.num_sources:
-        holds = shares(geo, u, np.array([rank % geo.shard_group_size]))[0][:, 0] > 0
+        me = (geo.group_of(rank), geo.position(rank))
+        held = shares(geo, u, np.array([me[1]]))[0][:, :, 0]
+        holds = np.stack([held[:, -1] > 0, held[:, me[0]] > 0], 1)
     for r in range(geo.tp):
         for group in range(geo.num_groups):
             dsts = geo.served(r, group)
             if not len(dsts):
                 continue
             receives = rank is None or rank in dsts
-            if not receives and (holds is None or rank // geo.shard_group_size != group
-                                 or not holds[r]):
+            if not receives and (holds is None or not (holds[r, 0] and me[0] == group
+                                                       or holds[r, 1])):
                 continue  # rank neither receives nor sends these
-            protos = _blocks_for(-1 if rank is None else rank, geo.clipped(r, u.index, u.rows),
-                                 geo.shapes, geo.sources(group), u.group, geo.units,
-                                 None if receives else rank % geo.shard_group_size)
+            protos = _blocks_for(geo, -1 if rank is None else rank,
+                                 geo.clipped(r, u.index, u.rows), group, u.group,
+                                 None if receives else me)
             for g in dsts.tolist():
                 if g == rank:  # every source's rows but its own, already stamped
                     mine = [p for p in protos if p[0] != g]

@@ -128,6 +128,9 @@ class ReshardExecutor:
         self.source_names = sorted(plan.hf_shapes)
         self.target_names = [t.name for t in plan.targets[rank]]
         self._src_idx = {n: i for i, n in enumerate(self.source_names)}
+        # a source's row stride: its local columns (a training TP slab's, or all)
+        self._src_cols = {n: (lambda c: c[1] - c[0])(plan.source_block(n, rank)[1])
+                          for n in self.source_names}
         self._target_shapes = {t.name: t.shape for t in plan.targets[rank]}
         self._target_cols = {n: s[1] for n, s in self._target_shapes.items()}
         self.groups = [self._group_tables(g, names) for g, names in enumerate(plan.groups)]
@@ -155,7 +158,7 @@ class ReshardExecutor:
     def _row(self, b: Block, kind: str, buf_offset: int = 0) -> TableRow:
         # Destination indices are positions in the current group (_dst_idx).
         cols = b.cols[1] - b.cols[0]
-        src_cols = self.plan.hf_shapes[b.hf_name][1]
+        src_cols = self._src_cols[b.hf_name]
         dst_cols = self._target_cols[b.target] if kind != "send" else cols
         src = (self._src_idx[b.hf_name], b.src_row * src_cols + b.cols[0], src_cols, 1)
         if kind == "send":  # sources -> buffer (dense rows of `cols`)

@@ -161,16 +161,18 @@ class WeightSync:
         for name, p in named:
             rows, cols = self.plan.hf_shapes[name]
             local = p.to_local() if isinstance(p, DTensor) else p
-            r0, r1 = self.plan.source_rows(name, self.rank) if isinstance(p, DTensor) \
-                else (0, rows)
-            if local.numel() != (r1 - r0) * cols or (isinstance(p, DTensor)
-                                             and p.device_mesh.size(-1) != size):
+            (r0, r1), (c0, c1) = self.plan.source_block(name, self.rank) \
+                if isinstance(p, DTensor) else ((0, rows), (0, cols))
+            mesh = p.device_mesh.size(0) if isinstance(p, DTensor) else 1
+            if local.numel() != (r1 - r0) * (c1 - c0) or (isinstance(p, DTensor) and mesh
+                                                          not in (size, p.device_mesh.size())):
                 raise ValueError(
-                    f"{name}: local shard has {local.numel() // max(cols, 1)} rows over a shard group of "
-                    f"{p.device_mesh.size(-1) if isinstance(p, DTensor) else 1} rank(s); the "
-                    f"plan expects {r1 - r0} (FSDP2 Shard(0) over groups of {size} ranks, "
-                    "torch.chunk sizes): the sync's shard_group_size is not the trainer's")
-            out[name] = local.detach().contiguous().view(r1 - r0, cols)
+                    f"{name}: local shard of {tuple(local.shape)} over a mesh of "
+                    f"{p.device_mesh.size() if isinstance(p, DTensor) else 1} rank(s); the plan "
+                    f"expects rows [{r0}, {r1}), columns [{c0}, {c1}) (FSDP2 Shard(0) over groups "
+                    f"of {size} ranks, torch.chunk sizes): the sync's shard_group_size or "
+                    "train_tp is not the trainer's")
+            out[name] = local.detach().contiguous().view(r1 - r0, c1 - c0)
         missing = set(self.plan.hf_shapes) - set(out)
         if missing:
             raise ValueError(f"model lacks parameters the plan needs: {sorted(missing)[:5]}")

@@ -46,15 +46,19 @@ def test_traffic_splits_every_block_by_node(world, tp, dpn):
 
 @pytest.mark.parametrize("spec", ["qwen2", "qwen3_moe-e6", "mixtral-e5-tied"])
 @pytest.mark.parametrize("world,tp,dpn,shard", [(4, 2, 2, None), (8, 2, 4, 4), (8, 4, 2, 2),
-                                                (4, 1, 1, 1), (6, 2, 3, 3)])
+                                                (4, 1, 1, 1), (6, 2, 3, 3), (8, 2, 4, "tp2"),
+                                                (8, 4, 2, "tp4")])
 def test_cluster_traffic_from_the_buckets_alone_is_the_whole_plans(spec, world, tp, dpn, shard):
     """`hybrid-engine plan`'s cluster view, in closed form from the cut buckets
-    (no block listed), counts what the whole plan's blocks do, rank by rank."""
+    (no block listed), counts what the whole plan's blocks do, rank by rank
+    ("tp<t>": training TP t x FSDP2)."""
     from hybrid_engine.reshard.costs import cluster_traffic
     from hybrid_engine.reshard.plan import cut_buckets
 
     d = model_dims(hf_config(SPECS[spec]))
     kw = dict(bucket_elems=3000, shard_group_size=shard)
+    if isinstance(shard, str):
+        kw.update(shard_group_size=None, train_tp=int(shard[2:]))
     want = plan_traffic(build_plan(d, world, tp, **kw), dpn, itemsize=2)
     assert cluster_traffic(cut_buckets(d, world, tp, **kw), dpn, itemsize=2) == want
     assert any(t.local for t in want) and any(t.messages for t in want) == (shard != 1)

@@ -129,9 +129,10 @@ def _execute(plan, full, rank: int) -> dict[str, torch.Tensor]:
     blocks = plan.local[rank] + [b for bk in plan.buckets for b in bk if b.dst_rank == rank]
     for b in blocks:
         t = full[b.hf_name]
-        s0, s1 = plan.source_rows(b.hf_name, b.src_rank)
+        (s0, s1), (c0, c1) = plan.source_block(b.hf_name, b.src_rank)
         assert b.src_row + b.rows <= s1 - s0, f"{b.hf_name}: rank {b.src_rank} lacks the rows"
-        src = t[s0 + b.src_row : s0 + b.src_row + b.rows, b.cols[0] : b.cols[1]]
+        assert b.cols[1] <= c1 - c0, f"{b.hf_name}: rank {b.src_rank} lacks the columns"
+        src = t[s0 + b.src_row : s0 + b.src_row + b.rows, c0 + b.cols[0] : c0 + b.cols[1]]
         dst = out[b.target][b.dst_row : b.dst_row + b.rows, b.dst_col : b.dst_col + src.shape[1]]
         assert torch.count_nonzero(dst) == 0, f"{b.target}: block overlaps an earlier one"
         dst.copy_(src)
@@ -178,11 +179,12 @@ def test_plan_builds_vllm_layout_with_minimal_bytes(spec, world, tp):
         plan.elements_received(g) for g in range(world))
 
 
-@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (4, 4)])
-def test_buckets_bound_every_ranks_volume(world, tp):
+@pytest.mark.parametrize("world,tp,train_tp", [(2, 2, 1), (4, 2, 1), (4, 4, 1), (4, 2, 2),
+                                               (4, 1, 4)])
+def test_buckets_bound_every_ranks_volume(world, tp, train_tp):
     d = _dims("qwen2")
     limit = 5000
-    plan = build_plan(d, world, tp, bucket_elems=limit)
+    plan = build_plan(d, world, tp, bucket_elems=limit, train_tp=train_tp)
     assert len(plan.buckets) > 3
     for i, bucket in enumerate(plan.buckets):
         for g in range(world):
@@ -190,7 +192,7 @@ def test_buckets_bound_every_ranks_volume(world, tp):
             assert sum(b.numel for b in plan.recvs(i, g)) <= limit
         assert all(b.src_rank != b.dst_rank for b in bucket)
     # Unbounded buckets: one per group (embeddings, each layer, head), same blocks.
-    one = build_plan(d, world, tp, bucket_elems=1 << 40)
+    one = build_plan(d, world, tp, bucket_elems=1 << 40, train_tp=train_tp)
     assert [bk[0].group for bk in one.buckets] == sorted({b.group for bk in one.buckets for b in bk})
     assert all(len({b.group for b in bk}) == 1 for bk in plan.buckets + one.buckets)
     assert sum(b.numel for bk in one.buckets for b in bk) == sum(b.numel for bk in plan.buckets for b in bk)
@@ -324,6 +326,87 @@ def test_separate_plan_spreads_rollout_ranks_over_replicated_groups(world, train
     assert max(served) - min(served) <= 1 and min(served) >= 1, served
 
 
+def _chunk(t: torch.Tensor, k: int, i: int, dim: int = 0) -> torch.Tensor:
+    """torch.chunk(t, k, dim)[i], empty where torch.chunk returns fewer than k chunks."""
+    parts = t.chunk(k, dim)
+    return parts[i] if i < len(parts) else t.narrow(dim, t.shape[dim], 0)
+
+
+def _tp_sources(full, d: ModelDims, g: int, dp: int, ttp: int, units) -> dict[str, torch.Tensor]:
+    """Rank g = d * ttp + t's local tensors under TP x FSDP2 training, from torch.chunk
+    alone (`parallel.tensor_parallel`'s layout, written independently of the plan):
+    q (k, v when the KV heads divide ttp) and gate/up split by rows, o and down
+    by columns, then FSDP2 rows over the dp ranks of TP rank t."""
+    dd, t = divmod(g, ttp)
+    col = ("q_proj.",) + (("k_proj.", "v_proj.") if d.num_kv_heads % ttp == 0 else ())
+    col += ("gate_proj.weight", "up_proj.weight")
+    out = {}
+    for name, w in full.items():
+        if ".layers." in name and any(f".{c}" in name for c in col):
+            w = _chunk(w, ttp, t)
+        elif name.endswith(("o_proj.weight", "mlp.down_proj.weight")):
+            w = _chunk(w, ttp, t, 1)
+        u = units.get(name, 1)
+        out[name] = _chunk(w.view(-1, u, w.shape[1]), dp, dd).reshape(-1, w.shape[1])
+    return out
+
+
+def _execute_from(plan, local, rank: int) -> dict[str, torch.Tensor]:
+    """Runs the plan for one destination, each block read from its source's local tensor."""
+    out = {t.name: torch.zeros(t.shape, dtype=torch.float64) for t in plan.targets[rank]}
+    for b in plan.local[rank] + [b for bk in plan.buckets for b in bk if b.dst_rank == rank]:
+        src = local[b.src_rank][b.hf_name]
+        assert b.src_row + b.rows <= src.shape[0] and b.cols[1] <= src.shape[1], b
+        dst = out[b.target][b.dst_row : b.dst_row + b.rows, b.dst_col : b.dst_col + b.cols[1] - b.cols[0]]
+        assert torch.count_nonzero(dst) == 0, f"{b.target}: block overlaps an earlier one"
+        dst.copy_(src[b.src_row : b.src_row + b.rows, b.cols[0] : b.cols[1]])
+    return out
+
+
+TRAIN_TP = [(s, w, m, ttp, tp) for s in ("qwen2", "llama-kv1-tied", "qwen3_moe-e6", "mixtral-e5-tied")
+            for w, m, ttp, tp in [(4, None, 2, 1), (4, None, 2, 2), (4, None, 2, 4), (4, None, 4, 1),
+                                  (4, None, 4, 2), (4, None, 4, 4), (6, 4, 2, 2), (6, 2, 2, 1)]]
+
+
+@pytest.mark.parametrize("spec,world,trainers,ttp,tp", TRAIN_TP)
+def test_tp_training_sources_reshard_with_minimal_bytes(spec, world, trainers, ttp, tp):
+    """Training TP ttp x FSDP2 (train.tensor_parallel_size) into vLLM TP tp, colocated
+    and separate: every destination gets exactly vLLM's tensors, each block read
+    from its source's own torch.chunk block, and receives exactly the elements it
+    needs and does not hold itself (separate: every element it needs)."""
+    d = _dims(spec)
+    plan = build_plan(d, world, tp, bucket_elems=4000, num_trainers=trainers, train_tp=ttp)
+    full = _id_tensors(d, plan.hf_shapes)
+    m = trainers or world
+    local = {g: _tp_sources(full, d, g, m // ttp, ttp, plan.row_units) for g in range(m)}
+    first = world - (world if trainers is None else world - trainers)
+    for g in range(first, world):
+        got = _execute_from(plan, local, g)
+        want = _expected(full, d, tp, (g - first) % tp)
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"rank {g}: {name}"
+        ids = torch.cat([w.reshape(-1) for w in want.values()])
+        ids = ids[ids > 0]
+        held = torch.cat([t.reshape(-1) for t in local[g].values()]) if g in local else ids[:0]
+        assert plan.elements_received(g) == int((~torch.isin(ids, held)).sum())
+    assert sum(plan.elements_sent(g) for g in range(world)) == sum(
+        plan.elements_received(g) for g in range(world))
+
+
+def test_tp_training_matching_the_rollouts_tp_moves_only_the_data_parallel_rows():
+    """Training TP = rollout TP, colocated: a rank's split weights are its vLLM
+    shard's rows already (columns for o and down); it receives only the rows
+    of its TP slab that its FSDP2 peers hold, and the unsplit tensors' rows."""
+    d = _dims("qwen2")
+    same = build_plan(d, 4, 2, train_tp=2)
+    plain = build_plan(d, 4, 2)
+    assert all(same.elements_received(g) < plain.elements_received(g) for g in range(4))
+    one = build_plan(d, 2, 2, train_tp=2)  # one rank per TP rank: every split weight in place
+    split = {n for n in one.hf_shapes if ".layers." in n and "norm" not in n}
+    assert not any(b.hf_name in split for bk in one.buckets for b in bk)
+
+
 def test_bad_sizes_are_rejected():
     d = _dims("qwen2")
     with pytest.raises(ValueError, match="must divide the world size 4"):
@@ -338,6 +421,10 @@ def test_bad_sizes_are_rejected():
         build_plan(d, 4, 1, num_trainers=4)
     with pytest.raises(ValueError, match="shard group size 3 must divide the 4 source ranks"):
         build_plan(d, 4, 1, shard_group_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the 4 trainer"):
+        build_plan(d, 4, 1, train_tp=3)
+    with pytest.raises(ValueError, match="shards over the 2 ranks of each TP rank"):
+        build_plan(d, 4, 1, train_tp=2, shard_group_size=4)
 
 
 def test_unsupported_architecture_lists_supported_ones():
@@ -376,13 +463,20 @@ def _assert_restriction(whole, mine, r: int) -> None:
 @pytest.mark.parametrize("spec", ["qwen3-kv1", "qwen3_moe-e6", "mixtral-e5-tied", "phi3-fused"])
 @pytest.mark.parametrize("world,tp,trainers,shard", [
     (4, 2, None, None), (4, 4, None, None), (4, 2, None, 2), (4, 2, None, 1),  # colocated
-    (6, 2, 2, None), (8, 2, 4, 2), (6, 2, 2, 1)])                            # separate
+    (6, 2, 2, None), (8, 2, 4, 2), (6, 2, 2, 1),                             # separate
+    (4, 2, None, "tp2"), (4, 1, None, "tp4"), (6, 2, 4, "tp2")])              # training TP
 def test_each_ranks_plan_is_the_whole_plan_restricted_to_it(spec, world, tp, trainers, shard):
     """`build_plan(rank=r)` lists only r's blocks, yet equals the whole plan's
     restricted to r: the same buckets, the same blocks in the same order."""
     from hybrid_engine.reshard.plan import rank_plans
 
     d, kw = _dims(spec), dict(bucket_elems=2000, num_trainers=trainers, shard_group_size=shard)
+    if isinstance(shard, str):  # "tp<t>": training TP t, FSDP2 across
+        kw.update(shard_group_size=None, train_tp=int(shard[2:]))
+        if spec == "phi3-fused":  # no TP plan for its fused tensors
+            with pytest.raises(ValueError, match="Phi-3 cannot train with train.tensor_para"):
+                build_plan(d, world, tp, **kw)
+            return
     whole = build_plan(d, world, tp, **kw)
     for r, mine in enumerate(rank_plans(d, world, tp, range(world), **kw)):
         _assert_restriction(whole, mine, r)
