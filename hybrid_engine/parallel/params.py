@@ -35,7 +35,8 @@ __all__ = ["LoadStats", "assert_sharded", "full_tensor", "hf_name", "is_adapter"
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 _LORA_BASE = ".base_layer"
 _PLACEMENTS = ((Shard(0),), (Replicate(), Shard(0)),  # FSDP2, HSDP
-               (Shard(0), Shard(1)))  # TP x FSDP2, rowwise (colwise: `_is_colwise`)
+               (Shard(0), Shard(1)),  # TP x FSDP2: rowwise (colwise: `_is_colwise`)
+               (Shard(0), Replicate()))  # TP x FSDP2: a rowwise bias
 
 
 def _is_colwise(placements: tuple) -> bool:
@@ -259,6 +260,8 @@ def local_block(param: Tensor) -> tuple[tuple[int, int], tuple[int, int] | None]
             or param.placements == (Replicate(), Shard(0)):
         return local_rows(param), None
     mesh, n = param.device_mesh, param.shape[0]
+    if param.placements == (Shard(0), Replicate()):  # a rowwise bias: whole on every TP rank
+        return shard_rows(n, mesh.size(0), mesh.get_local_rank(0)), None
     d, t = mesh.get_local_rank(0), mesh.get_local_rank(1)
     dp, tp = mesh.size(0), mesh.size(1)
     if _is_colwise(param.placements):

@@ -205,8 +205,10 @@ def model_dims_at(model_path: str) -> ModelDims:
 
 
 def shard_group_size(cfg: TrainConfig, trainers: int) -> int:
-    """Ranks one copy of the weights is sharded over, for a resolved cfg."""
-    return {"replicate": 1, "hybrid": cfg.shard_group_size}.get(cfg.sharding, trainers)
+    """Ranks one copy of the weights is sharded over, for a resolved cfg (with TP in
+    training: the ranks of one TP rank)."""
+    return {"replicate": 1, "hybrid": cfg.shard_group_size}.get(
+        cfg.sharding, trainers // cfg.tensor_parallel_size)
 
 
 def budget_bytes(memory_budget: float, device: torch.device, local_ranks: int) -> int:

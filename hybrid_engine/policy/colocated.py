@@ -222,7 +222,7 @@ class HybridActor:
                                  tp=cfg.rollout.tensor_parallel_size,
                                  wire_dtype=DTYPES[cfg.model.rollout_dtype], group=group,
                                  shard_group_size=shard_group_size(train_cfg, world),
-                                 adapter=adapter)
+                                 adapter=adapter, train_tp=train_cfg.tensor_parallel_size)
         self._process.time_out_own_groups()  # vLLM's, the FSDP mesh's; a host's keep theirs
         self.partial = PartialRollouts(cfg.rollout, cfg.async_rollout) if cfg.async_rollout.partial else None
         self._schedule = None  # the last multi-turn sampling's ScheduleStats (rollout_metrics)

@@ -196,7 +196,8 @@ class SeparatePolicy:
         self.syncer = WeightSync(hf_config, cfg.sync, tp=cfg.rollout.tensor_parallel_size,
                                  wire_dtype=DTYPES[cfg.model.rollout_dtype],
                                  num_trainers=self.num_trainers, group=sync_group,
-                                 shard_group_size=shard_group_size(train_cfg, self.num_trainers))
+                                 shard_group_size=shard_group_size(train_cfg, self.num_trainers),
+                                 train_tp=train_cfg.tensor_parallel_size)
         self._process.time_out_own_groups()
         self._shared = _SharedRollout(self.rollout, cfg.rollout, src=self.num_trainers)
         # What vLLM resolved, on every rank (the run's record is written by rank 0).

@@ -93,7 +93,9 @@ class WeightSync:
             train, the others roll out).
         shard_group_size: ranks one copy of the trainer's weights is sharded over
             (None = all trainer ranks; 1 = train.sharding=replicate; hybrid: its
-            group size).
+            group size; TP in training: the trainer ranks / train_tp).
+        train_tp: train.tensor_parallel_size (the sources' TP x FSDP2 blocks:
+            `reshard.plan.build_plan`).
         adapter: the model section of a run that syncs LoRA adapters
             (sync.lora=adapter, model.lora_rank > 0), else None (the weights,
             adapters merged).
@@ -102,11 +104,15 @@ class WeightSync:
     def __init__(self, hf_config: Any, cfg: SyncConfig, *, tp: int, wire_dtype: torch.dtype,
                  group: dist.ProcessGroup | None = None, num_trainers: int | None = None,
                  shard_group_size: int | None = None, adapter: ModelConfig | None = None,
-                 ) -> None:
+                 train_tp: int = 1) -> None:
         if adapter is not None and (cfg.method != "reshard" or num_trainers is not None):
             raise ValueError(f"sync.lora=adapter needs sync.method=reshard and placement="
                              f"colocated (got sync.method={cfg.method}"
                              f"{', placement=separate' if num_trainers is not None else ''})")
+        if cfg.method == "naive_bucketed" and train_tp > 1:
+            raise ValueError("sync.method='naive_bucketed' gathers FSDP2 rows over all ranks; "
+                             f"with train.tensor_parallel_size={train_tp} use sync.method="
+                             "'reshard' or 'naive'")
         if cfg.method == "naive_bucketed" and num_trainers is not None:
             raise ValueError(
                 f"sync.method='naive_bucketed' needs colocated placement (every rank holds an "
@@ -122,7 +128,8 @@ class WeightSync:
         self.peft_config = lora_config(adapter).to_dict() if adapter else None
         self.plan = build_plan(self.dims, world, tp, bucket_elems=bucket_elems,
                                num_trainers=num_trainers, shard_group_size=shard_group_size,
-                               lora=self.lora, rank=self.rank)  # this rank's blocks only
+                               lora=self.lora, rank=self.rank,
+                               train_tp=train_tp)  # this rank's blocks only
         self._adapter_buffers: dict[str, torch.Tensor] = {}
         if cfg.method == "naive_bucketed" and self.plan.shard_group_size not in (1, world):
             raise ValueError(

@@ -20,6 +20,8 @@ def _train_one_step(model, seed: int) -> None:
     ids = torch.randint(0, 250, (2, 12), generator=g)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model(input_ids=ids, labels=ids).loss.backward()
+    for sync_grads in getattr(model, "after_backward", ()):  # training TP: per-head norms
+        sync_grads()
     opt.step()
     opt.zero_grad()
 
@@ -67,10 +69,12 @@ def _max_logprob_diff(model_full, out) -> float:
     return worst
 
 
-def _sharded_model(model_dir: str, master: str = "float32", shard: int = 0):  # noqa: ANN202
+def _sharded_model(model_dir: str, master: str = "float32", shard: int | str = 0):  # noqa: ANN202
     """The HF model in the master dtype (fp32 unless given), FSDP2-sharded per
     layer + root over the world (shard > 0: over groups of that many ranks,
-    replicated across them, as train.sharding=replicate/hybrid)."""
+    replicated across them, as train.sharding=replicate/hybrid; "tp<t>": its
+    decoder layers split over TP groups of t ranks by the family's TP plan
+    first, FSDP2 across them, as train.tensor_parallel_size=t)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -79,7 +83,24 @@ def _sharded_model(model_dir: str, master: str = "float32", shard: int = 0):  # 
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, master))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    if shard:
+    if isinstance(shard, str):
+        from hybrid_engine.models.spec import spec_for
+        from hybrid_engine.parallel.fsdp import tp_mesh
+        from hybrid_engine.parallel.tensor_parallel import (parallelize, partial_grad_names,
+                                                            sum_partial_grads)
+
+        grid = tp_mesh(mesh, int(shard.removeprefix("tp")))
+        spec = spec_for(model.config)
+        dims = spec.dims(model.config)
+        parallelize(model, grid["tp"], spec.tp_plan(dims), dims)
+        mesh = grid["dp"]
+        # as the trainer does: the per-head norms' gradients summed over the TP ranks,
+        # so that the weights no TP rank splits stay equal on all of them
+        # (read when called: fully_shard below puts new parameters in place)
+        model.after_backward = [lambda: sum_partial_grads(
+            [p for n, p in model.named_parameters()
+             if n in partial_grad_names([n], spec.tp_plan(dims))], grid["tp"].get_group())]
+    elif shard:
         from hybrid_engine.parallel.fsdp import fsdp_mesh
 
         mesh = fsdp_mesh(mesh, shard)
@@ -118,14 +139,16 @@ def _sync_layout(model_dir: str, rollout, tp: int, dtype: str, master: str,  # n
     from hybrid_engine.roles.sync import WeightSync
 
     model = _sharded_model(model_dir, master, shard)
+    layout = (dict(train_tp=int(shard.removeprefix("tp"))) if isinstance(shard, str)
+              else dict(shard_group_size=shard or None))
     naive = WeightSync(model.config, SyncConfig(method="naive"), tp=tp,
-                       wire_dtype=getattr(torch, dtype))
+                       wire_dtype=getattr(torch, dtype), **layout)
     if reset:
         naive.sync(model, rollout)
     before = _greedy(rollout, 8)
     _train_one_step(model, seed=1)
     sync = WeightSync(model.config, SyncConfig(method="reshard", bucket_mb=0.05, verify=True),
-                      tp=tp, wire_dtype=getattr(torch, dtype), shard_group_size=shard or None)
+                      tp=tp, wire_dtype=getattr(torch, dtype), **layout)
     m1 = sync.sync(model, rollout)  # raises if any weight differs from vLLM's loader
     after = _greedy(rollout, 8)
     _train_one_step(model, seed=2)  # a second sync reuses the cached plan and buffers
@@ -170,8 +193,8 @@ def _sync_case(model_dir: str, tp: int, dtype: str, master: str = "float32",
 
 # norm_std: random norm weights, so a norm written to another layer's slot shows.
 # name: (model spec, world, TP, wire dtype, shard group size: 0 = FSDP over the world,
-# 1 = train.sharding=replicate, 2 on 4 ranks = hybrid as 2 groups of 2). Cases that
-# differ only in the layout share a launch (`sync_runs`).
+# 1 = train.sharding=replicate, 2 on 4 ranks = hybrid as 2 groups of 2; "tp<t>": training
+# TP t x FSDP2). Cases that differ only in the layout share a launch (`sync_runs`).
 _QWEN2 = dict(arch="qwen2", vocab_size=1000, norm_std=0.1)
 # Qwen3-MoE: Qwen3's attention (q/k norms, one KV head replicated on both TP ranks)
 # and 6 experts, which FSDP2 shards 2, 2, 2, 0 over 4 ranks (3, 3 per hybrid group).
@@ -219,8 +242,15 @@ SYNC_CASES = {
                          intermediate_size=258, vocab_size=1117, norm_std=0.1), 3, 3,
                     "float32", 0),
 }
+# Training TP x FSDP2 on 4 ranks, meshes 2x2 and 1x4, into vLLM TP 2 (Qwen3-MoE: one KV
+# head, whole on every training TP rank; experts not split), TP 4 in bf16 (Qwen2, q/k/v
+# biases) and TP 1 (Llama with an o_proj bias, whole on the TP ranks).
+TP_CASES = {f"{name}-train-{t}": (*SYNC_CASES[name][:4], t)
+            for name in ("qwen3_moe-kv1", "qwen2-tied-bf16", "llama-bias-replicas")
+            for t in ("tp2", "tp4")}
+SYNC_CASES |= TP_CASES
 LAYOUT_CASES = ["qwen2-replicate", "qwen3_moe-hybrid-2x2"]
-CASES = [name for name in SYNC_CASES if name not in LAYOUT_CASES]
+CASES = [name for name in SYNC_CASES if name not in LAYOUT_CASES and name not in TP_CASES]
 
 
 def _group(name: str) -> list[str]:
@@ -286,6 +316,23 @@ def test_sync_is_exact_from_replicated_and_hybrid_layouts(sync_runs, name):
             assert m["sync_bytes_received"] == o["min_bytes"]
             assert (m["sync_bytes_received"] == 0) == (shard == 1)
         assert o["max_diff"] < 1e-5 and o["greedy_equal"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TP_CASES)
+def test_sync_is_exact_from_tp_training(sync_runs, name):
+    """From training TP x FSDP2 blocks (each rank a TP slab's FSDP2 rows, the rest
+    rows only) into vLLM TP 1, 2 and 4: every weight equals vLLM's own loader's
+    bit for bit (verify), with the plan's minimum bytes (`tests/reshard/test_plan.py`
+    checks it against an independent count), the naive path agrees, and vLLM then
+    follows the trained weights. (Each runs after its FSDP twin, on one engine.)"""
+    for o in sync_runs(name):
+        assert o["changed"] and o["naive_equal"]
+        for m in (o["m1"], o["m2"]):
+            assert m["sync_bytes_received"] == o["min_bytes"]
+        if SYNC_CASES[name][3] == "float32":
+            assert o["max_diff"] < 1e-5 and o["greedy_equal"], o
 
 
 @pytest.mark.vllm
