@@ -201,8 +201,9 @@ class TrainConfig:
         1, "Policy training TP: groups of this many consecutive trainer ranks split attention "
         "heads and dense MLPs, FSDP2 across them (sharding full, grad_op or auto).", ge=1)
     replica_check_every: int = _field(
-        10, "sharding or critic_sharding 'replicate'/'hybrid': every this many optimizer "
-        "steps, stop the run if any replica's parameters differ bitwise; 0 = never.", ge=0)
+        10, "sharding or critic_sharding 'replicate'/'hybrid', or tensor_parallel_size > 1: "
+        "every this many optimizer steps, stop the run if replicas differ bitwise; 0 = never.",
+        ge=0)
     critic_sharding: Literal["full", "grad_op", "replicate", "hybrid"] = _field(
         "full", "The critic's training layout over its own ranks, as train.sharding: FSDP2 "
         "'full' / 'grad_op', DDP 'replicate', HSDP 'hybrid' (PPO with GAE).")

@@ -447,10 +447,16 @@ class Trainer:
 
     def _check_replicas(self, skipped: bool) -> None:
         """Every train.replica_check_every optimizer steps: the replicas of each
-        rank's weights (replicate, hybrid) are bitwise identical, else ReplicaDrift."""
+        rank's weights (replicate, hybrid; with TP the weights no TP rank splits,
+        on every rank of a TP group) are bitwise identical, else ReplicaDrift."""
         cfg = self.train_cfg
         check_replicas(self.module, self.mesh, cfg.sharding, cfg.shard_group_size,
                        every=cfg.replica_check_every, step=self.step, skipped=skipped)
+        every = cfg.replica_check_every
+        if self.tp_group is not None and every and not skipped and self.step % every == 0:
+            whole = [p for p in self.module.parameters() if p.device_mesh.ndim == 1]
+            replicas.check(whole, self.tp_group, 1, layout=str(cfg.tensor_parallel_size),
+                           step=self.step, device=self.device, key="train.tensor_parallel_size")
 
     def _accumulate(
         self, batch: TrainBatch, i: int, loss_fn: LossFn, norm: Tensor, entropy_grad: bool

@@ -33,25 +33,35 @@ def _blocks_match(module) -> bool:
     return True
 
 
-def _train(path: str, vocab: int, tp: int) -> dict:
+def _trainer(path: str, tp: int):  # noqa: ANN202
+    from hybrid_engine.config import ModelConfig, TrainConfig
+    from hybrid_engine.roles.trainer import Trainer
+
+    return Trainer(path, TrainConfig(lr=LR, grad_clip=1.0, sharding="full", packing=False,
+                                     tensor_parallel_size=tp, replica_check_every=1),
+                   ModelConfig(compute_dtype="float32"), logits_chunk_tokens=16)
+
+
+def _train(path: str, vocab: int, tp: int, more: str | None = None) -> dict:
+    """3 steps; more="checks": also resume from a checkpoint of step 2, export, and
+    drift one TP rank's copy of an unsplit weight."""
     import dataclasses
 
     import torch.distributed as dist
 
     from hybrid_engine.algorithms import policy_loss_fn
-    from hybrid_engine.config import AlgorithmConfig, ModelConfig, TrainConfig
+    from hybrid_engine.config import AlgorithmConfig
     from hybrid_engine.parallel.batch_slices import local_batch
-    from hybrid_engine.roles.trainer import Trainer
 
-    trainer = Trainer(path, TrainConfig(lr=LR, grad_clip=1.0, sharding="full", packing=False,
-                                        tensor_parallel_size=tp),
-                      ModelConfig(compute_dtype="float32"), logits_chunk_tokens=16)
+    trainer = _trainer(path, tp)
     batch, _ = local_batch(make_trajs(8, vocab), trainer.data_group, pad_id=0,
                            micro_batch_size=2)
     batch = dataclasses.replace(batch, old_logp_BT=trainer.compute_logprobs(batch)[0])
     loss_fn = policy_loss_fn(AlgorithmConfig(clip_low=0.2, clip_high=0.28))
     losses, norms = [], []
-    for _ in range(3):
+    for step in range(3):
+        if step == 2 and more:
+            _save(trainer, f"{path}-ckpt")
         m = trainer.train_step(batch, loss_fn)
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
@@ -60,7 +70,47 @@ def _train(path: str, vocab: int, tp: int) -> dict:
                q_rows=attn.q_proj.weight.to_local().shape[0],
                dp=dist.get_world_size(trainer.data_group),
                weights=full_weights(trainer.module))
-    return out if dist.get_rank() == 0 else {"blocks": out["blocks"]}
+    if more:
+        out |= _resume_export_drift(path, tp, trainer, batch, loss_fn, out)
+    return out if dist.get_rank() == 0 else {"blocks": out["blocks"],
+                                              "drift": out.get("drift")}
+
+
+def _save(trainer, folder: str) -> None:  # noqa: ANN001
+    from hybrid_engine.checkpoint.state import save_training_state
+
+    save_training_state(folder, trainer=trainer, group=trainer.group)
+
+
+def _resume_export_drift(path: str, tp: int, trainer, batch, loss_fn, out: dict) -> dict:  # noqa: ANN001
+    """Step 3 again from the checkpoint of step 2 on a fresh trainer; the HF export of
+    the trained weights; then one TP rank's copy of the final norm nudged by an ulp."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hybrid_engine.checkpoint.export import export_hf
+    from hybrid_engine.checkpoint.state import load_training_state
+    from hybrid_engine.guards import RunAborted
+
+    fresh = _trainer(path, tp)
+    load_training_state(f"{path}-ckpt", trainer=fresh, group=fresh.group)
+    m = fresh.train_step(batch, loss_fn)
+    resumed = dict(loss=m["loss"], grad_norm=m["grad_norm"], weights=full_weights(fresh.module))
+    export_hf(f"{path}-export", model=trainer, hf_config_source=path, group=trainer.group)
+    exported = None
+    if dist.get_rank() == 0:  # as transformers reads it back (experts fused again)
+        state = AutoModelForCausalLM.from_pretrained(f"{path}-export").state_dict()
+        exported = {n: state[n] for n in out["weights"]}
+    norm = trainer.module.model.norm.weight.to_local()
+    if dist.get_rank(trainer.tp_group) == 1:
+        with torch.no_grad():
+            norm.view(torch.int32)[0] += 1
+    try:
+        trainer.train_step(batch, loss_fn)
+        drift = None
+    except RunAborted as e:
+        drift = str(e)
+    return dict(resumed=resumed, exported=exported, drift=drift)
 
 
 def _tp_runs(root: str) -> dict:
@@ -73,7 +123,8 @@ def _tp_runs(root: str) -> dict:
         for a, spec in specs.items():
             write_tiny_model(f"{root}/{a}", spec)
     dist.barrier()
-    runs = {(a, dp, tp): _train(f"{root}/{a}", specs[a].vocab_size, tp)
+    runs = {(a, dp, tp): _train(f"{root}/{a}", specs[a].vocab_size, tp,
+                                "checks" if (a, dp) == ("qwen3_moe", 2) else None)
             for a in ARCHS for dp, tp in MESHES}
     if dist.get_rank() == 0:
         runs |= {(a, "plain"): plain_training(f"{root}/{a}", 3, specs[a].vocab_size)
@@ -102,3 +153,19 @@ def test_tp_training_matches_one_process(tp_runs, arch, dp, tp):
     assert run["losses"] == pytest.approx(plain["losses"], rel=1e-6)
     assert run["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-5)
     assert max_diff(run["weights"], plain["weights"]) < WEIGHT_ATOL
+
+
+@pytest.mark.slow
+def test_tp_training_resumes_exactly_exports_and_checks_its_replicas(tp_runs):
+    """Qwen3-MoE on the 2x2 mesh: step 3 from a DCP checkpoint of step 2, on a freshly
+    built trainer, gives the uninterrupted step 3 bit for bit (loss, gradient norm,
+    weights); the HF export holds the full trained weights; and a weight no TP rank
+    splits, nudged by an ulp on one TP rank, stops the run at the next step's check
+    (train.replica_check_every=1) on every rank."""
+    run = tp_runs[0][("qwen3_moe", 2, 2)]
+    assert run["resumed"]["loss"] == run["losses"][2]
+    assert run["resumed"]["grad_norm"] == run["grad_norms"][2]
+    assert max_diff(run["resumed"]["weights"], run["weights"]) == 0.0
+    assert max_diff(run["exported"], run["weights"]) == 0.0
+    for r in tp_runs:
+        assert "replicas drifted apart under train.tensor_parallel_size=2" in r[("qwen3_moe", 2, 2)]["drift"]
