@@ -121,12 +121,15 @@ def check_layout(cfg: RunConfig, hf: Any, *, ranks: RankMap, world_size: int,
     """The model against the parallel layout (ranks: cfg.placement's {role: ranks},
     `policy.placements.rank_map`), the memory and the installed vLLM."""
     from hybrid_engine.parallel.sharding import check_shard_group
+    from hybrid_engine.parallel.tensor_parallel import check_run
 
     trainers, rollout_ranks = len(ranks["actor"]), len(ranks["rollout"])
     check_parallel(hf, cfg.rollout.tensor_parallel_size, rollout_ranks,
                    what="world size" if rollout_ranks == world_size else "rollout ranks")
 
     check_shard_group(cfg.train, trainers)
+    check_run(hf, cfg.train.tensor_parallel_size, trainers, lora=cfg.model.lora_rank > 0,
+              sync_method=cfg.sync.method)
     check_kv_cache(cfg.memory.kv_cache_gib, local_world_size)
     check_rollout_limits(cfg.rollout, hf, dtype=cfg.model.rollout_dtype,
                          kv_cache_gib=cfg.memory.kv_cache_gib)

@@ -220,6 +220,42 @@ def test_bad_config(model_dir, tmp_path, args, expected) -> None:
     _has(_refusal(model_dir, tmp_path / "run", *args), expected)
 
 
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--train.tensor_parallel_size=3"], "train.tensor_parallel_size=3 must divide the 2 trainer"),
+    (["--train.tensor_parallel_size=2", "--placement=separate", "--rollout.num_ranks=1",
+      "--rollout.tensor_parallel_size=1"],
+     "train.tensor_parallel_size=2 must divide the 1 trainer rank(s)"),
+    (["--train.tensor_parallel_size=2", "--train.sharding=replicate"],
+     "tensor_parallel_size=2 needs train.sharding full, grad_op or auto"),
+    (["--train.tensor_parallel_size=2", "--model.lora_rank=8"], "does not train LoRA adapters"),
+    (["--train.tensor_parallel_size=2", "--sync.method=naive_bucketed"],
+     "with train.tensor_parallel_size=2 use sync.method='reshard' or 'naive'"),
+])
+def test_bad_training_tp(model_dir, tmp_path, args, expected) -> None:
+    _has(_refusal(model_dir, tmp_path / "run", *args), expected)
+
+
+def test_training_tp_must_split_the_models_heads_and_mlp(tmp_path) -> None:
+    """What each TP size must divide, and the family without a TP plan (Phi-3), in
+    one line before any engine (`tensor_parallel.check_run`, run by preflight)."""
+    from hybrid_engine.models.tiny import TinyModelSpec, hf_config
+    from hybrid_engine.parallel.tensor_parallel import check_run
+
+    def refusal(tp: int, **spec) -> str:  # noqa: ANN003
+        with pytest.raises(ValueError) as e:
+            check_run(hf_config(TinyModelSpec(**spec)), tp, 8, lora=False, sync_method="reshard")
+        return str(e.value)
+
+    check_run(hf_config(TinyModelSpec(num_kv_heads=1)), 4, 8, lora=False, sync_method="reshard")
+    assert "does not divide the 4 attention heads" in refusal(8)
+    assert "the 6 KV heads (nor do they divide it)" in refusal(
+        4, hidden_size=384, num_heads=12, num_kv_heads=6)
+    assert "the MLP's intermediate size 255" in refusal(2, intermediate_size=255)
+    check_run(hf_config(TinyModelSpec(arch="qwen3_moe", intermediate_size=255)), 2, 8,
+              lora=False, sync_method="reshard")  # experts are not split
+    assert "Phi-3 cannot train with train.tensor_parallel_size > 1" in refusal(2, arch="phi3")
+
+
 def test_lora_on_phi3s_fused_projections_is_refused(tmp_path) -> None:
     from hybrid_engine.models.tiny import TinyModelSpec, hf_config, write_tiny_model
     from hybrid_engine.preflight import check_lora_targets

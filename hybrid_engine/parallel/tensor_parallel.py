@@ -28,7 +28,7 @@ import functools
 import math
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
     from hybrid_engine.models.spec import ModelDims
 
-__all__ = ["check_tp", "clip_grad_norm", "parallelize", "sum_partial_grads"]
+__all__ = ["check_run", "check_tp", "clip_grad_norm", "parallelize", "partial_grad_names",
+           "sum_partial_grads"]
 
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 _KV = ("self_attn.k_proj", "self_attn.v_proj")
@@ -61,6 +62,27 @@ def check_tp(d: ModelDims, tp: int, plan: dict[str, str]) -> None:
     if problems:
         raise ValueError(f"train.tensor_parallel_size={tp} does not divide "
                          f"{' or '.join(problems)} of {d.arch}")
+
+
+def check_run(hf_config: Any, tp: int, trainers: int, *, lora: bool, sync_method: str) -> None:
+    """Raises ValueError (one line) where train.tensor_parallel_size=tp cannot train
+    this model on these trainer ranks (preflight: before any engine or mesh)."""
+    if tp == 1:
+        return
+    if trainers % tp:
+        raise ValueError(f"train.tensor_parallel_size={tp} must divide the {trainers} trainer "
+                         "rank(s): the mesh is (trainer ranks / TP) x TP")
+    if lora:
+        raise ValueError(f"train.tensor_parallel_size={tp} does not train LoRA adapters: set "
+                         "model.lora_rank=0 or train.tensor_parallel_size=1")
+    if sync_method == "naive_bucketed":
+        raise ValueError(f"sync.method='naive_bucketed' gathers FSDP2 rows over all ranks; with "
+                         f"train.tensor_parallel_size={tp} use sync.method='reshard' or 'naive'")
+    from hybrid_engine.models.spec import spec_for
+
+    spec = spec_for(hf_config)
+    dims = spec.dims(hf_config)
+    check_tp(dims, tp, spec.tp_plan(dims))
 
 
 class _SumOverTP(torch.autograd.Function):

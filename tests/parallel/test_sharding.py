@@ -5,6 +5,7 @@ The choice inside a real 2-rank job is tested in tests/policy/test_memory.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybrid_engine.config import apply_overrides
 from hybrid_engine.config.recipes import get_recipe
@@ -18,6 +19,7 @@ from hybrid_engine.parallel.sharding import (
 from hybrid_engine.reshard.layouts import hf_shapes, model_dims
 
 GIB = 2**30
+CPU = torch.device("cpu")
 DIMS = model_dims(hf_config(PRESETS["qwen2-180m"]))
 P = sum(r * c for r, c in hf_shapes(DIMS).values())
 
@@ -111,6 +113,25 @@ def test_auto_considers_hybrid_only_with_a_group_size() -> None:
     est, _ = choose(DIMS, cfg, 4, hybrid.total, colocated=True)
     assert (est.sharding, est.shard_group_size) == ("hybrid", 2)
     assert choose(DIMS, w1(), 4, hybrid.total, colocated=True)[0].sharding == "grad_op"
+
+
+def test_auto_with_training_tp_chooses_among_the_fsdp2_layouts_by_a_tp_ranks_share() -> None:
+    """train.tensor_parallel_size=2 on 4 ranks: only grad_op and full (FSDP2 across the
+    TP groups) are candidates; the states are sharded over all 4 ranks, the gathered
+    layers are one TP rank's share (attention and MLP halved), the batch rows split
+    over the 2 data-parallel ranks; shard_group_size is the ranks of one TP rank."""
+    cfg, tp = w1(), w1(**{"train.tensor_parallel_size": 2})
+    plain, split = (estimate("grad_op", DIMS, c, 4, colocated=False, cuda=False) for c in (cfg, tp))
+    assert split.states == plain.states == 4 * P * 4 // 4
+    layer = sum(r * c for n, (r, c) in hf_shapes(DIMS).items() if n.startswith("model.layers.0."))
+    norms = 2 * DIMS.hidden
+    assert plain.gathered - split.gathered == DIMS.num_layers * (layer - norms) // 2 * 4
+    assert split.activations > plain.activations  # twice the rows per rank
+    est, _ = choose(DIMS, tp, 4, 1 << 50, colocated=True)
+    assert est.sharding == "grad_op"  # replicate fits the budget, but is not a candidate
+    assert choose(DIMS, tp, 4, 1, colocated=True)[0].sharding == "full"
+    assert shard_group_size(resolve_train_config(tp, DIMS, 4, colocated=True, device=CPU,
+                                                 budget=1 << 50), 4) == 2
 
 
 def test_resolve_gives_a_concrete_layout_and_checks_the_group_size() -> None:
