@@ -4,7 +4,9 @@ For each model shape in benchmarks/configs/ (config.json files of Qwen2.5-7B,
 Qwen2.5-32B, Llama-3.1-70B and the Mixture-of-Experts Qwen3-30B-A3B and
 Qwen3-235B-A22B; no weights) and cluster shape, runs
 `hybrid-engine plan --json` (the planner the ranks themselves run) under
-full and hybrid sharding (hybrid: one shard group per node), and tabulates
+full and hybrid sharding (hybrid: one shard group per node) and under full
+sharding with training TP equal to the rollout's (`--train-tp`: TP groups
+inside a node, FSDP2 across them), and tabulates
 the busiest rank's bytes received within and between nodes, its messages, the
 sync's time floor at H100 link speeds (NVLink 450 GB/s and one 400 Gb/s NIC
 per GPU, each direction) and what an all-gather of every tensor would move
@@ -12,7 +14,7 @@ instead.
 
 Prints the table; the last stdout line is JSON. Writes
 benchmarks/results/plan_scale.md and the table in docs/scale.md (between its
-`plan-table` markers). Takes about 4 minutes on 2 CPU cores.
+`plan-table` markers). Takes about 2 minutes on 2 CPU cores.
 
     python benchmarks/plan_scale.py            # every shape
     python benchmarks/plan_scale.py --quick    # the 7B shape on one node, seconds; writes no docs
@@ -30,15 +32,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 # (config, nodes, devices per node, rollout TP)
 SHAPES = [("qwen2.5-7b", 1, 8, 4), ("qwen2.5-7b", 4, 8, 4), ("qwen2.5-32b", 4, 8, 8),
-          ("llama3.1-70b", 8, 8, 8), ("qwen3-30b-a3b", 2, 8, 4), ("qwen3-235b-a22b", 8, 8, 8)]
+          ("llama3.1-70b", 1, 8, 8), ("llama3.1-70b", 8, 8, 8), ("qwen3-30b-a3b", 2, 8, 4),
+          ("qwen3-235b-a22b", 8, 8, 8)]
+LAYOUTS = ("full", "hybrid", "tp")  # tp: full with --train-tp = the rollout's TP
 MARKERS = ("<!-- plan-table: begin -->", "<!-- plan-table: end -->")
 
 
-def plan(config: str, nodes: int, dpn: int, tp: int, sharding: str) -> dict:
+def plan(config: str, nodes: int, dpn: int, tp: int, layout: str) -> dict:
     """One `hybrid-engine plan --json` run, as a user would type it."""
+    sharding = ["--sharding", "full", "--train-tp", str(tp)] if layout == "tp" else [
+        "--sharding", layout]
     cmd = [sys.executable, "-m", "hybrid_engine.cli", "plan", "--config",
            str(ROOT / "configs" / f"{config}.json"), "--nodes", str(nodes),
-           "--devices-per-node", str(dpn), "--tp", str(tp), "--sharding", sharding, "--json"]
+           "--devices-per-node", str(dpn), "--tp", str(tp), *sharding, "--json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return {"model": config, "cmd": " ".join(["hybrid-engine", *cmd[3:-1]]),
             **json.loads(out.strip().splitlines()[-1])}
@@ -52,7 +58,8 @@ def table(reports: list[dict]) -> str:
         b = r["per_rank"][r["busiest_rank"]]
         rows.append(
             f"| {r['model']} ({r['params'] / 1e9:.1f}B) | {r['world']} ({r['nodes']} x "
-            f"{r['devices_per_node']}) | {r['tp']} | {r['sharding']} | "
+            f"{r['devices_per_node']}) | {r['tp']} | {r['sharding']}"
+            f"{f' + training TP {t}' if (t := r.get('train_tp', 1)) > 1 else ''} | "
             f"{(b['recv_intra'] + b['recv_inter']) / 1e9:.2f} ({b['recv_intra'] / 1e9:.2f} + "
             f"{b['recv_inter'] / 1e9:.2f}) | {b['messages']} | {r['floor_s']:.3f} | "
             f"{r['naive_received_max'] / 1e9:.1f} |")
@@ -77,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
     reports = [plan(c, n, d, tp, s) for c, n, d, tp in shapes
-               for s in (["full"] if n == 1 else ["full", "hybrid"])]
+               for s in LAYOUTS if s != "hybrid" or n > 1]
     text = table(reports)
     print(text)
     out = Path(args.out_dir) / f"plan_scale{'_quick' if args.quick else ''}.md"
@@ -89,7 +96,8 @@ def main() -> None:
                    + "".join(f"- `{r['cmd']}`\n" for r in reports))
     if args.docs and not args.quick:
         write_docs(Path(args.docs), text)
-    print(json.dumps({"rows": [{k: r[k] for k in ("model", "world", "tp", "sharding", "floor_s")}
+    print(json.dumps({"rows": [{k: r[k] for k in ("model", "world", "tp", "sharding", "train_tp",
+                                                  "floor_s")}
                                for r in reports], "result": str(out)}))
 
 

@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "replicate")
     p.add_argument("--shard-group-size", type=int, default=None,
                    help="ranks per shard group under hybrid (default: --devices-per-node)")
+    p.add_argument("--train-tp", type=int, default=1,
+                   help="train.tensor_parallel_size (sharding full): TP groups of this many "
+                        "consecutive ranks split attention and dense MLPs, FSDP2 across them "
+                        "(default 1)")
     p.add_argument("--dtype", choices=sorted(_ITEMSIZE), default="bfloat16",
                    help="the rollout's weight dtype, the sync's wire dtype (default bfloat16)")
     p.add_argument("--bucket-mb", type=float, default=256.0,
@@ -81,6 +85,7 @@ def plan_report(args: argparse.Namespace) -> dict:
     Raises:
         ValueError: a one-line reason (unsupported model, sizes that do not divide).
     """
+    from hybrid_engine.parallel.tensor_parallel import check_run
     from hybrid_engine.reshard.costs import cluster_traffic, time_floor
     from hybrid_engine.reshard.layouts import check_model, hf_shapes
     from hybrid_engine.reshard.plan import cut_buckets
@@ -88,12 +93,19 @@ def plan_report(args: argparse.Namespace) -> dict:
     if args.nodes < 1 or args.devices_per_node < 1:
         raise ValueError("--nodes and --devices-per-node must be positive")
     world = args.nodes * args.devices_per_node
-    group = {"full": world, "replicate": 1,
+    train_tp = args.train_tp
+    if train_tp > 1 and args.sharding != "full":
+        raise ValueError(f"--train-tp {train_tp} shards with FSDP2 across the TP groups: "
+                         f"--sharding full, not {args.sharding}")
+    group = {"full": world // max(train_tp, 1), "replicate": 1,
              "hybrid": args.shard_group_size or args.devices_per_node}[args.sharding]
-    dims = check_model(_load_config(args.config), args.tp)
+    hf = _load_config(args.config)
+    dims = check_model(hf, args.tp)
+    check_run(hf, train_tp, world, lora=False, sync_method="reshard")
     itemsize = _ITEMSIZE[args.dtype]
     bucket_elems = max(1, int(args.bucket_mb * 2**20) // itemsize)
-    cut = cut_buckets(dims, world, args.tp, bucket_elems=bucket_elems, shard_group_size=group)
+    cut = cut_buckets(dims, world, args.tp, bucket_elems=bucket_elems,
+                      shard_group_size=None if train_tp > 1 else group, train_tp=train_tp)
     traffic = cluster_traffic(cut, args.devices_per_node, itemsize)
     params = sum(r * c for r, c in hf_shapes(dims).values())
     busiest = max(traffic, key=lambda t: t.seconds(args.intra_gbps, args.link_gbps))
@@ -101,25 +113,26 @@ def plan_report(args: argparse.Namespace) -> dict:
         "arch": dims.arch, "params": params, "model_bytes": params * itemsize,
         "world": world, "nodes": args.nodes, "devices_per_node": args.devices_per_node,
         "tp": args.tp, "sharding": args.sharding, "shard_group_size": group,
+        "train_tp": train_tp,
         "dtype": args.dtype, "bucket_mb": args.bucket_mb, "buckets": len(cut.buckets),
         "intra_gbps": args.intra_gbps, "link_gbps": args.link_gbps,
         "floor_s": time_floor(traffic, args.intra_gbps, args.link_gbps),
         "busiest_rank": busiest.rank,
-        "naive_received_max": _naive_received(cut.geo.shapes, cut.geo.units, group) * itemsize,
+        "naive_received_max": _naive_received(cut.geo) * itemsize,
         "per_rank": [{"rank": t.rank, "recv_intra": t.recv_intra, "recv_inter": t.recv_inter,
                       "sent_intra": t.sent_intra, "sent_inter": t.sent_inter,
                       "messages": t.messages, "local": t.local} for t in traffic],
     }
 
 
-def _naive_received(shapes: dict[str, tuple[int, int]], units: dict[str, int], group: int) -> int:
-    """Most elements a rank receives when every HF tensor is all-gathered in its
-    shard group of `group` ranks (`ReshardPlan.naive_elements_received`)."""
-    from hybrid_engine.reshard.plan import shard_rows
+def _naive_received(geo) -> int:  # noqa: ANN001 - a reshard.buckets.Geometry
+    """Most elements a rank receives when every HF tensor is all-gathered to it, less
+    its own block (`ReshardPlan.naive_elements_received`)."""
+    def received(g: int) -> int:
+        return sum(rows * cols - (r1 - r0) * (c1 - c0) for name, (rows, cols) in geo.shapes.items()
+                   for (r0, r1), (c0, c1) in [geo.source_block(name, g)])
 
-    return max(sum((rows - (b - a)) * cols for name, (rows, cols) in shapes.items()
-                   for a, b in [shard_rows(rows, group, p, units.get(name, 1))])
-               for p in range(group))
+    return max(received(g) for g in range(geo.num_sources))
 
 
 def _row(label: str, r: dict, floor_s: float | None) -> str:
@@ -145,7 +158,8 @@ def format_report(rep: dict) -> str:
         f"in {rep['dtype']}",
         f"{rep['world']} ranks = {rep['nodes']} node(s) x {rep['devices_per_node']}, colocated; "
         f"rollout TP {rep['tp']} ({rep['world'] // rep['tp']} replicas); train.sharding="
-        f"{rep['sharding']} ({rep['shard_group_size']} ranks per shard group); "
+        f"{rep['sharding']} ({rep['shard_group_size']} ranks per shard group"
+        f"{f', training TP {t}' if (t := rep['train_tp']) > 1 else ''}); "
         f"{rep['buckets']} buckets of <= {rep['bucket_mb']:g} MiB",
         f"links per device, each direction: {rep['intra_gbps']:g} Gb/s within a node, "
         f"{rep['link_gbps']:g} Gb/s between nodes",

@@ -125,11 +125,36 @@ def test_plan_command_prints_the_busiest_rank_and_the_floor(capsys, config_json)
     (["--nodes", "2", "--devices-per-node", "2", "--sharding", "hybrid", "--shard-group-size", "3"],
      "shard group size 3 must divide"),
     (["--nodes", "0"], "must be positive"),
+    (["--nodes", "1", "--devices-per-node", "4", "--train-tp", "3"],
+     "train.tensor_parallel_size=3 must divide the 4 trainer"),
+    (["--train-tp", "8"], "does not divide the 4 attention heads"),
+    (["--nodes", "2", "--devices-per-node", "2", "--train-tp", "2", "--sharding", "hybrid"],
+     "--sharding full, not hybrid"),
 ])
 def test_plan_command_refuses_sizes_that_do_not_fit(capsys, config_json, args, message):
     code, out, err = _plan_cli(capsys, "--config", config_json, *args)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith("error: ") and message in err
+
+
+def test_plan_command_with_training_tp(capsys, config_json):
+    """--train-tp t: the sources are TP x FSDP2 blocks (shard groups of N / t ranks), and
+    with t equal to the rollout's TP on one rank per TP rank every split weight is in
+    place: only the unsplit tensors' rows move (the embeddings', whose vLLM shards
+    are vocabulary rows, are local too)."""
+    node = ["--config", config_json, "--nodes", "1", "--devices-per-node", "2", "--tp", "2",
+            "--json"]
+    plain, same = (json.loads(_plan_cli(capsys, *node, *extra)[1])
+                   for extra in ([], ["--train-tp", "2"]))
+    assert (same["train_tp"], same["shard_group_size"]) == (2, 1)
+    assert all(r["recv_intra"] == 0 and r["local"] > 0 for r in same["per_rank"])
+    assert min(r["recv_intra"] for r in plain["per_rank"]) > 0
+    four = json.loads(_plan_cli(capsys, "--config", config_json, "--nodes", "2",
+                                "--devices-per-node", "2", "--tp", "2", "--train-tp", "2",
+                                "--json")[1])
+    assert four["world"] == 4 and four["shard_group_size"] == 2
+    assert 0 < max(r["recv_intra"] + r["recv_inter"] for r in four["per_rank"])
+    assert "training TP 2" in _plan_cli(capsys, *node[:-1], "--train-tp", "2")[1]
 
 
 def test_plan_reads_the_architecture_from_model_type_alone(capsys, tmp_path):
