@@ -346,6 +346,8 @@ def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False
         changed = max(float((local(after[n]) - before[n]).abs().max()) for n in before)
         summary["max_weight_change"] = changed
         summary["critic"] = job.critic is not None
+        tp_group = job.actor.trainer.tp_group  # train.tensor_parallel_size's TP group
+        summary["train_tp"] = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
         from hybrid_engine.roles.mirrored import Mirrored
 
         summary["reference"] = any(type(role).__name__ == "ReferenceScorer"
@@ -424,7 +426,8 @@ def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, arch, request)
     fused qkv_proj and gate_up_proj; gemma: Gemma 3, window 8 on every other layer;
     gemma2: the same without q/k norms, its attention and logits soft-capped;
     qwen3_moe and mixtral: 6 experts, top 2, sharded 3 / 3 by FSDP2; granite: Llama's
-    tensors under its four multipliers.)"""
+    tensors under its four multipliers. 4 ranks: the policy trains with TP 2 inside,
+    FSDP2 across, train.tensor_parallel_size=2.)"""
     if arch != "qwen2":
         from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
 
@@ -435,9 +438,11 @@ def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, arch, request)
     if world == 2 and arch == "qwen2":
         out, steps = request.getfixturevalue("straight").ranks, _STRAIGHT["train.num_steps"]
     else:
+        train_tp = {"train.tensor_parallel_size": 2} if world == 4 else {}
         out, steps = run_ranks(_run_job, world, model_dir, str(tmp_path / "run"),
-                               {"rollout.tensor_parallel_size": tp}, timeout=400), 2
+                               {"rollout.tensor_parallel_size": tp, **train_tp}, timeout=400), 2
     _check_trained(out[0], steps)
+    assert out[0]["train_tp"] == (2 if world == 4 else 1)
     # Every rank saw the same rewards and took the same decisions.
     keys = ("reward_mean", "loss", "skipped_degenerate")
     for r in out[1:]:
