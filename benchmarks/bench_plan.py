@@ -12,14 +12,16 @@ closed form, no block listed; 8 devices per node); and, once per shape, the
 whole plan (every rank's blocks, the tests' reference). train.sharding=full, bf16 wire dtype, sync.bucket_mb=256, as
 `plan_scale.py`'s full rows. --check also builds every rank's plan beside
 the whole one and asserts each is the whole plan restricted to that rank,
-on each of `plan_scale.py`'s rows (full, and hybrid with a shard group per
-node).
+on each of `plan_scale.py`'s rows (full, hybrid with a shard group per node,
+and full with training TP equal to the rollout's); --check-only does only
+that (writes benchmarks/results/plan_check_<device>_<yyyymm>.md).
 
 Prints a table (median, min-max over the jobs); the last stdout line is JSON.
 Writes benchmarks/results/plan_build_<device>_<yyyymm>.md.
 
     python benchmarks/bench_plan.py                 # every shape, 3 jobs each
     python benchmarks/bench_plan.py --check         # ... and every rank's plan checked
+    python benchmarks/bench_plan.py --check-only    # only the check, every row
     python benchmarks/bench_plan.py --quick         # the 7B shape on one node, 1 job
 """
 
@@ -66,8 +68,10 @@ from hybrid_engine.scale import _load_config
 from hybrid_engine.reshard.layouts import check_model
 from hybrid_engine.reshard.plan import build_plan, rank_plans
 config, world, tp, group = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+train_tp = int(sys.argv[5])
 dims = check_model(_load_config(config), tp)
-kw = dict(bucket_elems=(256 << 20) // 2, shard_group_size=group)
+kw = dict(bucket_elems=(256 << 20) // 2, shard_group_size=None if train_tp > 1 else group,
+          train_tp=train_tp)
 whole = build_plan(dims, world, tp, **kw)
 for r, mine in enumerate(rank_plans(dims, world, tp, range(world), **kw)):
     assert len(mine.buckets) == len(whole.buckets), r
@@ -87,11 +91,11 @@ def job(config: str, world: int, tp: int, which: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def check(config: str, world: int, tp: int, group: int) -> bool:
+def check(config: str, world: int, tp: int, group: int, train_tp: int = 1) -> bool:
     """Every rank's plan equals the whole plan restricted to it (one process), with
-    shard groups of `group` ranks."""
+    shard groups of `group` ranks (training TP train_tp > 1: its own groups)."""
     cmd = [sys.executable, "-c", _CHECK, str(ROOT / "configs" / f"{config}.json"), str(world),
-           str(tp), str(group)]
+           str(tp), str(group), str(train_tp)]
     return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip() == "equal"
 
 
@@ -117,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=3, help="fresh processes per shape and plan")
     ap.add_argument("--check", action="store_true",
                     help="also check every rank's plan against the whole plan")
+    ap.add_argument("--check-only", action="store_true", help="only the check, no timings")
     ap.add_argument("--quick", action="store_true", help="the 7B shape on one node, 1 job")
     ap.add_argument("--out-dir", default=str(ROOT / "results"))
     args = ap.parse_args(argv)
@@ -125,8 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     rows, checked = [], {}
     for config, nodes, dpn, tp in shapes:
         world = nodes * dpn
-        for plan, runs in (("whole", 1), ("rank 0", jobs), (f"rank {world - 1}", jobs),
-                           ("cluster view", jobs)):
+        timed = () if args.check_only else (("whole", 1), ("rank 0", jobs),
+                                             (f"rank {world - 1}", jobs), ("cluster view", jobs))
+        for plan, runs in timed:
             done = [job(config, world, tp, plan.split()[-1].replace("view", "cluster"))
                     for _ in range(runs)]
             rows.append({"model": config, "world": world, "tp": tp, "plan": plan,
@@ -135,17 +141,23 @@ def main(argv: list[str] | None = None) -> None:
                          **{k: done[0][k] for k in ("buckets", "remote_blocks", "local_blocks")}})
             print(f"{config} {world} ranks TP {tp} {plan}: "
                   f"{statistics.median(rows[-1]['seconds']):.2f} s", file=sys.stderr, flush=True)
-        if args.check:  # plan_scale's rows: full, and hybrid (a group per node) past one node
-            for sharding, group in (("full", world), ("hybrid", dpn))[:1 if nodes == 1 else 2]:
-                checked[f"{config}/{world}/{tp}/{sharding}"] = check(config, world, tp, group)
-    text = table(rows)
+        if args.check or args.check_only:  # plan_scale's rows: full, hybrid past one node, TP
+            for sharding, group, ttp in (("full", world, 1), ("hybrid", dpn, 1),
+                                         ("full + training TP", 0, tp)):
+                if sharding != "hybrid" or nodes > 1:
+                    checked[f"{config}/{world}/{tp}/{sharding}"] = check(config, world, tp,
+                                                                         group, ttp)
+                    print(f"checked {config} {world} {tp} {sharding}", file=sys.stderr,
+                          flush=True)
+    text = "" if args.check_only else table(rows)
     if args.check:
         text += ("\nEvery rank's plan equals the whole plan restricted to it: "
                  + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in checked.items()) + ".\n")
     print(text)
     from _common import result_header, result_path
 
-    out = result_path(args.out_dir, "plan_build", quick=args.quick)
+    out = result_path(args.out_dir, "plan_check" if args.check_only else "plan_build",
+                      quick=args.quick)
     out.write_text(result_header(__file__, argv) + "train.sharding=full, buckets of 256 MiB "
                    "of bf16.\n\n" + text)
     print(json.dumps({"rows": rows, "checked": checked, "result": str(out)}))
