@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"checked {config} {world} {tp} {sharding}", file=sys.stderr,
                           flush=True)
     text = "" if args.check_only else table(rows)
-    if args.check:
+    if args.check or args.check_only:
         text += ("\nEvery rank's plan equals the whole plan restricted to it: "
                  + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in checked.items()) + ".\n")
     print(text)
@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None) -> None:
 
     out = result_path(args.out_dir, "plan_check" if args.check_only else "plan_build",
                       quick=args.quick)
-    out.write_text(result_header(__file__, argv) + "train.sharding=full, buckets of 256 MiB "
-                   "of bf16.\n\n" + text)
+    out.write_text(result_header(__file__, argv) + "Buckets of 256 MiB of bf16.\n\n" + text)
     print(json.dumps({"rows": rows, "checked": checked, "result": str(out)}))
 
 
