@@ -194,8 +194,10 @@ def _rank_job(args: argparse.Namespace) -> None:
         from hybrid_engine.rollout.engine import VLLMRollout
 
         cfg = apply_overrides(RunConfig(), {**overrides, "model.path": model_dir})
+        from hybrid_engine.parallel.precision import resolve_rollout_dtype
+
         rollout = VLLMRollout(model_dir, cfg.rollout, memory=cfg.memory,
-                              dtype=cfg.model.rollout_dtype)
+                              dtype=resolve_rollout_dtype(cfg.model.rollout_dtype, "cpu"))
         shutdown = rollout.shutdown
         generate = rollout.generate
     setup["setup_s"] = time.perf_counter() - t_setup

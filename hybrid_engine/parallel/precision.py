@@ -1,19 +1,26 @@
-"""model.compute_dtype=auto: bf16 where the device multiplies bf16 matrices in
-hardware, fp32 elsewhere. torch's bf16 GEMM on a CPU without AVX512-BF16 or AMX
-(an AVX2 CPU) runs about 90x below its fp32 one (1024^3 on one AMD EPYC Zen 3
-core: 0.97 against 89 GFLOP/s), so bf16 there would slow training, not speed it."""
+"""model.compute_dtype=auto and model.rollout_dtype=auto: bf16 where the device
+multiplies bf16 matrices in hardware, fp32 elsewhere. torch's bf16 GEMM on a CPU
+without AVX512-BF16 or AMX (an AVX2 CPU) runs about 90x below its fp32 one
+(1024^3 on one AMD EPYC Zen 3 core: 0.97 against 89 GFLOP/s), so bf16 there would
+slow training, not speed it; vLLM-CPU's bf16 linear layers fall back to torch's
+there too (53-55 tokens/s against 263 in fp32, 180M preset on such a CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from hybrid_engine.config import RunConfig
+
 log = logging.getLogger(__name__)
 
-__all__ = ["native_bf16", "resolve_compute_dtype"]
+__all__ = ["native_bf16", "resolve_compute_dtype", "resolve_rollout_dtype", "with_rollout_dtype"]
 
-_logged: set[tuple[str, str]] = set()
+_logged: set[tuple[str, str, str]] = set()
 
 
 def native_bf16(device_type: str) -> bool:
@@ -27,12 +34,29 @@ def native_bf16(device_type: str) -> bool:
 def resolve_compute_dtype(name: str, device_type: str) -> str:
     """model.compute_dtype as the trainer runs it: "auto" becomes "bfloat16" where
     `native_bf16`, else "float32" (logged once per device type); others unchanged."""
+    return _resolve("model.compute_dtype", name, device_type)
+
+
+def resolve_rollout_dtype(name: str, device_type: str) -> str:
+    """model.rollout_dtype as the engine holds its weights (and the sync moves them):
+    "auto" as for `resolve_compute_dtype`; others unchanged."""
+    return _resolve("model.rollout_dtype", name, device_type)
+
+
+def with_rollout_dtype(cfg: RunConfig, device_type: str) -> RunConfig:
+    """cfg with model.rollout_dtype resolved (`resolve_rollout_dtype`): what the
+    policies build their engine, sync and estimates from."""
+    dtype = resolve_rollout_dtype(cfg.model.rollout_dtype, device_type)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rollout_dtype=dtype))
+
+
+def _resolve(key: str, name: str, device_type: str) -> str:
     if name != "auto":
         return name
     dtype = "bfloat16" if native_bf16(device_type) else "float32"
-    if (device_type, dtype) not in _logged:
-        _logged.add((device_type, dtype))
+    if (key, device_type, dtype) not in _logged:
+        _logged.add((key, device_type, dtype))
         why = "" if dtype == "bfloat16" else {
             "cpu": " (this CPU has neither AVX512-BF16 nor AMX)"}.get(device_type, " (no bf16)")
-        log.info("model.compute_dtype=auto: %s on %s%s", dtype, device_type, why)
+        log.info("%s=auto: %s on %s%s", key, dtype, device_type, why)
     return dtype

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from hybrid_engine.parallel.precision import resolve_compute_dtype
+from hybrid_engine.parallel.precision import resolve_compute_dtype, resolve_rollout_dtype
 from hybrid_engine.reshard.layouts import ModelDims, hf_shapes, model_dims
 
 if TYPE_CHECKING:
@@ -133,7 +133,8 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
     resident = 0
     if colocated:
         release = cfg.memory.release == "true"
-        weights = p * _ITEMSIZE[cfg.model.rollout_dtype] // cfg.rollout.tensor_parallel_size
+        rollout = resolve_rollout_dtype(cfg.model.rollout_dtype, "cuda" if cuda else "cpu")
+        weights = p * _ITEMSIZE[rollout] // cfg.rollout.tensor_parallel_size
         kv = 0 if cuda or release else int(cfg.memory.kv_cache_gib * _GIB)
         resident = (0 if cuda and release else weights) + kv
     states, params = 4 * p * m // size, p * m // size

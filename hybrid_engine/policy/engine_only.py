@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hybrid_engine.config import RunConfig
-from hybrid_engine.parallel.fsdp import resolve_model_path
+from hybrid_engine.parallel.fsdp import default_device, resolve_model_path
+from hybrid_engine.parallel.precision import with_rollout_dtype
 from hybrid_engine.policy.process import PolicyProcess
 from hybrid_engine.policy.training import sampling_overrides
 from hybrid_engine.preflight import check_model_for_run
@@ -47,7 +48,7 @@ class EnginePolicy:
 
     def __init__(self, cfg: RunConfig) -> None:
         cfg.validate_for_run()
-        self.cfg = cfg
+        self.cfg = cfg = with_rollout_dtype(cfg, default_device().type)  # "auto" resolved
         self._process = PolicyProcess(cfg.collective_timeout_s)
         self.model_path = str(resolve_model_path(cfg.model.path))
         check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size,

