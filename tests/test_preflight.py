@@ -228,6 +228,8 @@ def test_bad_config(model_dir, tmp_path, args, expected) -> None:
     (["--train.tensor_parallel_size=2", "--train.sharding=replicate"],
      "tensor_parallel_size=2 needs train.sharding full, grad_op or auto"),
     (["--train.tensor_parallel_size=2", "--model.lora_rank=8"], "does not train LoRA adapters"),
+    (["--train.tensor_parallel_size=2", "--train.compile=true"],
+     "train.compile=true does not run with train.tensor_parallel_size=2"),
     (["--train.tensor_parallel_size=2", "--sync.method=naive_bucketed"],
      "with train.tensor_parallel_size=2 use sync.method='reshard' or 'naive'"),
 ])

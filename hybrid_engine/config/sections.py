@@ -231,6 +231,10 @@ class TrainConfig:
             raise ValueError(f"{_prefix(self)}sharding=hybrid needs {_prefix(self)}"
                              f"shard_group_size >= 2 (ranks per shard group), got "
                              f"{self.shard_group_size}")
+        if self.tensor_parallel_size > 1 and self.compile:
+            raise ValueError(f"{_prefix(self)}compile=true does not run with {_prefix(self)}"
+                             f"tensor_parallel_size={self.tensor_parallel_size} (inductor fails "
+                             "on the TP layers); set one of them back")
         if self.tensor_parallel_size > 1 and self.sharding in ("replicate", "hybrid"):
             raise ValueError(f"{_prefix(self)}tensor_parallel_size="
                              f"{self.tensor_parallel_size} needs {_prefix(self)}sharding full, "

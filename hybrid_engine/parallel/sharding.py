@@ -15,6 +15,8 @@ Per-rank estimate (P parameters, m master / c compute bytes per element, S
 the ranks one copy is sharded over: M full/grad_op, 1 replicate):
 
     states      4 P m / S       parameters, gradients, AdamW's two moments
+                                (TP t: the Q elements TP splits over all M ranks,
+                                the rest over the M / t of one TP rank)
                                 (LoRA, A adapter elements: (P c + 4 A m) / S,
                                 and whole grad A m)
     gathered    P c             every layer's parameters, gathered for the step
@@ -50,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_engine.parallel.precision import resolve_compute_dtype, resolve_rollout_dtype
-from hybrid_engine.reshard.layouts import ModelDims, hf_shapes, model_dims
+from hybrid_engine.reshard.layouts import ModelDims, hf_shapes, model_dims, train_splits
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -110,8 +112,9 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
     p = sum(r * c for r, c in shapes.values())
     layer = _layer_numel(shapes, "model.layers.0.")
     root = p - dims.num_layers * layer
-    tp = cfg.train.tensor_parallel_size
-    layer = layer - (split := _tp_split_numel(shapes, dims, tp)) + split // tp  # one TP rank's
+    tp = cfg.train.tensor_parallel_size  # TP splits `split` elements over all ranks, the
+    split = sum(r * c for n, (r, c) in shapes.items() if n in train_splits(dims, tp))
+    layer -= split // dims.num_layers * (tp - 1) // tp  # rest over the tp's dp ranks only
     compute = resolve_compute_dtype(cfg.model.compute_dtype, "cuda" if cuda else "cpu")
     m, c = _ITEMSIZE[cfg.model.master_dtype], _ITEMSIZE[compute]
     size = {"replicate": 1, "hybrid": shard_group_size}.get(sharding, trainers)
@@ -137,23 +140,12 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
         weights = p * _ITEMSIZE[rollout] // cfg.rollout.tensor_parallel_size
         kv = 0 if cuda or release else int(cfg.memory.kv_cache_gib * _GIB)
         resident = (0 if cuda and release else weights) + kv
-    states, params = 4 * p * m // size, p * m // size
+    held = split // size + (p - split) // (size // tp)  # of the master weights, per rank
+    states, params = 4 * held * m, held * m
     if cfg.model.lora_rank:  # the frozen base in c, the adapters' states and gradients in m
         a = _adapter_numel(shapes, cfg.model.lora_rank, cfg.model.lora_target_modules)
         states, whole, params = (p * c + 4 * a * m) // size, a * m, (p * c + a * m) // size
     return LayoutEstimate(sharding, size, states, gathered, whole, act, resident, params)
-
-
-def _tp_split_numel(shapes: dict[str, tuple[int, int]], dims: ModelDims, tp: int) -> int:
-    """Elements of one decoder layer that train.tensor_parallel_size=tp splits (0 if 1)."""
-    if tp == 1:
-        return 0
-    from hybrid_engine.models.spec import MODEL_SPECS
-
-    plan = MODEL_SPECS.get(dims.arch).tp_plan(dims)
-    return sum(r * c for n, (r, c) in shapes.items() if n.startswith("model.layers.0.")
-               and n.removeprefix("model.layers.0.").rsplit(".", 1)[0] in plan
-               and plan[n.removeprefix("model.layers.0.").rsplit(".", 1)[0]] != "head_norm")
 
 
 def _adapter_numel(shapes: dict[str, tuple[int, int]], rank: int, targets: tuple[str, ...]) -> int:

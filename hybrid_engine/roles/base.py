@@ -215,7 +215,7 @@ class Trainer(Protocol):
         ...
 
     def state_dict_shards(self) -> dict[str, DTensor]:
-        """HF name -> this rank's Shard(0) parameter, for the weight sync (not collective)."""
+        """HF name -> this rank's sharded parameter, for the weight sync (not collective)."""
         ...
 
 

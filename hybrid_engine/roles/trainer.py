@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from hybrid_engine.algorithms.aggregation import loss_normalizer
 from hybrid_engine.algorithms.losses import (ADDITIVE_METRICS, LossFn, LossInputs, combine_metrics,
@@ -341,7 +341,7 @@ class Trainer:
         return sum(seen.values()) + grads
 
     def state_dict_shards(self) -> dict[str, DTensor]:
-        """Checkpoint name -> this rank's Shard(0) DTensor parameter (no copy; tied once)."""
+        """Checkpoint name -> this rank's sharded DTensor parameter (no copy; tied once)."""
         return dict(sharded_named_parameters(self.module))
 
     @property
@@ -454,7 +454,8 @@ class Trainer:
                        every=cfg.replica_check_every, step=self.step, skipped=skipped)
         every = cfg.replica_check_every
         if self.tp_group is not None and every and not skipped and self.step % every == 0:
-            whole = [p for p in self.module.parameters() if p.device_mesh.ndim == 1]
+            whole = [p for p in self.module.parameters()  # on "dp" only, or Replicate on "tp"
+                     if p.device_mesh.ndim == 1 or p.placements[1] == Replicate()]
             replicas.check(whole, self.tp_group, 1, layout=str(cfg.tensor_parallel_size),
                            step=self.step, device=self.device, key="train.tensor_parallel_size")
 

@@ -117,15 +117,18 @@ def test_auto_considers_hybrid_only_with_a_group_size() -> None:
 
 def test_auto_with_training_tp_chooses_among_the_fsdp2_layouts_by_a_tp_ranks_share() -> None:
     """train.tensor_parallel_size=2 on 4 ranks: only grad_op and full (FSDP2 across the
-    TP groups) are candidates; the states are sharded over all 4 ranks, the gathered
-    layers are one TP rank's share (attention and MLP halved), the batch rows split
+    TP groups) are candidates; the weights TP splits (attention and MLP matrices, q/k/v
+    biases) are sharded over all 4 ranks, the rest (embeddings, norms) over the 2 of
+    one TP rank; the gathered layers are one TP rank's share, the batch rows split
     over the 2 data-parallel ranks; shard_group_size is the ranks of one TP rank."""
     cfg, tp = w1(), w1(**{"train.tensor_parallel_size": 2})
     plain, split = (estimate("grad_op", DIMS, c, 4, colocated=False, cuda=False) for c in (cfg, tp))
-    assert split.states == plain.states == 4 * P * 4 // 4
-    layer = sum(r * c for n, (r, c) in hf_shapes(DIMS).items() if n.startswith("model.layers.0."))
-    norms = 2 * DIMS.hidden
-    assert plain.gathered - split.gathered == DIMS.num_layers * (layer - norms) // 2 * 4
+    shapes = hf_shapes(DIMS)
+    layer = sum(r * c for n, (r, c) in shapes.items() if n.startswith("model.layers.0."))
+    q = DIMS.num_layers * (layer - 2 * DIMS.hidden)  # a layer less its two norms
+    assert plain.states == 4 * P * 4 // 4
+    assert split.states == 4 * (q // 4 + (P - q) // 2) * 4
+    assert plain.gathered - split.gathered == q // 2 * 4
     assert split.activations > plain.activations  # twice the rows per rank
     est, _ = choose(DIMS, tp, 4, 1 << 50, colocated=True)
     assert est.sharding == "grad_op"  # replicate fits the budget, but is not a candidate
