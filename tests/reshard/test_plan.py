@@ -139,6 +139,16 @@ def _execute(plan, full, rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _needed_ids(got: dict, want: dict, g: int) -> torch.Tensor:
+    """Asserts that rank g got exactly vLLM's tensors want; the ids of the elements
+    it needs (padding rows, zero, aside)."""
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"rank {g}: {name}"
+    ids = torch.cat([w.reshape(-1) for w in want.values()])
+    return ids[ids > 0]
+
+
 def _owner(ids: torch.Tensor, full, world: int, units=None) -> torch.Tensor:
     """Rank owning each id's row under FSDP2 Shard(0) over world ranks (with
     shard groups of S ranks: the owner's position in its group). units: rows per
@@ -164,14 +174,8 @@ def test_plan_builds_vllm_layout_with_minimal_bytes(spec, world, tp):
     plan = build_plan(d, world, tp, bucket_elems=20000)  # small: forces splits and many buckets
     full = _id_tensors(d, plan.hf_shapes)
     for g in range(world):
-        got = _execute(plan, full, g)
-        want = _expected(full, d, tp, g % tp)
-        assert got.keys() == want.keys()
-        for name in want:
-            assert torch.equal(got[name], want[name]), f"rank {g}: {name}"
+        ids = _needed_ids(_execute(plan, full, g), _expected(full, d, tp, g % tp), g)
         # Minimal bytes: the rank receives exactly the needed elements it does not own.
-        ids = torch.cat([w.reshape(-1) for w in want.values()])
-        ids = ids[ids > 0]  # padding rows are zero, nothing to receive
         not_owned = int((_owner(ids, full, world, plan.row_units) != g).sum())
         assert plan.elements_received(g) == not_owned
         assert plan.elements_received(g) <= plan.naive_elements_received(g)
@@ -258,13 +262,7 @@ def test_separate_plan_moves_each_rollout_ranks_whole_shard(spec, world, trainer
             assert plan.targets[g] == [] and plan.elements_received(g) == 0
             assert not [b for bk in plan.buckets for b in bk if b.dst_rank == g]
             continue
-        got = _execute(plan, full, g)
-        want = _expected(full, d, tp, (g - trainers) % tp)
-        assert got.keys() == want.keys()
-        for name in want:
-            assert torch.equal(got[name], want[name]), f"rank {g}: {name}"
-        ids = torch.cat([w.reshape(-1) for w in want.values()])
-        ids = ids[ids > 0]
+        ids = _needed_ids(_execute(plan, full, g), _expected(full, d, tp, (g - trainers) % tp), g)
         assert plan.elements_received(g) == ids.numel()
         assert (_owner(ids, full, trainers, plan.row_units) < trainers).all()
         assert plan.naive_elements_received(g) == total  # naive: every full tensor
@@ -379,15 +377,10 @@ def test_tp_training_sources_reshard_with_minimal_bytes(spec, world, trainers, t
     full = _id_tensors(d, plan.hf_shapes)
     m = trainers or world
     local = {g: _tp_sources(full, d, g, m // ttp, ttp, plan.row_units) for g in range(m)}
-    first = world - (world if trainers is None else world - trainers)
+    first = 0 if trainers is None else trainers  # the first rank holding an engine
     for g in range(first, world):
-        got = _execute_from(plan, local, g)
-        want = _expected(full, d, tp, (g - first) % tp)
-        assert got.keys() == want.keys()
-        for name in want:
-            assert torch.equal(got[name], want[name]), f"rank {g}: {name}"
-        ids = torch.cat([w.reshape(-1) for w in want.values()])
-        ids = ids[ids > 0]
+        ids = _needed_ids(_execute_from(plan, local, g),
+                          _expected(full, d, tp, (g - first) % tp), g)
         held = torch.cat([t.reshape(-1) for t in local[g].values()]) if g in local else ids[:0]
         assert plan.elements_received(g) == int((~torch.isin(ids, held)).sum())
     assert sum(plan.elements_sent(g) for g in range(world)) == sum(
