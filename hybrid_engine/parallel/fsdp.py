@@ -15,7 +15,10 @@ semantics: ceil-sized chunks, the last ranks may hold fewer or zero rows).
 With train.sharding=hybrid the mesh is 2-D, (replicate, shard) = (N/S, S),
 the placements `(Replicate(), Shard(0))` (FSDP2's HSDP), and the same holds
 with S ranks in place of N, counted within the rank's shard group
-(`local_rows`). train.sharding=replicate is no FSDP at all: plain parameters,
+(`local_rows`). With train.tensor_parallel_size the mesh is ("dp", "tp")
+(`tp_mesh`): the decoder layers are split over "tp" first
+(`parallel.tensor_parallel`), then FSDP2-sharded over "dp"; a rank's block of
+each tensor is `params.local_block`'s. train.sharding=replicate is no FSDP at all: plain parameters,
 whole on every rank, gradients averaged by DDP (`_build_replicated`), bf16
 compute by torch.autocast (`compute_autocast`).
 Under FSDP no rank ever holds a full parameter during init: the model is built on
@@ -339,7 +342,7 @@ def build_fsdp_model(
 
     Args:
         model_path: local HF folder (or hub id) with config.json and safetensors.
-        mesh: 1-D data-parallel mesh.
+        mesh: 1-D data-parallel mesh, or a ("dp", "tp") `tp_mesh` (training TP).
         master_dtype: dtype of the sharded parameters (and of gradient reduction).
         compute_dtype: dtype of gathered parameters in forward/backward ("auto": precision.py).
         activation_checkpointing: recompute decoder layers in backward.
