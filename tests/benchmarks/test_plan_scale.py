@@ -23,8 +23,11 @@ def test_plan_scale_quick_runs_the_command(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("| model | ranks (nodes x GPUs) |")
-    assert [r["model"] for r in json.loads(lines[-1])["rows"]] == ["qwen2.5-7b"]
-    assert "| qwen2.5-7b (7.6B) | 8 (1 x 8) | 4 | full |" in (tmp_path / "plan_scale_quick.md").read_text()
+    rows = json.loads(lines[-1])["rows"]
+    assert [(r["model"], r["train_tp"]) for r in rows] == [("qwen2.5-7b", 1), ("qwen2.5-7b", 4)]
+    result = (tmp_path / "plan_scale_quick.md").read_text()
+    assert "| qwen2.5-7b (7.6B) | 8 (1 x 8) | 4 | full |" in result
+    assert "| qwen2.5-7b (7.6B) | 8 (1 x 8) | 4 | full + training TP 4 |" in result
     assert "old" in doc.read_text()  # --quick writes no docs
     plan_scale.write_docs(doc, "new\n")
     assert doc.read_text() == f"before\n{plan_scale.MARKERS[0]}\nnew\n{plan_scale.MARKERS[1]}\nafter\n"
@@ -33,5 +36,7 @@ def test_plan_scale_quick_runs_the_command(tmp_path) -> None:
 def test_scale_doc_holds_the_committed_table() -> None:
     doc = (REPO / "docs" / "scale.md").read_text()
     table = doc.split(plan_scale.MARKERS[0] + "\n")[1].split(plan_scale.MARKERS[1])[0]
-    assert table.count("\n") == 2 + 2 * (len(plan_scale.SHAPES) - 1) + 1
+    # per shape: full and training TP, and hybrid past one node
+    assert table.count("\n") == 2 + sum(2 if nodes == 1 else 3
+                                        for _, nodes, _, _ in plan_scale.SHAPES)
     assert table in (REPO / "benchmarks" / "results" / "plan_scale.md").read_text()
