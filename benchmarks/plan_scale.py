@@ -14,7 +14,7 @@ instead.
 
 Prints the table; the last stdout line is JSON. Writes
 benchmarks/results/plan_scale.md and the table in docs/scale.md (between its
-`plan-table` markers). Takes about 2 minutes on 2 CPU cores.
+`plan-table` markers). Takes about a minute on 2 CPU cores.
 
     python benchmarks/plan_scale.py            # every shape
     python benchmarks/plan_scale.py --quick    # the 7B shape on one node, seconds; writes no docs

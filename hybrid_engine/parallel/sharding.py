@@ -113,7 +113,8 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
     layer = _layer_numel(shapes, "model.layers.0.")
     root = p - dims.num_layers * layer
     tp = cfg.train.tensor_parallel_size  # TP splits `split` elements over all ranks, the
-    split = sum(r * c for n, (r, c) in shapes.items() if n in train_splits(dims, tp))
+    splits = train_splits(dims, tp)
+    split = sum(r * c for n, (r, c) in shapes.items() if n in splits)
     layer -= split // dims.num_layers * (tp - 1) // tp  # rest over the tp's dp ranks only
     compute = resolve_compute_dtype(cfg.model.compute_dtype, "cuda" if cuda else "cpu")
     m, c = _ITEMSIZE[cfg.model.master_dtype], _ITEMSIZE[compute]
