@@ -39,6 +39,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from hybrid_engine.parallel.signals import restore_handlers
+
 __all__ = ["launch", "launch_local", "main", "torchrun_reporting_to"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -159,8 +161,7 @@ def launch(torchrun_args: Sequence[str], *, env: dict[str, str] | None = None,
                      "after the current step; send it again to stop torchrun at once")
         code = proc.returncode
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(previous)
     _sweep_shared_memory(started)
     return 128 - code if code < 0 else code
 

@@ -18,6 +18,7 @@ Only the main thread can set handlers; elsewhere `stop_on_signals` is a no-op.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["requested", "reset", "stop_on_signals"]
+__all__ = ["requested", "reset", "restore_handlers", "stop_on_signals"]
 
 log = logging.getLogger(__name__)
 
@@ -80,5 +81,22 @@ def stop_on_signals() -> Iterator[None]:
         yield
     finally:
         _depth -= 1
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(previous)
+
+
+def restore_handlers(previous: dict[int, Any]) -> None:
+    """Puts back `previous` ({signal: handler}) without losing a signal that is in
+    flight. CPython runs a signal's Python handler after its C handler has flagged
+    it; restored straight to SIG_DFL/SIG_IGN, a signal flagged just before (on any
+    thread) finds no handler and is dropped with an "ignored due to race condition"
+    traceback. So the kernel's disposition changes first (libc `signal`: from then
+    on no signal is flagged), flagged ones run the current handler, and only then
+    does Python's table change."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    for sig, handler in previous.items():
+        if handler in (signal.SIG_DFL, signal.SIG_IGN):
+            libc.signal(ctypes.c_int(sig), ctypes.c_void_p(int(handler)))
+    signal.pthread_sigmask(signal.SIG_BLOCK, [])  # runs the handlers of flagged signals
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
