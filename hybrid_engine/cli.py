@@ -269,7 +269,8 @@ def eval_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
     if "eval.num_prompts" not in told and (cfg.env.dataset_path or cfg.env.eval_dataset_path):
         fitted["eval.num_prompts"] = 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if "rollout.tensor_parallel_size" not in told and world % cfg.rollout.tensor_parallel_size:
+    tp = cfg.rollout.tensor_parallel_size
+    if "rollout.tensor_parallel_size" not in told and tp != "auto" and world % tp:
         fitted["rollout.tensor_parallel_size"] = 1
     return apply_overrides(cfg, fitted) if fitted else cfg
 

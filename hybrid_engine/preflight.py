@@ -19,6 +19,7 @@ by the environment), so skipping preflight loses speed, not safety.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -125,6 +126,9 @@ def check_layout(cfg: RunConfig, hf: Any, *, ranks: RankMap, world_size: int,
     from hybrid_engine.parallel.sharding import check_shard_group
     from hybrid_engine.parallel.tensor_parallel import check_run
 
+    if cfg.rollout.tensor_parallel_size == "auto":  # chosen on the ranks; TP 1 is the most
+        cfg = dataclasses.replace(  # demanding per rank, and always a candidate
+            cfg, rollout=dataclasses.replace(cfg.rollout, tensor_parallel_size=1))
     trainers, rollout_ranks = len(ranks["actor"]), len(ranks["rollout"])
     check_parallel(hf, cfg.rollout.tensor_parallel_size, rollout_ranks,
                    what="world size" if rollout_ranks == world_size else "rollout ranks")

@@ -328,9 +328,31 @@ def _config(model_dir: str, out_dir: str, overrides: dict):
     return apply_overrides(get_recipe("tiny_grpo_debug"), {**base, **overrides})
 
 
+def _fake_tp_costs(bound: str) -> None:
+    """rollout.tensor_parallel_size=auto's calibration runs (on the real ranks, its
+    figures checked), then reports a machine whose decode is all-reduce bound (TP 1
+    wins) or weight-read bound (TP 2 wins)."""
+    from hybrid_engine.parallel import rollout_tp
+
+    real = rollout_tp.calibrate
+
+    def fake(cfg, dims, sizes, group):  # noqa: ANN001, ANN202
+        fake.calls += 1
+        costs = real(cfg, dims, sizes, group)
+        assert sorted(costs.read) == [1, 2] and sorted(costs.allreduce) == [1, 2], costs
+        assert all(0 < costs.read[t] < 1 for t in sizes) and 0 < costs.allreduce[2] < 1, costs
+        if bound == "allreduce":
+            return rollout_tp.Costs({1: 1e-3, 2: 5e-4}, {1: 0.0, 2: 1e-3})
+        return rollout_tp.Costs({1: 1e-3, 2: 5e-4}, {1: 0.0, 2: 1e-6})
+
+    fake.calls = 0
+    rollout_tp.calibrate = fake
+
+
 def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False) -> dict:
     """The job's summary (overrides["cpu_without_bf16"]: this rank process reports a
-    CPU with neither AVX512-BF16 nor AMX to every `auto` dtype)."""
+    CPU with neither AVX512-BF16 nor AMX to every `auto` dtype; overrides["tp_costs"]:
+    `_fake_tp_costs`)."""
     import torch
 
     from hybrid_engine.job import Job
@@ -340,6 +362,8 @@ def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False
     if overrides.pop("cpu_without_bf16", False):
         torch.cpu._is_avx512_bf16_supported = lambda: False
         torch.cpu._is_amx_tile_supported = lambda: False
+    if "tp_costs" in overrides:
+        _fake_tp_costs(overrides.pop("tp_costs"))
     job = Job(_config(model_dir, out_dir, overrides), resume=resume, progress=False)
     try:
         def local(p):  # noqa: ANN001, ANN202  (a shard, or a replica's whole tensor)
@@ -353,6 +377,10 @@ def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False
         summary["max_weight_change"] = changed
         summary["critic"] = job.critic is not None
         summary["rollout_dtype"] = job.actor.rollout.facts["dtype"]  # as vLLM holds the weights
+        summary["rollout_tp"] = job.actor.rollout.facts["tensor_parallel_size"]  # vLLM's own
+        from hybrid_engine.parallel import rollout_tp
+
+        summary["tp_calibrations"] = getattr(rollout_tp.calibrate, "calls", None)
         tp_group = job.actor.trainer.tp_group  # train.tensor_parallel_size's TP group
         summary["train_tp"] = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
         from hybrid_engine.roles.mirrored import Mirrored
@@ -424,10 +452,10 @@ def straight(model_dir, tmp_path_factory):  # noqa: ANN201
 
 @_e2e
 @pytest.mark.parametrize(("world", "tp", "arch"), [(1, 1, "qwen2"), (2, 2, "qwen2"),
-                                                   (4, 2, "qwen2"), (2, 1, "mistral"),
+                                                   (4, 2, "qwen2"), (2, "auto", "mistral"),
                                                    (2, 2, "phi3"), (2, 2, "gemma"), (2, 2, "gemma2"),
                                                    (2, 2, "qwen3_moe"), (2, 1, "mixtral"),
-                                                   (2, 2, "granite")])
+                                                   (2, "auto", "granite")])
 def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, arch, request) -> None:
     """(mistral: sliding window 8, shorter than the prompts and completions; phi3:
     fused qkv_proj and gate_up_proj; gemma: Gemma 3, window 8 on every other layer;
@@ -436,7 +464,9 @@ def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, arch, request)
     tensors under its four multipliers. 4 ranks: the policy trains with TP 2 inside,
     FSDP2 across, train.tensor_parallel_size=2. 1 rank: model.rollout_dtype=auto on a
     CPU reported without bf16 instructions: the engine holds fp32 weights, and the
-    mismatch check would catch bf16 ones.)"""
+    mismatch check would catch bf16 ones. rollout.tensor_parallel_size=auto: the
+    calibration runs on both ranks, then reports an all-reduce bound machine for
+    mistral (vLLM then runs TP 1) and a weight-read bound one for granite (TP 2).)"""
     if arch != "qwen2":
         from hybrid_engine.models.tiny import TinyModelSpec, write_tiny_model
 
@@ -449,11 +479,15 @@ def test_grpo_runs_on_1_2_4_ranks(model_dir, tmp_path, world, tp, arch, request)
     else:
         extra = {4: {"train.tensor_parallel_size": 2},
                  1: {"model.rollout_dtype": "auto", "cpu_without_bf16": True}}.get(world, {})
+        if tp == "auto":
+            extra["tp_costs"] = "allreduce" if arch == "mistral" else "read"
         out, steps = run_ranks(_run_job, world, model_dir, str(tmp_path / "run"),
                                {"rollout.tensor_parallel_size": tp, **extra}, timeout=400), 2
     _check_trained(out[0], steps)
     assert out[0]["train_tp"] == (2 if world == 4 else 1)
     assert out[0]["rollout_dtype"] == "float32"
+    assert out[0]["rollout_tp"] == {"auto": 1 if arch == "mistral" else 2}.get(tp, tp)
+    assert out[0]["tp_calibrations"] == (1 if tp == "auto" else None)
     # Every rank saw the same rewards and took the same decisions.
     keys = ("reward_mean", "loss", "skipped_degenerate")
     for r in out[1:]:

@@ -130,6 +130,9 @@ class RunConfig:
         if self.placement == "separate" and self.memory.offload_optimizer:
             raise ValueError("memory.offload_optimizer needs placement=colocated: under "
                              "placement=separate the trainer ranks hold no vLLM engine")
+        if self.rollout.tensor_parallel_size == "auto" and self.placement != "colocated":
+            raise ValueError(f"rollout.tensor_parallel_size=auto needs placement=colocated (this "
+                             f"run is placement={self.placement}): give the size")
         a, k = self.algorithm, self.async_rollout.max_staleness
         if k and a.behaviour_logp != "rollout" and a.rollout_correction == "none":
             raise ValueError(

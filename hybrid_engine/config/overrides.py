@@ -135,7 +135,7 @@ def validate_fields(obj: Any, prefix: str) -> None:
         converted = _convert(value, hints[f.name], key, parse_str=False)
         if converted is not value:
             object.__setattr__(obj, f.name, converted)
-        if converted is None:
+        if converted is None or isinstance(converted, str):  # bounds are numbers
             continue
         for bound, (op, holds) in BOUNDS.items():
             limit = f.metadata.get(bound)
@@ -177,12 +177,12 @@ def _convert(value: Any, tp: Any, key: str, *, parse_str: bool) -> Any:
             value is None or (parse_str and isinstance(value, str) and value.lower() in _NONE)
         ):
             return None
-        inner = [a for a in args if a is not type(None)]
-        assert len(inner) == 1, f"{key}: only X | None unions are supported, got {tp!r}"
-        try:
-            return _convert(value, inner[0], key, parse_str=parse_str)
-        except ValueError:
-            raise _type_error(key, tp, value) from None
+        for inner in (a for a in args if a is not type(None)):  # the first that takes it
+            try:
+                return _convert(value, inner, key, parse_str=parse_str)
+            except ValueError:
+                pass
+        raise _type_error(key, tp, value)
     if origin is Literal:
         if isinstance(value, str) and value in args:
             return value

@@ -94,9 +94,11 @@ class ModelConfig:
 class RolloutConfig:
     """vLLM sampling: how many completions per prompt and how they are drawn."""
 
-    tensor_parallel_size: int = _field(
-        1, "vLLM tensor-parallel size T; must divide the world size (N/T replicas).", ge=1
-    )
+    tensor_parallel_size: int | Literal["auto"] = _field(
+        1, "vLLM tensor-parallel size T; must divide the world size (N/T replicas). 'auto' "
+        "(colocated): chosen at start by memory and a measured cost model "
+        "(configuration.md#rollout-layout).",
+        ge=1)
     num_samples_per_prompt: int = _field(
         8, "K: completions sampled per prompt (the group of group-based advantages).", ge=1
     )

@@ -67,6 +67,7 @@ from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_pa
 from hybrid_engine.parallel.offload import OptimizerOffload
 from hybrid_engine.parallel.placement import ROLES, Placement, RankMap
 from hybrid_engine.parallel.precision import with_rollout_dtype
+from hybrid_engine.parallel.rollout_tp import with_rollout_tp
 from hybrid_engine.parallel.sharding import (
     first_phase_estimate,
     model_dims_at,
@@ -198,6 +199,7 @@ class HybridActor:
         ranks, group = self.placement.ranks["actor"], self.placement.group("actor")
         world = len(ranks)
         self.model_path = str(resolve_model_path(cfg.model.path))
+        self.cfg = cfg = with_rollout_tp(cfg, self.model_path, default_device(), group)
         # The model contract before anything is built (seconds, not an engine start).
         check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size, world)
         t0 = time.perf_counter()

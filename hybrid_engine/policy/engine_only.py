@@ -24,6 +24,7 @@ from typing import Any
 from hybrid_engine.config import RunConfig
 from hybrid_engine.parallel.fsdp import default_device, resolve_model_path
 from hybrid_engine.parallel.precision import with_rollout_dtype
+from hybrid_engine.parallel.rollout_tp import with_rollout_tp
 from hybrid_engine.policy.process import PolicyProcess
 from hybrid_engine.policy.training import sampling_overrides
 from hybrid_engine.preflight import check_model_for_run
@@ -51,6 +52,7 @@ class EnginePolicy:
         self.cfg = cfg = with_rollout_dtype(cfg, default_device().type)  # "auto" resolved
         self._process = PolicyProcess(cfg.collective_timeout_s)
         self.model_path = str(resolve_model_path(cfg.model.path))
+        self.cfg = cfg = with_rollout_tp(cfg, self.model_path, default_device())
         check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size,
                             self._process.world)
         t0 = time.perf_counter()

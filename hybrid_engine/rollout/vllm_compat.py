@@ -229,7 +229,7 @@ def token_logprobs(entries, token_ids: Sequence[int]) -> list[float]:  # noqa: A
 def engine_facts(llm) -> dict:  # noqa: ANN001
     """The settings vLLM resolved for this engine, for the run's record: version,
     async scheduling, model runner, attention backend, CUDA-graph and compile
-    modes, batch limits, KV blocks, the weights' dtype. [0.26-0.32: vllm_config fields; the runner's
+    modes, batch limits, KV blocks, the weights' dtype, the TP size. [0.26-0.32: vllm_config fields; the runner's
     attn_groups, private]"""
     import vllm
 
@@ -242,6 +242,7 @@ def engine_facts(llm) -> dict:  # noqa: ANN001
         attention = None
     return {
         "vllm": vllm.__version__, "dtype": str(vc.model_config.dtype).removeprefix("torch."),
+        "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
         "async_scheduling": bool(sc.async_scheduling),
         "model_runner": type(runner).__name__, "attention_backend": attention,
         "cudagraph_mode": str(getattr(cc, "cudagraph_mode", None)),
