@@ -455,6 +455,9 @@ def _run_job(args: argparse.Namespace, preset: str, nproc: int, placement: str,
                          f"got {[r['step'] for r in rows]}")
     profiles = [json.loads(f.read_text()) for f in sorted((out / "profile").glob("*.json"))]
     config = yaml.safe_load((out / "config.yaml").read_text())
+    # the size vLLM ran (rollout.tensor_parallel_size=auto is chosen in the job)
+    engine = json.loads((out / "engine.json").read_text())
+    config["rollout"]["tensor_parallel_size"] = engine["tensor_parallel_size"]
     return {"rows": rows, "config": config, "profiles": profiles, "wall_s": wall_s}
 
 
@@ -508,7 +511,7 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
     threads = _threads(nproc)
     share = min(1.0, (os.cpu_count() or 1) / (nproc * threads))
     row = {"preset": preset, "world_size": nproc, "placement": placement,
-           "tp": _tp(nproc, placement), "model_params": params["total"], "jobs": len(jobs),
+           "tp": jobs[0]["config"]["rollout"]["tensor_parallel_size"], "model_params": params["total"], "jobs": len(jobs),
            "steps_timed": sum(map(len, timed)), "steps_timed_per_job": args.steps,
            "steps_trained": sum(r.get("skipped_degenerate", 0.0) == 0.0 for j in timed for r in j),
            "threads_per_rank": threads, "compute_dtype": dtype}

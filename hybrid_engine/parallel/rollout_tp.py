@@ -278,7 +278,9 @@ def with_rollout_tp(cfg: RunConfig, model_path: str, device: torch.device,
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(model_path)
+    t0 = time.perf_counter()
     size, why = resolve(cfg, model_dims(hf), hf, device, group)
     if not dist.is_initialized() or dist.get_rank(group) == 0:
-        log.info("rollout.tensor_parallel_size=auto chose %d: %s", size, why)
+        log.info("rollout.tensor_parallel_size=auto chose %d in %.2f s: %s", size,
+                 time.perf_counter() - t0, why)
     return replace(cfg, rollout=replace(cfg.rollout, tensor_parallel_size=size))

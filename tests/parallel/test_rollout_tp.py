@@ -103,7 +103,7 @@ def test_one_process_resolves_to_1_and_logs_it(model_dir, caplog) -> None:
     with caplog.at_level("INFO", logger=rollout_tp.__name__):
         out = rollout_tp.with_rollout_tp(cfg, model_dir, torch.device("cpu"))
     assert out.rollout.tensor_parallel_size == 1
-    assert "rollout.tensor_parallel_size=auto chose 1" in caplog.text
+    assert "rollout.tensor_parallel_size=auto chose 1 in " in caplog.text
     fixed = _cfg(**{"rollout.tensor_parallel_size": 2})
     assert rollout_tp.with_rollout_tp(fixed, model_dir, torch.device("cpu")) is fixed
 
