@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = ["requested", "reset", "restore_handlers", "stop_on_signals"]
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_GRACE_S = 0.05  # for C signal handlers in flight when the disposition changes
 _requested: int | None = None
 _depth = 0  # nesting of stop_on_signals; the outermost starts with no request
 
@@ -85,18 +87,22 @@ def stop_on_signals() -> Iterator[None]:
 
 
 def restore_handlers(previous: dict[int, Any]) -> None:
-    """Puts back `previous` ({signal: handler}) without losing a signal that is in
-    flight. CPython runs a signal's Python handler after its C handler has flagged
-    it; restored straight to SIG_DFL/SIG_IGN, a signal flagged just before (on any
-    thread) finds no handler and is dropped with an "ignored due to race condition"
-    traceback. So the kernel's disposition changes first (libc `signal`: from then
-    on no signal is flagged), flagged ones run the current handler, and only then
-    does Python's table change."""
+    """Puts back `previous` ({signal: handler}) without dropping a signal in flight
+    with a traceback. CPython runs a signal's Python handler after its C handler
+    has flagged it; restored straight to SIG_DFL/SIG_IGN, a signal flagged just
+    before (on any thread) finds no handler: "ignored due to race condition". So
+    the kernel's disposition changes first (libc `signal`: from then on no signal
+    is flagged), C handlers already running get a grace period to finish (a thread
+    can be preempted inside one), flagged signals run the current handler, and only
+    then does Python's table change."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.signal.restype = ctypes.c_void_p
-    for sig, handler in previous.items():
-        if handler in (signal.SIG_DFL, signal.SIG_IGN):
-            libc.signal(ctypes.c_int(sig), ctypes.c_void_p(int(handler)))
+    native = [sig for sig, handler in previous.items() if handler in (signal.SIG_DFL,
+                                                                       signal.SIG_IGN)]
+    for sig in native:
+        libc.signal(ctypes.c_int(sig), ctypes.c_void_p(int(previous[sig])))
+    if native:
+        time.sleep(_GRACE_S)
     signal.pthread_sigmask(signal.SIG_BLOCK, [])  # runs the handlers of flagged signals
     for sig, handler in previous.items():
         signal.signal(sig, handler)
