@@ -142,7 +142,9 @@ def measure_allreduce(group: dist.ProcessGroup, rows: int, hidden: int,
 
     x = torch.randn(rows, hidden, dtype=dtype)
     if vllm_compat.has_shm_allreduce():
-        handle = _shm_handle(group)
+        from hybrid_engine.rollout.shm_allreduce import manager
+
+        handle = manager(group, "tpcal")
 
         def reduce() -> None:
             vllm_compat.shm_allreduce(handle, x)
@@ -156,24 +158,6 @@ def measure_allreduce(group: dist.ProcessGroup, rows: int, hidden: int,
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _shm_handle(group: dist.ProcessGroup) -> int:
-    """A vLLM-CPU shared-memory manager over `group`'s ranks, its names unlinked once
-    every rank has mapped them (collective over `group`)."""
-    from hybrid_engine.rollout import cpu_shm, vllm_compat
-
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    threads = torch.tensor([torch.get_num_threads()])  # the segments' layout: one per rank
-    dist.all_reduce(threads, op=dist.ReduceOp.MIN, group=group)
-    ranks = "-".join(map(str, dist.get_process_group_ranks(group)))
-    name = f"{cpu_shm.prefix()}tpcal-{ranks}"
-    handle = vllm_compat.shm_manager(name, world, rank, int(threads),
-                                     lambda: dist.barrier(group=group))
-    if rank == 0:
-        for r in range(world):
-            (cpu_shm.SHM / f"{name}_{r}").unlink(missing_ok=True)
-    return handle
 
 
 def _groups_of(sizes: Sequence[int], group: dist.ProcessGroup | None,

