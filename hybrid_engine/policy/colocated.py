@@ -200,8 +200,7 @@ class HybridActor:
         world = len(ranks)
         self.model_path = str(resolve_model_path(cfg.model.path))
         self.cfg = cfg = with_rollout_tp(cfg, self.model_path, default_device(), group)
-        # The model contract before anything is built (seconds, not an engine start).
-        check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size, world)
+        check_model_for_run(self.model_path, cfg.rollout.tensor_parallel_size, world)  # no build
         t0 = time.perf_counter()
         train_cfg = resolve_train_config(cfg, model_dims_at(self.model_path), world, colocated=True,
                                          device=default_device(), group=group)
