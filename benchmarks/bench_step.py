@@ -511,7 +511,8 @@ def _config_row(args, preset: str, nproc: int, placement: str, jobs: list[dict],
     threads = _threads(nproc)
     share = min(1.0, (os.cpu_count() or 1) / (nproc * threads))
     row = {"preset": preset, "world_size": nproc, "placement": placement,
-           "tp": jobs[0]["config"]["rollout"]["tensor_parallel_size"], "model_params": params["total"], "jobs": len(jobs),
+           "tp": jobs[0]["config"]["rollout"]["tensor_parallel_size"],
+           "model_params": params["total"], "jobs": len(jobs),
            "steps_timed": sum(map(len, timed)), "steps_timed_per_job": args.steps,
            "steps_trained": sum(r.get("skipped_degenerate", 0.0) == 0.0 for j in timed for r in j),
            "threads_per_rank": threads, "compute_dtype": dtype}

@@ -10,13 +10,13 @@ memory budget (its weights / t + the KV cache), and take
       step(t) = read(t) + 2 x layers x allreduce(t)      (allreduce(1) = 0)
 
   read(t): one rank's pass over its 1/t of the weights for the b_t sequences its
-  engine decodes at once (measured: MLP-shaped `F.linear`s in the rollout dtype with
-  the rank's threads, over more bytes than a cache holds, scaled to the parameter
-  count); allreduce(t): the all-reduce of [b_t, hidden] over t ranks that vLLM-CPU's
-  TP layers run twice per layer per decoded token (its shared-memory one; gloo's
-  where the build has none, as vLLM's AVX2 build). b_t:
-  a training step's prompts x K x t / ranks sequences, at most vLLM-CPU's
-  max_num_seqs (256 x t; more take several waves, each counted).
+  engine decodes at once (measured: one `F.linear` in the rollout dtype with the
+  rank's threads over min(that share, 128 MiB) of weights, scaled to the share).
+  allreduce(t): the all-reduce of [b_t, hidden] over t ranks that vLLM-CPU's TP
+  layers run twice per layer per decoded token (its shared-memory one; gloo's
+  where the build has none, as vLLM's AVX2 build). b_t: a training step's
+  prompts x K x t / ranks sequences, at most vLLM-CPU's max_num_seqs (256 x t;
+  more take several waves, each counted).
 
 Every rank measures at once (as they decode at once) and the means over the ranks
 decide, so all take the same size. The choice and its reason are logged on rank 0.
