@@ -69,6 +69,9 @@ class ModelConfig:
     rollout_dtype: Literal["auto", "bfloat16", "float32"] = _field(
         "auto", "dtype of the vLLM weights and the sync's wire; auto = bfloat16 where the device "
         "has bf16 GEMMs (CUDA, AVX512-BF16, AMX), else float32.")
+    attention: Literal["auto", "sdpa", "eager"] = _field(
+        "auto", "attention of the trained models (transformers' attn_implementation); auto = "
+        "eager on a CPU in bf16 with rollout.max_model_len <= 256, else sdpa.")
     trust_remote_code: bool = _field(
         False, "Allow custom modeling code from the model repo (HF and vLLM)."
     )

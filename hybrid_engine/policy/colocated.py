@@ -66,7 +66,7 @@ from hybrid_engine.parallel import watchdog
 from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_path
 from hybrid_engine.parallel.offload import OptimizerOffload
 from hybrid_engine.parallel.placement import ROLES, Placement, RankMap
-from hybrid_engine.parallel.precision import with_rollout_dtype
+from hybrid_engine.parallel.precision import with_device_choices
 from hybrid_engine.parallel.rollout_tp import with_rollout_tp
 from hybrid_engine.parallel.sharding import (
     first_phase_estimate,
@@ -190,7 +190,7 @@ class HybridActor:
     def __init__(self, cfg: RunConfig, *, placement: Placement | None = None,
                  process: PolicyProcess | None = None) -> None:
         cfg.validate_for_run()
-        self.cfg = cfg = with_rollout_dtype(cfg, default_device().type)  # "auto" resolved
+        self.cfg = cfg = with_device_choices(cfg, default_device().type)  # "auto" resolved
         self._owns_process = process is None
         self._process = process or PolicyProcess(cfg.collective_timeout_s)
         self.rank = self._process.rank

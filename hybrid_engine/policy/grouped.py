@@ -45,8 +45,9 @@ from hybrid_engine.checkpoint import load_training_state, save_training_state
 from hybrid_engine.config import RunConfig
 from hybrid_engine.parallel import watchdog
 from hybrid_engine.parallel.dist import resync_group_counter
-from hybrid_engine.parallel.fsdp import resolve_model_path
+from hybrid_engine.parallel.fsdp import default_device, resolve_model_path
 from hybrid_engine.parallel.placement import ROLES, Placement, RankMap, parse_map, used_roles
+from hybrid_engine.parallel.precision import with_device_choices
 from hybrid_engine.policy.ahead import Generated, timed
 from hybrid_engine.policy.colocated import HybridActor
 from hybrid_engine.policy.process import PolicyProcess
@@ -135,7 +136,7 @@ class GroupedPolicy:
 
     def __init__(self, cfg: RunConfig) -> None:
         cfg.validate_for_run()
-        self.cfg = cfg
+        self.cfg = cfg = with_device_choices(cfg, default_device().type)  # "auto" resolved
         self._process = PolicyProcess(cfg.collective_timeout_s)
         self.rank = self._process.rank
         t0 = time.perf_counter()

@@ -61,7 +61,7 @@ from hybrid_engine.config import RolloutConfig, RunConfig
 from hybrid_engine.parallel import watchdog
 from hybrid_engine.parallel.dist import resync_group_counter, split_ranks
 from hybrid_engine.parallel.placement import Placement, RankMap
-from hybrid_engine.parallel.precision import with_rollout_dtype
+from hybrid_engine.parallel.precision import with_device_choices
 from hybrid_engine.parallel.fsdp import DTYPES, default_device, resolve_model_path
 from hybrid_engine.parallel.sharding import (
     model_dims_at,
@@ -169,7 +169,7 @@ class SeparatePolicy:
 
     def __init__(self, cfg: RunConfig) -> None:
         cfg.validate_for_run()
-        self.cfg = cfg = with_rollout_dtype(cfg, default_device().type)  # "auto" resolved
+        self.cfg = cfg = with_device_choices(cfg, default_device().type)  # "auto" resolved
         self._process = PolicyProcess(cfg.collective_timeout_s)
         self.rank, world = self._process.rank, self._process.world
         # Every rank makes every group, before any engine exists (names must agree).

@@ -80,6 +80,7 @@ def build_value_model(
     sharding: str = "full",
     shard_group_size: int = 0,
     grad_hook: Callable | None = None,
+    attention: str = "sdpa",
 ) -> nn.Module:
     """The value model in its training layout: backbone rows read from the
     policy's safetensors, head zeros.
@@ -91,7 +92,7 @@ def build_value_model(
         model_path: the policy's HF folder (or hub id).
         mesh: 1-D data-parallel mesh.
         master_dtype, compute_dtype, activation_checkpointing, trust_remote_code,
-        sharding, shard_group_size, grad_hook: as in `fsdp.build_fsdp_model`
+        sharding, shard_group_size, grad_hook, attention: as in `fsdp.build_fsdp_model`
             (the critic's own train.critic_sharding and critic_shard_group_size).
 
     Returns:
@@ -105,7 +106,7 @@ def build_value_model(
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     with empty_model():
         backbone = AutoModel.from_config(config, dtype=dtype,
-                                         attn_implementation=attn_implementation(config),
+                                         attn_implementation=attn_implementation(config, attention),
                                          trust_remote_code=trust_remote_code)
         model = ValueModel(backbone, config.hidden_size, dtype)
     model.eval()  # no dropout: values() and train_step() must agree exactly
@@ -150,7 +151,7 @@ class Critic:
         Args:
             model_path: HF folder of the policy (the backbone's initialisation).
             train_cfg: the critic's optimizer, schedule, clipping, micro-batching.
-            model_cfg: master_dtype and compute_dtype as for the policy.
+            model_cfg: master_dtype, compute_dtype and attention as for the policy.
             mesh: 1-D data-parallel mesh; None = the whole default group.
         """
         self.train_cfg = train_cfg
@@ -164,6 +165,7 @@ class Critic:
             sharding=train_cfg.critic_sharding,
             shard_group_size=train_cfg.critic_shard_group_size,
             grad_hook=shm_allreduce.install if train_cfg.cpu_shm_allreduce else None,
+            attention=model_cfg.attention,
         )
         self._param_ids, self.optimizer, self.scheduler = build_optimizer(self.module, train_cfg)
         self.step = 0

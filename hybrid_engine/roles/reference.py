@@ -78,7 +78,7 @@ class Reference:
         self.module, self.load_stats = build_fsdp_model(
             model_path, self.mesh, master_dtype=model_cfg.master_dtype,
             compute_dtype=model_cfg.compute_dtype, requires_grad=False,
-            trust_remote_code=model_cfg.trust_remote_code,
+            trust_remote_code=model_cfg.trust_remote_code, attention=model_cfg.attention,
         )
 
     @property

@@ -296,7 +296,7 @@ class Trainer:
             compile_layers=train_cfg.compile, trust_remote_code=model_cfg.trust_remote_code,
             sharding=train_cfg.sharding, shard_group_size=train_cfg.shard_group_size,
             grad_hook=shm_allreduce.install if train_cfg.cpu_shm_allreduce else None,
-            lora=model_cfg if model_cfg.lora_rank else None,
+            lora=model_cfg if model_cfg.lora_rank else None, attention=model_cfg.attention,
         )
         self.lora_dropout = self.lora and model_cfg.lora_dropout > 0
         # Guard, part 1: built before any forward, over the sharded DTensors.

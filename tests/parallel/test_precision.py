@@ -131,3 +131,63 @@ def test_the_trainer_layouts_compute_in_the_resolved_dtype(tmp_path, native) -> 
         assert out == {"replicate": torch.bfloat16, "full": torch.bfloat16}
     else:  # fp32 master weights computed in fp32: no autocast at all
         assert out == {"replicate": None, "full": torch.float32}
+
+
+@pytest.mark.parametrize("device,native,max_len,want", [
+    ("cpu", True, 256, "eager"),    # SDPA's bf16 CPU kernel is slow on short rows
+    ("cpu", True, 257, "sdpa"),
+    ("cpu", False, 128, "sdpa"),    # fp32 compute: SDPA is as fast
+    ("cuda", True, 128, "sdpa"),
+])
+def test_attention_auto_is_eager_only_for_short_bf16_rows_on_a_cpu(monkeypatch, caplog, device,
+                                                                   native, max_len, want) -> None:
+    import dataclasses
+
+    from hybrid_engine.config import RunConfig
+
+    _cpu(monkeypatch, native, False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: native)
+    monkeypatch.setattr(precision, "_logged", set())
+    cfg = RunConfig()
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_model_len=max_len,
+                                                               max_tokens=64))
+    with caplog.at_level("INFO", logger=precision.__name__):
+        got = precision.with_device_choices(cfg, device)
+    assert cfg.model.attention == "auto" and got.model.attention == want
+    assert f"model.attention=auto: {want}" in caplog.text
+    for name in ("sdpa", "eager"):  # an implementation asked for is kept
+        asked = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=name))
+        assert precision.resolve_attention(asked, device) == name
+
+
+def _attention_built(root: str) -> dict:
+    """The attention each role's model runs under model.attention, and the policy's
+    outputs under both (the same numbers, to fp32 rounding)."""
+    from hybrid_engine.config import ModelConfig, TrainConfig
+    from hybrid_engine.models.tiny import PRESETS, TinyModelSpec, write_tiny_model
+    from hybrid_engine.parallel.fsdp import build_fsdp_model, dp_mesh
+    from hybrid_engine.roles.critic import Critic
+    from hybrid_engine.roles.trainer import Trainer
+
+    path = str(write_tiny_model(f"{root}/tiny", PRESETS["tiny"]))
+    capped = str(write_tiny_model(f"{root}/gemma2", TinyModelSpec(arch="gemma2", tie_word_embeddings=True,
+                                                                 attn_softcap=5.0)))
+    out, hidden = {}, {}
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    for name in ("sdpa", "eager"):
+        model_cfg = ModelConfig(compute_dtype="float32", attention=name)
+        trainer = Trainer(path, TrainConfig(sharding="full"), model_cfg)
+        critic = Critic(path, TrainConfig(), model_cfg)
+        out[name] = (trainer.module.config._attn_implementation,
+                     critic.module.model.config._attn_implementation)
+        hidden[name] = trainer.module(input_ids=ids).logits.detach()
+    capped_model, _ = build_fsdp_model(capped, dp_mesh(), attention="sdpa")
+    return {"roles": out, "max_diff": float((hidden["sdpa"] - hidden["eager"]).abs().max()),
+            "capped": capped_model.config._attn_implementation}
+
+
+def test_the_trained_models_run_the_attention_asked_for(tmp_path) -> None:
+    (out,) = run_ranks(_attention_built, 1, str(tmp_path))
+    assert out["roles"] == {"sdpa": ("sdpa", "sdpa"), "eager": ("eager", "eager")}
+    assert out["max_diff"] < 1e-5
+    assert out["capped"] == "eager"  # soft-capped attention logits: eager whatever was asked
