@@ -41,11 +41,13 @@ from hybrid_engine.algorithms.algorithm import Algorithm
 from hybrid_engine.checkpoint import (
     COMPLETE_MARKER, checkpoint_problem, latest_checkpoint, prune_checkpoints,
     step_checkpoint_path, step_checkpoints)
-from hybrid_engine.config import RunConfig, flatten, to_dict
+from hybrid_engine.config import ModelConfig, RunConfig, flatten, to_dict
 from hybrid_engine.controller import Controller, FinalEvaluationFailed
 from hybrid_engine.evaluation import Evaluator
 from hybrid_engine.guards import Guards, RunAborted
 from hybrid_engine.parallel.dist import set_collective_timeout
+from hybrid_engine.parallel.fsdp import default_device
+from hybrid_engine.parallel.precision import with_device_choices
 from hybrid_engine.envs import make_env
 from hybrid_engine.metrics import MetricsSink, SampleFile, plot_metrics
 from hybrid_engine.output_dir import OutputDir
@@ -202,6 +204,7 @@ class Job:
         the critic (which also learns), each built on the ranks the placement gives
         it and called on every rank (`roles.mirrored`); sets self.critic."""
         scorers, learners, self.critic = [], [], None
+        model_cfg = with_device_choices(cfg, default_device().type).model  # as the policy's
         # Stale samples (colocated): the engine's log-probs under the current weights
         # split the mismatch into drift and numerics; first, in the inference layout.
         drift = self.actor.drift_scorer()
@@ -218,14 +221,15 @@ class Job:
             members.append(Member("reward_model", placed_reward_scorer(self.env), "rm_score",
                                   per_token=False))
         if self.algorithm.needs_reference:
-            members.append(Member("reference", self._reference(cfg, placement), "ref_logp"))
+            members.append(Member("reference", self._reference(cfg, model_cfg, placement),
+                                  "ref_logp"))
         critic = None
         if self.algorithm.needs_values:
             from hybrid_engine.roles.critic import Critic
             from hybrid_engine.roles.scorers import CriticScorer
 
             if placement.holds("critic"):
-                self.critic = Critic(self.actor.model_path, cfg.train, cfg.model,
+                self.critic = Critic(self.actor.model_path, cfg.train, model_cfg,
                                      mesh=placement.mesh("critic"))
                 critic = CriticScorer(self.critic, pad_id=self.actor.pad_id,
                                       algorithm_cfg=cfg.algorithm)
@@ -237,8 +241,9 @@ class Job:
                 learners.append(MirroredLearner(placement, "critic", critic, scores))
         return scorers, learners
 
-    def _reference(self, cfg: RunConfig, placement: Placement) -> Any:
-        """The reference's scorer on the ranks holding it, else None."""
+    def _reference(self, cfg: RunConfig, model_cfg: ModelConfig, placement: Placement) -> Any:
+        """The reference's scorer on the ranks holding it, else None (model_cfg: the
+        policy's, its `auto` choices resolved)."""
         from hybrid_engine.roles.reference import Reference
         from hybrid_engine.roles.scorers import ReferenceScorer
 
@@ -246,7 +251,7 @@ class Job:
             return None
         lora = self.actor.trainer if cfg.model.lora_rank else None  # its own base
         mesh = lora.mesh if lora else placement.mesh("reference")
-        ref = Reference(self.actor.model_path, cfg.model, mesh,
+        ref = Reference(self.actor.model_path, model_cfg, mesh,
                         logits_chunk_tokens=cfg.train.logits_chunk_tokens,
                         temperature=cfg.rollout.temperature, adapted=lora and lora.module)
         return ReferenceScorer(ref, pad_id=self.actor.pad_id, train_cfg=cfg.train)

@@ -352,7 +352,8 @@ def _fake_tp_costs(bound: str) -> None:
 def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False) -> dict:
     """The job's summary (overrides["cpu_without_bf16"]: this rank process reports a
     CPU with neither AVX512-BF16 nor AMX to every `auto` dtype; overrides["tp_costs"]:
-    `_fake_tp_costs`)."""
+    `_fake_tp_costs`; overrides["eager_is_faster"]: model.attention=auto's rule says
+    eager whatever the device and dtype)."""
     import torch
 
     from hybrid_engine.job import Job
@@ -364,6 +365,10 @@ def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False
         torch.cpu._is_amx_tile_supported = lambda: False
     if "tp_costs" in overrides:
         _fake_tp_costs(overrides.pop("tp_costs"))
+    if overrides.pop("eager_is_faster", False):
+        from hybrid_engine.parallel import precision
+
+        precision.eager_is_faster = lambda *_: True
     job = Job(_config(model_dir, out_dir, overrides), resume=resume, progress=False)
     try:
         def local(p):  # noqa: ANN001, ANN202  (a shard, or a replica's whole tensor)
@@ -385,9 +390,13 @@ def _run_job(model_dir: str, out_dir: str, overrides: dict, resume: bool = False
         summary["train_tp"] = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
         from hybrid_engine.roles.mirrored import Mirrored
 
-        summary["reference"] = any(type(role).__name__ == "ReferenceScorer"
-                                   for s in job.controller.scorers if isinstance(s, Mirrored)
-                                   for role in (m.role for m in s.members))
+        refs = [role.reference for s in job.controller.scorers if isinstance(s, Mirrored)
+                for role in (m.role for m in s.members) if type(role).__name__ == "ReferenceScorer"]
+        summary["reference"] = bool(refs)
+        summary["attention"] = {  # transformers' attention each trained or scoring role runs
+            name: module.config._attn_implementation for name, module in (
+                ("trainer", job.actor.trainer.module), *(("reference", r.module) for r in refs),
+                *((("critic", job.critic.module.model),) if job.critic else ()))}
     finally:
         job.shutdown()
     assert torch.isfinite(torch.tensor([h.get("loss", 0.0) for h in summary["history"]])).all()
@@ -502,14 +511,19 @@ def test_algorithms_on_2_ranks(model_dir, tmp_path, algo) -> None:
     its critic's second update sees moved values and the value clip binds."""
     overrides = {
         "drgrpo": {"algorithm.advantage": "drgrpo", "algorithm.loss_agg": "constant"},
-        "rloo": {"algorithm.advantage": "rloo", "algorithm.kl_coef": 0.05},
+        "rloo": {"algorithm.advantage": "rloo", "algorithm.kl_coef": 0.05,
+                 "eager_is_faster": True},
         "ppo": {"algorithm.advantage": "gae", "algorithm.gamma": 1.0, "algorithm.lam": 0.95,
-                "train.ppo_epochs": 2},
+                "train.ppo_epochs": 2, "model.attention": "eager"},
     }[algo]
     out = run_ranks(_run_job, 2, model_dir, str(tmp_path / "run"), overrides, timeout=400)
     _check_trained(out[0], 2)
     assert out[0]["critic"] == (algo == "ppo")
     assert out[0]["reference"] == (algo == "rloo")
+    # Every role runs the trainer's attention: model.attention=eager (ppo), or auto's
+    # choice, made eager here by its rule (rloo), else sdpa (fp32 compute).
+    roles = {"rloo": ("trainer", "reference"), "ppo": ("trainer", "critic")}.get(algo, ("trainer",))
+    assert out[0]["attention"] == dict.fromkeys(roles, "sdpa" if algo == "drgrpo" else "eager")
     trained = [h for h in out[0]["history"] if h["step"] > 0 and not h["skipped_degenerate"]]
     if algo == "ppo":
         assert all(math.isfinite(h["critic/vf_loss"]) for h in trained)

@@ -71,7 +71,7 @@ class ModelConfig:
         "has bf16 GEMMs (CUDA, AVX512-BF16, AMX), else float32.")
     attention: Literal["auto", "sdpa", "eager"] = _field(
         "auto", "attention of the trained models (transformers' attn_implementation); auto = "
-        "eager on a CPU in bf16 with rollout.max_model_len <= 256, else sdpa.")
+        "eager on a CPU in bf16 with rollout.max_model_len <= 128, else sdpa.")
     trust_remote_code: bool = _field(
         False, "Allow custom modeling code from the model repo (HF and vLLM)."
     )

@@ -8,9 +8,13 @@ there too (53-55 tokens/s against 263 in fp32, 180M preset on such a CPU).
 model.attention=auto: eager attention where the trained models compute in bf16
 on a CPU and no row is longer than EAGER_MAX_LEN tokens, else SDPA. SDPA's CPU
 kernel is slow in bf16 on short rows: one layer's attention of the 180M preset,
-forward and backward, 24 packed rows of 88 tokens on one AMX Xeon core, took
-118 ms in SDPA against 37 ms eager (fp32 SDPA: 53 ms); at 256 tokens they
-were even (78 and 84 ms), at 512 SDPA led (112 and 268 ms)."""
+forward and backward, about 2100 tokens in packed rows on one AMX Xeon core:
+
+    row width    88     128    192    256    512 (tokens)
+    SDPA, ms     118    111    85     85     112
+    eager, ms    37     62     97     98     268
+
+(fp32 SDPA at 88 tokens: 53 ms.)"""
 
 from __future__ import annotations
 
@@ -25,10 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EAGER_MAX_LEN", "native_bf16", "resolve_attention", "resolve_compute_dtype",
+__all__ = ["EAGER_MAX_LEN", "eager_is_faster", "native_bf16", "resolve_attention", "resolve_compute_dtype",
            "resolve_rollout_dtype", "with_device_choices", "with_rollout_dtype"]
 
-EAGER_MAX_LEN = 256
+EAGER_MAX_LEN = 128
 
 _logged: set[tuple[str, str, str]] = set()
 
@@ -65,15 +69,21 @@ def resolve_attention(cfg: RunConfig, device_type: str) -> str:
     docstring (logged once per choice); others unchanged."""
     if cfg.model.attention != "auto":
         return cfg.model.attention
-    bf16 = resolve_compute_dtype(cfg.model.compute_dtype, device_type) == "bfloat16"
-    short = cfg.rollout.max_model_len <= EAGER_MAX_LEN
-    choice = "eager" if device_type == "cpu" and bf16 and short else "sdpa"
+    compute = resolve_compute_dtype(cfg.model.compute_dtype, device_type)
+    max_len = cfg.rollout.max_model_len
+    choice = "eager" if eager_is_faster(device_type, compute, max_len) else "sdpa"
     key = ("model.attention", device_type, choice)
     if key not in _logged:
         _logged.add(key)
         log.info("model.attention=auto: %s (%s on %s, rollout.max_model_len=%d)", choice,
-                 "bfloat16" if bf16 else "float32", device_type, cfg.rollout.max_model_len)
+                 compute, device_type, max_len)
     return choice
+
+
+def eager_is_faster(device_type: str, compute_dtype: str, max_len: int) -> bool:
+    """The rule of the module docstring: a CPU computing in bf16, rows of at most
+    EAGER_MAX_LEN tokens."""
+    return device_type == "cpu" and compute_dtype == "bfloat16" and max_len <= EAGER_MAX_LEN
 
 
 def with_device_choices(cfg: RunConfig, device_type: str) -> RunConfig:

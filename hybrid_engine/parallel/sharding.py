@@ -26,7 +26,9 @@ the ranks one copy is sharded over: M full/grad_op, 1 replicate):
     activations one micro-batch (at most a rank's sequences at max_model_len):
                 tokens x L x (10 h + 4 I) x c (activation checkpointing:
                 tokens x L x h x c + one layer), plus the fused vocabulary
-                step's backward (chunk x vocab x (8 + c))
+                step's backward (chunk x vocab x (8 + c)), plus under eager
+                attention (`model.attention`) its fp32 scores and c probabilities:
+                tokens x L x heads x row width x (4 + c)
     resident    colocated: the engine's weights (P / T in the rollout dtype)
                 and, on CPU unless memory.release=true, its KV cache (on GPU
                 the engine sizes its KV cache from what the trainer leaves)
@@ -51,7 +53,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from hybrid_engine.parallel.precision import resolve_compute_dtype, resolve_rollout_dtype
+from hybrid_engine.parallel.precision import (resolve_attention, resolve_compute_dtype,
+                                              resolve_rollout_dtype)
 from hybrid_engine.reshard.layouts import ModelDims, hf_shapes, model_dims, train_splits
 
 if TYPE_CHECKING:
@@ -132,6 +135,9 @@ def estimate(sharding: str, dims: ModelDims, cfg: RunConfig, trainers: int, *,
         act = tokens * (dims.num_layers * dims.hidden + per_layer) * c
     else:
         act = tokens * dims.num_layers * per_layer * c
+    if resolve_attention(cfg, "cuda" if cuda else "cpu") == "eager":  # its scores, per head
+        layers = 1 if t.activation_checkpointing else dims.num_layers
+        act += tokens * layers * dims.num_heads * min(cfg.rollout.max_model_len, tokens) * (4 + c)
     # the fused vocabulary step's backward: two fp32 [chunk, vocab] buffers and one in c
     act += min(t.logits_chunk_tokens, tokens) * dims.vocab * (8 + c)
     resident = 0

@@ -61,7 +61,8 @@ class Reference:
 
         Args:
             model_path: HF folder or id of the initial policy.
-            model_cfg: master_dtype (storage) and compute_dtype (forward).
+            model_cfg: master_dtype (storage), compute_dtype (forward) and attention
+                (the trainer's, as for `Trainer`).
             mesh: 1-D data-parallel mesh; None = the whole default group.
             logits_chunk_tokens: positions per vocabulary-projection chunk.
             temperature: the sampling temperature (the same as the trainer's).

@@ -264,8 +264,9 @@ class Trainer:
             train_cfg: optimizer, schedule, clipping, activation checkpointing,
                 the layout (sharding='auto': resolved here over the mesh's ranks, as
                 for a trainer with no engine beside it).
-            model_cfg: master_dtype (parameters, optimizer, gradient reduction)
-                and compute_dtype (forward/backward).
+            model_cfg: master_dtype (parameters, optimizer, gradient reduction),
+                compute_dtype (forward/backward) and attention (as resolved by
+                `precision.with_device_choices`; an unresolved "auto" runs SDPA).
             mesh: 1-D mesh of the trainer's ranks; None = the whole default group
                 (train.tensor_parallel_size > 1 splits it into TP groups).
             logits_chunk_tokens: positions per vocabulary-projection chunk.

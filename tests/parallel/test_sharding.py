@@ -52,6 +52,12 @@ def test_the_estimate_counts_what_each_layout_holds() -> None:
     ckpt = estimate("full", DIMS, w1(**{"train.activation_checkpointing": True}), 2,
                     colocated=True, cuda=False)
     assert ckpt.activations < full.activations
+    # eager attention keeps each layer's scores (fp32) and probabilities (bf16):
+    # 8 sequences a rank, one micro-batch of 8 x 128 tokens, rows of 128
+    eager, sdpa = (estimate("full", DIMS, w1(**{"model.compute_dtype": "bfloat16",
+                                                "model.attention": a}), 2,
+                            colocated=True, cuda=False) for a in ("eager", "sdpa"))
+    assert eager.activations - sdpa.activations == 1024 * DIMS.num_layers * DIMS.num_heads * 128 * 6
 
 
 def test_the_first_phase_adds_the_states_the_built_trainer_lacks() -> None:
