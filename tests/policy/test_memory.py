@@ -249,7 +249,8 @@ def test_logged_figures_agree_with_rss(tmp_path) -> None:
     the engine's resident bytes (weights with vLLM-CPU's packed GEMM copies, and a
     1 GiB KV cache, which a release frees and a restore regrows), what the trainer's
     first phase adds to what it keeps (AdamW's moments), the phase's growth beyond
-    that, and the free budget."""
+    that (against a peak sampled every 0.5 ms, which can only miss the top: -10% to
+    +25%), and the free budget."""
     from hybrid_engine.models.tiny import PRESETS, write_tiny_model
 
     model = str(write_tiny_model(tmp_path / "small", PRESETS["small"]))
@@ -267,8 +268,10 @@ def test_logged_figures_agree_with_rss(tmp_path) -> None:
     assert out["weights_in_file"] <= first.engine_weights <= out["engine_rss"] - first.engine_kv
     assert near(second.trainer_kept - first.trainer_kept, out["trainer_rss"])  # AdamW's moments
     assert not first.measured and second.measured and out["growths"] == [second.phase_growth]
-    # the phase's rise above its start, less what it kept
-    assert near(second.phase_growth, out["peak_rss"] - out["trainer_rss"])
+    # the phase's rise above its start, less what it kept; the sampled peak can only
+    # miss the top (a sampler preempted on a loaded machine missed 11%)
+    sampled = out["peak_rss"] - out["trainer_rss"]
+    assert 0.9 * sampled < second.phase_growth < 1.25 * sampled, (second.phase_growth, sampled)
     assert near(second.free, out["free"])
     text = second.describe("here")
     assert "packed GEMM copies" in text and "measured on this rank" in text
